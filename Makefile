@@ -1,0 +1,35 @@
+# The README's two commands. Each does its own set-up on a fresh clone: a virtualenv in .venv with
+# torch==2.13.0 installed first (CPU build; setup.py keeps torch>=2.3 open for GPU users), then the
+# pinned requirements and the package itself.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tlf-installed
+export DS_BUILD_OPS := 0
+# DeepSpeed JIT-compiles its shm op once per machine: keep it in one place for the whole session.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test setup clean bench
+
+$(STAMP): setup.py requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(PY) -m pipeline.demo
+
+bench: $(STAMP)
+	$(PY) bench/model_step.py
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

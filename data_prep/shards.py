@@ -1,0 +1,137 @@
+"""The one shard format and the one shard reader (DESIGN §3), shared by prep-data, training and evaluation.
+
+A shard is llm.c-compatible: a header of 256 int32 — [0] magic 20240520, [1] version 1, [2] token
+count — then that many uint16 tokens. Files are `<name>_<split>_<index:06d>.bin`. Every file is
+written atomically (temp name, fsync, rename), so a shard on disk is either complete or absent.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+EOT = 50256  # GPT-2 <|endoftext|>, written before every document
+
+
+class ShardError(ValueError):
+    """A shard or manifest problem; the message names the file."""
+
+
+def shard_name(name: str, split: str, index: int) -> str:
+    return f"{name}_{split}_{index:06d}.bin"
+
+
+def atomic_write_bytes(path: str | os.PathLike, chunks) -> None:
+    """Writes the byte chunks to path via a temp file, fsync and rename (complete or absent)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            for c in chunks:
+                fh.write(c)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    try:  # make the rename itself durable
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def atomic_write_json(path: str | os.PathLike, obj) -> None:
+    atomic_write_bytes(path, [json.dumps(obj, indent=2, sort_keys=True).encode()])
+
+
+def write_shard(path: str | os.PathLike, tokens) -> None:
+    """Writes tokens (any int array) as one shard; ids that do not fit uint16 are an error."""
+    arr = np.asarray(tokens)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 65535):
+        bad = int(arr.max()) if int(arr.max()) > 65535 else int(arr.min())
+        raise ShardError(f"{path}: token id {bad} does not fit uint16 (0..65535)")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[0], header[1], header[2] = MAGIC, VERSION, arr.size
+    atomic_write_bytes(path, [header.tobytes(), arr.astype(np.uint16, copy=False).tobytes()])
+
+
+class ShardReader:
+    """One shard as a read-only memmap; checks magic, version and that the count matches the file size."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ShardError(f"{self.path}: shard not found")
+        size = self.path.stat().st_size
+        if size < HEADER_BYTES:
+            raise ShardError(f"{self.path}: truncated header ({size} bytes < {HEADER_BYTES})")
+        header = np.fromfile(self.path, dtype=np.int32, count=HEADER_INTS)
+        if header[0] != MAGIC:
+            raise ShardError(f"{self.path}: wrong magic {header[0]} (expected {MAGIC}); not a token shard")
+        if header[1] != VERSION:
+            raise ShardError(f"{self.path}: unsupported shard version {header[1]} (expected {VERSION})")
+        n = int(header[2])
+        expected = HEADER_BYTES + 2 * n
+        if size != expected:
+            raise ShardError(f"{self.path}: header says {n} tokens ({expected} bytes) but the file has {size} bytes "
+                             "(truncated or corrupt)")
+        self.num_tokens = n
+        self.tokens = (np.memmap(self.path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
+                       if n else np.zeros(0, dtype=np.uint16))
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+
+class ShardSet:
+    """All shards of one split in a directory, in index order, as one token stream.
+
+    Reads `manifest.json` when present (its shard list for the split), else globs `*_<split>_*.bin`.
+    `read(start, n)` returns n tokens from global offset start, spanning shard boundaries."""
+
+    def __init__(self, directory: str | os.PathLike, split: str = "train"):
+        self.dir = Path(directory)
+        self.split = split
+        manifest = self.dir / "manifest.json"
+        if manifest.is_file():
+            try:
+                meta = json.loads(manifest.read_text())
+            except json.JSONDecodeError as e:
+                raise ShardError(f"{manifest}: invalid JSON ({e})") from None
+            names = [s["name"] if isinstance(s, dict) else s for s in meta.get("splits", {}).get(split, {}).get("shards", [])]
+            paths = [self.dir / n for n in names]
+        else:
+            paths = sorted(self.dir.glob(f"*_{split}_*.bin"))
+        if not paths:
+            raise ShardError(f"{self.dir}: no '{split}' shards (run `tlf prep-data` first)")
+        self.shards = [ShardReader(p) for p in paths]
+        self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
+        self.num_tokens = int(self.offsets[-1])
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """(n,) uint16 tokens from global offset start."""
+        if start < 0 or start + n > self.num_tokens:
+            raise IndexError(f"read [{start}, {start + n}) outside {self.dir} '{self.split}' ({self.num_tokens} tokens)")
+        out = np.empty(n, dtype=np.uint16)
+        k = int(np.searchsorted(self.offsets, start, side="right") - 1)
+        pos, filled = start - int(self.offsets[k]), 0
+        while filled < n:
+            take = min(n - filled, len(self.shards[k]) - pos)
+            out[filled:filled + take] = self.shards[k].tokens[pos:pos + take]
+            filled += take
+            k, pos = k + 1, 0
+        return out

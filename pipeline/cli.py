@@ -1,0 +1,80 @@
+"""The `tlf` command: a thin Click wrapper over plain `run(cfg)`-style functions that tests call directly."""
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from pipeline.config import ConfigError, field_docs, list_presets, load_config, to_yaml
+
+
+class _Group(click.Group):
+    """Turns a ConfigError anywhere below into a clean one-line error (exit 2), not a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except ConfigError as e:
+            raise click.UsageError(f"config error: {e}") from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="tlf")
+def main() -> None:
+    """tlf: pretrain, evaluate and compare T-LoopFormer looped transformers."""
+
+
+@main.group()
+def config() -> None:
+    """Inspect presets and resolved configs."""
+
+
+@config.command("list")
+def config_list() -> None:
+    """List the shipped presets (SCALE/VARIANT)."""
+    for name in list_presets():
+        click.echo(name)
+
+
+@config.command("show")
+@click.argument("name")
+@click.argument("overrides", nargs=-1)
+@click.option("--doc", is_flag=True, help="Print every field with its type, default and one-line doc.")
+def config_show(name: str, overrides: tuple[str, ...], doc: bool) -> None:
+    """Print the resolved config NAME (preset or YAML file) with OVERRIDES (section.key=value)."""
+    cfg = load_config(name, overrides)
+    if doc:
+        flat = cfg.flat()
+        for key, tp, _default, text in field_docs():
+            click.echo(f"{key} = {flat[key]!r}  ({tp})  # {text}")
+        return
+    click.echo(to_yaml(cfg), nl=False)
+
+
+# Commands that live with their component; each is registered only once its module exists and imports.
+_PLUGINS = [
+    ("data_prep.cli", "prep_data"),
+    ("data_prep.cli", "data"),
+    ("pipeline.train.cli", "train"),
+    ("pipeline.inference.cli", "generate"),
+    ("evaluation.cli", "eval_cmd"),
+    ("evaluation.compare", "compare"),
+]
+
+
+def _register_plugins() -> None:
+    for module, attr in _PLUGINS:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and (e.name == module or module.startswith(e.name + ".")):
+                continue  # the component is not built yet
+            raise
+        main.add_command(getattr(mod, attr))
+
+
+_register_plugins()
+
+
+if __name__ == "__main__":
+    main()

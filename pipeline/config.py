@@ -1,0 +1,398 @@
+"""One config system for tlf: a dataclass per component, YAML files, dotted overrides.
+
+A config file is YAML whose top-level keys are the sections of `Config` (model, data, optim, schedule,
+train, checkpoint, logging, eval) plus an optional `inherit:` list of other YAML files (paths relative
+to the file) that are merged first, in order. Command-line overrides are `section.key=value` strings,
+parsed as YAML scalars and applied last. Every field is type-checked; an unknown key, a wrong type or an
+inconsistent value raises `ConfigError` naming the key and where it came from (file or command line).
+
+Presets are named `SCALE/VARIANT` (e.g. `tiny/t-loopformer`) and live in `configs/SCALE/VARIANT.yaml`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+def _config_dir() -> Path:
+    if os.environ.get("TLF_CONFIG_DIR"):
+        return Path(os.environ["TLF_CONFIG_DIR"])
+    here = Path(__file__).resolve().parent.parent / "configs"  # source checkout / editable install
+    if here.is_dir():
+        return here
+    import sys
+    return Path(sys.prefix) / "share" / "tlf" / "configs"  # regular install (setup.py data_files)
+
+
+CONFIG_DIR = _config_dir()
+SCALES = ("tiny", "small", "paper")
+VARIANTS = ("base", "base-loop", "tmlt", "naive-loop-ee", "base-loop-ee-align", "tmlt-ee", "loopformer",
+            "t-loopformer")
+
+
+class ConfigError(ValueError):
+    """A config problem, with the key and the source (file or command line) in its message."""
+
+
+def f(default: Any, doc: str, **kw):
+    """A dataclass field with a one-line doc (shown by `tlf config show --doc` and in the README)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc}, **kw)
+    return field(default=default, metadata={"doc": doc}, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# Components
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    variant: str = f("t-loopformer", "Variant name of DESIGN §1 (tags runs); the flags below define behaviour.")
+    vocab_size: int = f(50304, "Vocabulary size (GPT-2's 50257 padded to a multiple of 64).")
+    block_size: int = f(2048, "Context length in tokens (learned absolute positions).")
+    d_model: int = f(2048, "Hidden size d.")
+    n_heads: int = f(32, "Attention heads; d_model must be divisible by it.")
+    d_ff: int = f(5120, "Hidden size of the two-layer GELU MLP.")
+    n_layers: int = f(3, "Layers J in the shared block (applied `loops` times).")
+    loops: int = f(8, "Training loops L (the maximum budget M at inference).")
+    conditioning: Literal["none", "time", "time_step"] = f(
+        "time_step", "Block conditioning: none (plain pre-norm), time (c=phi(t)), time_step (c=phi(t)+phi(Delta)).")
+    shortcut: bool = f(True, "Add the shortcut pass (S~U{1..L-1}) and the alignment loss to the objective.")
+    router: bool = f(True, "Token-choice router giving each token its own depth (t-loopformer).")
+    router_threshold: float = f(0.5, "theta: token runs loop i while its continue probability p(i) > theta.")
+    router_hidden: int = f(0, "Router MLP hidden size; 0 means d_model // 4.")
+    router_ste: bool = f(True, "Straight-through estimator: scale active updates by 1 + p(i) - sg(p(i)).")
+    gather_scatter: bool = f(True, "Compute only active tokens per loop (false: dense masked reference path).")
+    align_target: Literal["logits", "hidden"] = f(
+        "logits", "Alignment MSE on per-token logits (paper) or on final-normed hidden states (LoopFormer code).")
+    lambda_short: float = f(0.1, "Weight lambda1 of the shortcut pass's CE loss L_S.")
+    lambda_align: float = f(0.1, "Weight lambda2 of the alignment loss L_align.")
+    fourier_dim: int = f(256, "Sinusoidal Fourier features of the time/step embeddings.")
+    fourier_max_period: float = f(10000.0, "Max period of the Fourier features.")
+    norm_eps: float = f(1e-5, "RMSNorm epsilon.")
+    init_std: float = f(0.02, "Std of the normal init (residual projections scaled by 1/sqrt(2*J*L)).")
+    tie_embeddings: bool = f(True, "Tie the LM head to the token embedding.")
+
+    def validate(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"model.variant: {self.variant!r} is not one of {', '.join(VARIANTS)}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
+        for k in ("vocab_size", "block_size", "d_model", "n_heads", "d_ff", "n_layers", "loops", "fourier_dim"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"model.{k} must be >= 1, got {getattr(self, k)}")
+        if self.fourier_dim % 2:
+            raise ConfigError(f"model.fourier_dim must be even, got {self.fourier_dim}")
+        if self.shortcut and self.loops < 2:
+            raise ConfigError("model.shortcut=true needs model.loops >= 2 (the shortcut pass has S in 1..L-1)")
+        if self.router and self.loops < 2:
+            raise ConfigError("model.router=true needs model.loops >= 2")
+        if not 0.0 < self.router_threshold < 1.0:
+            raise ConfigError(f"model.router_threshold must lie in (0, 1), got {self.router_threshold}")
+        if self.router_hidden < 0:
+            raise ConfigError(f"model.router_hidden must be >= 0, got {self.router_hidden}")
+
+
+@dataclass
+class DataConfig:
+    dir: str = f("data/demo", "Directory of token shards made by `tlf prep-data` (manifest.json inside).")
+    train_split: str = f("train", "Split name of the training shards.")
+    val_split: str = f("val", "Split name of the validation shards.")
+    extra_val_dirs: list = f([], "More shard directories evaluated for validation loss (e.g. another domain).")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = f(6e-4, "Peak learning rate.")
+    weight_decay: float = f(0.2, "AdamW weight decay (matrices only; norms, biases, embeddings get 0).")
+    beta1: float = f(0.9, "AdamW beta1.")
+    beta2: float = f(0.95, "AdamW beta2.")
+    eps: float = f(1e-8, "AdamW epsilon.")
+    grad_clip: float = f(1.0, "Clip the global gradient norm to this (0 disables).")
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = f(4000, "Linear warm-up steps from 0 to optim.lr.")
+    max_steps: int = f(250000, "Total optimizer steps.")
+    min_lr: float = f(6e-5, "Final learning rate of the cosine decay.")
+    decay: Literal["cosine", "constant"] = f("cosine", "Decay after warm-up.")
+
+
+@dataclass
+class TrainConfig:
+    seed: int = f(1337, "Seed of every RNG (model init, data order, shortcut sampling).")
+    micro_batch_size: int = f(6, "Sequences per rank per forward.")
+    grad_accum_steps: int = f(1, "Micro-batches accumulated per optimizer step.")
+    global_batch_size: int = f(48, "Sequences per optimizer step; must equal micro x accum x world size.")
+    precision: Literal["auto", "fp32", "bf16"] = f("auto", "auto: bf16 on CUDA, fp32 on CPU.")
+    zero_stage: int = f(1, "DeepSpeed ZeRO stage 0-3.")
+    activation_checkpointing: Literal["none", "loop", "layer"] = f(
+        "none", "Recompute activations per loop application or per layer in backward (non-reentrant).")
+    log_interval: int = f(10, "Steps between logged metrics.")
+    eval_interval: int = f(1000, "Steps between validation-loss evaluations (0 disables).")
+    eval_batches: int = f(20, "Micro-batches per validation-loss evaluation.")
+    nan_policy: Literal["stop", "skip"] = f("stop", "On a NaN/inf loss: stop (keep last good checkpoint) or skip.")
+    device: str = f("auto", "auto, cpu or cuda.")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = f("", "Directory of this run's checkpoints; empty means checkpoints/<config name>.")
+    interval: int = f(1000, "Steps between checkpoints (0: only at the end).")
+    keep_last: int = f(3, "How many complete checkpoints to keep.")
+    resume: str = f("auto", "auto (newest complete checkpoint, if any), none, or a checkpoint path.")
+
+
+@dataclass
+class LoggingConfig:
+    tracking_uri: str = f("", "MLflow tracking URI; empty means sqlite:///<cwd>/mlflow.db.")
+    experiment: str = f("tlf", "MLflow experiment name.")
+    run_name: str = f("", "MLflow run name; empty derives it from the preset and variant.")
+    peak_flops: float = f(312e12, "Peak FLOP/s per device for MFU (A100 bf16: 312e12).")
+
+
+@dataclass
+class EvalConfig:
+    loops: list = f([], "Loop budgets M to evaluate (empty: the training L).")
+    tasks: list = f(["copa", "hellaswag", "lambada_openai", "openbookqa", "piqa", "race", "sciq",
+                     "arc_challenge", "social_iqa", "arc_easy"], "Zero-shot tasks.")
+    limit: int = f(0, "Examples per task (0: all).")
+    batch_size: int = f(16, "Sequences per scoring forward.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "The LoopedLM."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Token shards."})
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"doc": "AdamW."})
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig, metadata={"doc": "Learning-rate schedule."})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "The training loop and batch sizes."})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoints."})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"doc": "MLflow logging."})
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"doc": "Evaluation."})
+    name: str = f("", "Preset or run name (set from the preset when loaded by name).")
+
+    def validate(self) -> None:
+        self.model.validate()
+        t = self.train
+        for k in ("micro_batch_size", "grad_accum_steps", "global_batch_size", "log_interval"):
+            if getattr(t, k) < 1:
+                raise ConfigError(f"train.{k} must be >= 1, got {getattr(t, k)}")
+        if t.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"train.zero_stage must be 0, 1, 2 or 3, got {t.zero_stage}")
+        if self.schedule.warmup_steps < 0 or self.schedule.max_steps < 1:
+            raise ConfigError("schedule.warmup_steps must be >= 0 and schedule.max_steps >= 1")
+        if self.checkpoint.keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last must be >= 1, got {self.checkpoint.keep_last}")
+        for m in self.eval.loops:
+            if not isinstance(m, int) or not 1 <= m <= self.model.loops:
+                raise ConfigError(f"eval.loops: budget {m!r} must be an integer in 1..model.loops ({self.model.loops})")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """{'model.d_model': 2048, ...}: the resolved config as dotted keys (MLflow params)."""
+        out = {}
+        for sec, vals in self.to_dict().items():
+            if isinstance(vals, dict):
+                out.update({f"{sec}.{k}": v for k, v in vals.items()})
+            else:
+                out[sec] = vals
+        return out
+
+    def check_world_size(self, world_size: int) -> int:
+        """Batch sizes live here only: returns grad_accum_steps, or raises naming both values."""
+        t = self.train
+        got = t.micro_batch_size * t.grad_accum_steps * world_size
+        if got != t.global_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} but train.micro_batch_size={t.micro_batch_size} x "
+                f"train.grad_accum_steps={t.grad_accum_steps} x world_size={world_size} = {got}")
+        return t.grad_accum_steps
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading, merging, checking
+# --------------------------------------------------------------------------------------------------
+def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Checks value against a field type; returns (ok, converted value)."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return value in typing.get_args(tp), value
+    if origin is typing.Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return True, None
+        for a in args:
+            if a is not type(None):
+                ok, v = _type_ok(value, a)
+                if ok:
+                    return True, v
+        return False, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "6e-4" as a string
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, value
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    if tp is list or origin is list:
+        return isinstance(value, list), list(value) if isinstance(value, list) else value
+    return True, value
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _set(obj: Any, key: str, value: Any, source: str, prefix: str = "") -> None:
+    """Sets obj.<key> (dotted) with type checks; unknown keys are errors."""
+    head, _, rest = key.partition(".")
+    names = {fl.name: fl for fl in fields(obj)}
+    full = f"{prefix}{head}"
+    if head not in names:
+        close = difflib.get_close_matches(head, list(names), n=1)
+        hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+        raise ConfigError(f"{source}: unknown config key '{full}'{hint}")
+    hints = typing.get_type_hints(type(obj))
+    tp = hints[head]
+    cur = getattr(obj, head)
+    if dataclasses.is_dataclass(cur):
+        if rest:
+            _set(cur, rest, value, source, f"{full}.")
+            return
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: '{full}' is a section; give a mapping, got {value!r}")
+        for k, v in value.items():
+            _set(cur, str(k), v, source, f"{full}.")
+        return
+    if rest:
+        raise ConfigError(f"{source}: '{full}' is not a section, so '{prefix}{key}' does not exist")
+    ok, v = _type_ok(value, tp)
+    if not ok:
+        raise ConfigError(f"{source}: '{full}' expects {_describe(tp)}, got {value!r}")
+    setattr(obj, head, v)
+
+
+def _read_yaml(path: Path, seen: tuple = ()) -> list[tuple[str, dict]]:
+    """Returns [(source, mapping), ...] in merge order, following `inherit:`."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: inherit cycle ({' -> '.join(str(p) for p in seen)})")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    parents = data.pop("inherit", []) or []
+    if isinstance(parents, str):
+        parents = [parents]
+    out: list[tuple[str, dict]] = []
+    for p in parents:
+        out += _read_yaml(path.parent / p, seen + (path,))
+    out.append((str(path), data))
+    return out
+
+
+def resolve_path(name: str) -> Path:
+    """A preset name (tiny/t-loopformer) or a YAML path."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    cand = CONFIG_DIR / f"{name}.yaml"
+    if cand.exists():
+        return cand
+    close = difflib.get_close_matches(name, list_presets(), n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; `tlf config list` shows the presets"
+    raise ConfigError(f"unknown config {name!r}: neither a YAML file nor a preset{hint}")
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"command line: override {item!r} must look like section.key=value")
+    key, _, raw = item.partition("=")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | tuple, validate: bool = True) -> Config:
+    """Applies `section.key=value` strings in place (type-checked), then validates."""
+    for item in overrides:
+        k, v = parse_override(item)
+        _set(cfg, k, v, f"command line ({item})")
+    if validate:
+        cfg.validate()
+    return cfg
+
+
+def load_config(name: Optional[str] = None, overrides: list[str] | tuple = ()) -> Config:
+    """Loads a preset or YAML file (or the defaults when name is None), applies overrides, validates."""
+    cfg = Config()
+    if name:
+        path = resolve_path(name)
+        for source, data in _read_yaml(path):
+            for k, v in data.items():
+                _set(cfg, str(k), v, source)
+        if not cfg.name:
+            cfg.name = name if not Path(name).suffix else path.stem
+    apply_overrides(cfg, overrides, validate=False)
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        src = f"{name}" if name else "defaults"
+        raise ConfigError(f"{src}{' + overrides' if overrides else ''}: {e}") from None
+    return cfg
+
+
+def config_from_dict(d: dict, source: str = "checkpoint") -> Config:
+    cfg = Config()
+    for k, v in d.items():
+        _set(cfg, k, v, source)
+    cfg.validate()
+    return cfg
+
+
+def list_presets() -> list[str]:
+    return sorted(str(p.relative_to(CONFIG_DIR).with_suffix("")) for p in CONFIG_DIR.glob("*/*.yaml")
+                  if p.parent.name in SCALES)
+
+
+def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """[(dotted key, type, default, doc)] for every field, for `tlf config show --doc` and the README."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for fl in fields(cls):
+        tp = hints[fl.name]
+        if dataclasses.is_dataclass(tp):
+            rows += field_docs(tp, f"{prefix}{fl.name}.")
+            continue
+        default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
+        rows.append((f"{prefix}{fl.name}", _describe(tp), default, fl.metadata.get("doc", "")))
+    return rows
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

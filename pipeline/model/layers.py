@@ -1,0 +1,111 @@
+"""Building blocks of the LoopedLM: RMSNorm, attention, MLP, the (modulated) layer, Fourier embeddings.
+
+Shapes: B batch, T tokens (possibly a compacted active set), d model width, H heads, K distinct
+conditioning values (depth, loop) pairs of one pass.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pipeline.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; `affine=False` inside modulated blocks (the modulator's gamma scales instead)."""
+
+    def __init__(self, d: int, eps: float, affine: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d)) if affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d) -> (..., d)
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y * self.weight if self.weight is not None else y
+
+
+class FourierEmbedding(nn.Module):
+    """phi(s): 256 sinusoidal features (cos, sin; max period 10000) then Linear-SiLU-Linear to d."""
+
+    def __init__(self, d: int, dim: int, max_period: float):
+        super().__init__()
+        half = dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32) / half)
+        self.register_buffer("freqs", freqs, persistent=False)
+        self.mlp = nn.Sequential(nn.Linear(dim, d), nn.SiLU(), nn.Linear(d, d))
+
+    def forward(self, s: torch.Tensor) -> torch.Tensor:  # (K,) -> (K, d)
+        args = s.float()[:, None] * self.freqs[None]
+        feats = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        return self.mlp(feats.to(self.mlp[0].weight.dtype))
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention through PyTorch SDPA. `qkv` and `out` are split out for the KV cache."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.qkv_proj = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def qkv(self, x: torch.Tensor):  # (B, T, d) -> 3 x (B, H, T, hd)
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+    def out(self, y: torch.Tensor) -> torch.Tensor:  # (B, H, T, hd) -> (B, T, d)
+        B, H, T, hd = y.shape
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, H * hd))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, d); mask None = causal, else bool (B, 1, T, T) with True = may attend."""
+        q, k, v = self.qkv(x)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, T, d)
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Layer(nn.Module):
+    """One layer of the shared block.
+
+    Modulated: x <- x + a_msa * MHSA(RMSNorm(x) * (1 + g_msa)); x <- x + a_mlp * FFN(RMSNorm(x) * (1 + g_mlp)),
+    with (a_msa, a_mlp, g_msa, g_mlp) = modulator(c) split in four, the modulator SiLU -> Linear(d, 4d)
+    zero-initialised so the layer starts as the identity. Plain (unconditioned variants): standard
+    pre-norm layer with affine RMSNorm, gates fixed to 1 and gamma to 0.
+    """
+
+    def __init__(self, cfg: ModelConfig, modulated: bool):
+        super().__init__()
+        self.modulated = modulated
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps, affine=not modulated)
+        self.attn = Attention(cfg)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps, affine=not modulated)
+        self.mlp = MLP(cfg)
+        if modulated:
+            self.modulator = nn.Sequential(nn.SiLU(), nn.Linear(cfg.d_model, 4 * cfg.d_model))
+
+    def forward(self, x: torch.Tensor, mod: torch.Tensor | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, d); mod (B, T, 4d) or (1, 1, 4d) per-token modulation, None for plain layers."""
+        if mod is None:
+            x = x + self.attn(self.norm1(x), mask)
+            return x + self.mlp(self.norm2(x))
+        a_msa, a_mlp, g_msa, g_mlp = mod.chunk(4, dim=-1)
+        x = x + a_msa * self.attn(self.norm1(x) * (1 + g_msa), mask)
+        return x + a_mlp * self.mlp(self.norm2(x) * (1 + g_mlp))

@@ -1,0 +1,253 @@
+"""LoopedLM: one module for every variant of DESIGN §1 (flags in ModelConfig select the variant).
+
+    h0 = E_tok + E_pos                                  # (B, T, d), positions added once
+    depth m = router(h0) clipped at M (or M for all)    # (B, T)
+    for loop i = 1..M:  A_i = {tau : m_tau >= i}
+        h[A_i] <- Block_J(h[A_i]; c(m, i))              # causal attention among A_i only
+    logits = head(RMSNorm(h))
+
+Gather-scatter (`gather_scatter=true`): loop i compacts each row's active tokens in position order into a
+(B, max|A_i|, d) tensor (padding at the tail of shorter rows, so plain causal SDPA never lets a real query
+see a pad key), runs the shared block on it and scatters the rows back. The dense reference
+(`gather_scatter=false`) runs every token with a mask (query tau may attend tau' iff tau' <= tau and
+tau' in A_i) and keeps inactive tokens' states: it is the test oracle and the ablation.
+
+Training (`objective=True`, the default in train mode) computes in one call the full pass (M=L, uniform
+schedule, CE loss L_L) and, for shortcut variants, a shortcut pass (S ~ U{1..L-1}, integer schedule;
+CE loss L_S) and the alignment MSE of the shortcut pass to the stop-gradient full pass:
+loss = L_L + lambda_short * L_S + lambda_align * L_align.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from pipeline.config import ModelConfig
+from pipeline.model.layers import FourierEmbedding, Layer, RMSNorm
+from pipeline.model.router import Router, RouterOutput, depth_stats
+from pipeline.model.schedule import sample_shortcut, table_index, time_table, uniform
+
+
+@dataclass
+class LoopedLMOutput:
+    logits: torch.Tensor  # (B, T, V) of the full pass (budget M)
+    depth: torch.Tensor  # (B, T) int64 per-token depth of the full pass, 1..M
+    loss: torch.Tensor | None = None  # () total objective
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)  # loss_L, loss_S, loss_align (detached)
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # depth_stats of each pass (detached)
+    hidden: torch.Tensor | None = None  # (B, T, d) final-normed hidden state of the full pass
+
+
+class LoopedLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.wte = nn.Embedding(cfg.vocab_size, d)
+        self.wpe = nn.Embedding(cfg.block_size, d)
+        modulated = cfg.conditioning != "none"
+        self.layers = nn.ModuleList(Layer(cfg, modulated) for _ in range(cfg.n_layers))
+        if modulated:
+            self.phi_t = FourierEmbedding(d, cfg.fourier_dim, cfg.fourier_max_period)
+        if cfg.conditioning == "time_step":
+            self.phi_dt = FourierEmbedding(d, cfg.fourier_dim, cfg.fourier_max_period)
+        self.router = Router(d, cfg.router_hidden or max(d // 4, 1), cfg.loops) if cfg.router else None
+        self.norm_f = RMSNorm(d, cfg.norm_eps, affine=True)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.use_router = cfg.router  # runtime switch: False gives every token depth M (router off)
+        self.activation_checkpointing = "none"  # none | loop | layer; set from outside by the trainer
+        self._init_weights()
+
+    # ------------------------------------------------------------------------------------------ init
+    def _init_weights(self) -> None:
+        std, cfg = self.cfg.init_std, self.cfg
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                nn.init.zeros_(p) if name.endswith("bias") else None
+                continue
+            if ".modulator." in name:
+                continue
+            s = std / math.sqrt(2 * cfg.n_layers * cfg.loops) if name.endswith(("out_proj.weight", "mlp.proj.weight")) else std
+            nn.init.normal_(p, 0.0, s)
+        for layer in self.layers:  # zero-initialised modulator: every modulated layer starts as the identity
+            if layer.modulated:
+                nn.init.zeros_(layer.modulator[1].weight)
+                nn.init.zeros_(layer.modulator[1].bias)
+
+    # -------------------------------------------------------------------------------- conditioning
+    def modulation_tables(self, delta: torch.Tensor) -> list[torch.Tensor] | None:
+        """Per layer (K, 4d): the modulation of every (depth m, loop i) pair of a pass with schedule delta
+        (K = M(M+1)/2). Computed once per pass, indexed per token: never a per-token Linear(d, 4d)."""
+        if self.cfg.conditioning == "none":
+            return None
+        t, dt = time_table(delta)
+        dev = self.wte.weight.device
+        c = self.phi_t(t.to(dev))  # (K, d)
+        if self.cfg.conditioning == "time_step":
+            c = c + self.phi_dt(dt.to(dev))
+        return [layer.modulator(c) for layer in self.layers]
+
+    # ------------------------------------------------------------------------------------ the loops
+    def _block(self, h: torch.Tensor, mods: list[torch.Tensor] | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """The shared block Phi_J on h (B, T, d); mods: per layer (B|1, T|1, 4d) or None."""
+        for j, layer in enumerate(self.layers):
+            mod = None if mods is None else mods[j]
+            if self.activation_checkpointing == "layer" and torch.is_grad_enabled():
+                h = checkpoint(layer, h, mod, mask, use_reentrant=False)
+            else:
+                h = layer(h, mod, mask)
+        return h
+
+    def _apply_block(self, h, mods, mask):
+        if self.activation_checkpointing == "loop" and torch.is_grad_enabled():
+            return checkpoint(self._block, h, mods, mask, use_reentrant=False)
+        return self._block(h, mods, mask)
+
+    def run_loops(self, h0: torch.Tensor, delta: torch.Tensor, depth: torch.Tensor | None,
+                  cont: torch.Tensor | None) -> torch.Tensor:
+        """Runs M = len(delta) loops from h0 (B, T, d). depth (B, T) in 1..M or None (all tokens depth M);
+        cont (B, T, L) continue probabilities for the straight-through estimator (None: no STE).
+        Returns the final states (B, T, d); exited tokens keep their last state."""
+        M = delta.numel()
+        tables = self.modulation_tables(delta)
+        B, T, d = h0.shape
+        h = h0
+        for i in range(1, M + 1):
+            if depth is None:  # every token active: no compaction, one table row broadcast
+                mods = None if tables is None else [tb[table_index(torch.tensor(M), i)].view(1, 1, -1) for tb in tables]
+                h = self._apply_block(h, mods, None)
+                continue
+            active = depth >= i  # (B, T)
+            if self.cfg.gather_scatter:
+                n = active.sum(1)  # (B,)
+                Tm = int(n.max())
+                order = torch.sort((~active).to(torch.uint8), dim=1, stable=True).indices[:, :Tm]  # (B, Tm)
+                valid = (torch.arange(Tm, device=h.device)[None] < n[:, None])[..., None]  # (B, Tm, 1)
+                gidx = order[..., None].expand(B, Tm, d)
+                hc = h.gather(1, gidx)  # (B, Tm, d)
+                dep = depth.gather(1, order)
+                mods = None if tables is None else [tb[table_index(dep, i)] for tb in tables]
+                out = self._apply_block(hc, mods, None)  # causal among the compacted active tokens
+                if cont is not None:
+                    s = cont[..., i - 1].gather(1, order).to(out.dtype)[..., None]
+                    out = hc + (out - hc) * (1 + s - s.detach())
+                h = h.scatter(1, gidx, torch.where(valid, out, hc))
+            else:  # dense reference: all tokens computed, masks instead of compaction
+                causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
+                eye = torch.eye(T, dtype=torch.bool, device=h.device)
+                mask = ((causal[None] & active[:, None, :]) | eye[None])[:, None]  # (B, 1, T, T)
+                mods = None if tables is None else [tb[table_index(depth, i)] for tb in tables]
+                out = self._apply_block(h, mods, mask)
+                if cont is not None:
+                    s = cont[..., i - 1].to(out.dtype)[..., None]
+                    out = h + (out - h) * (1 + s - s.detach())
+                h = torch.where(active[..., None], out, h)
+        return h
+
+    # ------------------------------------------------------------------------------------- forward
+    def embed(self, idx: torch.Tensor, pos_offset: int = 0) -> torch.Tensor:
+        """h0 (B, T, d) = E_tok + E_pos for tokens idx (B, T) at positions pos_offset.. ."""
+        T = idx.shape[1]
+        assert pos_offset + T <= self.cfg.block_size, f"sequence of {pos_offset + T} > block_size {self.cfg.block_size}"
+        pos = torch.arange(pos_offset, pos_offset + T, device=idx.device)
+        return self.wte(idx) + self.wpe(pos)[None]
+
+    def route(self, h0: torch.Tensor) -> RouterOutput | None:
+        return self.router(h0) if (self.router is not None and self.use_router) else None
+
+
+    def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hf = self.norm_f(h)
+        return self.lm_head(hf), hf
+
+    def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor):
+        M = delta.numel()
+        depth = None if r is None else r.depth(M, self.cfg.router_threshold)
+        cont = r.cont if (r is not None and self.cfg.router_ste) else None
+        h = self.run_loops(h0, delta, depth, cont)
+        logits, hf = self.head(h)
+        if depth is None:
+            depth = torch.full(h0.shape[:2], M, dtype=torch.long, device=h0.device)
+        return logits, hf, depth
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loops: int | None = None,
+                objective: bool | None = None, shortcut: torch.Tensor | None = None) -> LoopedLMOutput:
+        """idx (B, T) tokens; targets (B, T) next tokens (-1 ignored) or None; loops = budget M <= L
+        (default L; elastic inference uses the uniform schedule 1/M and clips router depth at M).
+        objective: compute the training objective (full + shortcut pass + alignment); default = training
+        mode with targets and M = L. shortcut: (S,) positive ints summing to L (default: sampled from
+        torch's global RNG)."""
+        L = self.cfg.loops
+        M = loops or L
+        assert 1 <= M <= L, f"loop budget {M} must lie in 1..{L}"
+        if objective is None:
+            objective = self.training and targets is not None and M == L
+        h0 = self.embed(idx)
+        r = self.route(h0)
+        logits, hf, depth = self._pass(h0, r, uniform(M))
+        out = LoopedLMOutput(logits=logits, depth=depth, hidden=hf)
+        out.stats.update({f"full/{k}": v for k, v in depth_stats(depth, M).items()})
+        if targets is None:
+            return out
+        loss_L = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        out.loss = loss_L
+        out.parts["loss_L"] = loss_L.detach()
+        if objective and self.cfg.shortcut:
+            k = sample_shortcut(L) if shortcut is None else shortcut
+            assert int(k.sum()) == L and bool((k > 0).all()), f"shortcut schedule {k.tolist()} must be positive, sum {L}"
+            logits_s, hf_s, depth_s = self._pass(h0, r, k.double() / L)
+            loss_S = F.cross_entropy(logits_s.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+            if self.cfg.align_target == "logits":
+                align = F.mse_loss(logits_s.float(), logits.detach().float())
+            else:
+                align = F.mse_loss(hf_s.float(), hf.detach().float())
+            out.loss = loss_L + self.cfg.lambda_short * loss_S + self.cfg.lambda_align * align
+            out.parts.update(loss_S=loss_S.detach(), loss_align=align.detach())
+            out.stats.update({f"short/{k_}": v for k_, v in depth_stats(depth_s, k.numel()).items()})
+            out.stats["short/loops"] = torch.tensor(float(k.numel()))
+        return out
+
+    # ------------------------------------------------------------------------------- accounting
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameters (tied weights once). exclude_embeddings drops token and position tables."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.wte.weight.numel() + self.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, loops_executed: float | None = None, seq_len: int | None = None,
+                        lm_heads: int = 1, backward: bool = True) -> float:
+        """Matmul FLOPs per token, counting only executed loops:
+
+            F = c * [ 2 * (P_layer * J * m + d * V * heads + P_router) + 4 * J * m * d * T ]
+
+        P_layer = 4d^2 + 2 d d_ff (attention and MLP weights of one layer), m = loops executed per token
+        (mean depth; summed over passes for the shortcut objective), T = context length (the nanoGPT/PaLM
+        convention for attention), heads = LM-head applications per token (2 with the shortcut pass),
+        c = 3 with backward (forward + 2x backward), else 1. The conditioning tables cost O(M^2 d^2) per
+        pass, not per token, and are left out."""
+        c = self.cfg
+        m = float(c.loops if loops_executed is None else loops_executed)
+        T = c.block_size if seq_len is None else seq_len
+        p_layer = 4 * c.d_model ** 2 + 2 * c.d_model * c.d_ff
+        p_router = sum(p.numel() for p in self.router.parameters()) if self.router is not None else 0
+        fwd = 2 * (p_layer * c.n_layers * m + c.d_model * c.vocab_size * lm_heads + p_router) + 4 * c.n_layers * m * c.d_model * T
+        return (3 if backward else 1) * fwd
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW groups: weight decay on matrices of the blocks, modulators, Fourier MLPs and router;
+        none on embeddings (tied with the LM head), norms and biases."""
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            (decay if p.dim() >= 2 and not name.startswith(("wte.", "wpe.")) else no_decay).append(p)
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

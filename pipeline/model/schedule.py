@@ -1,0 +1,42 @@
+"""Step schedules (trajectories) and the per-token time table.
+
+A pass with budget M has a schedule delta = (delta_1..delta_M), sum 1. A token of depth m uses the first m
+steps renormalised: delta_{m,i} = delta_i / sum_{j<=m} delta_j and t_{m,i} = sum_{j<i} delta_{m,j}.
+The conditioning depends only on (m, i) with 1 <= i <= m <= M: K = M(M+1)/2 distinct values, stored in
+the order (1,1), (2,1), (2,2), (3,1), ... so that (m, i) sits at index m(m-1)/2 + i - 1.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def uniform(M: int) -> torch.Tensor:
+    """The full/elastic trajectory: M steps of 1/M. (M,) float64."""
+    return torch.full((M,), 1.0 / M, dtype=torch.float64)
+
+
+def sample_shortcut(L: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Shortcut trajectory: S ~ U{1..L-1}, then positive integers k_1..k_S summing to L drawn uniformly
+    (S-1 distinct cut points among 1..L-1). Returns k (S,) int64; delta = k / L."""
+    assert L >= 2, "a shortcut needs L >= 2"
+    S = int(torch.randint(1, L, (1,), generator=generator))
+    cuts = torch.randperm(L - 1, generator=generator)[: S - 1] + 1
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), cuts.sort().values, torch.tensor([L])])
+    return bounds.diff()
+
+
+def table_index(depth: torch.Tensor, i: int) -> torch.Tensor:
+    """Index of (m, i) in the time table for a depth tensor; rows with m < i are clamped (never used)."""
+    m = depth.clamp(min=i)
+    return m * (m - 1) // 2 + (i - 1)
+
+
+def time_table(delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t, dt), each (K,) float64 for K = M(M+1)/2, in the (m, i) order above."""
+    M = delta.numel()
+    ts, dts = [], []
+    for m in range(1, M + 1):
+        d = delta[:m] / delta[:m].sum()
+        ts.append(torch.cat([torch.zeros(1, dtype=d.dtype), d.cumsum(0)[:-1]]))
+        dts.append(d)
+    return torch.cat(ts), torch.cat(dts)

@@ -1,0 +1,34 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+here = Path(__file__).parent
+configs = [(f"share/tlf/{p.parent}", [str(p)]) for p in sorted(here.glob("configs/**/*.yaml"))]
+ds_configs = [("share/tlf/ds_configs", [str(p) for p in sorted(here.glob("ds_configs/*.json"))])]
+
+setup(
+    name="tlf",
+    version="0.1.0",
+    description="Pretraining pipeline for T-LoopFormer looped transformers",
+    long_description=(here / "README.md").read_text() if (here / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["pipeline*", "data_prep*", "evaluation*"]),
+    data_files=configs + ds_configs,
+    install_requires=[
+        "torch>=2.3",
+        "numpy>=1.24",
+        "click>=8.1",
+        "PyYAML>=6.0",
+        "tqdm>=4.60",
+        "tiktoken>=0.6",
+        "zstandard>=0.22",
+        "pyarrow>=14",
+        "datasets>=2.18",
+        "mlflow>=2.12",
+        "deepspeed>=0.14",
+        "matplotlib>=3.7",
+    ],
+    extras_require={"dev": ["pytest>=8"]},
+    entry_points={"console_scripts": ["tlf=pipeline.cli:main"]},
+)
