@@ -62,10 +62,13 @@ class Attention(nn.Module):
         B, H, T, hd = y.shape
         return self.out_proj(y.transpose(1, 2).reshape(B, T, H * hd))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, T, d); mask None = causal, else bool (B, 1, T, T) with True = may attend."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, attend=None) -> torch.Tensor:
+        """x (B, T, d); mask None = causal, else bool (B, 1, T, T) with True = may attend.
+        attend: optional callable (q, k, v) -> y (B, H, T, hd) replacing SDPA (the KV cache hooks in here)."""
         q, k, v = self.qkv(x)
-        if mask is None:
+        if attend is not None:
+            y = attend(q, k, v)
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -101,11 +104,13 @@ class Layer(nn.Module):
         if modulated:
             self.modulator = nn.Sequential(nn.SiLU(), nn.Linear(cfg.d_model, 4 * cfg.d_model))
 
-    def forward(self, x: torch.Tensor, mod: torch.Tensor | None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, T, d); mod (B, T, 4d) or (1, 1, 4d) per-token modulation, None for plain layers."""
+    def forward(self, x: torch.Tensor, mod: torch.Tensor | None, mask: torch.Tensor | None = None,
+                attend=None) -> torch.Tensor:
+        """x (B, T, d); mod (B, T, 4d) or (1, 1, 4d) per-token modulation, None for plain layers;
+        attend: optional attention override passed to Attention.forward (KV cache)."""
         if mod is None:
-            x = x + self.attn(self.norm1(x), mask)
+            x = x + self.attn(self.norm1(x), mask, attend)
             return x + self.mlp(self.norm2(x))
         a_msa, a_mlp, g_msa, g_mlp = mod.chunk(4, dim=-1)
-        x = x + a_msa * self.attn(self.norm1(x) * (1 + g_msa), mask)
+        x = x + a_msa * self.attn(self.norm1(x) * (1 + g_msa), mask, attend)
         return x + a_mlp * self.mlp(self.norm2(x) * (1 + g_mlp))
