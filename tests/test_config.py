@@ -1,0 +1,119 @@
+"""The one config system: presets, YAML inheritance, dotted overrides and their errors."""
+import dataclasses
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.config import (CONFIG_DIR, SCALES, VARIANTS, Config, ConfigError, field_docs, list_presets,
+                             load_config)
+
+
+def test_every_shipped_config_loads():
+    presets = list_presets()
+    assert len(presets) == len(SCALES) * len(VARIANTS) == 24
+    for name in presets:
+        cfg = load_config(name)
+        scale, variant = name.split("/")
+        assert cfg.model.variant == variant and cfg.name == name
+    for p in CONFIG_DIR.glob("**/*.yaml"):  # scale and variant fragments load as files too
+        load_config(str(p))
+
+
+def test_variant_flags_match_design_table():
+    want = {  # variant: (conditioning, shortcut, router, looped)
+        "base": ("none", False, False, False), "base-loop": ("none", False, False, True),
+        "tmlt": ("time", False, False, True), "naive-loop-ee": ("none", False, False, True),
+        "base-loop-ee-align": ("none", True, False, True), "tmlt-ee": ("time", True, False, True),
+        "loopformer": ("time_step", True, False, True), "t-loopformer": ("time_step", True, True, True)}
+    for scale in SCALES:
+        looped = load_config(f"{scale}/base-loop").model
+        for v, (cond, sc, rt, is_looped) in want.items():
+            m = load_config(f"{scale}/{v}").model
+            assert (m.conditioning, m.shortcut, m.router) == (cond, sc, rt), (scale, v)
+            if is_looped:
+                assert (m.n_layers, m.loops) == (looped.n_layers, looped.loops)
+            else:  # the dense baseline has the looped models' effective depth
+                assert (m.n_layers, m.loops) == (looped.n_layers * looped.loops, 1)
+    paper = load_config("paper/t-loopformer")
+    assert (paper.model.d_model, paper.model.n_heads, paper.model.d_ff, paper.model.block_size) == (2048, 32, 5120, 2048)
+    assert (paper.model.n_layers, paper.model.loops, paper.model.vocab_size) == (3, 8, 50304)
+    assert (paper.optim.lr, paper.schedule.min_lr, paper.schedule.warmup_steps, paper.schedule.max_steps) == (6e-4, 6e-5, 4000, 250000)
+    assert paper.optim.weight_decay == 0.2 and paper.train.global_batch_size == 48
+    assert load_config("paper/base").model.n_layers == 24
+
+
+def test_overrides_are_typed():
+    cfg = load_config("tiny/t-loopformer", ["model.loops=3", "optim.lr=1e-3", "model.gather_scatter=false",
+                                            "eval.loops=[1,2]", "model.router_threshold=0.25"])
+    assert cfg.model.loops == 3 and cfg.optim.lr == 1e-3 and cfg.model.gather_scatter is False
+    assert cfg.eval.loops == [1, 2] and cfg.model.router_threshold == 0.25
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model.loopz=3", "unknown config key 'model.loopz' (did you mean 'model.loops'?)"),
+    ("modle.loops=3", "unknown config key 'modle'"),
+    ("model.loops=abc", "'model.loops' expects int"),
+    ("model.loops=2.5", "'model.loops' expects int"),
+    ("model.conditioning=sometimes", "'model.conditioning' expects one of"),
+    ("model.d_model=33", "model.d_model (33) must be divisible by model.n_heads"),
+    ("model.router_threshold=1.5", "model.router_threshold must lie in (0, 1)"),
+    ("eval.loops=[9]", "eval.loops: budget 9"),
+    ("model.loops.x=1", "'model.loops' is not a section"),
+    ("model", "must look like section.key=value"),
+])
+def test_bad_overrides_name_the_key(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny/t-loopformer", [override])
+    assert needle in str(e.value)
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  n_layerz: 3\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: unknown config key 'model.n_layerz'"):
+        load_config(str(bad))
+    bad.write_text("model:\n  n_layers: three\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: 'model.n_layers' expects int"):
+        load_config(str(bad))
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid YAML"):
+        load_config(str(bad))
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("inherit: b.yaml\n")
+    b.write_text("inherit: a.yaml\n")
+    with pytest.raises(ConfigError, match="inherit cycle"):
+        load_config(str(a))
+    child = tmp_path / "child.yaml"
+    child.write_text(f"inherit: [{CONFIG_DIR / 'tiny' / 'loopformer.yaml'}]\nmodel:\n  loops: 2\n")
+    cfg = load_config(str(child))
+    assert cfg.model.loops == 2 and cfg.model.conditioning == "time_step" and cfg.model.d_model == 32
+    with pytest.raises(ConfigError, match="unknown config 'tiny/loopformr'.*did you mean tiny/loopformer"):
+        load_config("tiny/loopformr")
+
+
+def test_every_field_is_documented():
+    rows = field_docs()
+    assert len(rows) > 50
+    for key, _tp, _default, doc in rows:
+        assert doc and len(doc) > 8, f"{key} has no doc"
+    for fl in dataclasses.fields(Config):
+        assert fl.metadata.get("doc"), fl.name
+
+
+def test_world_size_mismatch_names_both_values():
+    cfg = load_config("paper/t-loopformer")
+    assert cfg.check_world_size(8) == 1
+    with pytest.raises(ConfigError, match=r"global_batch_size=48 but .*micro_batch_size=6 .* world_size=4 = 24"):
+        cfg.check_world_size(4)
+
+
+def test_cli_config_commands():
+    r = CliRunner().invoke(main, ["config", "list"])
+    assert r.exit_code == 0 and "tiny/t-loopformer" in r.output and "paper/base" in r.output
+    r = CliRunner().invoke(main, ["config", "show", "tiny/t-loopformer", "model.loops=2"])
+    assert r.exit_code == 0 and "loops: 2" in r.output
+    r = CliRunner().invoke(main, ["config", "show", "tiny/t-loopformer", "--doc"])
+    assert r.exit_code == 0 and "model.router_threshold = 0.5" in r.output
+    r = CliRunner().invoke(main, ["config", "show", "tiny/t-loopformer", "model.nope=1"])
+    assert r.exit_code == 2 and "unknown config key 'model.nope'" in r.output

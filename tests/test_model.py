@@ -1,0 +1,258 @@
+"""LoopedLM invariants (DESIGN §1): gather-scatter = dense reference, router semantics, STE, shortcut
+schedules, zero-init identity, causality and forward/backward for every preset."""
+import copy
+import itertools
+
+import pytest
+import torch
+
+from pipeline.config import VARIANTS, load_config, list_presets
+from pipeline.model import LoopedLM, RouterOutput
+from pipeline.model.schedule import sample_shortcut, table_index, time_table, uniform
+
+torch.set_num_threads(1)
+
+
+def make(variant="t-loopformer", *overrides, perturb=True, seed=0):
+    """A tiny model; perturb=True makes modulators non-zero and router depths diverse."""
+    torch.manual_seed(seed)
+    cfg = load_config(f"tiny/{variant}", list(overrides)).model
+    model = LoopedLM(cfg)
+    if perturb:
+        with torch.no_grad():
+            for layer in model.layers:
+                if layer.modulated:
+                    layer.modulator[1].weight.normal_(0, 0.05)
+                    layer.modulator[1].bias.normal_(0, 0.05)
+            if model.router is not None:  # peaky softmax -> tokens spread over all depths
+                model.router.fc1.weight.normal_(0, 5.0)
+                model.router.fc2.weight.normal_(0, 3.0)
+                model.router.fc2.bias.normal_(0, 1.0)
+    return model
+
+
+def batch(B=3, T=40, V=50304, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+def grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# --------------------------------------------------------------------------------- gather-scatter
+@pytest.mark.parametrize("variant", ["t-loopformer", "loopformer", "base-loop-ee-align"])
+def test_gather_scatter_equals_dense_reference(variant):
+    model = make(variant)
+    idx, tgt = batch()
+    k = torch.tensor([1, 2, 1])  # a fixed shortcut schedule so both paths see the same objective
+    model.train()
+    out_gs = model(idx, tgt, shortcut=k)
+    out_gs.loss.backward()
+    g_gs = grads(model)
+    if variant == "t-loopformer":  # rows really differ in depth pattern, several depths present
+        d = out_gs.depth
+        assert len(d.unique()) >= 3 and not torch.equal(d[0], d[1])
+        assert not torch.equal((d >= 2).sum(1), (d >= 2).sum(1)[:1].expand(3))  # different |A_2| per row
+    model.zero_grad()
+    model.cfg.gather_scatter = False
+    out_dense = model(idx, tgt, shortcut=k)
+    out_dense.loss.backward()
+    g_dense = grads(model)
+    torch.testing.assert_close(out_gs.logits, out_dense.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out_gs.loss, out_dense.loss, atol=1e-5, rtol=0)
+    assert g_gs.keys() == g_dense.keys() and len(g_gs) == len(list(model.parameters()))
+    for n in g_gs:
+        torch.testing.assert_close(g_gs[n], g_dense[n], atol=1e-5, rtol=0, msg=n)
+
+
+def test_gather_scatter_elastic_budget_and_threshold():
+    model = make().eval()
+    idx, _ = batch(B=4, T=33)
+    for M, theta in [(2, 0.5), (3, 0.3), (4, 0.7)]:
+        model.cfg.router_threshold = theta
+        model.cfg.gather_scatter = True
+        a = model(idx, loops=M)
+        model.cfg.gather_scatter = False
+        b = model(idx, loops=M)
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=0)
+        assert int(a.depth.max()) <= M
+
+
+@pytest.mark.parametrize("mode", ["loop", "layer"])
+def test_activation_checkpointing_is_exact(mode):
+    model = make()
+    idx, tgt = batch(B=2, T=24)
+    k = torch.tensor([2, 2])
+    model.train()
+    model(idx, tgt, shortcut=k).loss.backward()
+    ref = grads(model)
+    model.zero_grad()
+    model.activation_checkpointing = mode
+    model(idx, tgt, shortcut=k).loss.backward()
+    for n, g in grads(model).items():
+        torch.testing.assert_close(g, ref[n], atol=1e-6, rtol=0, msg=n)
+
+
+# --------------------------------------------------------------------------------------- router
+def test_router_off_equals_loopformer_exactly():
+    t = make("t-loopformer")
+    lf = LoopedLM(load_config("tiny/loopformer").model)
+    missing, unexpected = lf.load_state_dict(t.state_dict(), strict=False)
+    assert not missing and all(k.startswith("router.") for k in unexpected)
+    t.use_router = False
+    idx, tgt = batch()
+    k = torch.tensor([3, 1])
+    for m in (t, lf):
+        m.train()
+    a, b = t(idx, tgt, shortcut=k), lf(idx, tgt, shortcut=k)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
+    t.eval(), lf.eval()
+    assert torch.equal(t(idx, loops=3).logits, lf(idx, loops=3).logits)
+
+
+def test_depth_semantics():
+    torch.manual_seed(0)
+    L = 6
+    cont = torch.softmax(torch.randn(5, 7, L) * 3, -1).flip(-1).cumsum(-1).flip(-1)
+    cont[..., 0] = 1.0
+    r = RouterOutput(logits=torch.zeros(5, 7, L), cont=cont)
+    for M, theta in itertools.product(range(1, L + 1), (0.2, 0.5, 0.8)):
+        d = r.depth(M, theta)
+        assert d.min() >= 1 and d.max() <= M
+        brute = torch.ones_like(d)  # m = max{i <= M : p(i) > theta}
+        for i in range(1, M + 1):
+            brute = torch.where(cont[..., i - 1] > theta, torch.full_like(d, i), brute)
+        assert torch.equal(d, brute)
+        for i in range(1, M):  # nested active sets A_{i+1} subset of A_i
+            assert bool(((d >= i + 1) <= (d >= i)).all())
+    assert bool((r.depth(L, 0.2) >= r.depth(L, 0.8)).all())  # lower threshold -> deeper
+
+
+def test_router_probabilities():
+    model = make()
+    h0 = model.embed(batch()[0])
+    r = model.router(h0)
+    assert torch.equal(r.cont[..., 0], torch.ones_like(r.cont[..., 0]))
+    assert bool((r.cont[..., :-1] >= r.cont[..., 1:]).all())  # non-increasing in i
+    pi = torch.softmax(r.logits.float(), -1)
+    torch.testing.assert_close(r.cont[..., 1], 1 - pi[..., 0], atol=1e-6, rtol=0)
+
+
+def test_straight_through_estimator():
+    model = make()
+    idx, tgt = batch()
+    model.train()
+    k = torch.tensor([2, 2])
+    with_ste = model(idx, tgt, shortcut=k)
+    with_ste.loss.backward()
+    g = model.router.fc1.weight.grad
+    assert g is not None and float(g.abs().sum()) > 0  # the router receives gradient
+    model.zero_grad()
+    model.cfg.router_ste = False
+    without = model(idx, tgt, shortcut=k)
+    without.loss.backward()
+    torch.testing.assert_close(with_ste.logits, without.logits, atol=1e-6, rtol=0)  # forward unchanged
+    assert torch.equal(with_ste.depth, without.depth)
+    assert model.router.fc1.weight.grad is None  # without STE the discrete routing gives no gradient
+
+
+# ----------------------------------------------------------------------------- conditioning
+def test_zero_initialised_modulator_is_identity():
+    model = make("t-loopformer", perturb=False)
+    h = torch.randn(2, 10, model.cfg.d_model)
+    tables = model.modulation_tables(uniform(4))
+    for layer, tb in zip(model.layers, tables):
+        assert torch.equal(tb, torch.zeros_like(tb))
+        assert torch.equal(layer(h, tb[:1].view(1, 1, -1)), h)
+    h0 = model.embed(batch()[0])
+    r = model.route(h0)
+    assert torch.equal(model.run_loops(h0, uniform(4), r.depth(4, 0.5), r.cont), h0)
+
+
+def test_time_table_and_shortcut_schedules():
+    t, dt = time_table(torch.tensor([0.25, 0.25, 0.5], dtype=torch.float64))
+    # (m, i) order: (1,1) (2,1) (2,2) (3,1) (3,2) (3,3); per-token renormalisation
+    torch.testing.assert_close(dt, torch.tensor([1, .5, .5, .25, .25, .5], dtype=torch.float64))
+    torch.testing.assert_close(t, torch.tensor([0, 0, .5, 0, .25, .5], dtype=torch.float64))
+    assert int(table_index(torch.tensor(3), 2)) == 4
+    L = 8
+    g = torch.Generator().manual_seed(0)
+    seen_S, seen_k = set(), set()
+    for _ in range(2000):
+        k = sample_shortcut(L, g)
+        assert k.dtype == torch.long and bool((k >= 1).all()) and int(k.sum()) == L and 1 <= k.numel() <= L - 1
+        seen_S.add(k.numel())
+        seen_k.add(tuple(k.tolist()))
+    assert seen_S == set(range(1, L))
+    assert len(seen_k) == 2 ** (L - 1) - 1  # every composition of L except the full (1,...,1) trajectory
+
+
+def test_elastic_inference_uses_budget():
+    for variant in ("loopformer", "t-loopformer", "base-loop"):
+        model = make(variant).eval()
+        idx, _ = batch(B=2, T=16)
+        outs = [model(idx, loops=M).logits for M in (1, 2, 4)]
+        assert not torch.allclose(outs[0], outs[1]) and not torch.allclose(outs[1], outs[2])
+    base = make("base").eval()
+    with pytest.raises(AssertionError, match="loop budget 2 must lie in 1..1"):
+        base(batch()[0], loops=2)
+
+
+# ------------------------------------------------------------------------------ every preset
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_causality(variant):
+    model = make(variant).eval()
+    idx, _ = batch(B=2, T=24)
+    ref = model(idx).logits
+    for t in (0, 7, 23):
+        idx2 = idx.clone()
+        idx2[:, t] = (idx2[:, t] + 1) % 50304
+        out = model(idx2).logits
+        torch.testing.assert_close(out[:, :t], ref[:, :t], atol=1e-6, rtol=0)
+        assert not torch.allclose(out[:, t], ref[:, t])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_preset_forward_backward(variant):
+    model = make(variant, perturb=False).train()
+    idx, tgt = batch(B=2, T=32)
+    out = model(idx, tgt)
+    assert out.logits.shape == (2, 32, 50304) and torch.isfinite(out.loss)
+    out.loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if not n.startswith("router.") or model.cfg.router_ste)
+    expect = {"loss_L", "loss_S", "loss_align"} if model.cfg.shortcut else {"loss_L"}
+    assert set(out.parts) == expect
+    assert out.stats["full/depth_hist"].shape == (model.cfg.loops,)
+    torch.testing.assert_close(out.stats["full/depth_hist"].sum(), torch.tensor(1.0))
+
+
+def test_small_and_paper_presets_build():
+    for name in list_presets():
+        if name.startswith("small/"):
+            model = LoopedLM(load_config(name).model)
+            idx = torch.randint(0, 50304, (1, 16))
+            assert model(idx).logits.shape == (1, 16, 50304)
+    with torch.device("meta"):  # paper scale without allocating memory
+        t = LoopedLM(load_config("paper/t-loopformer").model)
+        base = LoopedLM(load_config("paper/base").model)
+    d, ff, V, T = 2048, 5120, 50304, 2048
+    layer = 4 * d * d + 2 * d * ff
+    assert base.num_params(exclude_embeddings=True) == 24 * layer + d * 24 * 2 + d  # + norms
+    # looped model: 3 layers + zero-init modulators (d -> 4d) + two Fourier MLPs + router + final norm
+    fourier = 2 * (256 * d + d + d * d + d)
+    router = d * (d // 4) + d // 4 + (d // 4) * 8 + 8
+    assert t.num_params(exclude_embeddings=True) == 3 * (layer + d * 4 * d + 4 * d) + fourier + router + d
+    # same executed depth -> same FLOPs per token for the 24x1 base and the 3x8 looped model
+    assert base.flops_per_token(1) == pytest.approx(t.flops_per_token(8) - 3 * 2 * router, rel=1e-12)
+    assert t.flops_per_token(4) < t.flops_per_token(8)
+    assert base.flops_per_token(1, seq_len=T, backward=False) == 2 * (24 * layer + d * V) + 4 * 24 * d * T
+
+
+def test_param_groups_cover_every_parameter_once():
+    model = make()
+    groups = model.param_groups(0.2)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+    no_decay = {id(p) for p in groups[1]["params"]}
+    assert id(model.wte.weight) in no_decay and id(model.layers[0].attn.qkv_proj.weight) not in no_decay
