@@ -139,6 +139,8 @@ class TrainConfig:
     eval_batches: int = f(20, "Micro-batches per validation-loss evaluation.")
     nan_policy: Literal["stop", "skip"] = f("stop", "On a NaN/inf loss: stop (keep last good checkpoint) or skip.")
     device: str = f("auto", "auto, cpu or cuda.")
+    ds_config: str = f("", "DeepSpeed template JSON; empty means ds_configs/zero{zero_stage}.json (\"auto\" fields filled from train/optim).")
+    nan_skip_limit: int = f(10, "nan_policy=skip: stop after this many non-finite batches in a row.")
 
 
 @dataclass
@@ -155,6 +157,7 @@ class LoggingConfig:
     experiment: str = f("tlf", "MLflow experiment name.")
     run_name: str = f("", "MLflow run name; empty derives it from the preset and variant.")
     peak_flops: float = f(312e12, "Peak FLOP/s per device for MFU (A100 bf16: 312e12).")
+    mlflow: bool = f(True, "Log to MLflow (rank 0); false keeps the console progress only.")
 
 
 @dataclass
