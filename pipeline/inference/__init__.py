@@ -1,0 +1,6 @@
+"""Inference: recursion-wise KV cache, gather-scatter prefill, early-exit decode and sampling (DESIGN §2)."""
+from pipeline.inference.cache import RecursionKVCache
+from pipeline.inference.decode import Decoder
+from pipeline.inference.generate import Generation, generate, sample
+
+__all__ = ["RecursionKVCache", "Decoder", "Generation", "generate", "sample"]

@@ -1,0 +1,96 @@
+"""`tlf generate CHECKPOINT --prompt ...`: streams sampled text from an exported model (GPT-2 BPE)."""
+from __future__ import annotations
+
+import codecs
+import sys
+
+import click
+import torch
+
+from pipeline.inference.generate import generate as generate_tokens
+
+EOT = 50256
+
+
+def get_tokenizer():
+    """GPT-2 BPE via tiktoken; data_prep's offline set-up places the BPE files first when it is present."""
+    try:
+        from data_prep.tokenizer import get_encoding
+    except ImportError:
+        import tiktoken
+        return tiktoken.get_encoding("gpt2")
+    return get_encoding()
+
+
+def _load_tokenizer():
+    try:
+        return get_tokenizer()
+    except Exception as e:  # noqa: BLE001 - any failure to find the BPE files is a usage problem here
+        raise click.ClickException(
+            f"GPT-2 tokenizer unavailable ({type(e).__name__}: {e}). Point TIKTOKEN_CACHE_DIR at the BPE files "
+            "(DESIGN §4) or run `tlf prep-data` once to set them up.") from None
+
+
+class _Stream:
+    """Writes tokens as they come; an incremental UTF-8 decoder joins multi-byte characters split over tokens."""
+
+    def __init__(self, enc, show_depth: bool):
+        self.enc, self.show_depth = enc, show_depth
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def __call__(self, step, tokens, depths):
+        tok = tokens[0]
+        if tok is None:
+            return
+        text = self.utf8.decode(self.enc.decode_single_token_bytes(tok)) if tok < self.enc.n_vocab else ""
+        click.echo(text + (f"[{depths[0]}]" if self.show_depth else ""), nl=False)
+        sys.stdout.flush()
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+@click.command("generate")
+@click.argument("checkpoint", type=click.Path(exists=True))
+@click.option("--prompt", "-p", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
+@click.option("--max-new-tokens", "-n", default=64, show_default=True, help="Tokens to generate per prompt.")
+@click.option("--temperature", "-t", default=1.0, show_default=True, help="Softmax temperature (0: greedy).")
+@click.option("--top-k", default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
+@click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass (1: off).")
+@click.option("--loops", "-M", type=int, default=None, help="Loop budget M <= L (default: the training L).")
+@click.option("--threshold", type=float, default=None, help="Router threshold theta (default: the config's).")
+@click.option("--seed", type=int, default=None, help="Sampling seed (reproducible output).")
+@click.option("--show-depth", is_flag=True, help="Print every generated token with its loop count, as text[m].")
+@click.option("--stop/--no-stop", default=True, show_default=True, help="Stop a prompt at <|endoftext|>.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+def generate(checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loops, threshold, seed, show_depth,
+             stop, device):
+    """Generate text from CHECKPOINT (an export dir, a checkpoint dir with model/, or a run dir)."""
+    from pipeline.model.io import load_model
+    enc = _load_tokenizer()
+    model, _ = load_model(checkpoint, _resolve_device(device))
+    ids = [enc.encode_ordinary(p) or [EOT] for p in prompts]  # an empty prompt starts from <|endoftext|>
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+              loops=loops, threshold=threshold, stop_token=EOT if stop else None, vocab_limit=enc.n_vocab)
+    try:
+        if len(prompts) == 1:  # one prompt: stream as it is produced
+            click.echo(prompts[0], nl=False)
+            out = generate_tokens(model, ids, callback=_Stream(enc, show_depth), **kw)
+            click.echo()
+        else:
+            out = generate_tokens(model, ids, **kw)
+            for b, p in enumerate(prompts):
+                toks, deps = out.tokens[b], out.depths[b]
+                text = "".join(f"{enc.decode([t])}[{d}]" for t, d in zip(toks, deps)) if show_depth else enc.decode(toks)
+                click.echo(f"--- [{b}] ---\n{p}{text}")
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    if show_depth:
+        d = [x for row in out.depths for x in row]
+        mem = out.cache
+        click.echo(f"mean depth {sum(d) / max(len(d), 1):.2f} of M={loops or model.cfg.loops}; KV cache "
+                   f"{mem['entries']} entries per layer vs {mem['dense_entries']} dense "
+                   f"({mem['ratio_to_dense']:.2f})", err=True)

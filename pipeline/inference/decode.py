@@ -1,0 +1,203 @@
+"""Prefill and early-exit decode with the recursion-wise KV cache (DESIGN §2, paper §3.3 and appendix).
+
+    prefill(prompts)   the prompts (right-padded, pads get depth 0 so they are never active) go through
+                       the training gather-scatter path in one call; every (loop, layer) attention writes
+                       its compacted keys/values into that loop's cache.
+    step(tokens)       each row's new token gets its depth m from the router; loop i runs only the rows
+                       with m >= i (gathered), each attending to loop i's cache plus itself, appends its
+                       k/v there, and is scattered back; loops past a row's depth are skipped (early exit;
+                       with one row, the loop simply stops).
+
+Modulation (shift/gate per (depth, loop) pair) is a (K, 4d) table per layer, built once per budget M by
+`model.modulation_tables(uniform(M))` and only indexed while decoding: no modulator weight is read.
+The router's straight-through factor 1 + s - sg(s) is 1 in value and is skipped here; outputs match the
+model's forward within fp32 rounding (tests: atol 1e-5).
+
+`full_depth=True` is the benchmark's ablation (b), not the model: every token writes every loop's cache.
+A token that exited after m loops keeps its state h^(m) and, in loops i > m, still projects keys/values
+from it (one qkv projection per layer) so later tokens attend to all tokens at every loop (CALM-style
+state propagation; the paper's "without recursion-wise KV cache"). Its outputs differ from the model's
+whenever depths differ; with every depth = M it is the ordinary cache.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipeline.inference.cache import LoopView, RecursionKVCache
+from pipeline.model.schedule import table_index, uniform
+
+
+def pad_prompts(prompts, device) -> tuple[torch.Tensor, np.ndarray]:
+    """list of token lists (or a (B, T) tensor) -> right-padded idx (B, T) int64 and lengths (B,)."""
+    if isinstance(prompts, torch.Tensor):
+        assert prompts.dim() == 2, "a prompt tensor must be (B, T)"
+        return prompts.to(device=device, dtype=torch.long), np.full(prompts.shape[0], prompts.shape[1], np.int64)
+    lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+    if len(lengths) == 0 or lengths.min() < 1:
+        raise ValueError("every prompt needs at least one token")
+    idx = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
+    for b, p in enumerate(prompts):  # building the input, not the hot path
+        idx[b, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+    return idx.to(device), lengths
+
+
+class Decoder:
+    """One batch's generation state: the cache and the per-M modulation tables."""
+
+    def __init__(self, model, loops: int | None = None, threshold: float | None = None, layout: str = "compact",
+                 mask_empty: bool = True, full_depth: bool = False, tables=None):
+        cfg = model.cfg
+        self.model, self.M = model, loops or cfg.loops
+        if not 1 <= self.M <= cfg.loops:
+            raise ValueError(f"loop budget {self.M} must lie in 1..{cfg.loops}")
+        self.theta = cfg.router_threshold if threshold is None else threshold
+        self.layout, self.mask_empty, self.full_depth = layout, mask_empty, full_depth
+        if tables is None:
+            with torch.no_grad():
+                tables = model.modulation_tables(uniform(self.M))  # per layer (K, 4d), or None
+        self.tables = tables
+        self.cache: RecursionKVCache | None = None
+
+    # ----------------------------------------------------------------------------------- helpers
+    def _depth(self, h0: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, T) int64 in 1..M
+        r = self.model.route(h0)
+        if r is None:
+            return torch.full(h0.shape[:2], self.M, dtype=torch.long, device=h0.device)
+        return r.depth(self.M, self.theta)
+
+    def _mods(self, dep: torch.Tensor | None, i: int):
+        """Per layer modulation (B, T, 4d) indexed from the tables; dep None = every token depth M."""
+        if self.tables is None:
+            return [None] * len(self.model.layers)
+        if dep is None:
+            ti = table_index(torch.tensor(self.M), i)
+            return [tb[ti].view(1, 1, -1) for tb in self.tables]
+        ti = table_index(dep, i)
+        return [tb[ti] for tb in self.tables]
+
+    def _prefill_attend(self, i, j, order, n, reserve, q, k, v):
+        self.cache.prefill_store(i, j, k, v, order, n, reserve)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def _decode_attend(self, i: int, j: int, view: LoopView, q, k, v):
+        self.cache.write(i, j, view, k, v)
+        K, V = self.cache.read(i, j, view)  # (R, H, S, hd)
+        return F.scaled_dot_product_attention(q, K, V, attn_mask=view.mask)
+
+    def _new_cache(self, B: int, device) -> RecursionKVCache:
+        m = self.model
+        attn = m.layers[0].attn
+        return RecursionKVCache(self.M, len(m.layers), B, attn.n_heads, attn.head_dim, m.wte.weight.dtype, device,
+                                layout=self.layout, mask_empty=self.mask_empty, max_len=m.cfg.block_size)
+
+    # ----------------------------------------------------------------------------------- prefill
+    @torch.no_grad()
+    def prefill(self, prompts, reserve: int = 0, all_logits: bool = False, use_cache: bool = True):
+        """Runs the prompts (list of token lists or (B, T) tensor) in one call and fills every cache.
+        reserve: decode steps to pre-allocate. Returns (logits, depth): logits (B, V) at each row's last
+        prompt token, or (B, T, V) with all_logits; depth (B, T) int64 (0 on padding).
+        use_cache=False runs the same path without keeping any cache (the no-cache baseline)."""
+        m = self.model
+        dev = m.wte.weight.device
+        idx, lengths = pad_prompts(prompts, dev)
+        B, T = idx.shape
+        h = m.embed(idx)  # (B, T, d): learned positions 0..T-1, added once
+        depth = self._depth(h)
+        real = torch.arange(T, device=dev)[None] < torch.as_tensor(lengths, device=dev)[:, None]  # (B, T)
+        depth = torch.where(real, depth, 0)
+        dh = depth.cpu().numpy()
+        self.cache = self._new_cache(B, dev) if use_cache else None
+        if use_cache:
+            self.cache.set_lengths(lengths)
+        every_M = bool((dh == self.M).all())
+        for i in range(1, self.M + 1):
+            n = (dh >= i).sum(1)  # (B,) |A_i| per row
+            Tm = int(n.max())
+            if Tm == 0:
+                break
+            if self.full_depth:
+                h = self._prefill_loop_full(h, depth, i, lengths, reserve)
+                continue
+            if Tm == T and (n == T).all():  # every token active: no compaction
+                order, hc, dep = None, h, None if every_M else depth
+            else:
+                active = depth >= i
+                order = torch.sort((~active).to(torch.uint8), dim=1, stable=True).indices[:, :Tm]  # (B, Tm)
+                gidx = order[..., None].expand(B, Tm, h.shape[-1])
+                hc, dep = h.gather(1, gidx), depth.gather(1, order)  # (B, Tm, d), (B, Tm)
+            mods = self._mods(dep, i)
+            x = hc
+            for j, layer in enumerate(m.layers):
+                attend = partial(self._prefill_attend, i, j, order, n, reserve) if use_cache else None
+                x = layer(x, mods[j], None, attend)  # causal among the compacted active tokens
+            if order is None:
+                h = x
+            else:
+                valid = (torch.arange(Tm, device=dev)[None] < torch.as_tensor(n, device=dev)[:, None])[..., None]
+                h = h.scatter(1, gidx, torch.where(valid, x, hc))
+            if use_cache:
+                self.cache.prefill_done(i, n)
+        if all_logits:
+            return m.head(h)[0], depth
+        last = h[torch.arange(B, device=dev), torch.as_tensor(lengths - 1, device=dev)]  # (B, d)
+        return m.head(last)[0], depth
+
+    def _prefill_loop_full(self, h, depth, i, lengths, reserve):
+        """Ablation (b): every real token writes loop i; exited tokens keep their state (dense, no compaction)."""
+        active = (depth >= i)[..., None]  # (B, T, 1)
+        mods = self._mods(depth, i)
+        x = h
+        for j, layer in enumerate(self.model.layers):
+            x = torch.where(active, layer(x, mods[j], None,
+                                          partial(self._prefill_attend, i, j, None, lengths, reserve)), x)
+        self.cache.prefill_done(i, lengths)
+        return x
+
+    # ------------------------------------------------------------------------------------ decode
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, live: np.ndarray | None = None):
+        """Appends one token per row. tokens (B,) int64; live (B,) bool on the host (rows that stopped get
+        depth 0: no compute, no cache write). Returns (logits (B, V), depth (B,) int64, 0 for stopped rows)."""
+        m, cache = self.model, self.cache
+        assert cache is not None, "prefill first"
+        B = tokens.shape[0]
+        if int(cache.pos_host.max()) >= m.cfg.block_size:
+            raise ValueError(f"sequence would exceed block_size {m.cfg.block_size}")
+        h = (m.wte(tokens) + m.wpe(cache.pos))[:, None]  # (B, 1, d): each row at its own position
+        depth = self._depth(h)[:, 0]  # (B,)
+        live = np.ones(B, dtype=bool) if live is None else np.asarray(live, dtype=bool)
+        if not live.all():
+            depth = torch.where(torch.as_tensor(live, device=h.device), depth, 0)
+        dh = depth.cpu().numpy()  # the step's only sync: shapes and early exit are decided on the host
+        for i in range(1, self.M + 1):
+            rows_np = np.flatnonzero(dh >= i)
+            exited_np = np.flatnonzero(live & (dh < i)) if self.full_depth else rows_np[:0]
+            if len(rows_np) == 0 and len(exited_np) == 0:
+                break  # early exit: no row runs loop i or beyond
+            if len(rows_np):
+                view = cache.begin_loop(i, rows_np)
+                x = h if view.rows is None else h[view.rows]  # (R, 1, d)
+                dep = depth if view.rows is None else depth[view.rows]
+                mods = self._mods(dep[:, None], i)
+                for j, layer in enumerate(m.layers):
+                    x = layer(x, mods[j], None, partial(self._decode_attend, i, j, view))
+                h = x if view.rows is None else h.index_copy(0, view.rows, x)
+            if len(exited_np):
+                self._write_exited(i, exited_np, h, depth)
+        cache.end_step(np.flatnonzero(live))
+        return m.head(h[:, 0])[0], depth
+
+    def _write_exited(self, i, rows_np, h, depth):
+        """Ablation (b): rows past their depth project k/v of their frozen state into loop i's cache."""
+        view = self.cache.begin_loop(i, rows_np)
+        x = h if view.rows is None else h[view.rows]  # (R, 1, d)
+        dep = depth if view.rows is None else depth[view.rows]
+        mods = self._mods(dep[:, None], i)
+        for j, layer in enumerate(self.model.layers):
+            a = layer.norm1(x) if mods[j] is None else layer.norm1(x) * (1 + mods[j].chunk(4, dim=-1)[2])
+            _, k, v = layer.attn.qkv(a)
+            self.cache.write(i, j, view, k, v)
