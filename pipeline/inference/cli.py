@@ -80,6 +80,7 @@ def generate(checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loo
             click.echo(prompts[0], nl=False)
             out = generate_tokens(model, ids, callback=_Stream(enc, show_depth), **kw)
             click.echo()
+            sys.stdout.flush()
         else:
             out = generate_tokens(model, ids, **kw)
             for b, p in enumerate(prompts):
