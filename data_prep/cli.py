@@ -1,0 +1,89 @@
+"""`tlf prep-data` and `tlf data {inspect,fetch-assets}` (registered by pipeline.cli)."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from pipeline.config import ConfigError
+
+
+def _fail(e: Exception) -> None:
+    click.echo(f"error: {e}", err=True)
+    sys.exit(1)
+
+
+@click.command("prep-data", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("overrides", nargs=-1)
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of prep-data options.")
+@click.option("--source", type=click.Choice(["files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext"]),
+              help="files | demo | demo-enwiki | hf | fineweb-edu | openwebtext (default files).")
+@click.option("--input", "-i", "inputs", multiple=True, help="Input file, glob or directory (repeatable).")
+@click.option("--out", "-o", help="Output directory.")
+@click.option("--text-field", help="JSON key / column holding the text (default text).")
+@click.option("--txt-mode", type=click.Choice(["file", "line", "paragraph"]), help="Documents in .txt files.")
+@click.option("--hf-dataset", help="Hub dataset id (source=hf).")
+@click.option("--hf-config", help="Hub dataset config, e.g. sample-10BT.")
+@click.option("--hf-split", help="Hub split (default train).")
+@click.option("--name", help="Shard file prefix (default from the source).")
+@click.option("--shard-tokens", type=int, help="Tokens per shard (default 100000000).")
+@click.option("--val-every", type=int, help="Every N-th document to val (0 auto, -1 none).")
+@click.option("--max-tokens", type=int, help="Stop after this many tokens (0: all).")
+@click.option("--workers", "-j", type=int, help="Tokenizer processes (-1 all cores, 0 in-process).")
+@click.option("--skip-bad/--no-skip-bad", default=None, help="Skip malformed records (counted) instead of failing.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar on stderr.")
+@click.option("--overwrite", is_flag=True, help="Delete this directory's existing shards and start again.")
+def prep_data(overrides, config_file, overwrite, inputs, **opts):
+    """Tokenize documents into llm.c-format GPT-2 shards (train/val) in --out, resumably.
+
+    OVERRIDES are key=value pairs of the same options (e.g. batch_bytes=2097152), applied last.
+    Rerunning the same command after an interruption continues where the last shard ended."""
+    from data_prep.config import load_prep_config
+    from data_prep.prep import PrepError, prepare
+    from data_prep.worker import PrepInputError
+    from data_prep.assets import AssetError
+    values = dict(opts)
+    values["inputs"] = list(inputs) if inputs else None
+    cfg = load_prep_config(config_file, values, overrides)
+    try:
+        m = prepare(cfg, overwrite=overwrite)
+    except (PrepError, PrepInputError, AssetError) as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        click.echo(f"interrupted; rerun the same command to resume from {cfg.out}/manifest.json", err=True)
+        sys.exit(130)
+    for split, info in m["splits"].items():
+        click.echo(f"{split}: {len(info['shards'])} shards, {info['tokens']:,} tokens, {info['docs']:,} documents")
+    click.echo(f"wrote {cfg.out}/manifest.json")
+
+
+@click.group("data")
+def data() -> None:
+    """Inspect token shards; set up the offline assets."""
+
+
+@data.command("inspect")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--samples", "-n", default=3, show_default=True, help="Documents decoded per split.")
+@click.option("--chars", default=300, show_default=True, help="Characters shown per sample.")
+@click.option("--verify", is_flag=True, help="Also check every shard's sha256 against the manifest.")
+def inspect_cmd(directory, samples, chars, verify):
+    """Print DIRECTORY's manifest summary, check every shard header, decode a few documents."""
+    from data_prep.inspect import inspect
+    from data_prep.shards import ShardError
+    try:
+        click.echo(inspect(directory, samples, chars, verify))
+    except ShardError as e:
+        _fail(e)
+
+
+@data.command("fetch-assets")
+def fetch_assets():
+    """Fetch and verify the offline assets (GPT-2 BPE, demo corpora) into the cache (instant when done)."""
+    from data_prep.assets import main
+    rc = main()
+    if rc:
+        sys.exit(rc)
+
+
+__all__ = ["prep_data", "data", "ConfigError"]

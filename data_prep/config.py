@@ -1,0 +1,143 @@
+"""`PrepConfig`: every option of `tlf prep-data`, one doc line each.
+
+Filled, in order, from the defaults, a YAML file (`--config FILE`, a flat mapping of these keys, or a
+`prep:` section holding one), the command-line options, then `key=value` overrides. Unknown keys, wrong
+types and inconsistent values raise `ConfigError` naming the key and its source.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from pipeline.config import ConfigError, _set, apply_overrides, f
+
+SOURCES = ("files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext")
+# Named Hugging Face sources: (dataset, default config, split, default val_every)
+HF_ALIASES = {"fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train"),
+              "openwebtext": ("Skylion007/openwebtext", "", "train")}
+DEMO_VAL_EVERY = 20
+DEFAULT_VAL_EVERY = 1000
+
+
+@dataclass
+class PrepConfig:
+    source: str = f("files", "Where documents come from: files (local), demo (State of the Union + Moby-Dick), "
+                             "demo-enwiki (gensim's enwiki sample), hf (any Hub dataset), fineweb-edu, openwebtext.")
+    inputs: list = f([], "Local inputs (source=files): files, globs or directories of .jsonl, .jsonl.zst, "
+                         ".parquet or .txt; directories are searched recursively; order is sorted by path.")
+    text_field: str = f("text", "Field (jsonl key / parquet column / Hub column) holding a document's text.")
+    txt_mode: str = f("file", "How .txt files split into documents: file (one per file), line, or paragraph "
+                              "(blank-line separated).")
+    hf_dataset: str = f("", "Hub dataset id for source=hf (e.g. HuggingFaceFW/fineweb-edu).")
+    hf_config: str = f("", "Hub dataset config name (e.g. sample-10BT, sample-100BT); empty for the default.")
+    hf_split: str = f("train", "Hub dataset split to stream.")
+    hf_data_files: list = f([], "Data files for source=hf with a packaged builder (hf_dataset=parquet/json/text), "
+                                "e.g. a local mirror read through the streaming code path.")
+    hf_timeout: float = f(15.0, "Seconds allowed to reach the Hub before failing with a clear error.")
+    out: str = f("", "Output directory (manifest.json and the shards).")
+    name: str = f("", "Shard file prefix <name>_<split>_<index>.bin; empty: derived from the source.")
+    shard_tokens: int = f(100_000_000, "Tokens per shard (the last shard of a split may be shorter).")
+    val_every: int = f(0, "Validation rule: document number i (0-based, in input order, counting only documents "
+                          "kept) goes to the val split when i % val_every == 0; 0 picks 20 for the demo "
+                          "sources, 1000 otherwise; 1 puts everything in val; -1 writes no val split.")
+    max_tokens: int = f(0, "Stop once this many tokens (all splits, EOTs included) are written; 0: whole input.")
+    workers: int = f(-1, "Tokenizer worker processes; -1: all cores; 0: tokenize in the main process.")
+    batch_bytes: int = f(1 << 20, "Text per task sent to a worker (bytes, approximate).")
+    skip_bad: bool = f(False, "Skip (count and report) malformed lines and records without text instead of failing.")
+    progress: bool = f(True, "Show a tqdm progress bar (tokens, tokens/s, ETA) on stderr.")
+
+    def validate(self) -> None:
+        if self.source not in SOURCES:
+            raise ConfigError(f"source: {self.source!r} is not one of {', '.join(SOURCES)}")
+        if self.source == "files" and not self.inputs:
+            raise ConfigError("inputs: source=files needs at least one input (file, glob or directory)")
+        if self.source != "files" and self.inputs:
+            raise ConfigError(f"inputs: given, but source={self.source} does not read local files (use source=files)")
+        if self.source == "hf" and not self.hf_dataset:
+            raise ConfigError("hf_dataset: source=hf needs a dataset id")
+        if self.hf_data_files and self.source != "hf":
+            raise ConfigError("hf_data_files: only used with source=hf")
+        if self.txt_mode not in ("file", "line", "paragraph"):
+            raise ConfigError(f"txt_mode: {self.txt_mode!r} is not one of file, line, paragraph")
+        if not self.out:
+            raise ConfigError("out: the output directory is required (--out DIR)")
+        if not self.text_field:
+            raise ConfigError("text_field: must not be empty")
+        if self.shard_tokens < 1 or self.shard_tokens > 2**31 - 1:
+            raise ConfigError(f"shard_tokens: must lie in 1..2^31-1 (the header's int32 count), got {self.shard_tokens}")
+        if self.val_every < -1:
+            raise ConfigError(f"val_every: must be -1, 0 or a positive integer, got {self.val_every}")
+        if self.max_tokens < 0:
+            raise ConfigError(f"max_tokens: must be >= 0, got {self.max_tokens}")
+        if self.workers < -1:
+            raise ConfigError(f"workers: must be -1 (all cores), 0 or positive, got {self.workers}")
+        if self.batch_bytes < 1:
+            raise ConfigError(f"batch_bytes: must be >= 1, got {self.batch_bytes}")
+        if self.hf_timeout <= 0:
+            raise ConfigError(f"hf_timeout: must be > 0, got {self.hf_timeout}")
+        if self.name and ("/" in self.name or "_" in self.name):
+            raise ConfigError(f"name: {self.name!r} must not contain '/' or '_' (shards are <name>_<split>_<index>.bin)")
+
+    # Resolved values -------------------------------------------------------------------------------
+    def resolved_val_every(self) -> int:
+        if self.val_every:
+            return self.val_every
+        return DEMO_VAL_EVERY if self.source.startswith("demo") else DEFAULT_VAL_EVERY
+
+    def resolved_name(self) -> str:
+        if self.name:
+            return self.name
+        if self.source == "files":
+            return "data"
+        if self.source == "hf":
+            return self.hf_dataset.rsplit("/", 1)[-1].replace("_", "-").lower() or "hf"
+        return self.source
+
+    def resolved_workers(self) -> int:
+        return (os.cpu_count() or 1) if self.workers == -1 else self.workers
+
+    def hf_target(self) -> tuple[str, str, str]:
+        """(dataset, config, split) for the Hub sources."""
+        if self.source in HF_ALIASES:
+            ds, cfg, split = HF_ALIASES[self.source]
+            return ds, self.hf_config or cfg, self.hf_split or split
+        return self.hf_dataset, self.hf_config, self.hf_split
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Options that change the bytes written; the rest (workers, progress, ...) may differ on resume.
+OUTPUT_KEYS = ("source", "inputs", "text_field", "txt_mode", "hf_dataset", "hf_config", "hf_split", "hf_data_files",
+               "name",
+               "shard_tokens", "val_every", "max_tokens")
+
+
+def load_prep_config(yaml_file: str | None = None, values: dict | None = None,
+                     overrides: list[str] | tuple = ()) -> PrepConfig:
+    """Defaults < YAML file < values (from CLI options; None entries ignored) < key=value overrides."""
+    cfg = PrepConfig()
+    if yaml_file:
+        path = Path(yaml_file)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        if isinstance(data, dict) and set(data) == {"prep"}:
+            data = data["prep"]
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of prep-data options")
+        for k, v in data.items():
+            _set(cfg, str(k), v, str(path))
+    for k, v in (values or {}).items():
+        if v is not None:
+            _set(cfg, k, v, f"option --{k.replace('_', '-')}")
+    apply_overrides(cfg, list(overrides), validate=False)
+    cfg.validate()
+    return cfg

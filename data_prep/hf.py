@@ -1,0 +1,113 @@
+"""Hugging Face Hub datasets in streaming mode (FineWeb-Edu, OpenWebText, any dataset id).
+
+Before streaming, the Hub is probed with a hard deadline (cfg.hf_timeout seconds, in a daemon thread so
+not even a stuck DNS lookup can hang us); offline mode (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) fails at
+once. Either way the error names the dataset and says how to use local files instead. Resume uses the
+streaming iterator's own `state_dict()` (taken at each task start) plus a record count to skip.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from data_prep.sources import Task
+from data_prep.worker import PrepInputError
+
+# datasets' packaged builders read local/remote files without the Hub (`hf_dataset=parquet` + files).
+PACKAGED = ("parquet", "json", "csv", "text", "arrow")
+ROWS_PER_TASK_MIN = 16
+
+
+class HubUnreachable(PrepInputError):
+    """The Hub (or the dataset) cannot be reached; the message says how to use local files instead."""
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _local_hint(dataset: str) -> str:
+    return (f"To prepare it without the Hub, download its parquet/jsonl files on a connected machine, copy them "
+            f"here and run `tlf prep-data --source files --input 'DIR/**/*.parquet' --text-field text --out OUT` "
+            f"(the offline demo corpus: `--source demo`).")
+
+
+def probe(dataset: str, config: str, timeout: float) -> None:
+    """Raises HubUnreachable within about `timeout` seconds unless the Hub answers for dataset."""
+    where = f"dataset '{dataset}'" + (f" (config {config})" if config else "")
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if _truthy(var):
+            raise HubUnreachable(f"cannot stream {where}: {var} is set (offline mode). {_local_hint(dataset)}")
+    result: dict = {}
+
+    def ask():
+        try:
+            from huggingface_hub import HfApi
+            HfApi().dataset_info(dataset, timeout=timeout)
+            result["ok"] = True
+        except Exception as e:  # any failure: network, 404, auth
+            result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+    t = threading.Thread(target=ask, daemon=True, name="hf-probe")
+    t.start()
+    t.join(timeout + 1.0)
+    if result.get("ok"):
+        return
+    why = result.get("error") or f"no answer within {timeout:g} s"
+    raise HubUnreachable(f"cannot reach the Hugging Face Hub for {where}: {why}. {_local_hint(dataset)}")
+
+
+class HubSource:
+    """Rows of one streaming split; records are the text column's values."""
+
+    def __init__(self, cfg):
+        self.dataset, self.config, self.split = cfg.hf_target()
+        self.text_field = cfg.text_field
+        self.data_files = list(getattr(cfg, "hf_data_files", []) or [])
+        self.timeout = cfg.hf_timeout
+        self.batch_bytes = cfg.batch_bytes
+        for var in ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"):
+            os.environ.setdefault(var, str(int(max(1, self.timeout))))
+        if self.dataset not in PACKAGED:
+            probe(self.dataset, self.config, self.timeout)
+
+    def describe(self) -> list[dict]:
+        return [{"dataset": self.dataset, "config": self.config, "split": self.split,
+                 "data_files": self.data_files}]
+
+    def _open(self):
+        import datasets
+        kw = {"data_files": self.data_files} if self.data_files else {}
+        try:
+            return datasets.load_dataset(self.dataset, self.config or None, split=self.split, streaming=True, **kw)
+        except Exception as e:
+            raise HubUnreachable(f"cannot open dataset '{self.dataset}' split '{self.split}': "
+                                 f"{type(e).__name__}: {e}. {_local_hint(self.dataset)}") from None
+
+    def tasks(self, cursor: dict | None = None):
+        ds = self._open()
+        if cursor and cursor.get("state") is not None:
+            ds.load_state_dict(cursor["state"])
+        skip = cursor.get("skip", 0) if cursor else 0
+        row = (cursor["loc"] - 1 - skip) if cursor else 0  # rows before the task the cursor lies in
+        it = iter(ds)
+        for _ in range(skip):  # records of the cursor's task already written
+            next(it, None)
+            row += 1
+        # the state after the last record read: where the next task starts
+        task, size = Task("str", [], [], [], 0, None, None, {"state": ds.state_dict()}), 0
+        for rec in it:
+            row += 1
+            if self.text_field not in rec:
+                raise PrepInputError(f"{self.dataset} row {row}: no text field '{self.text_field}' "
+                                     f"(columns: {', '.join(list(rec)[:12])}); set text_field")
+            text = rec[self.text_field]
+            task.records.append(text)
+            task.locs.append(row)
+            task.where.append(f"{self.dataset} row {row}")
+            size += len(text) if isinstance(text, str) else 0
+            if size >= self.batch_bytes and len(task.records) >= ROWS_PER_TASK_MIN:
+                yield task
+                task, size = Task("str", [], [], [], 0, None, None, {"state": ds.state_dict()}), 0
+        if task.records:
+            yield task

@@ -1,0 +1,73 @@
+"""`tlf data inspect DIR`: the manifest summary, a header check of every shard, decoded samples."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from data_prep.shards import EOT, ShardError, ShardReader
+from data_prep.writer import MANIFEST
+
+
+def _shard_paths(d: Path, meta: dict | None) -> dict[str, list[Path]]:
+    if meta is not None:
+        return {s: [d / sh["name"] for sh in info.get("shards", [])] for s, info in meta.get("splits", {}).items()}
+    out: dict[str, list[Path]] = {}
+    for p in sorted(d.glob("*_*_[0-9][0-9][0-9][0-9][0-9][0-9].bin")):
+        out.setdefault(p.stem.split("_")[-2], []).append(p)
+    return out
+
+
+def inspect(directory: str | Path, samples: int = 3, chars: int = 300, verify: bool = False) -> str:
+    """A human-readable report; raises ShardError naming the file for a bad manifest or shard."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise ShardError(f"{d}: not a directory")
+    mpath = d / MANIFEST
+    meta = None
+    lines = [f"directory: {d}"]
+    if mpath.is_file():
+        try:
+            meta = json.loads(mpath.read_text())
+        except json.JSONDecodeError as e:
+            raise ShardError(f"{mpath}: invalid JSON ({e})") from None
+        src = meta.get("source", {})
+        what = src.get("source")
+        extra = src.get("inputs") or [r.get("dataset") for r in src.get("resolved", []) if r.get("dataset")]
+        lines += [f"source: {what}" + (f" {extra}" if extra else ""),
+                  f"tokenizer: {meta.get('tokenizer', {}).get('name')} (tiktoken "
+                  f"{meta.get('tokenizer', {}).get('library_version')})",
+                  f"complete: {meta.get('complete')}" + ("" if meta.get("complete") else
+                                                         "  (prep-data was interrupted: rerun it to resume)"),
+                  f"validation rule: {meta.get('val_rule')}",
+                  f"documents: {json.dumps({k: v for k, v in meta.get('documents', {}).items() if k != 'bad_examples'})}"]
+    else:
+        lines.append("manifest: none (shards found by name)")
+    paths = _shard_paths(d, meta)
+    if not any(paths.values()):
+        raise ShardError(f"{d}: no shards")
+    enc = None
+    for split, ps in paths.items():
+        readers = [ShardReader(p) for p in ps]  # checks magic, version, size
+        n = sum(len(r) for r in readers)
+        docs = sum(int(np.count_nonzero(r.tokens == EOT)) for r in readers)
+        lines.append(f"split {split}: {len(ps)} shards, {n:,} tokens, {docs:,} documents")
+        if verify and meta is not None:
+            from data_prep.assets import sha256_file
+            for sh, p in zip(meta["splits"][split]["shards"], ps):
+                got = sha256_file(p)
+                if got != sh.get("sha256"):
+                    raise ShardError(f"{p}: sha256 {got} does not match the manifest's {sh.get('sha256')}")
+            lines.append(f"  sha256 verified for {len(ps)} shards")
+        if samples and readers:
+            if enc is None:
+                from data_prep.tokenizer import get_encoding
+                enc = get_encoding()
+            toks = readers[0].tokens[: 1 << 20]
+            starts = np.flatnonzero(toks == EOT)
+            for j, s in enumerate(starts[:samples]):
+                end = starts[j + 1] if j + 1 < len(starts) else len(toks)
+                text = enc.decode(toks[s + 1:min(end, s + 1 + chars)].tolist())
+                lines.append(f"  [{split} doc {j}, {end - s - 1} tokens] {text[:chars]!r}")
+    return "\n".join(lines)

@@ -1,0 +1,342 @@
+"""`prepare(cfg)`: documents -> GPT-2 tokens -> llm.c shards, resumable, same bytes for any worker count.
+
+Flow: the source yields tasks (batches of raw records) in input order; a pool of tokenizer processes
+works on a bounded number of them at once and results are consumed in submission order, so the token
+stream is fixed by the input alone. Document number i (counting kept documents) goes to val when
+i % val_every == 0, else to train; each split fills its own shard buffer.
+
+Resume: after every shard, the manifest records a checkpoint at the document d in which that shard
+ended: the source cursor of d, how many of d's tokens were already written, the counters at d's start,
+and the other splits' unwritten tokens (saved atomically as `.resume_<split>_<n>.bin`). A rerun with
+the same options seeks to d, drops the written tokens, restores the buffers, and continues; the shards
+come out byte-identical to an uninterrupted run. Write order: shard, resume buffers, manifest.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import re
+import sys
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from data_prep.config import OUTPUT_KEYS, PrepConfig
+from data_prep.shards import EOT, ShardError, ShardReader, atomic_write_json
+from data_prep.sources import make_source
+from data_prep.tokenizer import MAX_UINT16_VOCAB, TOKENIZER, get_encoding
+from data_prep.worker import PrepInputError, init_worker, tokenize_task
+from data_prep.writer import MANIFEST, SplitWriter, manifest, write_tokens
+
+SPLITS = ("train", "val")
+MAX_BAD_EXAMPLES = 20
+
+
+class PrepError(RuntimeError):
+    """prep-data cannot go on (output directory conflict, damaged resume state); the message says why."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ordered, bounded parallel map
+# ---------------------------------------------------------------------------------------------------
+def make_pool(workers: int):
+    """A pool of tokenizer processes (None for workers=0). Forked where possible: a spawned child would
+    re-import the launching script (for `tlf`, every command's imports, torch included). Create it
+    before any helper thread (progress bar, Hub client) starts."""
+    if workers == 0:
+        return None
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    return mp.get_context(method).Pool(workers, initializer=init_worker)
+
+
+def ordered_results(tasks, pool, workers: int, text_field: str, skip_bad: bool):
+    """(task, tokenize_task result) in task order; at most 2*workers+2 tasks in flight (bounded memory).
+    An error in the reader is raised only after the tasks before it, so the first bad record is reported.
+    The pool is terminated when the generator ends or is closed."""
+    def args(t):
+        return (t.kind, t.records, t.where, text_field, skip_bad)
+
+    if pool is None:
+        for t in tasks:
+            r = tokenize_task(*args(t))
+            t.records = t.where = None
+            yield t, r
+        return
+    try:
+        q: deque = deque()
+        it = iter(tasks)
+        while True:
+            try:
+                t = next(it)
+            except StopIteration:
+                break
+            except PrepInputError:  # a reader error comes after the records already read
+                while q:
+                    t0, r = q.popleft()
+                    yield t0, r.get()
+                raise
+            q.append((t, pool.apply_async(tokenize_task, args(t))))
+            t.records = t.where = None
+            if len(q) >= 2 * workers + 2:
+                t0, r = q.popleft()
+                yield t0, r.get()
+        while q:
+            t0, r = q.popleft()
+            yield t0, r.get()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------------
+class _Run:
+    def __init__(self, cfg: PrepConfig, overwrite: bool, log):
+        self.cfg, self.log = cfg, log
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        enc = get_encoding(TOKENIZER)  # places the BPE files and sets TIKTOKEN_CACHE_DIR before workers start
+        if enc.n_vocab > MAX_UINT16_VOCAB:
+            raise PrepError(f"tokenizer {enc.name} has {enc.n_vocab} ids; uint16 shards hold at most 65536")
+        import tiktoken
+        self.tokenizer = {"name": enc.name, "library": "tiktoken", "library_version": tiktoken.__version__,
+                          "n_vocab": enc.n_vocab, "eot": EOT}
+        self.name = cfg.resolved_name()
+        self.val_every = cfg.resolved_val_every()
+        self.source = make_source(cfg)
+        self.inputs = self.source.describe()
+        self.fingerprint = {k: getattr(cfg, k) for k in OUTPUT_KEYS}
+        self.fingerprint["val_every"] = self.val_every
+        self.fingerprint["name"] = self.name
+        self.val_rule = ("no val split" if self.val_every < 0 else
+                         f"document i (0-based, kept documents in input order) goes to val when i % {self.val_every} == 0")
+        self.partials: dict[str, str] = {}
+        self.seq = 0
+        self._load(overwrite)
+
+    # -- state --------------------------------------------------------------------------------------
+    def _fresh(self):
+        self.writers = {s: SplitWriter(self.out, self.name, s, self.cfg.shard_tokens) for s in SPLITS}
+        self.doc = 0  # index of the next kept document
+        self.produced = 0  # tokens in all splits so far (written or buffered)
+        self.counters = {"records": 0, "kept": 0, "skipped_bad": 0, "skipped_empty": 0}
+        self.bad_examples: list = []
+        self.cursor = None
+        self.drop = 0  # tokens of the first replayed document already written
+        self.complete = False
+
+    def _clean_stale(self, keep: set) -> None:
+        for p in self.out.iterdir():
+            n = p.name
+            ours = re.fullmatch(rf"\.?({re.escape(self.name)}_(train|val)_\d{{6}}\.bin|\.?resume_(train|val)_\d{{6}}\.bin|"
+                                rf"manifest\.json)(\.tmp\d+)?", n)
+            if ours and not (n == MANIFEST) and n not in keep and p.is_file():
+                p.unlink()
+
+    def _load(self, overwrite: bool) -> None:
+        self._fresh()
+        mpath = self.out / MANIFEST
+        if not mpath.is_file() or overwrite:
+            if mpath.is_file():
+                mpath.unlink()
+            self._clean_stale(set())
+            return
+        try:
+            import json
+            m = json.loads(mpath.read_text())
+        except ValueError as e:
+            raise PrepError(f"{mpath}: unreadable manifest ({e}); pass --overwrite to start again") from None
+        old = {k: v for k, v in m.get("source", {}).items() if k != "resolved"}
+        diff = sorted(k for k in set(old) | set(self.fingerprint) if old.get(k) != self.fingerprint.get(k))
+        if m.get("source", {}).get("resolved") != self.inputs:
+            diff.append("inputs (resolved files or their sizes)")
+        if diff:
+            raise PrepError(f"{self.out} already holds shards made with other options (differs in: {', '.join(diff)}); "
+                            "rerun the same command to resume, choose another --out, or pass --overwrite")
+        self.complete = bool(m.get("complete"))
+        splits = m.get("splits", {})
+        for s in SPLITS:
+            shards = splits.get(s, {}).get("shards", [])
+            for sh in shards:
+                try:
+                    ShardReader(self.out / sh["name"])
+                except ShardError as e:
+                    raise PrepError(f"cannot resume: {e}; pass --overwrite to start again") from None
+            self.writers[s].shards = shards
+        if self.complete:
+            self.manifest = m
+            return
+        r = m.get("resume") or {}
+        self.doc, self.produced = r.get("doc", 0), r.get("produced", 0)
+        self.counters.update(r.get("counters", {}))
+        self.bad_examples = r.get("bad_examples", [])
+        self.cursor, self.drop = r.get("cursor"), r.get("drop", 0)
+        for s, info in (r.get("partials") or {}).items():
+            try:
+                pend = ShardReader(self.out / info["file"]).tokens
+            except ShardError as e:
+                raise PrepError(f"cannot resume: {e}; pass --overwrite to start again") from None
+            self.writers[s] = SplitWriter(self.out, self.name, s, self.cfg.shard_tokens, self.writers[s].shards,
+                                          np.array(pend))
+            self.partials[s] = info["file"]
+            self.seq = max(self.seq, int(info["file"].rsplit("_", 1)[1].split(".")[0]) + 1)
+        keep = {sh["name"] for w in self.writers.values() for sh in w.shards} | set(self.partials.values())
+        self._clean_stale(keep)
+        if self.doc or self.produced:
+            self.log(f"resuming {self.out} at document {self.doc} ({self.produced:,} tokens already in shards)")
+
+    def _manifest(self, complete: bool, resume: dict | None) -> dict:
+        counters = dict(self.counters)
+        if self.bad_examples:
+            counters["bad_examples"] = self.bad_examples
+        return manifest(fingerprint=self.fingerprint, inputs=self.inputs, writers=self.writers, counters=counters,
+                        complete=complete, resume=resume, tokenizer=self.tokenizer, val_rule=self.val_rule,
+                        shard_tokens=self.cfg.shard_tokens)
+
+    def _checkpoint(self, split: str, doc: int, cursor: dict, used: int, produced: int, counters: dict) -> None:
+        """After a shard of `split` ended `used` tokens into document `doc`: save what resume needs."""
+        partials = {}
+        old = dict(self.partials)
+        for s, w in self.writers.items():
+            if s != split and w.fill:
+                fname = f".resume_{s}_{self.seq:06d}.bin"
+                self.seq += 1
+                sha = write_tokens(self.out / fname, w.pending())
+                partials[s] = {"file": fname, "tokens": int(w.fill), "sha256": sha}
+        resume = {"doc": doc, "cursor": cursor, "drop": used, "produced": produced, "counters": counters,
+                  "bad_examples": self.bad_examples[:], "partials": partials}
+        atomic_write_json(self.out / MANIFEST, self._manifest(False, resume))
+        self.partials = {s: p["file"] for s, p in partials.items()}
+        for s, f in old.items():
+            if f not in self.partials.values():
+                (self.out / f).unlink(missing_ok=True)
+
+    # -- main loop ----------------------------------------------------------------------------------
+    def split_of(self, d: int) -> str:
+        return "val" if self.val_every > 0 and d % self.val_every == 0 else "train"
+
+    def run(self, progress: bool) -> dict:
+        if self.complete:
+            self.log(f"{self.out} is already complete ({self.manifest['total_tokens']:,} tokens); nothing to do")
+            return self.manifest
+        cfg = self.cfg
+        if self.doc == 0 and self.produced == 0:
+            atomic_write_json(self.out / MANIFEST, self._manifest(False, None))
+        workers = cfg.resolved_workers()
+        pool = make_pool(workers)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=cfg.max_tokens or None, initial=self.produced, unit="tok", unit_scale=True,
+                       dynamic_ncols=True, desc=f"prep-data {self.name}", file=sys.stderr, smoothing=0.05)
+        self.first = True
+        results = ordered_results(self.source.tasks(self.cursor), pool, workers, cfg.text_field, cfg.skip_bad)
+        try:
+            for task, (toks, lens, bad) in results:
+                before = self.produced
+                stop = self._task(task, toks, lens, bad)
+                if bar is not None:
+                    bar.update(self.produced - before)
+                    if not cfg.max_tokens and task.progress:
+                        bar.total = max(int(self.produced / task.progress), self.produced)
+                    bar.set_postfix(docs=self.counters["kept"], refresh=False)
+                if stop:
+                    break
+        finally:
+            results.close()
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+            if bar is not None:
+                bar.close()
+        if self.counters["kept"] == 0:
+            (self.out / MANIFEST).unlink(missing_ok=True)
+            what = ", ".join(str(i.get("path") or i.get("dataset")) for i in self.inputs)
+            extra = f" ({self.counters['skipped_bad']} bad records skipped)" if self.counters["skipped_bad"] else ""
+            raise PrepInputError(f"empty input: {what} produced no documents{extra}")
+        for w in self.writers.values():
+            w.commit()
+        m = self._manifest(True, None)
+        atomic_write_json(self.out / MANIFEST, m)
+        for f in self.partials.values():
+            (self.out / f).unlink(missing_ok=True)
+        if self.counters["skipped_bad"]:
+            self.log(f"skipped {self.counters['skipped_bad']} bad records, e.g. {self.bad_examples[0]}")
+        return m
+
+    def _note_bad(self, bad: list) -> None:
+        room = MAX_BAD_EXAMPLES - len(self.bad_examples)
+        if room > 0:
+            self.bad_examples += [m for _, m in bad[:room]]
+
+    def _task(self, task, toks: np.ndarray, lens: np.ndarray, bad: list) -> bool:
+        """Routes one task's documents; returns True once max_tokens is reached."""
+        kept = lens > 0
+        k = int(kept.sum())
+        total = int(toks.size)
+        cap = self.cfg.max_tokens
+        fast = not self.first and not (cap and self.produced + total >= cap)
+        if fast:
+            if self.val_every in (-1, 1):
+                parts = {("val" if self.val_every == 1 else "train"): toks}
+            else:
+                is_val = (self.doc + np.arange(k)) % self.val_every == 0 if self.val_every > 0 else np.zeros(k, bool)
+                tok_val = np.repeat(is_val, lens[kept])
+                parts = {"val": toks[tok_val], "train": toks[~tok_val]}
+            fast = all(self.writers[s].room() > p.size for s, p in parts.items())
+        if fast:  # no shard ends inside this task: no checkpoint needed
+            for s, p in parts.items():
+                self.writers[s].append(p)
+            self.doc += k
+            self.produced += total
+            self.counters["records"] += lens.size
+            self.counters["kept"] += k
+            self.counters["skipped_bad"] += int((lens < 0).sum())
+            self.counters["skipped_empty"] += int((lens == 0).sum())
+            self._note_bad(bad)
+            return False
+        return self._task_slow(task, toks, lens, bad)
+
+    def _task_slow(self, task, toks: np.ndarray, lens: np.ndarray, bad: list) -> bool:
+        pos, nbad = 0, 0
+        for i, n in enumerate(lens.tolist()):
+            if n <= 0:
+                if n < 0:
+                    self._note_bad(bad[nbad:nbad + 1])
+                    nbad += 1
+                self.counters["records"] += 1
+                self.counters["skipped_bad" if n < 0 else "skipped_empty"] += 1
+                continue
+            doc_toks = toks[pos:pos + n]
+            pos += n
+            d, start_produced, start_counters = self.doc, self.produced, dict(self.counters)
+            cap = self.cfg.max_tokens
+            if cap:
+                doc_toks = doc_toks[:max(0, cap - self.produced)]
+            self.produced += doc_toks.size
+            self.counters["records"] += 1
+            self.counters["kept"] += 1
+            self.doc += 1
+            drop = self.drop if self.first else 0
+            self.first = False
+            split = self.split_of(d)
+            cursor = None
+
+            def on_commit(used, split=split, d=d, i=i, drop=drop, sp=start_produced, sc=start_counters):
+                nonlocal cursor
+                cursor = cursor or task.cursor(i)
+                self._checkpoint(split, d, cursor, drop + used, sp, sc)
+
+            self.writers[split].add(doc_toks[drop:], on_commit)
+            if cap and self.produced >= cap:
+                return True
+        self.first = False
+        return False
+
+
+def prepare(cfg: PrepConfig, overwrite: bool = False, log=None) -> dict:
+    """Runs (or resumes, or recognises as complete) prep-data for cfg; returns the final manifest."""
+    log = log or (lambda m: print(m, file=sys.stderr))
+    run = _Run(cfg, overwrite, log)
+    return run.run(cfg.progress)
