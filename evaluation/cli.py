@@ -1,0 +1,54 @@
+"""`tlf eval CHECKPOINT [section.key=value ...]`: a thin wrapper over `evaluation.evaluate.run`."""
+from __future__ import annotations
+
+import click
+
+from pipeline.config import ConfigError
+
+
+@click.command("eval")
+@click.argument("checkpoint", type=click.Path(exists=True))
+@click.argument("overrides", nargs=-1)
+@click.option("--loops", "loops", default="", help="Loop budgets M, e.g. 2,4,8 (default: eval.loops, else the training L).")
+@click.option("--tasks", default="", help="Comma-separated zero-shot tasks (default: eval.tasks, all ten); 'none' for none.")
+@click.option("--limit", type=int, default=None, help="Examples per task (0: all).")
+@click.option("--batch-size", type=int, default=None, help="Sequences per forward.")
+@click.option("--source", type=click.Choice(["auto", "hub", "offline"]), default=None, help="Where task data comes from.")
+@click.option("--race-file", default=None, help="Local RACE file (EleutherAI/race schema).")
+@click.option("--ppl-tokens", type=int, default=None, help="Tokens per validation set for perplexity (0: all).")
+@click.option("--stride", type=int, default=None, help="Sliding-window stride for perplexity (0: non-overlapping).")
+@click.option("--no-ppl", is_flag=True, help="Skip perplexity and the depth distribution.")
+@click.option("--no-latency", is_flag=True, help="Skip TTFT/TPOT.")
+@click.option("--no-mlflow", is_flag=True, help="Do not log to MLflow.")
+@click.option("--out", "out_dir", default=None, help="Output directory.")
+@click.option("--config", "config", default=None, help="Refuse a checkpoint whose model differs from this preset.")
+@click.option("--device", default=None, help="cpu, cuda or auto (default: train.device).")
+def eval_cmd(checkpoint, overrides, loops, tasks, limit, batch_size, source, race_file, ppl_tokens, stride, no_ppl,
+             no_latency, no_mlflow, out_dir, config, device):
+    """Evaluate CHECKPOINT: perplexity, the ten zero-shot tasks, depth distribution and latency per budget."""
+    from evaluation.evaluate import run
+    from evaluation.tasks import TaskDataError
+
+    ov = list(overrides)
+    if tasks:
+        names = [] if tasks.strip() == "none" else [t.strip() for t in tasks.split(",") if t.strip()]
+        ov.append(f"eval.tasks=[{','.join(names)}]")
+    for key, val in (("limit", limit), ("batch_size", batch_size), ("source", source), ("ppl_tokens", ppl_tokens),
+                     ("ppl_stride", stride)):
+        if val is not None:
+            ov.append(f"eval.{key}={val}")
+    if race_file is not None:
+        ov.append(f"eval.race_file='{race_file}'")
+    if out_dir is not None:
+        ov.append(f"eval.out_dir='{out_dir}'")
+    for flag, key in ((no_ppl, "perplexity"), (no_latency, "latency"), (no_mlflow, "mlflow")):
+        if flag:
+            ov.append(f"eval.{key}=false")
+    if no_ppl:
+        ov.append("eval.depth=false")
+    try:
+        run(checkpoint, ov, loops=loops, config=config, device=device, log=click.echo)
+    except (TaskDataError, FileNotFoundError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise click.ClickException(str(e)) from None

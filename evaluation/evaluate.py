@@ -1,0 +1,189 @@
+"""`run()`: the whole evaluation of one checkpoint (what `tlf eval` calls; the tests call it directly).
+
+For every loop budget M (data and tokenised requests are loaded once and reused): the zero-shot tasks,
+perplexity on each validation set, the depth distribution (+ PNG) on the first set, and latency when the
+inference package is present. Writes `results.json` and `table1.md` (+ `depth_M{M}.png`) into the output
+directory and logs everything to MLflow.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.config import Config, ConfigError, load_config
+from pipeline.model.io import find_export, load_model
+
+from evaluation import report
+from evaluation.depth import depth_chart
+from evaluation.perplexity import TokenStream, perplexity
+from evaluation.scorer import Scorer, task_metrics, task_requests
+from evaluation.tasks import TASK_ORDER, TASKS, load_tasks, spec
+
+
+def parse_loops(value) -> list[int]:
+    """'2,4,8' / [2, 4, 8] / 4 -> [2, 4, 8]."""
+    if value is None or value == "" or value == []:
+        return []
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    out = []
+    for x in items:
+        try:
+            out.append(int(str(x).strip()))
+        except ValueError:
+            raise ConfigError(f"--loops: {x!r} is not an integer (expected e.g. 2,4,8)") from None
+    return out
+
+
+def resolve_budgets(cfg: Config, loops: list[int]) -> list[tuple[int, int]]:
+    """[(requested M, effective M)]: a looped model accepts 1..L; the base model (L = 1) is not looped, so
+    every requested budget runs its single pass (effective M = 1)."""
+    L = cfg.model.loops
+    req = loops or list(cfg.eval.loops) or [L]
+    out = []
+    for m in req:
+        if m < 1:
+            raise ConfigError(f"loop budget {m} must be >= 1")
+        if L == 1:
+            out.append((m, 1))
+        elif m > L:
+            raise ConfigError(f"loop budget {m} exceeds the checkpoint's training loops model.loops={L} "
+                              f"({cfg.model.variant}); use budgets in 1..{L}")
+        else:
+            out.append((m, m))
+    return out
+
+
+def check_config(cfg: Config, expected: str | None) -> None:
+    """With --config NAME: the checkpoint's model section must equal that preset's."""
+    if not expected:
+        return
+    want = load_config(expected).model
+    diffs = [f"model.{k}: checkpoint {getattr(cfg.model, k)!r} != {expected} {getattr(want, k)!r}"
+             for k in want.__dataclass_fields__ if getattr(cfg.model, k) != getattr(want, k)]
+    if diffs:
+        raise ConfigError(f"checkpoint is not a {expected} model: " + "; ".join(diffs[:6]))
+
+
+def pick_device(cfg: Config, device: str | None) -> str:
+    d = device or cfg.train.device
+    if d == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return d
+
+
+def ppl_dirs(cfg: Config) -> list[str]:
+    return list(cfg.eval.ppl_dirs) or ([cfg.data.dir] + list(cfg.data.extra_val_dirs))
+
+
+def latency_fn():
+    """The inference benchmark's TTFT/TPOT measurement, once `pipeline.inference` / `bench/decode.py` exist."""
+    try:
+        from evaluation.latency import measure_latency
+    except ImportError:
+        return None
+    return measure_latency
+
+
+def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, config: str | None = None,
+        device: str | None = None, model=None, cfg: Config | None = None, log=print) -> dict:
+    """Evaluates `checkpoint` (export, checkpoint or run dir). `overrides` are `section.key=value` strings
+    applied to the checkpoint's config (e.g. eval.tasks=[copa], eval.limit=20, eval.source=offline);
+    `loops` '2,4,8' or a list. Returns the result dict (also written to <out_dir>/results.json)."""
+    t_start = time.time()
+    export = find_export(checkpoint)
+    if model is None or cfg is None:
+        model, cfg = load_model(export, "cpu", list(overrides))
+    check_config(cfg, config)
+    dev = pick_device(cfg, device)
+    model = model.to(dev).eval()
+    budgets = resolve_budgets(cfg, parse_loops(loops))
+    ev = cfg.eval
+    task_names = list(ev.tasks)
+    for n in task_names:
+        spec(n)  # unknown task names fail before anything runs
+
+    # ---- load everything once
+    t0 = time.time()
+    tasks = load_tasks(task_names, ev.source, ev.race_file, ev.limit) if task_names else {}
+    requests = {n: task_requests(td) for n, td in tasks.items()}
+    streams = [TokenStream(d, cfg.data.val_split, ev.ppl_tokens) for d in ppl_dirs(cfg)] if ev.perplexity else []
+    load_s = time.time() - t0
+    log(f"eval: {len(tasks)} tasks, {len(streams)} perplexity sets loaded in {load_s:.1f}s; budgets "
+        f"{[m for m, _ in budgets]} on {dev}")
+
+    name = cfg.name or export.name
+    out_dir = Path(ev.out_dir) if ev.out_dir else Path("out") / "eval" / name.replace("/", "_") / time.strftime("%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scorer = Scorer(model, ev.batch_size, dev)
+    measure = latency_fn() if ev.latency else None
+    files: list[Path] = []
+    result = {
+        "checkpoint": str(Path(checkpoint)), "export": str(export), "config_name": cfg.name,
+        "model": {"variant": cfg.model.variant, "n_layers": cfg.model.n_layers, "loops": cfg.model.loops,
+                  "router": cfg.model.router, "block_size": cfg.model.block_size,
+                  "params": model.num_params()},
+        "device": dev, "limit": ev.limit, "source": ev.source, "table_metric": ev.table_metric,
+        "ppl_sets": [s.name for s in streams], "budgets": [],
+    }
+    if cfg.model.loops == 1 and any(m != 1 for m, _ in budgets):
+        result["note"] = "base model (model.loops=1) is not looped: every budget runs its single pass"
+    done: dict[int, dict] = {}
+    for m_req, m_eff in budgets:
+        b = {"loops": m_req, "effective_loops": m_eff, "tasks": {}, "perplexity": [], "timing_s": {}}
+        if m_eff in done:  # the base model: the same pass again would give the same numbers
+            prev = done[m_eff]
+            b.update({k: prev[k] for k in ("tasks", "perplexity", "depth", "avg_acc", "latency") if k in prev})
+            b["timing_s"] = {"reused_from_loops": prev["loops"]}
+            result["budgets"].append(b)
+            continue
+        for n, td in tasks.items():
+            t0 = time.time()
+            reqs, spans = requests[n]
+            sp = TASKS[n]
+            b["tasks"][n] = task_metrics(td, sp.kind, sp.metrics, scorer.score(reqs, m_eff), spans)
+            b["timing_s"][n] = round(time.time() - t0, 3)
+            log(f"  M={m_req} {n}: " + ", ".join(f"{k}={v:.4f}" for k, v in b["tasks"][n].items()
+                                                  if isinstance(v, float)))
+        avg, n_avg = report.average_accuracy(b["tasks"], ev.table_metric)
+        b["avg_acc"], b["avg_acc_tasks"] = avg, n_avg
+        for i, st in enumerate(streams):
+            t0 = time.time()
+            p = perplexity(model, st, m_eff, ev.ppl_context, ev.ppl_stride, ev.batch_size, dev)
+            b["timing_s"][f"ppl:{st.name}"] = round(time.time() - t0, 3)
+            depth = p.pop("depth")
+            b["perplexity"].append(p)
+            log(f"  M={m_req} ppl {st.name}: {p['ppl']:.3f} ({p['tokens']} tokens)")
+            if i == 0 and ev.depth:
+                depth = dict(depth, set=st.name, variant=cfg.model.variant, router=cfg.model.router)
+                b["depth"] = depth
+                png = depth_chart(depth, m_eff, out_dir / f"depth_M{m_req}.png",
+                                  f"{report.variant_label(cfg.model.variant)}: depth on {st.name}, M={m_req}")
+                files.append(png)
+                b["depth"]["chart"] = str(png)
+                log(f"  M={m_req} mean depth {depth['mean']:.3f}")
+        if measure is not None:
+            t0 = time.time()
+            b["latency"] = measure(model, m_eff, dev)
+            b["timing_s"]["latency"] = round(time.time() - t0, 3)
+        done[m_eff] = b
+        result["budgets"].append(b)
+    if ev.latency and measure is None:
+        result["latency_note"] = "latency not measured: pipeline.inference (generate) is not available"
+    result["wall_s"] = round(time.time() - t_start, 3)
+    md = out_dir / "table1.md"
+    md.write_text(report.table1_markdown(result))
+    result["files"] = {"json": str(out_dir / "results.json"), "table": str(md), "charts": [str(f) for f in files]}
+    files = [out_dir / "results.json", md] + files
+    report.write_json(out_dir / "results.json", result)
+    if ev.mlflow:
+        run_id = report.checkpoint_run_id(export)
+        tags = {"variant": cfg.model.variant, "preset": cfg.name or "", "checkpoint": str(export),
+                "kind": "eval", "run_name": f"eval-{name}"}
+        result["mlflow_run_id"] = report.log_mlflow(result, files, cfg.logging.tracking_uri, cfg.logging.experiment,
+                                                    run_id, tags)
+        result["mlflow_run"] = "checkpoint's run" if run_id else "new run"
+        report.write_json(out_dir / "results.json", result)
+    log(f"eval: wrote {out_dir / 'results.json'} and {md}")
+    return result
