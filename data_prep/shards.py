@@ -109,6 +109,9 @@ class ShardSet:
                 meta = json.loads(manifest.read_text())
             except json.JSONDecodeError as e:
                 raise ShardError(f"{manifest}: invalid JSON ({e})") from None
+            if meta.get("complete") is False:
+                raise ShardError(f"{manifest}: incomplete (prep-data is still running or was interrupted; "
+                                 "rerun the same `tlf prep-data` command to finish it)")
             names = [s["name"] if isinstance(s, dict) else s for s in meta.get("splits", {}).get(split, {}).get("shards", [])]
             paths = [self.dir / n for n in names]
         else:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 _COMMENT = re.compile(r"<!--.*?-->", re.S)
 _REF = re.compile(r"<ref[^>/]*/>|<ref[^>]*>.*?</ref>", re.S | re.I)
-_TEMPLATE = re.compile(r"\{\{[^{}]*\}\}")
 _TABLE = re.compile(r"\{\|(?:(?!\{\|).)*?\|\}", re.S)
 _LINK = re.compile(r"\[\[([^\[\]|]*)(?:\|([^\[\]]*))?\]\]")
 _EXT_LINK = re.compile(r"\[(?:https?:)?//[^\s\]]+(?: ([^\]]*))?\]")
@@ -39,6 +38,42 @@ def _repeat(pattern: re.Pattern, repl, text: str) -> str:
         text = new
 
 
+_BRACES = re.compile(r"\{\{|\}\}")
+_BRACKETS = re.compile(r"\[\[|\]\]")
+_FILE_START = re.compile(r"\[\[\s*:?\s*(?:File|Image|Category|Media):", re.I)
+
+
+def _span_end(text: str, start: int, marks: re.Pattern, opener: str) -> int:
+    """End of the nested construct opening at start (by depth over opener/closer marks); -1 if unclosed."""
+    depth = 0
+    for m in marks.finditer(text, start):
+        depth += 1 if m.group() == opener else -1
+        if depth == 0:
+            return m.end()
+    return -1
+
+
+def _drop_nested(text: str, starts: re.Pattern, marks: re.Pattern, opener: str) -> str:
+    """Removes every construct matched by `starts` through its balanced end (templates and file links may
+    hold stray brackets a flat regex trips on); an unclosed one is cut to the end of its line."""
+    out, pos = [], 0
+    while True:
+        m = starts.search(text, pos)
+        if not m:
+            out.append(text[pos:])
+            return "".join(out)
+        out.append(text[pos:m.start()])
+        end = _span_end(text, m.start(), marks, opener)
+        if end < 0:
+            nl = text.find("\n", m.start())
+            end = len(text) if nl < 0 else nl
+        pos = end
+
+
+def _drop_templates(text: str) -> str:
+    return _drop_nested(text, re.compile(r"\{\{"), _BRACES, "{{")
+
+
 def _link(m: re.Match) -> str:
     target, shown = m.group(1), m.group(2)
     t = target.strip().lstrip(":")
@@ -55,7 +90,8 @@ def clean(text: str) -> str:
     text = _COMMENT.sub("", text)
     text = _BLOCK_TAGS.sub("", text)
     text = _REF.sub("", text)
-    text = _repeat(_TEMPLATE, "", text)
+    text = _drop_templates(text)
+    text = _drop_nested(text, _FILE_START, _BRACKETS, "[[")
     text = _repeat(_TABLE, "", text)
     text = _repeat(_LINK, _link, text)
     text = _EXT_LINK.sub(lambda m: m.group(1) or "", text)
