@@ -1,0 +1,338 @@
+"""`tlf compare`: the paper's tables and figures from MLflow runs, side by side for the eight variants.
+
+Training runs (`tlf train`) log `loss`, `val/loss`, `tokens_per_s`, `mfu`, `mem/*` and `router/*`; evaluation
+runs (`tlf eval`, or eval metrics logged into the training run) log `eval/M{M}/...`. Runs are grouped by
+their `variant` tag; for each variant the newest run that has training metrics and the newest that has
+evaluation metrics are used (one run may be both). A metric a run lacks is a blank cell, never an error.
+
+Outputs, in `--out`: `compare.md` (all tables), `table1.csv`, `table2.csv`, `table3.csv`, and PNG plots
+`loss_curves.png`, `ppl_vs_loops.png`, `depth_distribution.png`, `throughput.png`.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from pipeline.config import VARIANTS
+
+TASK_COLUMNS = [("copa", "COPA"), ("hellaswag", "HellaSwag"), ("lambada_openai", "LAMBADA"), ("openbookqa", "OBQA"),
+                ("piqa", "PIQA"), ("race", "RACE"), ("sciq", "SciQ"), ("arc_challenge", "ARC-C"),
+                ("social_iqa", "SIQA"), ("arc_easy", "ARC-E")]
+_EVAL_KEY = re.compile(r"^eval/M(\d+)/")
+
+
+@dataclass
+class Run:
+    run_id: str
+    variant: str
+    name: str
+    start_time: int
+    tags: dict
+    metrics: dict  # last value of every metric
+
+    @property
+    def has_train(self) -> bool:
+        return "loss" in self.metrics
+
+    @property
+    def has_eval(self) -> bool:
+        return any(k.startswith("eval/") for k in self.metrics)
+
+    def budgets(self) -> list[int]:
+        return sorted({int(m.group(1)) for k in self.metrics if (m := _EVAL_KEY.match(k))})
+
+
+def default_tracking_uri() -> str:
+    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def collect_runs(tracking_uri: str, experiments: list[str], tags: dict[str, str], run_ids: list[str]) -> list[Run]:
+    """Runs by id, or every run of the experiments whose tags match; newest first."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri or default_tracking_uri())
+    if run_ids:
+        raw = [client.get_run(r) for r in run_ids]
+    else:
+        ids = []
+        for name in experiments:
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise click.UsageError(f"MLflow experiment {name!r} not found at {tracking_uri or default_tracking_uri()}")
+            ids.append(exp.experiment_id)
+        flt = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
+        raw = client.search_runs(ids, filter_string=flt, max_results=5000, order_by=["attributes.start_time DESC"])
+    runs = [Run(r.info.run_id, r.data.tags.get("variant", "?"), r.data.tags.get("mlflow.runName", r.info.run_id[:8]),
+                r.info.start_time or 0, dict(r.data.tags), dict(r.data.metrics)) for r in raw]
+    return sorted(runs, key=lambda r: -r.start_time)
+
+
+@dataclass
+class Selection:
+    train: dict[str, Run] = field(default_factory=dict)  # variant -> newest run with training metrics
+    eval: dict[str, Run] = field(default_factory=dict)  # variant -> newest run with evaluation metrics
+
+    def variants(self) -> list[str]:
+        seen = set(self.train) | set(self.eval)
+        return [v for v in VARIANTS if v in seen] + sorted(seen - set(VARIANTS))
+
+
+def select(runs: list[Run]) -> Selection:
+    sel = Selection()
+    for r in runs:  # newest first
+        if r.has_train:
+            sel.train.setdefault(r.variant, r)
+        if r.has_eval:
+            sel.eval.setdefault(r.variant, r)
+    return sel
+
+
+# ------------------------------------------------------------------------------------------ tables
+@dataclass
+class Table:
+    title: str
+    columns: list[str]
+    rows: list[list]  # first cell is the row label; other cells float or None
+    better: list[str]  # per value column: "low", "high" or "" (not compared)
+    fmt: list[str]  # per value column: format spec
+
+    def best(self) -> list[float | None]:
+        out = []
+        for j, b in enumerate(self.better, start=1):
+            vals = [r[j] for r in self.rows if isinstance(r[j], (int, float)) and math.isfinite(r[j])]
+            out.append((min(vals) if b == "low" else max(vals)) if (vals and b and len(vals) > 1) else None)
+        return out
+
+    def cells(self, mark: tuple[str, str]) -> list[list[str]]:
+        best = self.best()
+        out = []
+        for r in self.rows:
+            row = [str(r[0])]
+            for j, v in enumerate(r[1:]):
+                if v is None or (isinstance(v, float) and not math.isfinite(v)):
+                    row.append("")
+                    continue
+                s = format(v, self.fmt[j])
+                row.append(f"{mark[0]}{s}{mark[1]}" if best[j] is not None and v == best[j] else s)
+            out.append(row)
+        return out
+
+    def markdown(self) -> str:
+        lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |",
+                 "|" + "|".join(["---"] * len(self.columns)) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in self.cells(("**", "**"))]
+        return "\n".join(lines) + "\n"
+
+    def text(self) -> str:
+        rows = [self.columns] + self.cells(("*", ""))
+        w = [max(len(r[j]) for r in rows) for j in range(len(self.columns))]
+        out = [self.title, "  ".join(c.ljust(w[j]) for j, c in enumerate(rows[0]))]
+        out.append("  ".join("-" * x for x in w))
+        out += ["  ".join(c.rjust(w[j]) if j else c.ljust(w[j]) for j, c in enumerate(r)) for r in rows[1:]]
+        return "\n".join(out) + "\n"
+
+    def write_csv(self, path: Path) -> None:
+        with open(path, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(self.columns)
+            for r in self.rows:
+                w.writerow(["" if v is None else v for v in r])
+
+
+def _ppl_sets(runs: list[Run]) -> list[str]:
+    sets = []
+    for r in runs:
+        for k in r.metrics:
+            m = re.match(r"^eval/M\d+/ppl/(.+)/ppl$", k)
+            if m and m.group(1) not in sets:
+                sets.append(m.group(1))
+    return sets
+
+
+def table1(sel: Selection, metric: str = "acc") -> Table:
+    """Perplexities, ten accuracies (x100) and their average, one row per variant and loop budget."""
+    runs = [sel.eval[v] for v in sel.variants() if v in sel.eval]
+    sets = _ppl_sets(runs)
+    cols = ["Model (M)"] + [f"PPL {s}" for s in sets] + [label for _, label in TASK_COLUMNS] + ["Avg"]
+    rows = []
+    for r in runs:
+        for M in r.budgets():
+            pre = f"eval/M{M}/"
+            ppl = [r.metrics.get(f"{pre}ppl/{s}/ppl") for s in sets]
+            accs = []
+            for task, _ in TASK_COLUMNS:
+                v = r.metrics.get(f"{pre}{task}/{metric}", r.metrics.get(f"{pre}{task}/acc"))
+                accs.append(None if v is None else 100 * v)
+            got = [a for a in accs if a is not None]
+            rows.append([f"{r.variant} (M={M})"] + ppl + accs + [sum(got) / len(got) if got else None])
+    return Table("Table 1: perplexity and zero-shot accuracy", cols, rows,
+                 ["low"] * len(sets) + ["high"] * (len(TASK_COLUMNS) + 1), [".2f"] * (len(cols) - 1))
+
+
+def table2(sel: Selection) -> Table:
+    """Decoding latency per variant and budget: TPOT (ms/token) and TTFT (ms) at each measured size."""
+    runs = [sel.eval[v] for v in sel.variants() if v in sel.eval]
+    keys: list[str] = []
+    for r in runs:
+        for k in r.metrics:
+            m = re.match(r"^eval/M\d+/latency/((tpot|ttft)_ms_[A-Z]\d+)$", k)
+            if m and m.group(1) not in keys:
+                keys.append(m.group(1))
+    keys.sort(key=lambda k: (k.startswith("ttft"), int(re.sub(r"\D", "", k.split("_")[-1]))))
+    cols = ["Model (M)"] + [k.replace("_ms_", " ms ").replace("tpot", "TPOT").replace("ttft", "TTFT") for k in keys] \
+        + ["decode depth"]
+    rows = []
+    for r in runs:
+        for M in r.budgets():
+            vals = [r.metrics.get(f"eval/M{M}/latency/{k}") for k in keys]
+            if any(v is not None for v in vals):
+                rows.append([f"{r.variant} (M={M})"] + vals + [r.metrics.get(f"eval/M{M}/latency/decode_mean_depth")])
+    return Table("Table 2: decoding latency", cols, rows, ["low"] * len(keys) + [""], [".3f"] * len(keys) + [".2f"])
+
+
+def table3(sel: Selection) -> Table:
+    """Training: peak memory, throughput, MFU, final training and validation loss, mean router depth."""
+    cols = ["Model", "peak mem GB", "tokens/s", "MFU %", "train loss", "val loss", "mean depth"]
+    rows = []
+    for v in sel.variants():
+        r = sel.train.get(v)
+        if r is None:
+            continue
+        m = r.metrics
+        mem = m.get("mem/cuda_max_allocated_gb", m.get("mem/peak_rss_gb"))
+        mfu = m.get("mfu")
+        rows.append([v, mem, m.get("tokens_per_s"), None if mfu is None else 100 * mfu, m.get("loss"),
+                     m.get("val/loss"), m.get("router/full/mean_depth")])
+    return Table("Table 3: training memory and speed", cols, rows,
+                 ["low", "high", "high", "low", "low", ""], [".3f", ",.0f", ".2f", ".3f", ".3f", ".2f"])
+
+
+# ------------------------------------------------------------------------------------------ plots
+def plot_all(sel: Selection, tracking_uri: str, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri or default_tracking_uri())
+    paths = []
+    variants = sel.variants()
+
+    if sel.train:  # loss curves
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for v in variants:
+            r = sel.train.get(v)
+            if r is None:
+                continue
+            for ax, key in zip(axes, ("loss", "val/loss")):
+                h = sorted(client.get_metric_history(r.run_id, key), key=lambda m: m.step)
+                if h:
+                    ax.plot([m.step for m in h], [m.value for m in h], marker="o" if key != "loss" else None,
+                            markersize=3, label=v)
+        for ax, t in zip(axes, ("training loss", "validation loss")):
+            ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.set_title(t), ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        paths.append(_save(fig, out / "loss_curves.png"))
+
+    runs = {v: sel.eval[v] for v in variants if v in sel.eval}
+    sets = _ppl_sets(list(runs.values()))
+    if runs and sets:  # elastic depth: perplexity vs loop budget
+        fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
+        for ax, s in zip(axes[0], sets):
+            for v, r in runs.items():
+                pts = [(M, r.metrics.get(f"eval/M{M}/ppl/{s}/ppl")) for M in r.budgets()]
+                pts = [(M, p) for M, p in pts if p is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=v)
+            ax.set_xlabel("loop budget M"), ax.set_ylabel("perplexity"), ax.set_title(f"PPL {s} vs loop budget")
+            ax.grid(alpha=0.3), ax.legend(fontsize=7)
+        paths.append(_save(fig, out / "ppl_vs_loops.png"))
+
+    depth_runs = {v: r for v, r in runs.items() if any("/depth/share_" in k for k in r.metrics)}
+    if depth_runs:  # depth distribution (router variants at their largest budget)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        shown = [v for v in depth_runs if v == "t-loopformer"] or list(depth_runs)[:1]
+        for v in shown:
+            r = depth_runs[v]
+            M = max(r.budgets())
+            shares = [r.metrics.get(f"eval/M{M}/depth/share_{i}", 0.0) for i in range(1, M + 1)]
+            ax.bar(range(1, M + 1), [100 * s for s in shares], label=f"{v} (M={M}, mean "
+                   f"{r.metrics.get(f'eval/M{M}/depth/mean', float('nan')):.2f})")
+        ax.set_xlabel("loops per token"), ax.set_ylabel("share of tokens (%)"), ax.set_title("depth distribution")
+        ax.legend(fontsize=7)
+        paths.append(_save(fig, out / "depth_distribution.png"))
+
+    thr = [(v, sel.train[v].metrics.get("tokens_per_s")) for v in variants if v in sel.train]
+    thr = [(v, t) for v, t in thr if t is not None]
+    if thr:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.barh([v for v, _ in thr], [t for _, t in thr])
+        ax.set_xlabel("training tokens/s"), ax.set_title("throughput")
+        paths.append(_save(fig, out / "throughput.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ run
+@dataclass
+class CompareResult:
+    tables: list[Table]
+    files: list[Path]
+    text: str
+
+
+def run(tracking_uri: str = "", experiments: tuple[str, ...] = ("tlf",), tags: dict | None = None,
+        run_ids: tuple[str, ...] = (), out: str | Path = "compare", metric: str = "acc") -> CompareResult:
+    runs = collect_runs(tracking_uri, list(experiments), tags or {}, list(run_ids))
+    sel = select(runs)
+    outd = Path(out)
+    outd.mkdir(parents=True, exist_ok=True)
+    tables = [table1(sel, metric), table2(sel), table3(sel)]
+    files = []
+    for i, t in enumerate(tables, start=1):
+        t.write_csv(outd / f"table{i}.csv")
+        files.append(outd / f"table{i}.csv")
+    md = "# tlf compare\n\n" + f"{len(runs)} runs; variants: {', '.join(sel.variants()) or 'none'}\n\n" \
+        + "\n".join(t.markdown() for t in tables)
+    plots = plot_all(sel, tracking_uri, outd)
+    md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
+    (outd / "compare.md").write_text(md)
+    files = [outd / "compare.md"] + files + plots
+    text = "\n".join(t.text() for t in tables if t.rows)
+    return CompareResult(tables, files, text)
+
+
+@click.command("compare")
+@click.option("--tracking-uri", default="", help="MLflow tracking URI (default sqlite:///<cwd>/mlflow.db).")
+@click.option("--experiment", "experiments", multiple=True, default=("tlf",), show_default=True,
+              help="Experiment name(s) to read.")
+@click.option("--tag", "tag_items", multiple=True, help="Only runs with this tag, KEY=VALUE (repeatable).")
+@click.option("--run-id", "run_ids", multiple=True, help="Exactly these runs (repeatable); overrides --experiment.")
+@click.option("--out", default="compare", show_default=True, help="Output directory for markdown, CSV and PNG.")
+@click.option("--metric", type=click.Choice(["acc", "acc_norm"]), default="acc", show_default=True,
+              help="Accuracy column: acc, or acc_norm where a task has it.")
+def compare(tracking_uri, experiments, tag_items, run_ids, out, metric):
+    """Side-by-side tables (the paper's Tables 1-3) and plots from MLflow runs of the variants."""
+    tags = {}
+    for t in tag_items:
+        if "=" not in t:
+            raise click.BadParameter(f"{t!r} must look like KEY=VALUE", param_hint="--tag")
+        k, _, v = t.partition("=")
+        tags[k] = v
+    res = run(tracking_uri, experiments, tags, run_ids, out, metric)
+    click.echo(res.text or "no runs with training or evaluation metrics matched")
+    click.echo("files:\n" + "\n".join(f"  {f}" for f in res.files))
