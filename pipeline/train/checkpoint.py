@@ -1,0 +1,209 @@
+"""Checkpoints: DeepSpeed's files + one state file per rank + the consolidated model export, complete or invisible.
+
+Layout of `checkpoint.dir` (default `checkpoints/<config name with / replaced by ->`):
+
+    latest                      # names the newest complete checkpoint; written last (atomic rename)
+    global_step{N}/             # DeepSpeed's model/optimizer/scheduler files (engine.save_checkpoint)
+        rank{r}_state.pt        # this rank's step, data position, RNG states (python, numpy, torch, cuda), config
+        model/                  # pipeline.model.io export (model.pt + config.yaml): what generate/eval load
+
+A checkpoint is written under `.tmp-global_step{N}/` and renamed to `global_step{N}/` by rank 0 only after every
+rank has written its files, then `latest` is replaced; so a kill or a full disk during a save leaves only a
+hidden temp dir (removed by the next save) and the previous checkpoint stays the newest complete one. Before a
+save, the free space is checked against the size of the previous checkpoint (or an estimate from the parameter
+count); too little is an error before anything is written. Old checkpoints beyond `checkpoint.keep_last` are
+renamed to `.trash-*` and then removed. DeepSpeed's `client_state` comes back from rank 0's file only under
+ZeRO 0-2 (DESIGN §6), which is why each rank's own state lives in its own file.
+"""
+from __future__ import annotations
+
+import io
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data_prep.shards import atomic_write_bytes
+from pipeline.config import Config
+
+STEP_DIR = re.compile(r"^global_step(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the path and what is intact."""
+
+
+def run_dir(cfg: Config) -> Path:
+    if cfg.checkpoint.dir:
+        return Path(cfg.checkpoint.dir)
+    return Path("checkpoints") / (cfg.name or cfg.model.variant).replace("/", "-")
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """[(step, dir)] of the complete checkpoints under root, oldest first."""
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and p.is_dir() and (p / "rank0_state.pt").is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def find_resume(cfg: Config, root: Path) -> Path | None:
+    """The checkpoint dir to resume from: checkpoint.resume = auto (newest complete under root, if any),
+    none, a checkpoint dir, or a run dir (its `latest`, else its newest complete checkpoint)."""
+    r = cfg.checkpoint.resume
+    if r == "none":
+        return None
+    if r == "auto":
+        done = complete_checkpoints(root)
+        return done[-1][1] if done else None
+    p = Path(r)
+    if (p / "rank0_state.pt").is_file():
+        return p
+    if (p / "latest").is_file() and (p / (p / "latest").read_text().strip() / "rank0_state.pt").is_file():
+        return p / (p / "latest").read_text().strip()
+    done = complete_checkpoints(p)
+    if done:
+        return done[-1][1]
+    raise CheckpointError(f"checkpoint.resume={r}: no complete checkpoint there (expected global_step<N>/rank0_state.pt)")
+
+
+# ---------------------------------------------------------------------------------------------- RNG
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(s: dict) -> None:
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+# ------------------------------------------------------------------------------------------- saving
+def _dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def _estimate_bytes(root: Path, model) -> int:
+    done = complete_checkpoints(root)
+    if done:
+        return _dir_bytes(done[-1][1])
+    n = sum(p.numel() for p in model.parameters())  # under ZeRO-3 local shards; an estimate only
+    return n * 24  # weights + fp32 master + two Adam moments + fp32 export
+
+
+def _collective_any(flag: bool) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0])
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        t = t.cuda()
+    torch.distributed.all_reduce(t)
+    return bool(t.item() > 0)
+
+
+def _remove_tree(p: Path) -> None:
+    """Hides p first (rename to .trash-*) so a half-removed dir never looks like a checkpoint."""
+    if not p.exists():
+        return
+    trash = p.with_name(f".trash-{p.name.lstrip('.')}-{os.getpid()}")
+    os.replace(p, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def export_model(engine, model, cfg: Config, directory: Path, rank: int) -> None:
+    """pipeline.model.io.save_model of the full weights (gathered first under ZeRO-3); every rank calls it."""
+    from pipeline.model.io import save_model
+
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+            if rank == 0:
+                save_model(directory, model, cfg)
+    elif rank == 0:
+        save_model(directory, model, cfg)
+
+
+def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: int) -> Path:
+    """Writes checkpoint global_step{step} (every rank calls this); returns its dir."""
+    tag = f"global_step{step}"
+    final, tmp = root / tag, root / f".tmp-{tag}"
+    prev = complete_checkpoints(root)
+    prev_msg = f"previous checkpoint {prev[-1][1]} is intact" if prev else "no earlier checkpoint exists"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for stale in root.glob(".trash-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        need = int(_estimate_bytes(root, model) * 1.1)
+        free = shutil.disk_usage(root).free
+        short = free < need
+    else:
+        short = False
+    if _collective_any(short):
+        raise CheckpointError(f"not saving {final}: about {need / 2**20:.1f} MiB needed but only {free / 2**20:.1f} MiB "
+                              f"free on {root}; {prev_msg}" if rank == 0 else
+                              f"not saving {final}: rank 0 found too little free disk space; {prev_msg}")
+    try:
+        engine.save_checkpoint(str(root), tag=tmp.name, client_state={"step": step}, save_latest=False)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        atomic_write_bytes(tmp / f"rank{rank}_state.pt", [buf.getvalue()])
+        export_model(engine, model, cfg, tmp / "model", rank)
+    except OSError as e:
+        # No collective here: a peer may be inside DeepSpeed's own barrier. Single process: clean up and
+        # report; under a launcher this rank exits non-zero and the launcher stops the others.
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"saving {final} failed on rank {rank}: {e}; {prev_msg}") from e
+    torch.distributed.barrier()
+    if rank == 0:
+        if final.exists():  # a checkpoint of this step from an earlier branch of the run
+            _remove_tree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        atomic_write_bytes(root / "latest", [tag.encode()])
+        for _, old in complete_checkpoints(root)[:-cfg.checkpoint.keep_last]:
+            _remove_tree(old)
+    torch.distributed.barrier()
+    return final
+
+
+def _fsync_dir(p: Path) -> None:
+    try:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------------------------------ loading
+def load(engine, path: Path, rank: int, world_size: int) -> dict:
+    """Restores DeepSpeed's state from checkpoint dir `path` and returns this rank's state dict (RNG and data
+    position are restored by the caller)."""
+    f = path / f"rank{rank}_state.pt"
+    if not f.is_file():
+        have = sorted(p.name for p in path.glob("rank*_state.pt"))
+        raise CheckpointError(f"{path}: no {f.name} (it holds {', '.join(have) or 'no rank files'}); "
+                              f"resume with the world size that wrote it")
+    state = torch.load(f, map_location="cpu", weights_only=False)
+    if state["world_size"] != world_size:
+        raise CheckpointError(f"{path} was written by {state['world_size']} ranks; this run has {world_size}")
+    loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+                                       load_lr_scheduler_states=True)
+    if loaded is None:
+        raise CheckpointError(f"{path}: DeepSpeed could not load this checkpoint")
+    return state

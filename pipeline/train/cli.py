@@ -1,0 +1,71 @@
+"""`tlf train CONFIG [OVERRIDES]` (also `python -m pipeline.train CONFIG [OVERRIDES]`): a thin wrapper over run()."""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from pipeline.config import ConfigError, apply_overrides, load_config
+
+
+def _exit(code: int) -> None:
+    """Leaves the process without running C++ static destructors: with gloo/DeepSpeed threads still alive those
+    can abort with "terminate called without an active exception" (exit 250) after all results are written.
+    Everything of ours is flushed and closed first; the process group is torn down when the run succeeded."""
+    try:
+        import torch.distributed as dist
+
+        if code == 0 and dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+@click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("config")
+@click.argument("overrides", nargs=-1)
+@click.option("--resume", default=None, metavar="auto|none|PATH",
+              help="Shorthand for checkpoint.resume=...: auto (newest complete checkpoint), none, or a path.")
+def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
+    """Train CONFIG (a preset such as tiny/t-loopformer, or a YAML file) with OVERRIDES (section.key=value).
+
+    \b
+    Single process:     tlf train tiny/t-loopformer data.dir=data/demo
+    Launcher, N ranks:  deepspeed --no_local_rank --num_gpus N $(which tlf) train CONFIG [OVERRIDES]
+    (module form:       deepspeed --num_gpus N --module pipeline.train CONFIG [OVERRIDES])
+    """
+    try:
+        cfg = load_config(config, overrides)
+        if resume is not None:
+            apply_overrides(cfg, [f"checkpoint.resume={resume}"])
+        cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))  # fail fast, before the heavy imports
+    except ConfigError as e:
+        raise click.UsageError(f"config error: {e}") from None
+    from data_prep.shards import ShardError
+    from pipeline.train.checkpoint import CheckpointError
+    from pipeline.train.trainer import NonFiniteError, run
+
+    code = 0
+    try:
+        res = run(cfg)
+        if res.stopped_by:
+            click.echo(f"[tlf] stopped by {res.stopped_by} at step {res.step}; checkpoint {res.checkpoint}")
+    except ConfigError as e:
+        click.echo(f"Error: config error: {e}", err=True)
+        code = 2
+    except (ShardError, CheckpointError, NonFiniteError) as e:
+        click.echo(f"Error: {e}", err=True)
+        code = 1
+    except KeyboardInterrupt:
+        click.echo("Error: interrupted", err=True)
+        code = 130
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    _exit(code)

@@ -1,0 +1,149 @@
+"""Everything DeepSpeed: the process group, the DeepSpeed config built from ours, AdamW and its schedule, and
+the one call to `deepspeed.initialize` (model code stays single-device).
+
+The DeepSpeed config starts from a template (`train.ds_config`, default `ds_configs/zero{train.zero_stage}.json`);
+every `"auto"` value in it is filled from our config, so batch sizes live in `train.*` only:
+train_micro_batch_size_per_gpu = train.micro_batch_size, gradient_accumulation_steps = train.grad_accum_steps,
+train_batch_size = train.global_batch_size (checked: micro x accum x world size), gradient_clipping =
+optim.grad_clip, bf16.enabled = (precision is bf16). A template that fixes a batch size or a ZeRO stage different
+from ours is an error naming both values.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+from pipeline.config import Config, ConfigError
+
+BATCH_KEYS = {"train_batch_size": "global_batch_size", "train_micro_batch_size_per_gpu": "micro_batch_size",
+              "gradient_accumulation_steps": "grad_accum_steps"}
+
+
+def ds_config_dir() -> Path:
+    here = Path(__file__).resolve().parent.parent.parent / "ds_configs"  # source checkout / editable install
+    return here if here.is_dir() else Path(sys.prefix) / "share" / "tlf" / "ds_configs"
+
+
+def resolve_device(cfg: Config) -> str:
+    dev = cfg.train.device
+    if dev == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if dev not in ("cpu", "cuda"):
+        raise ConfigError(f"train.device must be auto, cpu or cuda, got {dev!r}")
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but torch sees no CUDA device")
+    return dev
+
+
+def resolve_precision(cfg: Config, device: str) -> str:
+    p = cfg.train.precision
+    if p == "auto":
+        return "bf16" if device == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    return p
+
+
+def build_ds_config(cfg: Config, world_size: int, precision: str) -> dict:
+    """The DeepSpeed config of this run: the template with every "auto" filled from cfg (see module doc)."""
+    cfg.check_world_size(world_size)
+    path = Path(cfg.train.ds_config) if cfg.train.ds_config else ds_config_dir() / f"zero{cfg.train.zero_stage}.json"
+    if not path.is_file():
+        raise ConfigError(f"train.ds_config: DeepSpeed template {path} not found")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from None
+    t = cfg.train
+    for key, ours in BATCH_KEYS.items():
+        want = getattr(t, ours)
+        have = ds.get(key, "auto")
+        if have != "auto" and have != want:
+            raise ConfigError(f"{path}: {key}={have} but train.{ours}={want}; batch sizes live in train.* "
+                              f"(set it to \"auto\" in the template)")
+        ds[key] = want
+    if ds.get("gradient_clipping", "auto") == "auto":
+        ds["gradient_clipping"] = float(cfg.optim.grad_clip)
+    bf16 = ds.setdefault("bf16", {})
+    if bf16.get("enabled", "auto") == "auto":
+        bf16["enabled"] = precision == "bf16"
+    elif bool(bf16["enabled"]) != (precision == "bf16"):
+        raise ConfigError(f"{path}: bf16.enabled={bf16['enabled']} but train.precision resolves to {precision}")
+    zero = ds.setdefault("zero_optimization", {})
+    stage = zero.get("stage", "auto")
+    if stage == "auto":
+        zero["stage"] = t.zero_stage
+    elif stage != t.zero_stage:
+        raise ConfigError(f"{path}: zero_optimization.stage={stage} but train.zero_stage={t.zero_stage}")
+    for k in ("optimizer", "scheduler"):
+        if k in ds:
+            raise ConfigError(f"{path}: remove '{k}': tlf builds AdamW and its schedule from optim.* and schedule.*")
+    return ds
+
+
+def lr_multiplier(cfg: Config):
+    """f(step) = lr(step) / optim.lr for update number step (0-based): linear warm-up to optim.lr over
+    schedule.warmup_steps updates, then cosine to schedule.min_lr at schedule.max_steps (or constant)."""
+    s, peak = cfg.schedule, cfg.optim.lr
+    floor = s.min_lr / peak if peak > 0 else 0.0
+
+    def f(step: int) -> float:
+        if step < s.warmup_steps:
+            return (step + 1) / s.warmup_steps
+        if s.decay == "constant":
+            return 1.0
+        span = max(s.max_steps - s.warmup_steps, 1)
+        progress = min((step - s.warmup_steps) / span, 1.0)
+        return floor + 0.5 * (1.0 - floor) * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def build_optimizer(cfg: Config, model) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over model.param_groups (decay on matrices; none on embeddings, norms, biases) + LambdaLR."""
+    o = cfg.optim
+    opt = torch.optim.AdamW(model.param_groups(o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: str) -> tuple[int, int, int]:
+    """Joins (or, in a single process without a launcher, creates) the process group: nccl on CUDA, gloo on CPU.
+    Returns (rank, local_rank, world_size)."""
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator().device_name()
+    if (device == "cpu") != (acc == "cpu"):
+        raise ConfigError(f"train.device resolves to {device} but DeepSpeed's accelerator is {acc} "
+                          f"(set DS_ACCELERATOR={device} before the run)")
+    if not torch.distributed.is_initialized():
+        if "WORLD_SIZE" not in os.environ:  # plain `tlf train`: a process group of one
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", auto_mpi_discovery=False,
+                                   verbose=False)
+    rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return rank, int(os.environ.get("LOCAL_RANK", rank)), ws
+
+
+def initialize(model, optimizer, scheduler, ds_config: dict):
+    """The one `deepspeed.initialize` call: returns the engine (which owns optimizer and schedule)."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config)
+    return engine

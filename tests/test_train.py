@@ -1,0 +1,340 @@
+"""Training in one process (world size 1, gloo): DeepSpeed config, schedule, loader, checkpoints, bit-exact resume,
+signals, faults (NaN, full disk, killed save), MLflow. The 2-rank launcher tests are in test_train_dist.py."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_BUILD_OPS", "0")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "torch_extensions"))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import numpy as np
+import pytest
+import torch
+
+from data_prep.shards import write_shard
+from pipeline.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def clean_env(**extra) -> dict:
+    """The environment for a child process, without the process-group variables an in-process run has set."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return {**env, **extra}
+
+# A model small enough that a step takes milliseconds on CPU (the vocabulary is what makes tiny/* slow).
+TINY = ["model.vocab_size=512", "model.block_size=32", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
+        "model.n_layers=2", "model.loops=3", "model.fourier_dim=16", "train.micro_batch_size=2",
+        "train.global_batch_size=2", "schedule.warmup_steps=2", "schedule.max_steps=8", "train.eval_interval=4",
+        "train.eval_batches=2", "train.log_interval=4", "checkpoint.interval=4", "checkpoint.keep_last=2",
+        "optim.lr=1e-2", "logging.mlflow=false"]
+
+
+def make_shards(directory: Path, windows: int, seq_len: int = 32, seed: int = 0, vocab: int = 512) -> Path:
+    """A train split of exactly `windows` sequences of seq_len+1 tokens, and a small val split."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    write_shard(directory / "t_train_000000.bin", rng.integers(0, vocab, windows * seq_len + 1))
+    write_shard(directory / "t_val_000000.bin", rng.integers(0, vocab, 8 * seq_len + 1))
+    return directory
+
+
+def tiny_cfg(tmp: Path, data: Path, *extra: str, preset: str = "tiny/t-loopformer"):
+    return load_config(preset, TINY + [f"data.dir={data}", f"checkpoint.dir={tmp}"] + list(extra))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return make_shards(tmp_path_factory.mktemp("shards"), windows=10)  # 5 steps per epoch at batch 2: crosses epochs
+
+
+# ------------------------------------------------------------------------------------------ pure parts
+def test_ds_config_is_built_from_train_config(tmp_path):
+    from pipeline.train.ds import build_ds_config
+
+    for stage in range(4):
+        cfg = load_config("tiny/t-loopformer", [f"train.zero_stage={stage}", "train.micro_batch_size=3",
+                                                "train.grad_accum_steps=2", "train.global_batch_size=12",
+                                                "optim.grad_clip=0.5"])
+        ds = build_ds_config(cfg, world_size=2, precision="bf16" if stage % 2 else "fp32")
+        assert ds["zero_optimization"]["stage"] == stage
+        assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (12, 3, 2)
+        assert ds["gradient_clipping"] == 0.5 and ds["bf16"]["enabled"] == bool(stage % 2)
+        assert "optimizer" not in ds and "scheduler" not in ds
+    with pytest.raises(ConfigError) as e:
+        build_ds_config(cfg, world_size=1, precision="fp32")
+    assert "train.global_batch_size=12" in str(e.value) and "world_size=1 = 6" in str(e.value)
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 5, "zero_optimization": {"stage": 3}}))
+    cfg.train.ds_config = str(bad)
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu=5 but train.micro_batch_size=3"):
+        build_ds_config(cfg, world_size=2, precision="fp32")
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    with pytest.raises(ConfigError, match="zero_optimization.stage=2 but train.zero_stage=3"):
+        build_ds_config(cfg, world_size=2, precision="fp32")
+
+
+def test_lr_schedule_warmup_then_cosine():
+    from pipeline.train.ds import lr_multiplier
+
+    cfg = load_config("paper/t-loopformer")
+    f = lr_multiplier(cfg)
+    lr = lambda s: cfg.optim.lr * f(s)  # noqa: E731
+    assert lr(0) == pytest.approx(6e-4 / 4000) and lr(3999) == pytest.approx(6e-4)
+    assert lr(4000) == pytest.approx(6e-4)
+    assert lr(4000 + (250000 - 4000) // 2) == pytest.approx((6e-4 + 6e-5) / 2)
+    assert lr(250000) == pytest.approx(6e-5) and lr(300000) == pytest.approx(6e-5)
+    assert all(lr(s) >= lr(s + 1000) for s in range(4000, 250000, 1000))
+
+
+def test_param_groups_decay_matrices_only():
+    from pipeline.model import LoopedLM
+    from pipeline.train.ds import build_optimizer
+
+    cfg = load_config("tiny/t-loopformer", TINY)
+    model = LoopedLM(cfg.model)
+    opt, _ = build_optimizer(cfg, model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay = {names[id(p)] for p in opt.param_groups[0]["params"]}
+    plain = {names[id(p)] for p in opt.param_groups[1]["params"]}
+    assert opt.param_groups[0]["weight_decay"] == cfg.optim.weight_decay and opt.param_groups[1]["weight_decay"] == 0
+    assert "wte.weight" in plain and "wpe.weight" in plain and not any(n.startswith(("wte", "wpe")) for n in decay)
+    assert all(model.get_parameter(n).dim() >= 2 for n in decay) and all(
+        model.get_parameter(n).dim() < 2 for n in plain - {"wte.weight", "wpe.weight"})
+
+
+def test_loader_is_disjoint_deterministic_and_resumable(tmp_path):
+    from pipeline.train.data import TrainLoader
+
+    d = make_shards(tmp_path, windows=23, seq_len=8)
+    mk = lambda r, ws=2: TrainLoader(str(d), "train", 8, 3, r, ws, seed=7, vocab_size=512)  # noqa: E731
+    a, b = mk(0), mk(1)
+    assert a.micros_per_epoch == 3  # 23 windows // (3 x 2): remainder dropped per epoch
+    for micro in range(6):
+        ia, ib = set(a.window_ids(micro)), set(b.window_ids(micro))
+        assert len(ia) == len(ib) == 3 and not ia & ib
+    epoch0 = np.concatenate([np.r_[a.window_ids(m), b.window_ids(m)] for m in range(3)])
+    assert len(set(epoch0.tolist())) == 18  # one epoch never repeats a window
+    assert not np.array_equal(a.window_ids(0), a.window_ids(3))  # the next epoch is reshuffled
+    x0, y0 = a.next()
+    assert x0.shape == (3, 8) and torch.equal(x0[:, 1:], y0[:, :-1])
+    for _ in range(4):
+        a.next()
+    state = a.state_dict()
+    want = [a.next() for _ in range(3)]
+    c = mk(0)
+    c.load_state_dict(state)
+    got = [c.next() for _ in range(3)]
+    assert all(torch.equal(w[0], g[0]) and torch.equal(w[1], g[1]) for w, g in zip(want, got))
+    with pytest.raises(ValueError, match="per_micro"):
+        mk(0, ws=1).load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------------- training runs
+def _sigterm_at(monkeypatch, micro: int) -> None:
+    """Sends this process SIGTERM when the loader hands out global micro-batch `micro` (during that step)."""
+    from pipeline.train.data import TrainLoader
+
+    orig = TrainLoader.next
+
+    def nxt(self):
+        if self.micro == micro:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return orig(self)
+
+    monkeypatch.setattr(TrainLoader, "next", nxt)
+
+
+def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch):
+    from pipeline.model.io import load_model
+    from pipeline.train.trainer import run
+
+    full = run(tiny_cfg(tmp_path / "a", data))
+    assert len(full.losses) == 8 and full.step == 8 and all(np.isfinite(full.losses))
+    root = tmp_path / "a"
+    assert (root / "latest").read_text() == "global_step8"
+    assert sorted(p.name for p in root.iterdir()) == ["global_step4", "global_step8", "latest"]  # keep_last=2
+    assert sorted(full.val_losses) == [4, 8]
+    # the export beside the checkpoint is the trained model
+    model, cfg = load_model(root)
+    assert cfg.model.d_model == 32 and cfg.name == "tiny/t-loopformer"
+    saved = torch.load(root / "global_step8" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert all(torch.equal(model.state_dict()[k], v.float()) for k, v in saved.items())
+
+    # resume from step 4 into another dir: steps 5..8 are bit-identical
+    part = run(tiny_cfg(tmp_path / "b", data, f"checkpoint.resume={root / 'global_step4'}"))
+    assert part.start_step == 4 and part.losses == full.losses[4:]
+    assert part.val_losses[8] == full.val_losses[8]
+
+    # SIGTERM during step 3: the step finishes, a checkpoint is saved, the run returns; resume auto finishes it
+    _sigterm_at(monkeypatch, 2)
+    stopped = run(tiny_cfg(tmp_path / "c", data))
+    assert stopped.stopped_by == "SIGTERM" and stopped.step == 3 and stopped.losses == full.losses[:3]
+    assert (tmp_path / "c" / "latest").read_text() == "global_step3"
+    monkeypatch.undo()
+    rest = run(tiny_cfg(tmp_path / "c", data, "checkpoint.resume=auto"))
+    assert rest.start_step == 3 and rest.losses == full.losses[3:]
+
+
+def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data):
+    from pipeline.train.trainer import run
+
+    extra = ["train.zero_stage=2", "train.grad_accum_steps=2", "train.global_batch_size=4", "train.micro_batch_size=2",
+             "schedule.max_steps=6", "checkpoint.interval=3", "train.eval_interval=0"]
+    full = run(tiny_cfg(tmp_path / "a", data, *extra))
+    part = run(tiny_cfg(tmp_path / "b", data, *extra, f"checkpoint.resume={tmp_path / 'a' / 'global_step3'}"))
+    assert part.losses == full.losses[3:]
+
+
+def test_mlflow_run_holds_params_metrics_and_tags(tmp_path, data):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.train.trainer import run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = tiny_cfg(tmp_path / "ck", data, "logging.mlflow=true", f"logging.tracking_uri={uri}",
+                   "logging.experiment=t", "schedule.max_steps=4")
+    res = run(cfg)
+    client = MlflowClient(uri)
+    r = client.get_run(res.run_id)
+    assert r.info.status == "FINISHED"
+    assert r.data.params == {k: str(v) for k, v in cfg.flat().items()}
+    assert r.data.tags["variant"] == "t-loopformer" and r.data.tags["preset"] == "tiny/t-loopformer"
+    assert r.data.tags["scale"] == "tiny" and r.data.tags["world_size"] == "1"
+    hist = client.get_metric_history(res.run_id, "loss")
+    assert [m.step for m in sorted(hist, key=lambda m: m.step)] == [1, 2, 3, 4]
+    assert [m.value for m in sorted(hist, key=lambda m: m.step)] == res.losses
+    want = {"loss_L", "loss_S", "loss_align", "lr", "grad_norm", "tokens_per_s", "mfu", "mem/peak_rss_gb", "val/loss",
+            "router/full/mean_depth", "router/full/depth_share_1", "router/short/mean_depth", "router/full/compute_ratio"}
+    assert want <= set(r.data.metrics)
+    assert r.data.metrics["lr"] == pytest.approx(3e-4 + 0.5 * (1e-2 - 3e-4) * (1 + np.cos(np.pi * (3 - 2) / (4 - 2))))
+    assert r.data.metrics["tokens_per_s"] > 0 and 0 < r.data.metrics["mfu"] < 1
+    assert sum(r.data.metrics[f"router/full/depth_share_{i}"] for i in (1, 2, 3)) == pytest.approx(1.0)
+    # resuming (a longer schedule) continues the same MLflow run
+    res2 = run(tiny_cfg(tmp_path / "ck", data, "logging.mlflow=true", f"logging.tracking_uri={uri}",
+                        "logging.experiment=t", "schedule.max_steps=6"))
+    assert res2.run_id == res.run_id and res2.start_step == 4
+    assert sorted(m.step for m in client.get_metric_history(res.run_id, "loss")) == [1, 2, 3, 4, 5, 6]
+
+
+def _nan_at(monkeypatch, calls: set[int]) -> None:
+    """Makes the training forward's loss NaN on the given 1-based call numbers."""
+    from pipeline.model import LoopedLM
+
+    orig, n = LoopedLM.forward, [0]
+
+    def fwd(self, idx, targets=None, *a, **k):
+        out = orig(self, idx, targets, *a, **k)
+        if self.training and targets is not None:
+            n[0] += 1
+            if n[0] in calls:
+                out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(LoopedLM, "forward", fwd)
+
+
+def test_nan_loss_stops_naming_the_step_or_skips(tmp_path, data, monkeypatch):
+    from pipeline.train.trainer import NonFiniteError, run
+
+    _nan_at(monkeypatch, {3})
+    with pytest.raises(NonFiniteError, match=r"non-finite loss at step 3 .*Last good checkpoint: .*global_step2"):
+        run(tiny_cfg(tmp_path / "stop", data, "checkpoint.interval=2"))
+    assert (tmp_path / "stop" / "latest").read_text() == "global_step2"
+    assert sorted(p.name for p in (tmp_path / "stop").iterdir()) == ["global_step2", "latest"]
+
+    _nan_at(monkeypatch, {3, 4})
+    res = run(tiny_cfg(tmp_path / "skip", data, "train.nan_policy=skip", "schedule.max_steps=4"))
+    assert res.skipped == 2 and len(res.losses) == 4 and all(np.isfinite(res.losses))
+
+    _nan_at(monkeypatch, set(range(1, 100)))
+    with pytest.raises(NonFiniteError, match="3 non-finite batches in a row"):
+        run(tiny_cfg(tmp_path / "skip2", data, "train.nan_policy=skip", "train.nan_skip_limit=3"))
+
+
+def test_full_disk_during_save_leaves_previous_checkpoint(tmp_path, data, monkeypatch):
+    import shutil
+
+    from pipeline.model.io import load_model
+    from pipeline.train.checkpoint import CheckpointError
+    from pipeline.train.trainer import run
+
+    root = tmp_path / "ck"
+    real_save = torch.save
+
+    def full_disk(obj, f, *a, **k):  # DeepSpeed's files go through torch.save: the disk fills up mid-file
+        if "global_step4" in str(f):
+            Path(f).write_bytes(b"\0" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match=r"global_step4 failed.*No space left.*global_step2 is intact"):
+        run(tiny_cfg(root, data, "checkpoint.interval=2"))
+    monkeypatch.undo()
+    assert sorted(p.name for p in root.iterdir()) == ["global_step2", "latest"]  # the temp dir is gone
+    assert (root / "latest").read_text() == "global_step2"
+    load_model(root)
+    res = run(tiny_cfg(root, data, "checkpoint.interval=2", "schedule.max_steps=3"))
+    assert res.start_step == 2 and res.step == 3
+
+    # too little free space: refused before anything is written
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=1000))
+    with pytest.raises(CheckpointError, match=r"not saving .*global_step4.*free.*global_step3 is intact"):
+        run(tiny_cfg(root, data, "checkpoint.interval=4", "schedule.max_steps=8"))
+    assert sorted(p.name for p in root.iterdir()) == ["global_step2", "global_step3", "latest"]
+
+
+KILL_SCRIPT = """
+import os, signal, sys
+from pipeline.config import load_config
+from pipeline.train import checkpoint
+from pipeline.train.trainer import run
+real = checkpoint.export_model
+def export(engine, model, cfg, directory, rank):
+    if "global_step4" in str(directory):  # DeepSpeed's files and the rank state are written: die mid-save
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(engine, model, cfg, directory, rank)
+checkpoint.export_model = export
+run(load_config("tiny/t-loopformer", sys.argv[1:]))
+"""
+
+
+def test_killed_save_leaves_a_loadable_checkpoint(tmp_path, data):
+    from pipeline.model.io import load_model
+    from pipeline.train.trainer import run
+
+    root = tmp_path / "ck"
+    args = TINY + [f"data.dir={data}", f"checkpoint.dir={root}", "checkpoint.interval=2"]
+    p = subprocess.run([PY, "-c", KILL_SCRIPT, *args], capture_output=True, text=True, timeout=300, env=clean_env())
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+    assert (root / "latest").read_text() == "global_step2"
+    assert sorted(x.name for x in root.iterdir()) == [".tmp-global_step4", "global_step2", "latest"]
+    load_model(root)  # generation/evaluation see the previous complete export
+    res = run(tiny_cfg(root, data, "checkpoint.interval=2", "schedule.max_steps=4"))
+    assert res.start_step == 2 and res.step == 4
+    assert sorted(x.name for x in root.iterdir()) == ["global_step2", "global_step4", "latest"]
+
+
+def test_cli_errors_are_clear(tmp_path, data):
+    env = clean_env(WORLD_SIZE="1")
+    p = subprocess.run([PY, "-m", "pipeline.train", "tiny/t-loopformer", "train.global_batch_size=8"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2
+    assert "train.global_batch_size=8" in p.stderr and "train.micro_batch_size=4" in p.stderr and "world_size=1" in p.stderr
+    p = subprocess.run([PY, "-m", "pipeline.train", "tiny/t-loopformer", "train.bogus=1"], capture_output=True,
+                       text=True, timeout=120, env=clean_env())
+    assert p.returncode == 2 and "unknown config key 'train.bogus'" in p.stderr
+    p = subprocess.run([PY, "-m", "pipeline.train", "tiny/t-loopformer", *TINY, f"data.dir={tmp_path}/nothing",
+                        f"checkpoint.dir={tmp_path}/ck"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env=clean_env())
+    assert p.returncode == 1 and "nothing: no 'train' shards" in p.stderr
