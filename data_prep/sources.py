@@ -249,9 +249,9 @@ class FileSource:
         groups, row0 = [], 0
         for g in range(pf.metadata.num_row_groups):
             n = pf.metadata.row_group(g).num_rows
-            if row0 + n > first:
+            if groups or row0 + n > first:
                 groups.append(g)
-            else:
+            else:  # a whole row group before the cursor: skipped without reading
                 row0 += n
         total = max(pf.metadata.num_rows, 1)
         row, task, size = row0, self._batcher("str", fi, False), 0
