@@ -1,0 +1,152 @@
+"""`tlf eval` end to end on tiny checkpoints: every budget in one run, outputs (JSON, Table-1 markdown, depth
+PNG), MLflow, the base model's budgets, latency through the inference benchmark, and clear errors."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from data_prep.shards import write_shard
+from evaluation.evaluate import run
+from evaluation.tasks import TaskDataError
+from pipeline.config import ConfigError, load_config
+from pipeline.model.io import save_model
+from pipeline.model.looped import LoopedLM
+
+RACE_ROW = {"article": "Tom grew up on a farm. Every morning he fed the chickens.",
+            "problems": str([{"answer": "A", "options": ["chickens", "cows", "dogs", "fish"],
+                              "question": "What did Tom feed?"}])}
+
+
+def tiny(name, seed=0):
+    cfg = load_config(name)
+    torch.manual_seed(seed)
+    m = LoopedLM(cfg.model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        if m.router is not None:
+            m.router.fc2.bias.copy_(torch.linspace(-0.5, 0.5, cfg.model.loops))
+    return m, cfg
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evalrun")
+    for name in ("tiny/t-loopformer", "tiny/base"):
+        m, cfg = tiny(name)
+        save_model(root / name.split("/")[1], m, cfg)
+    rng = np.random.default_rng(0)
+    for d in ("demo", "enwiki"):
+        (root / d).mkdir()
+        write_shard(root / d / f"{d}_val_000000.bin", rng.integers(0, 50257, 300))
+    (root / "race.jsonl").write_text(json.dumps(RACE_ROW) + "\n")
+    return root
+
+
+def overrides(env, tasks="[copa,race,lambada_openai,sciq]", **kw):
+    ov = [f"eval.tasks={tasks}", "eval.limit=2", "eval.source=offline", f"eval.race_file={env / 'race.jsonl'}",
+          f"data.dir={env / 'demo'}", f"data.extra_val_dirs=[{env / 'enwiki'}]", "eval.ppl_tokens=130",
+          "eval.latency=false", f"logging.tracking_uri=sqlite:///{env / 'mlflow.db'}", "eval.batch_size=8"]
+    return ov + [f"eval.{k}={v}" for k, v in kw.items()]
+
+
+def test_every_budget_in_one_run_with_all_outputs(env):
+    out = env / "out_tlf"
+    res = run(env / "t-loopformer", overrides(env, out_dir=str(out)), loops="2,4", log=lambda *a: None)
+    assert [b["loops"] for b in res["budgets"]] == [2, 4]
+    b2, b4 = res["budgets"]
+    assert set(b2["tasks"]) == {"copa", "race", "lambada_openai", "sciq"}
+    assert b2["tasks"]["sciq"]["split"] == "validation" and "validation" in b2["tasks"]["sciq"]["note"]
+    assert b2["tasks"]["copa"]["split"] == "validation" and b2["tasks"]["lambada_openai"]["split"] == "test"
+    assert {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"} <= set(b2["tasks"]["sciq"])
+    assert {"acc", "perplexity"} <= set(b2["tasks"]["lambada_openai"])
+    assert [p["set"] for p in b2["perplexity"]] == ["demo", "enwiki"] and b2["perplexity"][0]["tokens"] == 130
+    assert b2["perplexity"][0]["ppl"] != pytest.approx(b4["perplexity"][0]["ppl"], rel=1e-4)  # budget matters
+    assert b2["depth"]["mean"] <= 2 < b4["depth"]["mean"]
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["budgets"][1]["perplexity"][1]["ppl"] == pytest.approx(b4["perplexity"][1]["ppl"])
+    md = (out / "table1.md").read_text()
+    assert "| T-LoopFormer (2 ⊗ 2) | 4x |" in md and "| T-LoopFormer (2 ⊗ 4) | 8x |" in md
+    assert "PPL demo | PPL enwiki | COPA | HS | LB | OBQA | PIQA | Race | SciQ | ARC-C | SIQA | ARC-E | Avg Acc" in md
+    assert "sciq offline: validation split" in md
+    for M in (2, 4):
+        assert (out / f"depth_M{M}.png").read_bytes()[:4] == b"\x89PNG"
+    avg = np.mean([b4["tasks"][t]["acc"] for t in ("copa", "race", "lambada_openai", "sciq")])
+    assert b4["avg_acc"] == pytest.approx(avg)
+    # MLflow: a new run tagged with variant and preset, metrics for every budget, the files as artifacts
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri=f"sqlite:///{env / 'mlflow.db'}")
+    r = client.get_run(res["mlflow_run_id"])
+    assert r.data.tags["variant"] == "t-loopformer" and r.data.tags["preset"] == "tiny/t-loopformer"
+    assert r.data.metrics["eval/M4/sciq/acc"] == pytest.approx(b4["tasks"]["sciq"]["acc"])
+    assert r.data.metrics["eval/M2/ppl/enwiki/ppl"] == pytest.approx(b2["perplexity"][1]["ppl"])
+    assert r.data.metrics["eval/M4/depth/mean"] == pytest.approx(b4["depth"]["mean"])
+    arts = {a.path for a in client.list_artifacts(res["mlflow_run_id"], "eval")}
+    assert {"eval/results.json", "eval/table1.md", "eval/depth_M2.png"} <= arts
+
+
+def test_base_model_budget_does_nothing(env):
+    res = run(env / "base", overrides(env, tasks="[copa]", out_dir=str(env / "out_base"), mlflow="false"),
+              loops="1,2,4", log=lambda *a: None)
+    assert [b["effective_loops"] for b in res["budgets"]] == [1, 1, 1] and "not looped" in res["note"]
+    first = res["budgets"][0]
+    for b in res["budgets"][1:]:
+        assert b["tasks"] == first["tasks"] and b["perplexity"] == first["perplexity"]
+    assert first["depth"]["share"] == [1.0]
+    assert "| Base (8 ⊗ 1) | 8x |" in (env / "out_base" / "table1.md").read_text()
+
+
+def test_logs_into_the_checkpoints_recorded_run(env, tmp_path):
+    from mlflow.tracking import MlflowClient
+    uri = f"sqlite:///{env / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("train") or client.get_experiment(client.create_experiment("train"))
+    train_run = client.create_run(exp.experiment_id).info.run_id
+    ck = tmp_path / "ck"
+    shutil.copytree(env / "base", ck)
+    (ck / "mlflow_run_id").write_text(train_run + "\n")
+    res = run(ck, overrides(env, tasks="[copa]", perplexity="false", out_dir=str(tmp_path / "o")), log=lambda *a: None)
+    assert res["mlflow_run_id"] == train_run and res["mlflow_run"] == "checkpoint's run"
+    assert "eval/M1/copa/acc" in client.get_run(train_run).data.metrics
+
+
+def test_latency_uses_the_inference_benchmark():
+    from evaluation.latency import bench, measure_latency
+    assert hasattr(bench, "ttft") and hasattr(bench, "tpot")
+    m, _ = tiny("tiny/t-loopformer")
+    lat = measure_latency(m.eval(), 2, "cpu", repeats=1, steps=2, batches=(1, 2))
+    assert set(lat["ttft_ms"]) == {"31"} and set(lat["tpot_ms"]) == {"1", "2"}
+    assert all(v > 0 for v in list(lat["ttft_ms"].values()) + list(lat["tpot_ms"].values()))
+    assert 1 <= lat["decode_mean_depth"] <= 2
+
+
+def test_clear_errors(env, tmp_path):
+    with pytest.raises(TaskDataError, match="unknown task 'hellaswagg'"):
+        run(env / "base", overrides(env, tasks="[copa,hellaswagg]", mlflow="false"), log=lambda *a: None)
+    with pytest.raises(ConfigError, match=r"exceeds the checkpoint's training loops model.loops=4"):
+        run(env / "t-loopformer", overrides(env, mlflow="false"), loops="2,8", log=lambda *a: None)
+    with pytest.raises(ConfigError, match=r"checkpoint is not a tiny/base model: model.variant: checkpoint 't-loopformer'"):
+        run(env / "t-loopformer", overrides(env, mlflow="false"), config="tiny/base", log=lambda *a: None)
+    mixed = tmp_path / "mixed"  # t-loopformer weights with the base model's config.yaml
+    shutil.copytree(env / "t-loopformer", mixed)
+    shutil.copy(env / "base" / "config.yaml", mixed / "config.yaml")
+    with pytest.raises(ConfigError, match=r"weights do not match its config.yaml"):
+        run(mixed, overrides(env, mlflow="false"), log=lambda *a: None)
+    with pytest.raises(TaskDataError, match="race: no offline copy"):
+        run(env / "base", overrides(env, tasks="[race]", mlflow="false") + [f"eval.race_file={tmp_path / 'no.jsonl'}"],
+            log=lambda *a: None)
+
+
+def test_cli(env, tmp_path):
+    from pipeline.cli import main
+    r = CliRunner().invoke(main, ["eval", str(env / "base"), "--tasks", "copa", "--limit", "1", "--no-ppl",
+                                  "--no-latency", "--no-mlflow", "--source", "offline", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    assert "copa: acc=" in r.output and (tmp_path / "o" / "results.json").is_file()
+    r = CliRunner().invoke(main, ["eval", str(env / "base"), "--tasks", "copa,nope", "--no-mlflow"])
+    assert r.exit_code != 0 and "unknown task 'nope'" in r.output
