@@ -44,7 +44,10 @@ def prep_data(overrides, config_file, overwrite, inputs, **opts):
     from data_prep.assets import AssetError
     values = dict(opts)
     values["inputs"] = list(inputs) if inputs else None
-    cfg = load_prep_config(config_file, values, overrides)
+    try:
+        cfg = load_prep_config(config_file, values, overrides)
+    except ConfigError as e:
+        raise click.UsageError(f"config error: {e}") from None
     try:
         m = prepare(cfg, overwrite=overwrite)
     except (PrepError, PrepInputError, AssetError) as e:
@@ -52,6 +55,10 @@ def prep_data(overrides, config_file, overwrite, inputs, **opts):
     except KeyboardInterrupt:
         click.echo(f"interrupted; rerun the same command to resume from {cfg.out}/manifest.json", err=True)
         sys.exit(130)
+    docs = m["documents"]
+    if docs.get("skipped_bad"):
+        click.echo(f"skipped {docs['skipped_bad']} bad records (listed under documents.bad_examples in the manifest)",
+                   err=True)
     for split, info in m["splits"].items():
         click.echo(f"{split}: {len(info['shards'])} shards, {info['tokens']:,} tokens, {info['docs']:,} documents")
     click.echo(f"wrote {cfg.out}/manifest.json")
