@@ -29,6 +29,6 @@ setup(
         "deepspeed>=0.14",
         "matplotlib>=3.7",
     ],
-    extras_require={"dev": ["pytest>=8"]},
+    extras_require={"dev": ["pytest>=8"], "harness": ["lm-eval>=0.4.5"]},
     entry_points={"console_scripts": ["tlf=pipeline.cli:main"]},
 )
