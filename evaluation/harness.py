@@ -32,6 +32,10 @@ class TLFLM(LM):
             from pipeline.model.io import load_model
             model, _cfg = load_model(checkpoint, "cpu")
         dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if str(dev).startswith("cuda") and not torch.cuda.is_available():  # lm_eval's CLI default is cuda
+            import warnings
+            warnings.warn(f"tlf: device {dev!r} requested but CUDA is not available; using cpu")
+            dev = "cpu"
         self.model = model.to(dev).eval()
         L = self.model.cfg.loops
         self.loops = int(loops) if loops not in (None, "") else L
