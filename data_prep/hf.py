@@ -68,14 +68,15 @@ class HubSource:
         self.batch_bytes = cfg.batch_bytes
         for var in ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"):
             os.environ.setdefault(var, str(int(max(1, self.timeout))))
-        if self.dataset not in PACKAGED:
-            probe(self.dataset, self.config, self.timeout)
 
     def describe(self) -> list[dict]:
         return [{"dataset": self.dataset, "config": self.config, "split": self.split,
                  "data_files": self.data_files}]
 
     def _open(self):
+        """The streaming dataset; the Hub is probed first (not needed to see that an output is complete)."""
+        if self.dataset not in PACKAGED:
+            probe(self.dataset, self.config, self.timeout)
         import datasets
         kw = {"data_files": self.data_files} if self.data_files else {}
         try:
