@@ -166,3 +166,28 @@ def test_full_depth_ablation():
     assert dec.cache.entries_per_loop() == [sum(fed)] * 4
     rw = [int(sum((r.depth[0, :f] >= i).sum() for r, f in zip(ref, fed))) for i in range(1, 5)]
     assert sum(rw) < 4 * sum(fed)
+
+
+def test_partial_batches_take_both_read_paths_exactly():
+    """Loop i with most rows running reads the whole batch's cache (masked, no copy); with few rows running
+    it gathers their entries. Both must be exact; this batch makes both happen."""
+    model = make()
+    seqs, lens = sequences(lengths=(2, 7, 4, 9, 1, 5), total=16, seed=3)
+    kinds = []  # (rows running the loop, read the whole batch?) of every decode loop
+    dec = Decoder(model, loops=4)
+    orig = dec._new_cache
+
+    def recording_cache(B, dev):
+        cache = orig(B, dev)
+        begin = cache.begin_loop
+
+        def rec(i, rows):
+            v = begin(i, rows)
+            kinds.append((len(rows), v.full_read))
+            return v
+        cache.begin_loop = rec
+        return cache
+    dec._new_cache = recording_cache
+    err, *_ = run(model, 4, seqs, lens, dec=dec)
+    assert err <= ATOL
+    assert any(f for _, f in kinds) and any(not f and 0 < n < 6 for n, f in kinds)

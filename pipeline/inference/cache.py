@@ -29,6 +29,7 @@ class LoopView:
     slot: torch.Tensor  # (R,) where each row writes its new entry
     S: int  # entries to read (max over the rows, new entry included)
     mask: torch.Tensor | None  # (R, 1, 1, S) bool, True = may attend; None = every read entry is valid
+    full_read: bool = False  # rows is a subset but reads (and the mask, (B, 1, 1, S)) cover the whole batch
 
 
 class RecursionKVCache:
@@ -122,8 +123,15 @@ class RecursionKVCache:
                 self.n[i0] += 1
             else:
                 self.n[i0, rows] += 1
+            ar = torch.arange(S, device=self.device)[None]  # (1, S)
+            if not every and 2 * len(rows_np) >= self.B:
+                # most rows run this loop: attend over the whole batch's cache (a view, no copy of the
+                # rows' entries); rows that skip the loop see only entry 0 and their output is dropped
+                run = torch.zeros(self.B, dtype=torch.bool, device=self.device).index_fill_(0, rows, True)
+                mask = torch.where(run[:, None], ar < self.n[i0][:, None], ar == 0)
+                return LoopView(rows, slot, S, mask[:, None, None], full_read=True)
             uniform = bool((lens_host == S).all())
-            mask = None if uniform else (torch.arange(S, device=self.device)[None] < (slot + 1)[:, None])[:, None, None]
+            mask = None if uniform else (ar < (slot + 1)[:, None])[:, None, None]
             return LoopView(rows, slot, S, mask)
         pos_host = self.pos_host[rows_np]  # slots layout: write at the original position
         S = int(pos_host.max()) + 1
@@ -145,9 +153,10 @@ class RecursionKVCache:
         self.v[i - 1][j][ridx, :, view.slot] = v[:, :, 0]
 
     def read(self, i: int, j: int, view: LoopView) -> tuple[torch.Tensor, torch.Tensor]:
-        """(R, H, S, hd) keys and values of loop i (1-based), layer j for the view's rows."""
+        """(R, H, S, hd) keys and values of loop i (1-based), layer j for the view's rows ((B, H, S, hd)
+        views of the whole batch when view.full_read)."""
         K, V = self.k[i - 1][j], self.v[i - 1][j]
-        if view.rows is None:
+        if view.rows is None or view.full_read:
             return K[:, :, : view.S], V[:, :, : view.S]
         return K[view.rows, :, : view.S], V[view.rows, :, : view.S]
 

@@ -85,7 +85,10 @@ class Decoder:
 
     def _decode_attend(self, i: int, j: int, view: LoopView, q, k, v):
         self.cache.write(i, j, view, k, v)
-        K, V = self.cache.read(i, j, view)  # (R, H, S, hd)
+        K, V = self.cache.read(i, j, view)  # (R, H, S, hd), or (B, H, S, hd) with full_read
+        if view.full_read:  # queries placed at their rows of the whole batch, results taken back
+            qf = q.new_zeros((K.shape[0],) + q.shape[1:]).index_copy(0, view.rows, q)  # (B, H, 1, hd)
+            return F.scaled_dot_product_attention(qf, K, V, attn_mask=view.mask)[view.rows]
         return F.scaled_dot_product_attention(q, K, V, attn_mask=view.mask)
 
     def _new_cache(self, B: int, device) -> RecursionKVCache:
