@@ -52,7 +52,7 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     code = 0
     try:
         res = run(cfg)
-        if res.stopped_by:
+        if res.stopped_by and int(os.environ.get("RANK", "0")) == 0:
             click.echo(f"[tlf] stopped by {res.stopped_by} at step {res.step}; checkpoint {res.checkpoint}")
     except ConfigError as e:
         click.echo(f"Error: config error: {e}", err=True)

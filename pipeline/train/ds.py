@@ -137,6 +137,10 @@ def init_distributed(device: str) -> tuple[int, int, int]:
         deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", auto_mpi_discovery=False,
                                    verbose=False)
     rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    if device == "cpu" and local > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # ranks sharing the CPU: split the cores (oversubscribed OpenMP threads spin against each other)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     return rank, int(os.environ.get("LOCAL_RANK", rank)), ws
 
 
