@@ -19,7 +19,7 @@ from evaluation import report
 from evaluation.depth import depth_chart
 from evaluation.perplexity import TokenStream, perplexity
 from evaluation.scorer import Scorer, task_metrics, task_requests
-from evaluation.tasks import TASK_ORDER, TASKS, load_tasks, spec
+from evaluation.tasks import TASKS, load_tasks, spec
 
 
 def parse_loops(value) -> list[int]:
@@ -144,8 +144,10 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
             sp = TASKS[n]
             b["tasks"][n] = task_metrics(td, sp.kind, sp.metrics, scorer.score(reqs, m_eff), spans)
             b["timing_s"][n] = round(time.time() - t0, 3)
-            log(f"  M={m_req} {n}: " + ", ".join(f"{k}={v:.4f}" for k, v in b["tasks"][n].items()
-                                                  if isinstance(v, float)))
+            r = b["tasks"][n]
+            log(f"  M={m_req} {n} ({r['split']}): " + ", ".join(f"{k}={v:.4f}" for k, v in r.items()
+                                                                 if isinstance(v, float))
+                + (f"  [{r['note']}]" if r.get("note") else ""))
         avg, n_avg = report.average_accuracy(b["tasks"], ev.table_metric)
         b["avg_acc"], b["avg_acc_tasks"] = avg, n_avg
         for i, st in enumerate(streams):
@@ -178,11 +180,13 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
     files = [out_dir / "results.json", md] + files
     report.write_json(out_dir / "results.json", result)
     if ev.mlflow:
-        run_id = report.checkpoint_run_id(export)
+        run_id, step = report.checkpoint_run_id(export)
         tags = {"variant": cfg.model.variant, "preset": cfg.name or "", "checkpoint": str(export),
                 "kind": "eval", "run_name": f"eval-{name}"}
+        first = result["budgets"][0]["tasks"] if result["budgets"] else {}
+        tags.update({f"split.{t}": r["split"] for t, r in first.items()})
         result["mlflow_run_id"] = report.log_mlflow(result, files, cfg.logging.tracking_uri, cfg.logging.experiment,
-                                                    run_id, tags)
+                                                    run_id, tags, step)
         result["mlflow_run"] = "checkpoint's run" if run_id else "new run"
         report.write_json(out_dir / "results.json", result)
     log(f"eval: wrote {out_dir / 'results.json'} and {md}")

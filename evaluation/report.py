@@ -117,13 +117,24 @@ def _json_default(o):
 
 
 # --------------------------------------------------------------------------------------------- MLflow
-def checkpoint_run_id(export_dir: Path) -> str | None:
-    """The training run's MLflow id recorded next to the checkpoint, if any: a `mlflow_run_id` file, or a
-    `mlflow_run_id` / `run_id` key in a JSON file, in the export dir, its checkpoint dir or the run dir."""
+def checkpoint_run_id(export_dir: Path) -> tuple[str | None, int]:
+    """(the training run's MLflow id recorded beside the checkpoint or None, the checkpoint's step or 0).
+
+    Looked for in the export dir, its checkpoint dir and the run dir: the trainer's `rank0_state.pt`
+    (`mlflow_run_id`, `step`), a `mlflow_run_id` file, or a `mlflow_run_id` / `run_id` key in a JSON file."""
     for d in (export_dir, export_dir.parent, export_dir.parent.parent):
+        st = d / "rank0_state.pt"
+        if st.is_file():
+            try:
+                import torch
+                state = torch.load(st, map_location="cpu", weights_only=False)  # our own trainer's file
+                if isinstance(state, dict) and state.get("mlflow_run_id"):
+                    return str(state["mlflow_run_id"]), int(state.get("step", 0) or 0)
+            except Exception:  # noqa: BLE001 - an unreadable state file just means no recorded run
+                pass
         f = d / "mlflow_run_id"
         if f.is_file() and f.read_text().strip():
-            return f.read_text().strip()
+            return f.read_text().strip(), 0
         for j in sorted(d.glob("*.json")):
             try:
                 meta = json.loads(j.read_text())
@@ -132,8 +143,8 @@ def checkpoint_run_id(export_dir: Path) -> str | None:
             if isinstance(meta, dict):
                 for k in ("mlflow_run_id", "run_id"):
                     if isinstance(meta.get(k), str) and meta[k]:
-                        return meta[k]
-    return None
+                        return meta[k], int(meta.get("step", 0) or 0)
+    return None, 0
 
 
 def flat_metrics(result: dict) -> dict[str, float]:
@@ -167,7 +178,7 @@ def flat_metrics(result: dict) -> dict[str, float]:
 
 
 def log_mlflow(result: dict, files: list[Path], tracking_uri: str, experiment: str, run_id: str | None,
-               tags: dict[str, str]) -> str:
+               tags: dict[str, str], step: int = 0) -> str:
     """Logs every metric in batches (1000 per call) and the files as artifacts; returns the run id."""
     import mlflow
     from mlflow.entities import Metric
@@ -186,7 +197,7 @@ def log_mlflow(result: dict, files: list[Path], tracking_uri: str, experiment: s
             client.set_tag(run_id, f"eval.{k}" if not k.startswith("eval") else k, v)
         created = False
     now = int(time.time() * 1000)
-    ms = [Metric(k, v, now, 0) for k, v in flat_metrics(result).items()]
+    ms = [Metric(k, v, now, step) for k, v in flat_metrics(result).items()]
     for i in range(0, len(ms), 1000):
         client.log_batch(run_id, metrics=ms[i:i + 1000])
     for f in files:

@@ -83,6 +83,7 @@ def test_every_budget_in_one_run_with_all_outputs(env):
     client = MlflowClient(tracking_uri=f"sqlite:///{env / 'mlflow.db'}")
     r = client.get_run(res["mlflow_run_id"])
     assert r.data.tags["variant"] == "t-loopformer" and r.data.tags["preset"] == "tiny/t-loopformer"
+    assert r.data.tags["split.sciq"] == "validation" and r.data.tags["split.copa"] == "validation"
     assert r.data.metrics["eval/M4/sciq/acc"] == pytest.approx(b4["tasks"]["sciq"]["acc"])
     assert r.data.metrics["eval/M2/ppl/enwiki/ppl"] == pytest.approx(b2["perplexity"][1]["ppl"])
     assert r.data.metrics["eval/M4/depth/mean"] == pytest.approx(b4["depth"]["mean"])
@@ -102,17 +103,24 @@ def test_base_model_budget_does_nothing(env):
 
 
 def test_logs_into_the_checkpoints_recorded_run(env, tmp_path):
+    """The trainer's layout: run dir with `latest` -> global_step<N>/ holding rank0_state.pt (with the MLflow run
+    id and step) and the model export in model/."""
     from mlflow.tracking import MlflowClient
     uri = f"sqlite:///{env / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("train") or client.get_experiment(client.create_experiment("train"))
     train_run = client.create_run(exp.experiment_id).info.run_id
-    ck = tmp_path / "ck"
-    shutil.copytree(env / "base", ck)
-    (ck / "mlflow_run_id").write_text(train_run + "\n")
-    res = run(ck, overrides(env, tasks="[copa]", perplexity="false", out_dir=str(tmp_path / "o")), log=lambda *a: None)
+    run_dir = tmp_path / "run"
+    shutil.copytree(env / "base", run_dir / "global_step5" / "model")
+    torch.save({"step": 5, "mlflow_run_id": train_run, "rng": {"numpy": np.random.get_state()}},
+               run_dir / "global_step5" / "rank0_state.pt")
+    (run_dir / "latest").write_text("global_step5\n")
+    res = run(run_dir, overrides(env, tasks="[copa]", perplexity="false", out_dir=str(tmp_path / "o")),
+              log=lambda *a: None)
     assert res["mlflow_run_id"] == train_run and res["mlflow_run"] == "checkpoint's run"
-    assert "eval/M1/copa/acc" in client.get_run(train_run).data.metrics
+    hist = client.get_metric_history(train_run, "eval/M1/copa/acc")
+    assert len(hist) == 1 and hist[0].step == 5 and hist[0].value == pytest.approx(res["budgets"][0]["tasks"]["copa"]["acc"])
+    assert client.get_run(train_run).data.tags["eval.split.copa"] == "validation"
 
 
 def test_latency_uses_the_inference_benchmark():
@@ -147,6 +155,6 @@ def test_cli(env, tmp_path):
     r = CliRunner().invoke(main, ["eval", str(env / "base"), "--tasks", "copa", "--limit", "1", "--no-ppl",
                                   "--no-latency", "--no-mlflow", "--source", "offline", "--out", str(tmp_path / "o")])
     assert r.exit_code == 0, r.output
-    assert "copa: acc=" in r.output and (tmp_path / "o" / "results.json").is_file()
+    assert "copa (validation): acc=" in r.output and (tmp_path / "o" / "results.json").is_file()
     r = CliRunner().invoke(main, ["eval", str(env / "base"), "--tasks", "copa,nope", "--no-mlflow"])
     assert r.exit_code != 0 and "unknown task 'nope'" in r.output
