@@ -69,17 +69,21 @@ def set_name(directory: str | Path) -> str:
 
 
 class TokenStream:
-    """The first `max_tokens + 1` tokens of a split, loaded once and reused for every budget."""
+    """The first `max_tokens + 1` tokens of a split (memory-mapped shards, read per window), opened once and
+    reused for every budget."""
 
     def __init__(self, directory: str | Path, split: str = "val", max_tokens: int = 0):
         self.dir = Path(directory)
         self.split = split
-        ss = ShardSet(directory, split)
-        n = ss.num_tokens if max_tokens <= 0 else min(ss.num_tokens, max_tokens + 1)
+        self.shards = ShardSet(directory, split)
+        n = self.shards.num_tokens if max_tokens <= 0 else min(self.shards.num_tokens, max_tokens + 1)
         if n < 2:
-            raise ValueError(f"{self.dir} '{split}': {ss.num_tokens} tokens; perplexity needs at least 2")
-        self.tokens = torch.from_numpy(ss.read(0, n).astype(np.int64))
+            raise ValueError(f"{self.dir} '{split}': {self.shards.num_tokens} tokens; perplexity needs at least 2")
+        self.num_tokens = n
         self.name = set_name(directory)
+
+    def read(self, start: int, n: int) -> torch.Tensor:
+        return torch.from_numpy(self.shards.read(start, n).astype(np.int64))
 
 
 @torch.no_grad()
@@ -88,8 +92,7 @@ def perplexity(model, stream: TokenStream, loops: int, context: int = 0, stride:
     """Mean NLL, ppl, tokens counted and the depth statistics of `stream` at budget `loops`."""
     T = min(context or model.cfg.block_size, model.cfg.block_size)
     M = int(loops)
-    toks = stream.tokens
-    win = make_windows(toks.numel(), T, stride)
+    win = make_windows(stream.num_tokens, T, stride)
     nll_sum = 0.0
     count = 0
     d_nll = np.zeros(M + 1)
@@ -102,10 +105,11 @@ def perplexity(model, stream: TokenStream, loops: int, context: int = 0, stride:
         rows, pos, tgt = [], [], []
         for r, i in enumerate(ids):
             s, ln, f = win.starts[i], win.lengths[i], win.first_scored[i]
-            idx[r, :ln] = toks[s:s + ln]
+            toks = stream.read(s, ln + 1)
+            idx[r, :ln] = toks[:ln]
             rows += [r] * (ln - f)
             pos += range(f, ln)
-            tgt.append(toks[s + 1 + f:s + 1 + ln])
+            tgt.append(toks[1 + f:])
         h, depth = hidden_states(model, idx.to(device), M)
         rows_t, pos_t = torch.tensor(rows), torch.tensor(pos)
         lg = logits_at(model, h[rows_t, pos_t])  # (P, V)
