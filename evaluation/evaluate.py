@@ -189,5 +189,6 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
                                                     run_id, tags, step)
         result["mlflow_run"] = "checkpoint's run" if run_id else "new run"
         report.write_json(out_dir / "results.json", result)
+    log("\n" + md.read_text())
     log(f"eval: wrote {out_dir / 'results.json'} and {md}")
     return result
