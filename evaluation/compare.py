@@ -105,7 +105,8 @@ class Table:
         out = []
         for j, b in enumerate(self.better, start=1):
             vals = [r[j] for r in self.rows if isinstance(r[j], (int, float)) and math.isfinite(r[j])]
-            out.append((min(vals) if b == "low" else max(vals)) if (vals and b and len(vals) > 1) else None)
+            distinct = len(set(vals)) > 1  # a column where every value ties has no best
+            out.append((min(vals) if b == "low" else max(vals)) if (b and distinct) else None)
         return out
 
     def cells(self, mark: tuple[str, str]) -> list[list[str]]:
