@@ -111,7 +111,9 @@ def test_compact_cache_reading_an_empty_slot_fails():
     model = make()
     seqs, lens = sequences(lengths=(1,), total=12)
     dec = Decoder(model, loops=4)
-    dec._new_cache = lambda B, dev: _OneSlotTooMany(4, len(model.layers), B, 2, 16, torch.float32, dev)
+    attn = model.layers[0].attn
+    dec._new_cache = lambda B, dev: _OneSlotTooMany(4, len(model.layers), B, attn.n_heads, attn.head_dim,
+                                                    torch.float32, dev)
     err, *_ = run(model, 4, seqs, lens, dec=dec)
     assert err > 10 * ATOL, f"reading an empty slot went unnoticed (max error {err})"
 
@@ -191,3 +193,15 @@ def test_partial_batches_take_both_read_paths_exactly():
     err, *_ = run(model, 4, seqs, lens, dec=dec)
     assert err <= ATOL
     assert any(f for _, f in kinds) and any(not f and 0 < n < 6 for n, f in kinds)
+
+
+def test_modulation_tables_built_once_per_M_and_refreshed_after_a_weight_update():
+    from pipeline.inference.decode import modulation_tables
+    model = make("loopformer")
+    a, b, c = modulation_tables(model, 4), modulation_tables(model, 4), modulation_tables(model, 2)
+    assert a is b and len(c[0]) == 3 and len(a[0]) == 10  # K = M(M+1)/2 rows per layer
+    with torch.no_grad():
+        model.layers[0].modulator[1].bias.add_(1.0)
+    d = modulation_tables(model, 4)
+    assert d is not a and not torch.equal(d[0], a[0]) and modulation_tables(model, 4) is d
+    assert modulation_tables(make("base-loop"), 3) is None

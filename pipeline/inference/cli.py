@@ -85,7 +85,8 @@ def generate(checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loo
             out = generate_tokens(model, ids, **kw)
             for b, p in enumerate(prompts):
                 toks, deps = out.tokens[b], out.depths[b]
-                text = "".join(f"{enc.decode([t])}[{d}]" for t, d in zip(toks, deps)) if show_depth else enc.decode(toks)
+                text = (("".join(f"{enc.decode([t])}[{d}]" for t, d in zip(toks, deps))) if show_depth
+                        else enc.decode(toks))
                 click.echo(f"--- [{b}] ---\n{p}{text}")
     except ValueError as e:
         raise click.ClickException(str(e)) from None

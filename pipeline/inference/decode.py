@@ -21,6 +21,7 @@ whenever depths differ; with every depth = M it is the ordinary cache.
 """
 from __future__ import annotations
 
+import weakref
 from functools import partial
 
 import numpy as np
@@ -29,6 +30,21 @@ import torch.nn.functional as F
 
 from pipeline.inference.cache import LoopView, RecursionKVCache
 from pipeline.model.schedule import table_index, uniform
+
+
+_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def modulation_tables(model, M: int):
+    """`model.modulation_tables(uniform(M))`, built once per (model, M) and reused until a conditioning
+    weight changes (checked by the parameters' identity and in-place version counters)."""
+    stamp = tuple((id(p), p._version) for n, p in model.named_parameters()
+                  if ".modulator." in n or n.startswith("phi_"))
+    memo = _TABLES.setdefault(model, {})  # M -> (stamp, tables)
+    if M not in memo or memo[M][0] != stamp:
+        with torch.no_grad():
+            memo[M] = (stamp, model.modulation_tables(uniform(M)))
+    return memo[M][1]
 
 
 def pad_prompts(prompts, device) -> tuple[torch.Tensor, np.ndarray]:
@@ -56,10 +72,7 @@ class Decoder:
             raise ValueError(f"loop budget {self.M} must lie in 1..{cfg.loops}")
         self.theta = cfg.router_threshold if threshold is None else threshold
         self.layout, self.mask_empty, self.full_depth = layout, mask_empty, full_depth
-        if tables is None:
-            with torch.no_grad():
-                tables = model.modulation_tables(uniform(self.M))  # per layer (K, 4d), or None
-        self.tables = tables
+        self.tables = modulation_tables(model, self.M) if tables is None else tables  # per layer (K, 4d) or None
         self.cache: RecursionKVCache | None = None
 
     # ----------------------------------------------------------------------------------- helpers
