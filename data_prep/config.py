@@ -16,7 +16,7 @@ import yaml
 from pipeline.config import ConfigError, _set, apply_overrides, f
 
 SOURCES = ("files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext")
-# Named Hugging Face sources: (dataset, default config, split, default val_every)
+# Named Hugging Face sources: (dataset, default config, split)
 HF_ALIASES = {"fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train"),
               "openwebtext": ("Skylion007/openwebtext", "", "train")}
 DEMO_VAL_EVERY = 20
@@ -42,8 +42,8 @@ class PrepConfig:
     name: str = f("", "Shard file prefix <name>_<split>_<index>.bin; empty: derived from the source.")
     shard_tokens: int = f(100_000_000, "Tokens per shard (the last shard of a split may be shorter).")
     val_every: int = f(0, "Validation rule: document number i (0-based, in input order, counting only documents "
-                          "kept) goes to the val split when i % val_every == 0; 0 picks 20 for the demo "
-                          "sources, 1000 otherwise; 1 puts everything in val; -1 writes no val split.")
+                          "kept) goes to the val split when i % val_every == 0; 0 picks 20 for demo, 1 (all "
+                          "val) for demo-enwiki, 1000 otherwise; 1 puts everything in val; -1 writes no val split.")
     max_tokens: int = f(0, "Stop once this many tokens (all splits, EOTs included) are written; 0: whole input.")
     workers: int = f(-1, "Tokenizer worker processes; -1: all cores; 0: tokenize in the main process.")
     batch_bytes: int = f(1 << 20, "Text per task sent to a worker (bytes, approximate).")
@@ -86,7 +86,9 @@ class PrepConfig:
     def resolved_val_every(self) -> int:
         if self.val_every:
             return self.val_every
-        return DEMO_VAL_EVERY if self.source.startswith("demo") else DEFAULT_VAL_EVERY
+        if self.source == "demo-enwiki":
+            return 1  # a held-out perplexity set of another domain: all of it is val
+        return DEMO_VAL_EVERY if self.source == "demo" else DEFAULT_VAL_EVERY
 
     def resolved_name(self) -> str:
         if self.name:

@@ -26,7 +26,7 @@ def test_prep_data_demo_then_inspect(tmp_path):
 
 def test_prep_data_yaml_config(tmp_path):
     y = tmp_path / "p.yaml"
-    y.write_text(f"source: demo-enwiki\nout: {tmp_path / 'wiki'}\nval_every: 1\nmax_tokens: 20000\nprogress: false\n")
+    y.write_text(f"source: demo-enwiki\nout: {tmp_path / 'wiki'}\nmax_tokens: 20000\nprogress: false\n")
     r = CliRunner().invoke(prep_data, ["--config", str(y), "workers=0"])
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "wiki" / "manifest.json").read_text())
