@@ -59,6 +59,8 @@ _PLUGINS = [
     ("pipeline.inference.cli", "generate"),
     ("evaluation.cli", "eval_cmd"),
     ("evaluation.compare", "compare"),
+    ("evaluation.ablate", "ablate"),
+    ("pipeline.sweep", "sweep"),
 ]
 
 
