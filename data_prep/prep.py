@@ -336,7 +336,16 @@ class _Run:
 
 
 def prepare(cfg: PrepConfig, overwrite: bool = False, log=None) -> dict:
-    """Runs (or resumes, or recognises as complete) prep-data for cfg; returns the final manifest."""
+    """Runs (or resumes, or recognises as complete) prep-data for cfg; returns the final manifest.
+    One prep-data at a time per output directory (an exclusive lock on OUT/.lock)."""
+    import fcntl
     log = log or (lambda m: print(m, file=sys.stderr))
-    run = _Run(cfg, overwrite, log)
-    return run.run(cfg.progress)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PrepError(f"{out}: another prep-data is writing there (it holds {out / '.lock'})") from None
+        run = _Run(cfg, overwrite, log)
+        return run.run(cfg.progress)

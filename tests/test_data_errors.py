@@ -197,3 +197,15 @@ def test_cli_config_errors_are_clean(tmp_path):
     from data_prep.cli import prep_data
     r = CliRunner().invoke(prep_data, ["--source", "demo", "--out", str(tmp_path), "shard_tokns=5"])
     assert r.exit_code == 2 and "unknown config key 'shard_tokns'" in r.output and "Traceback" not in r.output
+
+
+def test_one_prep_data_per_output_directory(tmp_path):
+    import fcntl
+    from data_prep.prep import PrepError
+    f = jsonl(tmp_path / "in.jsonl", good_lines(3))
+    (tmp_path / "o").mkdir()
+    with open(tmp_path / "o" / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(PrepError, match="another prep-data is writing there"):
+            prep(tmp_path / "o", inputs=[str(f)])
+    assert prep(tmp_path / "o", inputs=[str(f)])["complete"]
