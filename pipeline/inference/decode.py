@@ -183,7 +183,7 @@ class Decoder:
         B = tokens.shape[0]
         if int(cache.pos_host.max()) >= m.cfg.block_size:
             raise ValueError(f"sequence would exceed block_size {m.cfg.block_size}")
-        h = (m.wte(tokens) + m.wpe(cache.pos))[:, None]  # (B, 1, d): each row at its own position
+        h = m.embed(tokens[:, None], cache.pos)  # (B, 1, d): each row at its own position
         depth = self._depth(h)[:, 0]  # (B,)
         live = np.ones(B, dtype=bool) if live is None else np.asarray(live, dtype=bool)
         if not live.all():

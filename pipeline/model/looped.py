@@ -153,9 +153,13 @@ class LoopedLM(nn.Module):
         return h
 
     # ------------------------------------------------------------------------------------- forward
-    def embed(self, idx: torch.Tensor, pos_offset: int = 0) -> torch.Tensor:
-        """h0 (B, T, d) = E_tok + E_pos for tokens idx (B, T) at positions pos_offset.. ."""
+    def embed(self, idx: torch.Tensor, pos_offset: int | torch.Tensor = 0) -> torch.Tensor:
+        """h0 (B, T, d) = E_tok + E_pos for tokens idx (B, T) at positions pos_offset.. ; pos_offset is an int
+        or a (B,) tensor giving each row its own start (decoding rows of different lengths)."""
         T = idx.shape[1]
+        if isinstance(pos_offset, torch.Tensor):
+            pos = pos_offset[:, None] + torch.arange(T, device=idx.device)[None]  # (B, T); caller checks block_size
+            return self.wte(idx) + self.wpe(pos)
         assert pos_offset + T <= self.cfg.block_size, f"sequence of {pos_offset + T} > block_size {self.cfg.block_size}"
         pos = torch.arange(pos_offset, pos_offset + T, device=idx.device)
         return self.wte(idx) + self.wpe(pos)[None]
