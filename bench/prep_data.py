@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeat", type=int, default=3, help="copies of the corpus in the input file")
     ap.add_argument("--trials", type=int, default=3, help="runs per measurement; the fastest counts")
+    ap.add_argument("--batch-bytes", type=int, default=1 << 20, help="prep-data batch_bytes (text per worker task)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "prep_data.json"))
     args = ap.parse_args()
 
@@ -50,7 +51,7 @@ def main() -> None:
         inp.write_text("".join(lines) * args.repeat, encoding="utf-8")
         n_tokens = sum(len(t) for t in enc.encode_ordinary_batch(texts))
         res: dict = {"input": {"documents": len(texts), "tokens": n_tokens, "bytes": inp.stat().st_size,
-                               "repeat": args.repeat},
+                               "repeat": args.repeat, "batch_bytes": args.batch_bytes},
                      "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                  "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0]},
                      "rates_tok_s": {}, "seconds": {}}
@@ -74,7 +75,8 @@ def main() -> None:
                 out = tmp / f"out{w}"
                 shutil.rmtree(out, ignore_errors=True)
                 m = prepare(load_prep_config(values=dict(source="files", inputs=[str(inp)], out=str(out), workers=w,
-                                                         progress=False)), log=lambda s: None)
+                                                         progress=False, batch_bytes=args.batch_bytes)),
+                            log=lambda s: None)
                 assert m["documents"]["kept"] == len(texts)
                 assert m["total_tokens"] == n_tokens + len(texts)
             r0, c0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -278,16 +278,25 @@ class _Run:
         cap = self.cfg.max_tokens
         fast = not self.first and not (cap and self.produced + total >= cap)
         if fast:
-            if self.val_every in (-1, 1):
-                parts = {("val" if self.val_every == 1 else "train"): toks}
+            # Runs of consecutive documents of one split, as token slices (no per-token masks: memcpy only).
+            if k == 0:
+                runs = []
+            elif self.val_every in (-1, 1):
+                runs = [("val" if self.val_every == 1 else "train", 0, total)]
             else:
-                is_val = (self.doc + np.arange(k)) % self.val_every == 0 if self.val_every > 0 else np.zeros(k, bool)
-                tok_val = np.repeat(is_val, lens[kept])
-                parts = {"val": toks[tok_val], "train": toks[~tok_val]}
-            fast = all(self.writers[s].room() > p.size for s, p in parts.items())
+                is_val = (self.doc + np.arange(k)) % self.val_every == 0
+                ends = np.cumsum(lens[kept])
+                cut = np.flatnonzero(is_val[1:] != is_val[:-1]) + 1  # first document of each new run
+                firsts, lasts = np.r_[0, cut], np.r_[cut, k] - 1
+                runs = [("val" if is_val[a] else "train", int(ends[a] - lens[kept][a]), int(ends[b]))
+                        for a, b in zip(firsts.tolist(), lasts.tolist())]
+            need = {"train": 0, "val": 0}
+            for s, a, b in runs:
+                need[s] += b - a
+            fast = all(self.writers[s].room() > n for s, n in need.items())
         if fast:  # no shard ends inside this task: no checkpoint needed
-            for s, p in parts.items():
-                self.writers[s].append(p)
+            for s, a, b in runs:
+                self.writers[s].append(toks[a:b])
             self.doc += k
             self.produced += total
             self.counters["records"] += lens.size
