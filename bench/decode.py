@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import load_config  # noqa: E402
-from pipeline.inference.decode import Decoder  # noqa: E402
+from pipeline.inference import timing  # noqa: E402
 from pipeline.model import LoopedLM  # noqa: E402
 
 VARIANTS = ("tlf", "nocache", "fulldepth", "loopformer", "base")
@@ -66,51 +66,25 @@ def flops_ratio(models, o, mean_depth, kind, P):
     return f(models["tlf"], mean_depth) / f(models["lf"], o.M)
 
 
-def decoder(models, variant, M):
+def _target(models, variant, M):
+    """(model, budget, flags) of a benchmark variant."""
     if variant == "loopformer":
-        return Decoder(models["lf"], loops=M)
+        return models["lf"], M, {}
     if variant == "base":
-        return Decoder(models["base"], loops=1)
-    return Decoder(models["tlf"], loops=M, full_depth=variant == "fulldepth")
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+        return models["base"], 1, {}
+    return models["tlf"], M, {"cache": variant != "nocache", "full_depth": variant == "fulldepth"}
 
 
 def ttft(models, variant, M, prompt, dev):
     """Seconds from prompt to first-token logits; and the prompt's router depths."""
-    dec = decoder(models, variant, M)
-    sync(dev)
-    t = CLOCK()
-    logits, depth = dec.prefill(prompt, use_cache=variant != "nocache")
-    logits.argmax(-1).cpu()
-    return CLOCK() - t, depth
+    model, m, kw = _target(models, variant, M)
+    return timing.ttft(model, m, prompt, clock=CLOCK, **kw)
 
 
 def tpot(models, variant, M, prompts, feed, dev):
     """Seconds per decode step (mean over the fed tokens) after an untimed prefill; depths and cache memory."""
-    dec = decoder(models, variant, M)
-    n = feed.shape[1]
-    if variant == "nocache":
-        seq = prompts
-        sync(dev)
-        t = CLOCK()
-        for s in range(n):
-            seq = torch.cat([seq, feed[:, s : s + 1]], 1)
-            logits, depth = dec.prefill(seq, use_cache=False)
-            logits.argmax(-1).cpu()
-        return (CLOCK() - t) / n, depth[:, prompts.shape[1]:], None
-    dec.prefill(prompts, reserve=n)
-    depths = []
-    sync(dev)
-    t = CLOCK()
-    for s in range(n):
-        logits, d = dec.step(feed[:, s])
-        logits.argmax(-1).cpu()
-        depths.append(d)
-    return (CLOCK() - t) / n, torch.stack(depths, 1), dec.cache.memory()
+    model, m, kw = _target(models, variant, M)
+    return timing.tpot(model, m, prompts, feed, clock=CLOCK, **kw)
 
 
 def main(argv=None):

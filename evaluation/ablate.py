@@ -1,0 +1,222 @@
+"""`tlf ablate CHECKPOINT`: the paper's ablations (Figures 3 and 4) for one checkpoint, each a PNG plus
+the numbers behind it (`ablate.json`).
+
+- router on/off x recursion-wise cache on/off: validation perplexity and TPOT (batch 1). Router off gives
+  every token depth M (with the same weights this is exactly loopformer, DESIGN §1); cache off recomputes
+  the whole sequence for every new token.
+- gather-scatter on/off: peak memory of one training step (forward + backward of the full objective, each
+  mode in a fresh process: `pipeline.memory`, CUDA max allocated or the peak-RSS growth on CPU) and the prefill latency of a
+  full-context forward (the dense path computes every token in every loop, masked).
+- router threshold sweep: perplexity and mean depth against theta (the U-curve of Figure 3).
+- TTFT against prompt length (128/512/1024/2048, those that fit the context), router on and off.
+
+All timings use `pipeline.inference.timing`, the code of `bench/decode.py` and `tlf eval`.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import statistics
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from pipeline.inference import timing
+from pipeline.memory import region_peak_mib, region_start
+from pipeline.model.io import find_export, load_model
+
+THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+PROMPT_LENS = (128, 512, 1024, 2048)
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def _step_memory_worker(export: str, gather_scatter: bool, batch: int, seq: int, q) -> None:
+    torch.manual_seed(0)
+    model, cfg = load_model(export, "cuda" if torch.cuda.is_available() else "cpu")
+    model.cfg.gather_scatter = gather_scatter
+    model.train()
+    dev = model.wte.weight.device
+    idx = torch.randint(0, min(cfg.model.vocab_size, 50257), (batch, seq), device=dev)
+    base = region_start(dev)
+    model(idx, idx).loss.backward()
+    q.put(region_peak_mib(dev, base))
+
+
+def step_memory_mb(export: str, gather_scatter: bool, batch: int, seq: int) -> float:
+    """Peak memory (MiB) of one training step of the export's model, measured in a fresh process."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_step_memory_worker, args=(export, gather_scatter, batch, seq, q))
+    p.start()
+    val = q.get()
+    p.join()
+    return float(val)
+
+
+def run(checkpoint: str, out: str | Path, loops: int = 0, ppl_dir: str = "", ppl_tokens: int = 8192,
+        thresholds=THRESHOLDS, prompt_lens=PROMPT_LENS, tpot_steps: int = 16, repeats: int = 3,
+        train_batch: int = 2, device: str = "cpu", log=print) -> dict:
+    from evaluation.perplexity import TokenStream, perplexity
+
+    export = str(find_export(checkpoint))
+    model, cfg = load_model(export, device)
+    M = loops or cfg.model.loops
+    T = cfg.model.block_size
+    dev = model.wte.weight.device
+    outd = Path(out)
+    outd.mkdir(parents=True, exist_ok=True)
+    stream = TokenStream(ppl_dir or cfg.data.dir, cfg.data.val_split, ppl_tokens)
+    has_router = model.router is not None
+    g = torch.Generator().manual_seed(0)
+    vocab = min(cfg.model.vocab_size, 50257)
+    res: dict = {"checkpoint": export, "variant": cfg.model.variant, "loops": M, "ppl_set": stream.name,
+                 "ppl_tokens": stream.num_tokens - 1, "device": str(dev)}
+
+    # -- router on/off x cache on/off -------------------------------------------------------------
+    tp_prompt = torch.randint(0, vocab, (1, min(128, T // 2)), generator=g).to(dev)
+    tp_feed = torch.randint(0, vocab, (1, min(tpot_steps, T - tp_prompt.shape[1] - 1)), generator=g).to(dev)
+    rc = {}
+    for router in ((True, False) if has_router else (False,)):
+        model.use_router = router
+        ppl = perplexity(model, stream, M, device=dev)
+        for cache in (True, False):
+            sec = _median_time(lambda: timing.tpot(model, M, tp_prompt, tp_feed, cache=cache)[0], repeats)
+            rc[f"router_{'on' if router else 'off'}/cache_{'on' if cache else 'off'}"] = {
+                "ppl": ppl["ppl"], "mean_depth": ppl["depth"]["mean"], "tpot_ms": 1e3 * sec}
+    model.use_router = has_router
+    res["router_cache"] = rc
+    log("router x cache: " + "; ".join(f"{k}: ppl {v['ppl']:.2f}, TPOT {v['tpot_ms']:.2f} ms" for k, v in rc.items()))
+
+    # -- gather-scatter on/off -------------------------------------------------------------------
+    gs = {}
+    prompt = torch.randint(0, vocab, (1, T), generator=g).to(dev)
+    for on in (True, False):
+        model.cfg.gather_scatter = on
+        sec = _median_time(lambda: _timed_forward(model, prompt, M), repeats)
+        mem = step_memory_mb(export, on, train_batch, T)
+        gs["on" if on else "off"] = {"train_step_peak_mb": mem, "prefill_ms": 1e3 * sec}
+    model.cfg.gather_scatter = cfg.model.gather_scatter
+    res["gather_scatter"] = gs
+    log("gather-scatter: " + "; ".join(f"{k}: step memory {v['train_step_peak_mb']:.0f} MB, prefill "
+                                       f"{v['prefill_ms']:.1f} ms" for k, v in gs.items()))
+
+    # -- threshold sweep -------------------------------------------------------------------------
+    sweep = []
+    if has_router:
+        theta0 = model.cfg.router_threshold
+        for th in thresholds:
+            model.cfg.router_threshold = th
+            p = perplexity(model, stream, M, device=dev)
+            sweep.append({"theta": th, "ppl": p["ppl"], "mean_depth": p["depth"]["mean"]})
+        model.cfg.router_threshold = theta0
+        log("threshold sweep: " + ", ".join(f"θ={s['theta']}: ppl {s['ppl']:.2f} depth {s['mean_depth']:.2f}"
+                                             for s in sweep))
+    res["threshold_sweep"] = sweep
+
+    # -- TTFT vs prompt length -------------------------------------------------------------------
+    lens = [P for P in prompt_lens if P <= T] or [T]
+    tt = {}
+    for router in ((True, False) if has_router else (False,)):
+        model.use_router = router
+        row = {}
+        for P in lens:
+            pr = torch.randint(0, vocab, (1, P), generator=g).to(dev)
+            row[str(P)] = 1e3 * _median_time(lambda: timing.ttft(model, M, pr)[0], repeats)
+        tt[f"router_{'on' if router else 'off'}"] = row
+    model.use_router = has_router
+    res["ttft_ms"] = tt
+    log("TTFT: " + "; ".join(f"{k}: " + ", ".join(f"P={p} {v:.1f} ms" for p, v in row.items()) for k, row in tt.items()))
+
+    res["figures"] = [str(p) for p in _plot(res, outd)]
+    (outd / "ablate.json").write_text(json.dumps(res, indent=2))
+    log(f"wrote {outd / 'ablate.json'} and {len(res['figures'])} figures")
+    return res
+
+
+@torch.no_grad()
+def _timed_forward(model, idx, M) -> float:
+    if idx.device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    model(idx, loops=M).logits[:, -1].argmax(-1).cpu()
+    return time.perf_counter() - t
+
+
+def _plot(res: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    rc = res["router_cache"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    routers = sorted({k.split("/")[0] for k in rc})
+    axes[0].bar(routers, [rc[f"{r}/cache_on"]["ppl"] for r in routers], color=["C0", "C1"][: len(routers)])
+    axes[0].set_ylabel("validation perplexity"), axes[0].set_title(f"router on/off ({res['ppl_set']})")
+    labels = list(rc)
+    axes[1].bar([k.replace("/", "\n") for k in labels], [rc[k]["tpot_ms"] for k in labels])
+    axes[1].set_ylabel("TPOT (ms, batch 1)"), axes[1].set_title("router x recursion-wise cache")
+    paths.append(_save(fig, out / "fig3_router_cache.png"))
+
+    gs = res["gather_scatter"]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    axes[0].bar(list(gs), [gs[k]["train_step_peak_mb"] for k in gs])
+    axes[0].set_ylabel("peak memory of a training step (MB)"), axes[0].set_title("gather-scatter: memory")
+    axes[1].bar(list(gs), [gs[k]["prefill_ms"] for k in gs])
+    axes[1].set_ylabel("full-context prefill (ms)"), axes[1].set_title("gather-scatter: latency")
+    paths.append(_save(fig, out / "fig4_gather_scatter.png"))
+
+    if res["threshold_sweep"]:
+        sw = res["threshold_sweep"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        th = [s["theta"] for s in sw]
+        ax.plot(th, [s["ppl"] for s in sw], "o-", color="C0")
+        ax.set_xlabel("router threshold θ"), ax.set_ylabel("perplexity", color="C0")
+        ax2 = ax.twinx()
+        ax2.plot(th, [s["mean_depth"] for s in sw], "s--", color="C1")
+        ax2.set_ylabel("mean depth", color="C1")
+        ax.set_title("threshold sweep")
+        paths.append(_save(fig, out / "fig3_threshold.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for k, row in res["ttft_ms"].items():
+        ax.plot([int(p) for p in row], list(row.values()), "o-", label=k)
+    ax.set_xlabel("prompt length"), ax.set_ylabel("TTFT (ms)"), ax.set_title("TTFT vs prompt length")
+    ax.legend(), ax.grid(alpha=0.3)
+    paths.append(_save(fig, out / "fig4_ttft.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+@click.command("ablate")
+@click.argument("checkpoint", type=click.Path(exists=True))
+@click.option("--out", default=None, help="Output directory (default out/ablate/<checkpoint name>).")
+@click.option("--loops", type=int, default=0, help="Loop budget M (default: the training L).")
+@click.option("--ppl-dir", default="", help="Validation shard directory (default: the checkpoint's data.dir).")
+@click.option("--ppl-tokens", type=int, default=8192, show_default=True, help="Validation tokens scored per setting.")
+@click.option("--thresholds", default=",".join(map(str, THRESHOLDS)), show_default=True, help="Router thresholds θ.")
+@click.option("--prompt-lens", default=",".join(map(str, PROMPT_LENS)), show_default=True, help="TTFT prompt lengths.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Timed repeats (median) after a warm-up.")
+@click.option("--tpot-steps", type=int, default=16, show_default=True, help="Decode steps timed per TPOT measurement.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+def ablate(checkpoint, out, loops, ppl_dir, ppl_tokens, thresholds, prompt_lens, repeats, tpot_steps, device):
+    """The paper's ablations (Figures 3 and 4) for CHECKPOINT: PNGs plus the numbers in ablate.json."""
+    name = Path(checkpoint).resolve().name
+    run(checkpoint, out or f"out/ablate/{name}", loops, ppl_dir, ppl_tokens,
+        tuple(float(x) for x in thresholds.split(",")), tuple(int(x) for x in prompt_lens.split(",")),
+        tpot_steps=tpot_steps, repeats=repeats, device=device, log=click.echo)
