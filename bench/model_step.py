@@ -4,8 +4,8 @@ against the dense masked path, side by side in one run.
     python bench/model_step.py                       # defaults below, CPU
     python bench/model_step.py --device cuda --d-model 1024 --seq 2048 --batch 8
 
-Each case runs in a process of its own (so peak memory is its own: CUDA max allocated, or the growth of
-the process's peak RSS on CPU), and the timed steps of all cases are interleaved round-robin so that
+Each case runs in a process of its own (so peak memory is its own: `pipeline.memory`, CUDA max allocated, or
+the growth of the process's peak RSS over the steps on CPU), and the timed steps of all cases are interleaved round-robin so that
 machine load hits every case alike; the median step time is reported. The training objective is the real one (full pass + shortcut pass with
 a fixed schedule + alignment). The table gives times as ratios to t-loopformer with gather-scatter,
 and for the gather-scatter/dense pair the measured time ratio beside the expected compute ratio
@@ -17,7 +17,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -25,15 +24,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
-
-
 def _worker(args: dict, conn) -> None:
     """Builds one case's model, then answers 'step' (one timed fwd+bwd) and 'stats' until 'stop'."""
     import torch
 
     from pipeline.config import load_config
+    from pipeline.memory import region_peak_mib, region_start
     from pipeline.model import LoopedLM
 
     torch.manual_seed(0)
@@ -59,9 +55,7 @@ def _worker(args: dict, conn) -> None:
     idx = torch.randint(0, cfg.vocab_size, (o["batch"], o["seq"]), generator=g).to(dev)
     tgt = torch.randint(0, cfg.vocab_size, (o["batch"], o["seq"]), generator=g).to(dev)
     dtype = torch.bfloat16 if o["bf16"] else None
-    rss0 = _peak_rss_mb()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    base = region_start(dev)  # peak memory of the steps only (not of imports and model building)
     out = None
 
     def step():
@@ -86,7 +80,7 @@ def _worker(args: dict, conn) -> None:
             T = o["seq"] * o["batch"]
             active = float(out.stats["full/active_tokens"]) + float(out.stats.get("short/active_tokens", 0.0))
             dense = T * L + (T * len(k) if cfg.shortcut else 0)
-            peak = torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else _peak_rss_mb() - rss0
+            peak = region_peak_mib(dev, base)
             conn.send({"peak_mem_mb": peak, "mean_depth": float(out.stats["full/mean_depth"]),
                        "compute_ratio": active / dense, "params": model.num_params()})
         else:
