@@ -301,8 +301,8 @@ _PROBE: dict[str, str | None] = {}
 def hub_problem(timeout: float = 3.0) -> str | None:
     """None when the hub answers a TCP connect within `timeout` s, else why not (cached per process).
     Runs in a thread so a hanging DNS lookup cannot block us."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or \
-            os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("0", "", "false"):
+    if any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
+           for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         return "HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set"
     from huggingface_hub import constants
     endpoint = constants.ENDPOINT
