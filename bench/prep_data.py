@@ -1,7 +1,7 @@
 """prep-data throughput against raw tiktoken on the same text, in the same run.
 
 Input: the demo corpus (State of the Union + Moby-Dick) and the enwiki sample, as one jsonl repeated
---repeat times. Measured, best of --trials:
+--repeat times. Measured, best of --trials (interleaved, so changing load hits all alike):
   raw_batch:  tiktoken `encode_ordinary_batch(texts)` on the texts already in memory (its default threads)
   raw_1core:  `encode_ordinary` in a loop on one core (the per-core reference)
   prep_wN:    `prepare()` end to end (read jsonl, parse, tokenize in N workers, write shards + manifest)
@@ -53,37 +53,41 @@ def main() -> None:
         res: dict = {"input": {"documents": len(texts), "tokens": n_tokens, "bytes": inp.stat().st_size,
                                "repeat": args.repeat, "batch_bytes": args.batch_bytes},
                      "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                 "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0]},
+                                 "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0],
+                                 "date": time.strftime("%Y-%m-%d %H:%M")},
                      "rates_tok_s": {}, "seconds": {}}
 
-        def best(fn) -> float:
-            times = []
-            for _ in range(args.trials):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return min(times)
-
         import resource
-        cpu: dict = {}
-        res["seconds"]["raw_batch"] = best(lambda: enc.encode_ordinary_batch(texts))
-        c0 = time.process_time()
-        res["seconds"]["raw_1core"] = best(lambda: [enc.encode_ordinary(t) for t in texts])
-        raw_cpu_s = (time.process_time() - c0) / args.trials
-        for w in args.workers:
-            def run(w=w):
-                out = tmp / f"out{w}"
-                shutil.rmtree(out, ignore_errors=True)
-                m = prepare(load_prep_config(values=dict(source="files", inputs=[str(inp)], out=str(out), workers=w,
-                                                         progress=False, batch_bytes=args.batch_bytes)),
-                            log=lambda s: None)
-                assert m["documents"]["kept"] == len(texts)
-                assert m["total_tokens"] == n_tokens + len(texts)
-            r0, c0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-            res["seconds"][f"prep_w{w}"] = best(run)
-            r1, c1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu[f"prep_w{w}"] = {"main_cpu_s": (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / args.trials,
-                                 "workers_cpu_s": (c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime) / args.trials}
+
+        def cpu_now(who) -> float:
+            u = resource.getrusage(who)
+            return u.ru_utime + u.ru_stime
+
+        def prep_run(w: int) -> None:
+            out = tmp / f"out{w}"
+            shutil.rmtree(out, ignore_errors=True)
+            m = prepare(load_prep_config(values=dict(source="files", inputs=[str(inp)], out=str(out), workers=w,
+                                                     progress=False, batch_bytes=args.batch_bytes)),
+                        log=lambda s: None)
+            assert m["documents"]["kept"] == len(texts)
+            assert m["total_tokens"] == n_tokens + len(texts)
+
+        # Trials are interleaved (raw, prep, raw, prep, ...) so that changing load on a shared machine hits
+        # every measurement alike; the fastest trial of each counts, CPU times are averaged.
+        runs = {"raw_batch": lambda: enc.encode_ordinary_batch(texts),
+                "raw_1core": lambda: [enc.encode_ordinary(t) for t in texts]}
+        runs.update({f"prep_w{w}": (lambda w=w: prep_run(w)) for w in args.workers})
+        times: dict = {k: [] for k in runs}
+        cpu: dict = {k: {"main_cpu_s": 0.0, "workers_cpu_s": 0.0} for k in runs}
+        for _ in range(args.trials):
+            for k, fn in runs.items():
+                m0, c0, t0 = cpu_now(resource.RUSAGE_SELF), cpu_now(resource.RUSAGE_CHILDREN), time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+                cpu[k]["main_cpu_s"] += (cpu_now(resource.RUSAGE_SELF) - m0) / args.trials
+                cpu[k]["workers_cpu_s"] += (cpu_now(resource.RUSAGE_CHILDREN) - c0) / args.trials
+        res["seconds"] = {k: min(v) for k, v in times.items()}
+        raw_cpu_s = cpu["raw_1core"]["main_cpu_s"]
         res["cpu_seconds_per_run"] = cpu
         for k, s in res["seconds"].items():
             res["rates_tok_s"][k] = n_tokens / s
