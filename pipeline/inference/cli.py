@@ -13,12 +13,9 @@ EOT = 50256
 
 
 def get_tokenizer():
-    """GPT-2 BPE via tiktoken; data_prep's offline set-up places the BPE files first when it is present."""
-    try:
-        from data_prep.tokenizer import get_encoding
-    except ImportError:
-        import tiktoken
-        return tiktoken.get_encoding("gpt2")
+    """GPT-2 BPE via tiktoken, with the offline BPE files placed by data_prep's asset step."""
+    from data_prep.tokenizer import get_encoding
+
     return get_encoding()
 
 
