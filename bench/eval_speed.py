@@ -9,12 +9,15 @@
               one-token-continuation cache, right padding, log_softmax over every position of the batch);
               HFLM itself needs `transformers`, so its causal path is restated here (about 40 lines)
 
-    python bench/eval_speed.py                      # small/t-loopformer, 4 tasks x 40 examples, ~3 min on 2 cores
+    python bench/eval_speed.py                      # small/t-loopformer, 4 tasks x 40 examples, about a minute
     python bench/eval_speed.py --preset tiny/t-loopformer --limit 20 --repeats 1     # quicker
+    python bench/eval_speed.py --set model.d_model=512 --set model.n_heads=8 --set model.d_ff=1280 \
+        --set model.n_layers=3 --set model.loops=8 --limit 20 --repeats 3               # wider: the head matters less
 
 Examples: the first --limit rows (hub schema) of each task from the pinned offline copy (ARC-Easy: its
 validation rows, the ones offline in the hub schema). Each variant runs once untimed (warm-up), then
---repeats times interleaved; the median is reported. The accuracies of the three must agree (checked).
+--repeats times interleaved; medians of wall-clock and of process CPU time are reported (on a shared, loaded
+machine the CPU-time ratios are the steadier ones). The accuracies of the three must agree (checked).
 """
 from __future__ import annotations
 
@@ -112,7 +115,7 @@ class HFStyleLM(TemplateLM):
 
 
 def build_model(o):
-    cfg = load_config(o.preset)
+    cfg = load_config(o.preset, o.set)
     torch.manual_seed(0)
     m = LoopedLM(cfg.model)
     with torch.no_grad():  # a spread like a trained model's: non-zero modulators, router depths spread over 1..L
@@ -126,12 +129,13 @@ def build_model(o):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="small/t-loopformer")
+    p.add_argument("--set", action="append", default=[], help="config override, e.g. --set model.d_model=512")
     p.add_argument("--tasks", default="piqa,copa,hellaswag,arc_easy")
     p.add_argument("--limit", type=int, default=40, help="examples per task")
     p.add_argument("--loops", type=int, default=0, help="budget M (0: L)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     p.add_argument("--json", default="bench/results/eval_speed.json")
     o = p.parse_args(argv)
     torch.set_num_threads(o.threads)
@@ -175,14 +179,16 @@ def main(argv=None):
     variants = {"tlf": ours, "harness": harness(TLFLM(model=model, loops=M, batch_size=o.batch_size, device="cpu")),
                 "hf-style": harness(HFStyleLM(model, M, o.batch_size))}
     times = {v: [] for v in variants}
+    cpu = {v: [] for v in variants}
     accs = {}
     t0 = time.perf_counter()
     for r in range(o.repeats + 1):  # round 0 warms up (dataset building, caches), not recorded
         for v, fn in variants.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             accs[v] = fn()
             if r:
                 times[v].append(time.perf_counter() - t)
+                cpu[v].append(time.process_time() - c)
         print(f"round {r} done ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     for v in variants:
         for n in names:
@@ -190,17 +196,23 @@ def main(argv=None):
     med = {v: statistics.median(ts) for v, ts in times.items()}
     eps = {v: n_examples / s for v, s in med.items()}
     c = cfg.model
-    print(f"{o.preset}: d={c.d_model} J={c.n_layers} L={c.loops} M={M} block={c.block_size}; tasks {','.join(names)} x "
+    print(f"{o.preset} {' '.join(o.set)}: d={c.d_model} J={c.n_layers} L={c.loops} M={M} block={c.block_size}; tasks {','.join(names)} x "
           f"{o.limit} = {n_examples} examples; batch {o.batch_size}; threads {o.threads}; median of {o.repeats}")
-    print(f"{'variant':<10}{'seconds':>10}{'examples/s':>12}{'tlf speed-up':>14}")
+    mcpu = {v: statistics.median(ts) for v, ts in cpu.items()}
+    eps_cpu = {v: n_examples / s for v, s in mcpu.items()}
+    print(f"{'variant':<10}{'wall s':>9}{'ex/s':>8}{'tlf speed-up':>14}{'CPU s':>9}{'ex/CPU-s':>10}{'tlf speed-up':>14}")
     for v in variants:
-        print(f"{v:<10}{med[v]:>10.2f}{eps[v]:>12.1f}{med[v] / med['tlf']:>13.2f}x")
+        print(f"{v:<10}{med[v]:>9.2f}{eps[v]:>8.1f}{med[v] / med['tlf']:>13.2f}x{mcpu[v]:>9.2f}{eps_cpu[v]:>10.1f}"
+              f"{mcpu[v] / mcpu['tlf']:>13.2f}x")
     print("accuracies agree: " + ", ".join(f"{n}={accs['tlf'][n]:.3f}" for n in names))
     out = Path(o.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(o), "examples": n_examples, "seconds": med,
                                "seconds_all": times, "examples_per_s": eps,
-                               "tlf_speedup": {v: med[v] / med["tlf"] for v in variants}, "acc": accs}, indent=1))
+                               "tlf_speedup": {v: med[v] / med["tlf"] for v in variants},
+                               "cpu_seconds": mcpu, "cpu_seconds_all": cpu, "examples_per_cpu_s": eps_cpu,
+                               "tlf_speedup_cpu": {v: mcpu[v] / mcpu["tlf"] for v in variants}, "acc": accs,
+                               "load_avg": list(__import__("os").getloadavg())}, indent=1))
     print(f"wrote {out}", file=sys.stderr)
     return eps
 
