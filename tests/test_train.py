@@ -28,7 +28,7 @@ PY = sys.executable
 def clean_env(**extra) -> dict:
     """The environment for a child process, without the process-group variables an in-process run has set."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return {**env, **extra}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 # A model small enough that a step takes milliseconds on CPU (the vocabulary is what makes tiny/* slow).
 TINY = ["model.vocab_size=512", "model.block_size=32", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
@@ -49,6 +49,15 @@ def make_shards(directory: Path, windows: int, seq_len: int = 32, seed: int = 0,
 
 def tiny_cfg(tmp: Path, data: Path, *extra: str, preset: str = "tiny/t-loopformer"):
     return load_config(preset, TINY + [f"data.dir={data}", f"checkpoint.dir={tmp}"] + list(extra))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: one thread is fastest, and 2 threads on a busy 2-core machine stall on each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +177,10 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch)
     assert cfg.model.d_model == 32 and cfg.name == "tiny/t-loopformer"
     saved = torch.load(root / "global_step8" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     assert all(torch.equal(model.state_dict()[k], v.float()) for k, v in saved.items())
+
+    # resuming needs the same model: an error names what differs
+    with pytest.raises(ConfigError, match=r"model.d_ff \(64 -> 48\)"):
+        run(tiny_cfg(root, data, "model.d_ff=48", "schedule.max_steps=9"))
 
     # resume from step 4 into another dir: steps 5..8 are bit-identical
     part = run(tiny_cfg(tmp_path / "b", data, f"checkpoint.resume={root / 'global_step4'}"))

@@ -191,9 +191,8 @@ def _fsync_dir(p: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ loading
-def load(engine, path: Path, rank: int, world_size: int) -> dict:
-    """Restores DeepSpeed's state from checkpoint dir `path` and returns this rank's state dict (RNG and data
-    position are restored by the caller)."""
+def read_state(path: Path, rank: int, world_size: int) -> dict:
+    """This rank's state dict of checkpoint dir `path` (step, data position, RNG states, config, MLflow run)."""
     f = path / f"rank{rank}_state.pt"
     if not f.is_file():
         have = sorted(p.name for p in path.glob("rank*_state.pt"))
@@ -202,8 +201,12 @@ def load(engine, path: Path, rank: int, world_size: int) -> dict:
     state = torch.load(f, map_location="cpu", weights_only=False)
     if state["world_size"] != world_size:
         raise CheckpointError(f"{path} was written by {state['world_size']} ranks; this run has {world_size}")
+    return state
+
+
+def load_engine(engine, path: Path) -> None:
+    """Restores DeepSpeed's module, optimizer, scheduler and step counters from checkpoint dir `path`."""
     loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
                                        load_lr_scheduler_states=True)
     if loaded is None:
         raise CheckpointError(f"{path}: DeepSpeed could not load this checkpoint")
-    return state

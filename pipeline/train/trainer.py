@@ -135,8 +135,9 @@ def run(cfg: Config) -> TrainResult:
 
     step, run_id = 0, None
     if resume_from is not None:
-        state = ckpt.load(engine, resume_from, rank, ws)
+        state = ckpt.read_state(resume_from, rank, ws)
         _check_compatible(cfg, state["config"], resume_from)
+        ckpt.load_engine(engine, resume_from)
         loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
         step, run_id = int(state["step"]), state.get("mlflow_run_id")
@@ -221,8 +222,9 @@ def run(cfg: Config) -> TrainResult:
                 ema = dt if ema is None else 0.9 * ema + 0.1 * dt
                 metrics = {"loss": loss_mean, "lr": _lr_of_step(engine), "tokens_per_s": tokens_per_step / dt,
                            "step_time_s": dt, "epoch": loader.epoch}
+                metrics["loss_L"] = sums[1] / accum
                 if cfg.model.shortcut:
-                    metrics.update(loss_L=sums[1] / accum, loss_S=sums[2] / accum, loss_align=sums[3] / accum)
+                    metrics.update(loss_S=sums[2] / accum, loss_align=sums[3] / accum)
                 if gn is not None:
                     metrics["grad_norm"] = gn
                 sm = _stat_metrics(stats)
