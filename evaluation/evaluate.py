@@ -187,7 +187,9 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
         tags.update({f"split.{t}": r["split"] for t, r in first.items()})
         result["mlflow_run_id"] = report.log_mlflow(result, files, cfg.logging.tracking_uri, cfg.logging.experiment,
                                                     run_id, tags, step)
-        result["mlflow_run"] = "checkpoint's run" if run_id else "new run"
+        result["mlflow_run"] = "checkpoint's run" if result["mlflow_run_id"] == run_id else "new run"
+        if result.get("mlflow_note"):
+            log(f"eval: {result['mlflow_note']}")
         report.write_json(out_dir / "results.json", result)
     log("\n" + md.read_text())
     log(f"eval: wrote {out_dir / 'results.json'} and {md}")

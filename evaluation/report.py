@@ -184,8 +184,18 @@ def log_mlflow(result: dict, files: list[Path], tracking_uri: str, experiment: s
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
+    from mlflow.exceptions import MlflowException
+
     uri = tracking_uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
+    if run_id is not None:
+        try:
+            client.get_run(run_id)
+        except MlflowException:  # recorded by the trainer in another tracking store: link it from a new run
+            tags = {**tags, "train_run_id": run_id}
+            result["mlflow_note"] = (f"the checkpoint's run {run_id} is not in {uri}; logged to a new run tagged "
+                                     "train_run_id")
+            run_id = None
     if run_id is None:
         exp = client.get_experiment_by_name(experiment)
         exp_id = exp.experiment_id if exp else client.create_experiment(experiment)

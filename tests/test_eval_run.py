@@ -121,6 +121,12 @@ def test_logs_into_the_checkpoints_recorded_run(env, tmp_path):
     hist = client.get_metric_history(train_run, "eval/M1/copa/acc")
     assert len(hist) == 1 and hist[0].step == 5 and hist[0].value == pytest.approx(res["budgets"][0]["tasks"]["copa"]["acc"])
     assert client.get_run(train_run).data.tags["eval.split.copa"] == "validation"
+    # a run id the tracking store does not know (trained against another store): a new run links it
+    torch.save({"step": 5, "mlflow_run_id": "0" * 32}, run_dir / "global_step5" / "rank0_state.pt")
+    res = run(run_dir, overrides(env, tasks="[copa]", perplexity="false", out_dir=str(tmp_path / "o2")),
+              log=lambda *a: None)
+    assert res["mlflow_run"] == "new run" and "not in" in res["mlflow_note"]
+    assert client.get_run(res["mlflow_run_id"]).data.tags["train_run_id"] == "0" * 32
 
 
 def test_latency_uses_the_inference_benchmark():
