@@ -349,7 +349,8 @@ def load_offline(sp: TaskSpec, race_file: str = "", limit: int = 0) -> TaskData:
             raise TaskDataError(
                 f"race: no offline copy: {path} does not exist. Provide a local file in the EleutherAI/race schema "
                 "(config 'high', split 'test': columns 'article' and 'problems') as .jsonl/.json/.parquet/.arrow via "
-                f"eval.race_file=PATH (or put it at {race_default_path()}), or use eval.source=hub with the hub reachable.")
+                f"eval.race_file=PATH / --race-file PATH (or put it at {race_default_path()}), use eval.source=hub with the "
+                "hub reachable, or leave race out (--tasks " + ",".join(t for t in TASK_ORDER if t != "race") + ").")
         ex = load_race_file(path)
         return TaskData(sp.name, ex[:limit] if limit else ex, "test", f"local file: {path}")
     try:
