@@ -78,12 +78,13 @@ def ppl_dirs(cfg: Config) -> list[str]:
 
 
 def latency_fn():
-    """The inference benchmark's TTFT/TPOT measurement, once `pipeline.inference` / `bench/decode.py` exist."""
+    """(the inference benchmark's TTFT/TPOT measurement or None, why not): it needs `pipeline.inference` and
+    `bench/decode.py` (a source checkout)."""
     try:
         from evaluation.latency import measure_latency
-    except ImportError:
-        return None
-    return measure_latency
+    except ImportError as e:
+        return None, str(e)
+    return measure_latency, ""
 
 
 def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, config: str | None = None,
@@ -117,7 +118,7 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
     out_dir = Path(ev.out_dir) if ev.out_dir else Path("out") / "eval" / name.replace("/", "_") / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     scorer = Scorer(model, ev.batch_size, dev)
-    measure = latency_fn() if ev.latency else None
+    measure, why = latency_fn() if ev.latency else (None, "")
     files: list[Path] = []
     result = {
         "checkpoint": str(Path(checkpoint)), "export": str(export), "config_name": cfg.name,
@@ -172,7 +173,7 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
         done[m_eff] = b
         result["budgets"].append(b)
     if ev.latency and measure is None:
-        result["latency_note"] = "latency not measured: pipeline.inference (generate) is not available"
+        result["latency_note"] = f"latency not measured: {why}"
     result["wall_s"] = round(time.time() - t_start, 3)
     md = out_dir / "table1.md"
     md.write_text(report.table1_markdown(result))

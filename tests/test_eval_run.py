@@ -139,6 +139,25 @@ def test_latency_uses_the_inference_benchmark():
     assert 1 <= lat["decode_mean_depth"] <= 2
 
 
+def test_latency_in_the_run_outputs(env, tmp_path, monkeypatch):
+    """run() measures latency per budget with the benchmark's code (a quick setting here) and reports it in
+    the JSON, the markdown and MLflow (the keys `tlf compare` reads)."""
+    import evaluation.evaluate as E
+    from evaluation.latency import measure_latency
+    quick = lambda m, M, d: measure_latency(m, M, d, repeats=1, steps=2, batches=(1, 2))  # noqa: E731
+    monkeypatch.setattr(E, "latency_fn", lambda: (quick, ""))
+    res = run(env / "t-loopformer", overrides(env, tasks="[]", perplexity="false", latency="true",
+                                              out_dir=str(tmp_path / "o")), loops="1,4", log=lambda *a: None)
+    lat = [b["latency"] for b in res["budgets"]]
+    assert all(set(x["tpot_ms"]) == {"1", "2"} for x in lat) and lat[0]["decode_mean_depth"] == 1.0
+    md = (tmp_path / "o" / "table1.md").read_text()
+    assert "| M | TTFT ms (P=31) | TPOT ms (B=1) | TPOT ms (B=2) | decode mean depth |" in md
+    from mlflow.tracking import MlflowClient
+    metrics = MlflowClient(tracking_uri=f"sqlite:///{env / 'mlflow.db'}").get_run(res["mlflow_run_id"]).data.metrics
+    assert metrics["eval/M4/latency/tpot_ms_B2"] == pytest.approx(lat[1]["tpot_ms"]["2"])
+    assert "eval/M1/latency/ttft_ms_P31" in metrics
+
+
 def test_clear_errors(env, tmp_path):
     with pytest.raises(TaskDataError, match="unknown task 'hellaswagg'"):
         run(env / "base", overrides(env, tasks="[copa,hellaswagg]", mlflow="false"), log=lambda *a: None)
