@@ -43,7 +43,6 @@ def table1_markdown(result: dict) -> str:
     head = ["Model", "FLOPs"] + [f"PPL {s}" for s in sets] + [TASKS[t].label for t in TASK_ORDER] + ["Avg Acc"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     for b in result["budgets"]:
-        M = b["loops"]
         J = model["n_layers"]
         name = f"{variant_label(model['variant'])} ({J} ⊗ {b['effective_loops']})"
         row = [name, f"{J * b['effective_loops']}x"]

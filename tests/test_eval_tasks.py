@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from evaluation import assets, tasks
-from evaluation.tasks import TaskDataError, load_task, olmo_docs, olmo_rows
+from evaluation.tasks import TaskDataError, load_task, olmo_rows
 
 
 @pytest.fixture(scope="module")
