@@ -1,32 +1,17 @@
 """TTFT and TPOT of a checkpoint at a loop budget, with the inference benchmark's own code and protocol.
 
-`bench/decode.py` (the inference engineer's benchmark) defines `ttft()` (one prompt through the
+`pipeline.inference.timing` (the code behind `bench/decode.py`) gives `ttft()` (one prompt through the
 gather-scatter prefill to its first logits) and `tpot()` (mean seconds per decode step with the
-recursion-wise KV cache after an untimed prefill); both take a dict of models keyed by variant. We call
-them with the checkpoint's model as the "tlf" variant: one warm-up round, then the median of `repeats`,
-random prompts (seeded) of lengths that fit the model's context.
+recursion-wise KV cache after an untimed prefill). We run them on the checkpoint's model: one warm-up round,
+then the median of `repeats`, random prompts (seeded) of lengths that fit the model's context.
 """
 from __future__ import annotations
 
-import importlib.util
 import statistics
-from pathlib import Path
 
 import torch
 
-_BENCH = Path(__file__).resolve().parent.parent / "bench" / "decode.py"
-
-
-def _bench_decode():
-    if not _BENCH.is_file():
-        raise ImportError(f"{_BENCH} not found (latency needs the inference benchmark's code)")
-    spec = importlib.util.spec_from_file_location("tlf_bench_decode", _BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
-
-
-bench = _bench_decode()  # ImportError here makes evaluate.latency_fn() report latency as unavailable
+from pipeline.inference import timing
 
 
 def prompt_lengths(block_size: int, steps: int) -> list[int]:
@@ -47,7 +32,6 @@ def measure_latency(model, loops: int, device: str | torch.device = "cpu", repea
     vocab = min(model.cfg.vocab_size, 50257)
     g = torch.Generator().manual_seed(seed)
     rand = lambda *s: torch.randint(0, vocab, s, generator=g).to(dev)  # noqa: E731
-    models = {"tlf": model}
     ttft_in = {P: rand(1, P) for P in lens}
     tpot_in = {B: (rand(B, tpot_prompt), rand(B, steps)) for B in batches}
     tt = {P: [] for P in lens}
@@ -55,11 +39,11 @@ def measure_latency(model, loops: int, device: str | torch.device = "cpu", repea
     depth_sum, depth_n = 0.0, 0
     for r in range(repeats + 1):  # round 0 warms up
         for P in lens:
-            sec, _ = bench.ttft(models, "tlf", loops, ttft_in[P], dev)
+            sec, _ = timing.ttft(model, loops, ttft_in[P])
             if r:
                 tt[P].append(sec)
         for B in batches:
-            sec, depth, _mem = bench.tpot(models, "tlf", loops, tpot_in[B][0], tpot_in[B][1], dev)
+            sec, depth, _mem = timing.tpot(model, loops, tpot_in[B][0], tpot_in[B][1])
             if r:
                 tp[B].append(sec)
                 depth_sum += float(depth.float().sum())
@@ -68,6 +52,6 @@ def measure_latency(model, loops: int, device: str | torch.device = "cpu", repea
         "ttft_ms": {str(P): 1e3 * statistics.median(v) for P, v in tt.items()},
         "tpot_ms": {str(B): 1e3 * statistics.median(v) for B, v in tp.items()},
         "decode_mean_depth": depth_sum / max(depth_n, 1),
-        "protocol": f"bench/decode.py ttft()/tpot(): median of {repeats} after 1 warm-up; TPOT after a "
+        "protocol": f"pipeline.inference.timing ttft()/tpot() (bench/decode.py's code): median of {repeats} after 1 warm-up; TPOT after a "
                     f"{tpot_prompt}-token prefill, {steps} decode steps; random prompts (seed {seed})",
     }

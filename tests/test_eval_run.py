@@ -130,8 +130,10 @@ def test_logs_into_the_checkpoints_recorded_run(env, tmp_path):
 
 
 def test_latency_uses_the_inference_benchmark():
-    from evaluation.latency import bench, measure_latency
-    assert hasattr(bench, "ttft") and hasattr(bench, "tpot")
+    import evaluation.latency as lat_mod
+    from evaluation.latency import measure_latency
+    from pipeline.inference import timing
+    assert lat_mod.timing is timing  # the same ttft()/tpot() that bench/decode.py times
     m, _ = tiny("tiny/t-loopformer")
     lat = measure_latency(m.eval(), 2, "cpu", repeats=1, steps=2, batches=(1, 2))
     assert set(lat["ttft_ms"]) == {"31"} and set(lat["tpot_ms"]) == {"1", "2"}
@@ -145,7 +147,7 @@ def test_latency_in_the_run_outputs(env, tmp_path, monkeypatch):
     import evaluation.evaluate as E
     from evaluation.latency import measure_latency
     quick = lambda m, M, d: measure_latency(m, M, d, repeats=1, steps=2, batches=(1, 2))  # noqa: E731
-    monkeypatch.setattr(E, "latency_fn", lambda: (quick, ""))
+    monkeypatch.setattr(E, "measure_latency", quick)
     res = run(env / "t-loopformer", overrides(env, tasks="[]", perplexity="false", latency="true",
                                               out_dir=str(tmp_path / "o")), loops="1,4", log=lambda *a: None)
     lat = [b["latency"] for b in res["budgets"]]
