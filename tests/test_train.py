@@ -12,7 +12,6 @@ from pathlib import Path
 
 os.environ.setdefault("DS_BUILD_OPS", "0")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "torch_extensions"))
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import numpy as np
 import pytest
@@ -28,14 +27,14 @@ PY = sys.executable
 def clean_env(**extra) -> dict:
     """The environment for a child process, without the process-group variables an in-process run has set."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
+    return {**env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **extra}
 
 # A model small enough that a step takes milliseconds on CPU (the vocabulary is what makes tiny/* slow).
 TINY = ["model.vocab_size=512", "model.block_size=32", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
         "model.n_layers=2", "model.loops=3", "model.fourier_dim=16", "train.micro_batch_size=2",
         "train.global_batch_size=2", "schedule.warmup_steps=2", "schedule.max_steps=8", "train.eval_interval=4",
         "train.eval_batches=2", "train.log_interval=4", "checkpoint.interval=4", "checkpoint.keep_last=2",
-        "optim.lr=1e-2", "logging.mlflow=false"]
+        "optim.lr=1e-2", "logging.mlflow=false", "train.device=cpu"]
 
 
 def make_shards(directory: Path, windows: int, seq_len: int = 32, seed: int = 0, vocab: int = 512) -> Path:
