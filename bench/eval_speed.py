@@ -43,7 +43,7 @@ from evaluation import assets  # noqa: E402
 from evaluation.harness import TLFLM  # noqa: E402
 from evaluation.scorer import Scorer, task_metrics, task_requests  # noqa: E402
 from evaluation.tasks import TASKS, TaskData, olmo_rows  # noqa: E402
-from evaluation.tokenizer import EOT, encode  # noqa: E402
+from data_prep.tokenizer import EOT, encode  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.model.looped import LoopedLM  # noqa: E402
 

@@ -35,3 +35,15 @@ def get_encoding(name: str = TOKENIZER):
             from data_prep.assets import ensure_bpe
             ensure_bpe(d)
     return tiktoken.get_encoding(name)
+
+
+EOT = 50256  # <|endoftext|>, written before every document
+
+
+def encode(text: str) -> list[int]:
+    """GPT-2 ids of text, special tokens treated as ordinary text."""
+    return get_encoding().encode_ordinary(text)
+
+
+def decode(ids) -> str:
+    return get_encoding().decode(list(ids))

@@ -1,7 +1,7 @@
 """The evaluation forward: final states at budget M, then the LM head only where logits are needed.
 
-`hidden_states` is `LoopedLM.forward(idx, loops=M)` without the head (same public pieces: embed, route,
-run_loops with the uniform schedule 1/M, router depth clipped at M); `logits_at` applies the head to chosen
+`hidden_states` is `LoopedLM.forward(idx, loops=M)` without the head (`LoopedLM.final_states` with the
+uniform schedule 1/M, router depth clipped at M); `logits_at` applies the head to chosen
 positions. Scoring a continuation needs logits at a few positions only, and the head (d x 50304) is most of a
 small model's cost. A test checks both against `model(idx, loops=M).logits` and `.depth`.
 """
@@ -16,17 +16,10 @@ from pipeline.model.schedule import uniform
 def hidden_states(model, idx: torch.Tensor, loops: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(h (B, T, d) before the final norm, depth (B, T) int64 in 1..M)."""
     M = int(loops)
-    L = model.cfg.loops
-    if not 1 <= M <= L:
-        raise ValueError(f"loop budget {M} must lie in 1..{L}")
+    if not 1 <= M <= model.cfg.loops:
+        raise ValueError(f"loop budget {M} must lie in 1..{model.cfg.loops}")
     h0 = model.embed(idx)
-    r = model.route(h0)
-    depth = None if r is None else r.depth(M, model.cfg.router_threshold)
-    cont = r.cont if (r is not None and model.cfg.router_ste) else None
-    h = model.run_loops(h0, uniform(M), depth, cont)
-    if depth is None:
-        depth = torch.full(idx.shape, M, dtype=torch.long, device=idx.device)
-    return h, depth
+    return model.final_states(h0, model.route(h0), uniform(M))
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from evaluation.scorer import Scorer, encode_pair
-from evaluation.tokenizer import EOT, decode, encode
+from data_prep.tokenizer import EOT, decode, encode
 
 
 @register_model("tlf")

@@ -20,7 +20,7 @@ import torch
 
 from evaluation.forward import hidden_states, logits_at
 from evaluation.tasks import TaskData
-from evaluation.tokenizer import EOT, encode
+from data_prep.tokenizer import EOT, encode
 
 
 def encode_pair(context: str, continuation: str) -> tuple[list[int], list[int]]:

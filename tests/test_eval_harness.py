@@ -13,7 +13,7 @@ import evaluation.harness as H
 from evaluation import assets
 from evaluation.scorer import Scorer, task_metrics, task_requests
 from evaluation.tasks import TASKS, TaskData, olmo_rows
-from evaluation.tokenizer import EOT, decode, encode
+from data_prep.tokenizer import EOT, decode, encode
 from pipeline.config import load_config
 from pipeline.model.looped import LoopedLM
 

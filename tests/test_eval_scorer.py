@@ -10,7 +10,7 @@ import torch
 from evaluation.forward import hidden_states, logits_at
 from evaluation.scorer import Scored, Scorer, encode_pair, mean_stderr, task_metrics
 from evaluation.tasks import Example, TaskData
-from evaluation.tokenizer import EOT, encode
+from data_prep.tokenizer import EOT, encode
 from pipeline.config import load_config
 from pipeline.model.looped import LoopedLM
 

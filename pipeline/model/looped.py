@@ -172,14 +172,20 @@ class LoopedLM(nn.Module):
         hf = self.norm_f(h)
         return self.lm_head(hf), hf
 
-    def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor):
+    def final_states(self, h0: torch.Tensor, r: RouterOutput | None, delta: torch.Tensor):
+        """One pass with schedule delta (budget M = len(delta)) from h0 (B, T, d): returns the final states
+        before the norm (B, T, d) and the per-token depth (B, T) int64 in 1..M (all M without a router)."""
         M = delta.numel()
         depth = None if r is None else r.depth(M, self.cfg.router_threshold)
         cont = r.cont if (r is not None and self.cfg.router_ste) else None
         h = self.run_loops(h0, delta, depth, cont)
-        logits, hf = self.head(h)
         if depth is None:
             depth = torch.full(h0.shape[:2], M, dtype=torch.long, device=h0.device)
+        return h, depth
+
+    def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor):
+        h, depth = self.final_states(h0, r, delta)
+        logits, hf = self.head(h)
         return logits, hf, depth
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loops: int | None = None,
