@@ -30,5 +30,5 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={"dev": ["pytest>=8"], "harness": ["lm-eval>=0.4.5"]},
-    entry_points={"console_scripts": ["tlf=pipeline.cli:main"]},
+    entry_points={"console_scripts": ["tlf=pipeline.cli:entry"]},
 )

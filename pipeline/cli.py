@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 
 import click
 
@@ -78,5 +79,21 @@ def _register_plugins() -> None:
 _register_plugins()
 
 
+def entry() -> None:
+    """Console-script entry: drops the `--local_rank=N` the DeepSpeed launcher appends to every rank's
+    argv (the rank is also in $LOCAL_RANK), so `deepspeed $(which tlf) train ...` works as is."""
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a.startswith("--local_rank=") or a.startswith("--local-rank="):
+            continue
+        elif a in ("--local_rank", "--local-rank"):
+            skip = True
+        else:
+            argv.append(a)
+    main(args=argv, prog_name="tlf")
+
+
 if __name__ == "__main__":
-    main()
+    entry()

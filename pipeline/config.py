@@ -134,7 +134,7 @@ class TrainConfig:
     zero_stage: int = f(1, "DeepSpeed ZeRO stage 0-3.")
     activation_checkpointing: Literal["none", "loop", "layer"] = f(
         "none", "Recompute activations per loop application or per layer in backward (non-reentrant).")
-    log_interval: int = f(10, "Steps between logged metrics.")
+    log_interval: int = f(10, "Steps between console progress lines and MLflow flushes (metrics are recorded every step).")
     eval_interval: int = f(1000, "Steps between validation-loss evaluations (0 disables).")
     eval_batches: int = f(20, "Micro-batches per validation-loss evaluation.")
     nan_policy: Literal["stop", "skip"] = f("stop", "On a NaN/inf loss: stop (keep last good checkpoint) or skip.")
