@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from interleave import run_cases  # noqa: E402  (bench/ is the script's own directory)
 
 
 def _worker(args: dict, conn) -> None:
@@ -87,33 +88,6 @@ def _worker(args: dict, conn) -> None:
             return
 
 
-def run_cases(specs: dict[str, dict], rounds: int) -> dict[str, dict]:
-    """Runs every case in its own process, interleaving their timed steps round-robin so that machine
-    load affects all cases alike; reports the median step time of each."""
-    ctx = mp.get_context("spawn")
-    procs = {}
-    for label, spec in specs.items():  # build one at a time (warm-up included) to keep start-up quiet
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(spec, child), daemon=True)
-        p.start()
-        assert parent.recv() == "ready"
-        procs[label] = (p, parent)
-    times = {label: [] for label in specs}
-    for _ in range(rounds):
-        for label, (_, conn) in procs.items():
-            conn.send("step")
-            times[label].append(conn.recv())
-    results = {}
-    for label, (p, conn) in procs.items():
-        conn.send("stats")
-        r = conn.recv()
-        conn.send("stop")
-        p.join()
-        t = sorted(times[label])[len(times[label]) // 2]
-        results[label] = {"time_s": t, **r}
-    return results
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -139,7 +113,7 @@ def main(argv=None) -> dict:
                                          "vocab", "steps", "warmup", "threads", "bf16")}
     specs = {v: {**common, "variant": v, "extra": []} for v in variants}
     specs["t-loopformer (dense)"] = {**common, "variant": "t-loopformer", "extra": ["model.gather_scatter=false"]}
-    results = run_cases(specs, a.steps)
+    results = run_cases(_worker, specs, a.steps)
     for r in results.values():
         r["tokens_per_s"] = a.batch * a.seq / r["time_s"]
 

@@ -18,18 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import resource
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def _peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+from interleave import run_cases  # noqa: E402  (bench/ is the script's own directory)
 
 
 def _worker(spec: dict, conn) -> None:
@@ -39,6 +35,7 @@ def _worker(spec: dict, conn) -> None:
     import torch
 
     from pipeline.config import load_config
+    from pipeline.memory import region_peak_mib, region_start
     from pipeline.model import LoopedLM
     from pipeline.train import ds
 
@@ -64,9 +61,7 @@ def _worker(spec: dict, conn) -> None:
     x = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(dev)
     y = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(dev)
     cuda = str(dev).startswith("cuda")
-    rss0 = _peak_rss_gb()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+    base = region_start(dev)  # the steps' own peak (optimizer state included), not start-up's
     state = {"n": 0, "loops": [], "heads": 1}
 
     def step():
@@ -92,39 +87,12 @@ def _worker(spec: dict, conn) -> None:
             conn.send(time.perf_counter() - t0)
         elif cmd == "stats":
             loops = sum(state["loops"]) / len(state["loops"])
-            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else _peak_rss_gb() - rss0
+            peak = region_peak_mib(dev, base) / 1024
             conn.send({"peak_mem_gb": peak, "mean_depth": state["depth"], "loops_executed": loops,
                        "flops_per_token": model.flops_per_token(loops, T, state["heads"]),
                        "params": model.num_params(), "tokens_per_step": B * T})
         else:
             return
-
-
-def run_cases(specs: dict[str, dict], rounds: int) -> dict[str, dict]:
-    ctx = mp.get_context("spawn")
-    procs = {}
-    for label, spec in specs.items():  # started one at a time (warm-up included) to keep start-up quiet
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(spec, child), daemon=True)
-        p.start()
-        child.close()  # so a crashed case raises EOFError here instead of hanging
-        if parent.recv() != "ready":
-            raise RuntimeError(f"case {label} failed to start")
-        procs[label] = (p, parent)
-    times = {label: [] for label in specs}
-    for _ in range(rounds):
-        for label, (_, conn) in procs.items():
-            conn.send("step")
-            times[label].append(conn.recv())
-    results = {}
-    for label, (p, conn) in procs.items():
-        conn.send("stats")
-        r = conn.recv()
-        conn.send("stop")
-        p.join()
-        t = sorted(times[label])[len(times[label]) // 2]
-        results[label] = {"time_s": t, "tokens_per_s": r["tokens_per_step"] / t, **r}
-    return results
 
 
 def main(argv=None) -> dict:
@@ -161,8 +129,9 @@ def main(argv=None) -> dict:
     for label, (v, extra) in ablations.items():
         if v in variants:
             specs[label] = {**common, "variant": v, "extra": extra}
-    results = run_cases(specs, a.steps)
+    results = run_cases(_worker, specs, a.steps)
     for r in results.values():
+        r["tokens_per_s"] = r["tokens_per_step"] / r["time_s"]
         r["mfu"] = r["tokens_per_s"] * r["flops_per_token"] / peak
 
     cfg = load_config(f"{a.scale}/t-loopformer", overrides)

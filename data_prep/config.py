@@ -11,9 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 
-from pipeline.config import ConfigError, _set, apply_overrides, f
+from pipeline.config import ConfigError, _set, apply_overrides, f, read_yaml_mapping
 
 SOURCES = ("files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext")
 # Named Hugging Face sources: (dataset, default config, split)
@@ -125,16 +124,11 @@ def load_prep_config(yaml_file: str | None = None, values: dict | None = None,
     cfg = PrepConfig()
     if yaml_file:
         path = Path(yaml_file)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML: {e}") from None
-        if isinstance(data, dict) and set(data) == {"prep"}:
+        data = read_yaml_mapping(path, "prep-data options")
+        if set(data) == {"prep"}:
             data = data["prep"]
         if not isinstance(data, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of prep-data options")
+            raise ConfigError(f"{path}: 'prep' must be a mapping of prep-data options")
         for k, v in data.items():
             _set(cfg, str(k), v, str(path))
     for k, v in (values or {}).items():

@@ -27,9 +27,9 @@ def _truthy(name: str) -> bool:
 
 
 def _local_hint(dataset: str) -> str:
-    return (f"To prepare it without the Hub, download its parquet/jsonl files on a connected machine, copy them "
-            f"here and run `tlf prep-data --source files --input 'DIR/**/*.parquet' --text-field text --out OUT` "
-            f"(the offline demo corpus: `--source demo`).")
+    return (f"To prepare {dataset} without the Hub, download its parquet/jsonl files on a connected machine, copy them "
+            "here and run `tlf prep-data --source files --input 'DIR/**/*.parquet' --text-field text --out OUT` "
+            "(the offline demo corpus: `--source demo`).")
 
 
 def probe(dataset: str, config: str, timeout: float) -> None:

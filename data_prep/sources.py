@@ -208,7 +208,7 @@ class FileSource:
         para, para_loc, para_off = [], None, None
 
         def add(rec, loc, off):
-            nonlocal task, size
+            nonlocal size
             task.records.append(rec)
             task.locs.append(loc)
             task.where.append(f"{path}:{loc}")

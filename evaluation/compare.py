@@ -18,6 +18,8 @@ from pathlib import Path
 
 import click
 
+from evaluation.figures import pyplot, save
+
 from pipeline.config import VARIANTS
 
 TASK_COLUMNS = [("copa", "COPA"), ("hellaswag", "HellaSwag"), ("lambada_openai", "LAMBADA"), ("openbookqa", "OBQA"),
@@ -196,9 +198,14 @@ def table2(sel: Selection) -> Table:
     return Table("Table 2: decoding latency", cols, rows, ["low"] * len(keys) + [""], [".3f"] * len(keys) + [".2f"])
 
 
+def _train_loss_key(r: Run) -> str:
+    """The full pass's CE (`loss_L`) where logged: comparable across variants, unlike the total objective."""
+    return "loss_L" if "loss_L" in r.metrics else "loss"
+
+
 def table3(sel: Selection) -> Table:
     """Training: peak memory, throughput, MFU, final training and validation loss, mean router depth."""
-    cols = ["Model", "peak mem GB", "tokens/s", "MFU %", "train loss", "val loss", "mean depth"]
+    cols = ["Model", "peak mem GB", "tokens/s", "MFU %", "train loss (L_L)", "val loss", "mean depth"]
     rows = []
     for v in sel.variants():
         r = sel.train.get(v)
@@ -207,7 +214,7 @@ def table3(sel: Selection) -> Table:
         m = r.metrics
         mem = m.get("mem/cuda_max_allocated_gb", m.get("mem/peak_rss_gb"))
         mfu = m.get("mfu")
-        rows.append([v, mem, m.get("tokens_per_s"), None if mfu is None else 100 * mfu, m.get("loss"),
+        rows.append([v, mem, m.get("tokens_per_s"), None if mfu is None else 100 * mfu, m.get(_train_loss_key(r)),
                      m.get("val/loss"), m.get("router/full/mean_depth")])
     return Table("Table 3: training memory and speed", cols, rows,
                  ["low", "high", "high", "low", "low", ""], [".3f", ",.0f", ".2f", ".3f", ".3f", ".2f"])
@@ -215,10 +222,7 @@ def table3(sel: Selection) -> Table:
 
 # ------------------------------------------------------------------------------------------ plots
 def plot_all(sel: Selection, tracking_uri: str, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri or default_tracking_uri())
@@ -231,15 +235,16 @@ def plot_all(sel: Selection, tracking_uri: str, out: Path) -> list[Path]:
             r = sel.train.get(v)
             if r is None:
                 continue
-            for ax, key in zip(axes, ("loss", "val/loss")):
+            # loss_L (the full pass's CE) compares across variants; `loss` adds the shortcut terms
+            for ax, key in zip(axes, (_train_loss_key(r), "val/loss")):
                 h = sorted(client.get_metric_history(r.run_id, key), key=lambda m: m.step)
                 if h:
                     ax.plot([m.step for m in h], [m.value for m in h], marker="o" if key != "loss" else None,
                             markersize=3, label=v)
-        for ax, t in zip(axes, ("training loss", "validation loss")):
+        for ax, t in zip(axes, ("training loss (full pass, L_L)", "validation loss")):
             ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.set_title(t), ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        paths.append(_save(fig, out / "loss_curves.png"))
+        paths.append(save(fig, out / "loss_curves.png"))
 
     runs = {v: sel.eval[v] for v in variants if v in sel.eval}
     sets = _ppl_sets(list(runs.values()))
@@ -253,7 +258,7 @@ def plot_all(sel: Selection, tracking_uri: str, out: Path) -> list[Path]:
                     ax.plot(*zip(*pts), marker="o", label=v)
             ax.set_xlabel("loop budget M"), ax.set_ylabel("perplexity"), ax.set_title(f"PPL {s} vs loop budget")
             ax.grid(alpha=0.3), ax.legend(fontsize=7)
-        paths.append(_save(fig, out / "ppl_vs_loops.png"))
+        paths.append(save(fig, out / "ppl_vs_loops.png"))
 
     depth_runs = {v: r for v, r in runs.items() if any("/depth/share_" in k for k in r.metrics)}
     if depth_runs:  # depth distribution (router variants at their largest budget)
@@ -265,9 +270,10 @@ def plot_all(sel: Selection, tracking_uri: str, out: Path) -> list[Path]:
             shares = [r.metrics.get(f"eval/M{M}/depth/share_{i}", 0.0) for i in range(1, M + 1)]
             ax.bar(range(1, M + 1), [100 * s for s in shares], label=f"{v} (M={M}, mean "
                    f"{r.metrics.get(f'eval/M{M}/depth/mean', float('nan')):.2f})")
+        ax.set_xticks(range(1, max(max(r.budgets()) for r in depth_runs.values()) + 1))
         ax.set_xlabel("loops per token"), ax.set_ylabel("share of tokens (%)"), ax.set_title("depth distribution")
         ax.legend(fontsize=7)
-        paths.append(_save(fig, out / "depth_distribution.png"))
+        paths.append(save(fig, out / "depth_distribution.png"))
 
     thr = [(v, sel.train[v].metrics.get("tokens_per_s")) for v in variants if v in sel.train]
     thr = [(v, t) for v, t in thr if t is not None]
@@ -275,17 +281,10 @@ def plot_all(sel: Selection, tracking_uri: str, out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.barh([v for v, _ in thr], [t for _, t in thr])
         ax.set_xlabel("training tokens/s"), ax.set_title("throughput")
-        paths.append(_save(fig, out / "throughput.png"))
+        paths.append(save(fig, out / "throughput.png"))
     return paths
 
 
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
 
 
 # ------------------------------------------------------------------------------------------ run

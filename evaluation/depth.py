@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from evaluation.figures import pyplot, save
+
 
 def depth_chart(depth: dict, loops: int, path: str | Path, title: str = "") -> Path:
     """Writes a PNG: bars = share of tokens per depth 1..M, line = per-depth perplexity (right axis)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     M = int(loops)
     xs = list(range(1, M + 1))
     share = [100.0 * s for s in depth["share"]]
@@ -34,9 +33,4 @@ def depth_chart(depth: dict, loops: int, path: str | Path, title: str = "") -> P
         ax2.set_ylabel("perplexity at depth")
         ax2.set_yscale("log")
     ax.set_title(title or f"Depth distribution, budget M={M}", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=120)

@@ -308,11 +308,8 @@ def _set(obj: Any, key: str, value: Any, source: str, prefix: str = "") -> None:
     setattr(obj, head, v)
 
 
-def _read_yaml(path: Path, seen: tuple = ()) -> list[tuple[str, dict]]:
-    """Returns [(source, mapping), ...] in merge order, following `inherit:`."""
-    path = path.resolve()
-    if path in seen:
-        raise ConfigError(f"{path}: inherit cycle ({' -> '.join(str(p) for p in seen)})")
+def read_yaml_mapping(path: Path, what: str = "sections") -> dict:
+    """A YAML file whose top level is a mapping; a missing file, bad YAML or another shape is a ConfigError."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
@@ -320,7 +317,16 @@ def _read_yaml(path: Path, seen: tuple = ()) -> list[tuple[str, dict]]:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping of sections")
+        raise ConfigError(f"{path}: top level must be a mapping of {what}")
+    return data
+
+
+def _read_yaml(path: Path, seen: tuple = ()) -> list[tuple[str, dict]]:
+    """Returns [(source, mapping), ...] in merge order, following `inherit:`."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: inherit cycle ({' -> '.join(str(p) for p in seen)})")
+    data = read_yaml_mapping(path)
     parents = data.pop("inherit", []) or []
     if isinstance(parents, str):
         parents = [parents]

@@ -41,7 +41,7 @@ def stage(title: str, cmd: list[str], log: list) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="small/<variant> presets to train")
-    ap.add_argument("--steps", type=int, default=150, help="training steps per variant")
+    ap.add_argument("--steps", type=int, default=120, help="training steps per variant")
     ap.add_argument("--limit", type=int, default=40, help="examples per zero-shot task")
     ap.add_argument("--loops", default="1,2,4", help="loop budgets to evaluate")
     ap.add_argument("--ppl-tokens", type=int, default=16384, help="validation tokens scored per set")

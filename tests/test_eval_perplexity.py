@@ -9,20 +9,9 @@ import torch
 
 from data_prep.shards import write_shard
 from evaluation.perplexity import TokenStream, make_windows, perplexity
-from pipeline.config import load_config
-from pipeline.model.looped import LoopedLM
+from helpers import perturbed_tiny as tiny
 
 
-def tiny(name="tiny/t-loopformer", seed=0):
-    cfg = load_config(name)
-    torch.manual_seed(seed)
-    m = LoopedLM(cfg.model)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-        if m.router is not None:
-            m.router.fc2.bias.copy_(torch.linspace(-0.5, 0.5, cfg.model.loops))
-    return m.eval(), cfg
 
 
 @pytest.fixture(scope="module")

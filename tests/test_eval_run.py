@@ -13,25 +13,15 @@ from click.testing import CliRunner
 from data_prep.shards import write_shard
 from evaluation.evaluate import run
 from evaluation.tasks import TaskDataError
-from pipeline.config import ConfigError, load_config
+from helpers import perturbed_tiny as tiny
+from pipeline.config import ConfigError
 from pipeline.model.io import save_model
-from pipeline.model.looped import LoopedLM
 
 RACE_ROW = {"article": "Tom grew up on a farm. Every morning he fed the chickens.",
             "problems": str([{"answer": "A", "options": ["chickens", "cows", "dogs", "fish"],
                               "question": "What did Tom feed?"}])}
 
 
-def tiny(name, seed=0):
-    cfg = load_config(name)
-    torch.manual_seed(seed)
-    m = LoopedLM(cfg.model)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-        if m.router is not None:
-            m.router.fc2.bias.copy_(torch.linspace(-0.5, 0.5, cfg.model.loops))
-    return m, cfg
 
 
 @pytest.fixture(scope="module")

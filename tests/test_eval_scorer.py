@@ -11,21 +11,9 @@ from evaluation.forward import hidden_states, logits_at
 from evaluation.scorer import Scored, Scorer, encode_pair, mean_stderr, task_metrics
 from evaluation.tasks import Example, TaskData
 from data_prep.tokenizer import EOT, encode
-from pipeline.config import load_config
-from pipeline.model.looped import LoopedLM
+from helpers import perturbed_tiny as tiny
 
 
-def tiny(name="tiny/t-loopformer", seed=0):
-    """A tiny model with every weight perturbed (zero-initialised modulators would make loops identities)."""
-    cfg = load_config(name)
-    torch.manual_seed(seed)
-    m = LoopedLM(cfg.model)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-        if m.router is not None:
-            m.router.fc2.bias.copy_(torch.linspace(-0.5, 0.5, cfg.model.loops))  # depths around 3 of 4
-    return m.eval(), cfg
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """LoopedLM invariants (DESIGN §1): gather-scatter = dense reference, router semantics, STE, shortcut
 schedules, zero-init identity, causality and forward/backward for every preset."""
-import copy
 import itertools
 
 import pytest

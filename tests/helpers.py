@@ -1,0 +1,19 @@
+"""Helpers shared by several test files (imported as `from helpers import ...`; pytest puts tests/ on sys.path)."""
+import torch
+
+from pipeline.config import load_config
+from pipeline.model.looped import LoopedLM
+
+
+def perturbed_tiny(name: str = "tiny/t-loopformer", seed: int = 0):
+    """A tiny model with every weight perturbed (zero-initialised modulators would make loops identities) and a
+    router biased to depths around 3 of 4; returns (model in eval mode, config)."""
+    cfg = load_config(name)
+    torch.manual_seed(seed)
+    m = LoopedLM(cfg.model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        if m.router is not None:
+            m.router.fc2.bias.copy_(torch.linspace(-0.5, 0.5, cfg.model.loops))
+    return m.eval(), cfg
