@@ -52,7 +52,7 @@ def f(default: Any, doc: str, **kw):
 # --------------------------------------------------------------------------------------------------
 @dataclass
 class ModelConfig:
-    variant: str = f("t-loopformer", "Variant name of DESIGN §1 (tags runs); the flags below define behaviour.")
+    variant: str = f("t-loopformer", "Variant name (one of the eight presets; tags runs); the flags below define behaviour.")
     vocab_size: int = f(50304, "Vocabulary size (GPT-2's 50257 padded to a multiple of 64).")
     block_size: int = f(2048, "Context length in tokens (learned absolute positions).")
     d_model: int = f(2048, "Hidden size d.")
