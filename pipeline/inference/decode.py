@@ -1,8 +1,9 @@
 """Prefill and early-exit decode with the recursion-wise KV cache (DESIGN §2, paper §3.3 and appendix).
 
     prefill(prompts)   the prompts (right-padded, pads get depth 0 so they are never active) go through
-                       the training gather-scatter path in one call; every (loop, layer) attention writes
-                       its compacted keys/values into that loop's cache.
+                       the model's own gather-scatter loops (`LoopedLM.run_loops` with cache hooks) in one
+                       call; every (loop, layer) attention writes its compacted keys/values into that
+                       loop's cache.
     step(tokens)       each row's new token gets its depth m from the router; loop i runs only the rows
                        with m >= i (gathered), each attending to loop i's cache plus itself, appends its
                        k/v there, and is scattered back; loops past a row's depth are skipped (early exit;
@@ -59,6 +60,20 @@ def pad_prompts(prompts, device) -> tuple[torch.Tensor, np.ndarray]:
     for b, p in enumerate(prompts):  # building the input, not the hot path
         idx[b, : len(p)] = torch.as_tensor(p, dtype=torch.long)
     return idx.to(device), lengths
+
+
+class _PrefillHooks:
+    """Connects LoopedLM.run_loops to the cache during a prefill: every layer's k/v of the compacted active
+    tokens is stored (then attention runs causally among them), and each finished loop records |A_i|."""
+
+    def __init__(self, dec: "Decoder", reserve: int):
+        self.dec, self.reserve = dec, reserve
+
+    def attend(self, i: int, j: int, order, n: torch.Tensor):
+        return partial(self.dec._prefill_attend, i, j, order, n.numpy(), self.reserve)
+
+    def loop_done(self, i: int, n: torch.Tensor) -> None:
+        self.dec.cache.prefill_done(i, n.numpy())
 
 
 class Decoder:
@@ -125,38 +140,15 @@ class Decoder:
         depth = self._depth(h)
         real = torch.arange(T, device=dev)[None] < torch.as_tensor(lengths, device=dev)[:, None]  # (B, T)
         depth = torch.where(real, depth, 0)
-        dh = depth.cpu().numpy()
         self.cache = self._new_cache(B, dev) if use_cache else None
         if use_cache:
             self.cache.set_lengths(lengths)
-        every_M = bool((dh == self.M).all())
-        for i in range(1, self.M + 1):
-            n = (dh >= i).sum(1)  # (B,) |A_i| per row
-            Tm = int(n.max())
-            if Tm == 0:
-                break
-            if self.full_depth:
+        if self.full_depth:
+            for i in range(1, self.M + 1):
                 h = self._prefill_loop_full(h, depth, i, lengths, reserve)
-                continue
-            if Tm == T and (n == T).all():  # every token active: no compaction
-                order, hc, dep = None, h, None if every_M else depth
-            else:
-                active = depth >= i
-                order = torch.sort((~active).to(torch.uint8), dim=1, stable=True).indices[:, :Tm]  # (B, Tm)
-                gidx = order[..., None].expand(B, Tm, h.shape[-1])
-                hc, dep = h.gather(1, gidx), depth.gather(1, order)  # (B, Tm, d), (B, Tm)
-            mods = self._mods(dep, i)
-            x = hc
-            for j, layer in enumerate(m.layers):
-                attend = partial(self._prefill_attend, i, j, order, n, reserve) if use_cache else None
-                x = layer(x, mods[j], None, attend)  # causal among the compacted active tokens
-            if order is None:
-                h = x
-            else:
-                valid = (torch.arange(Tm, device=dev)[None] < torch.as_tensor(n, device=dev)[:, None])[..., None]
-                h = h.scatter(1, gidx, torch.where(valid, x, hc))
-            if use_cache:
-                self.cache.prefill_done(i, n)
+        else:  # the model's own gather-scatter loops, the cache filled through its hooks
+            hooks = _PrefillHooks(self, reserve) if use_cache else None
+            h = m.run_loops(h, uniform(self.M), depth, None, tables=self.tables, hooks=hooks)
         if all_logits:
             return m.head(h)[0], depth
         last = h[torch.arange(B, device=dev), torch.as_tensor(lengths - 1, device=dev)]  # (B, d)

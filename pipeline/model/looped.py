@@ -96,50 +96,70 @@ class LoopedLM(nn.Module):
         return [layer.modulator(c) for layer in self.layers]
 
     # ------------------------------------------------------------------------------------ the loops
-    def _block(self, h: torch.Tensor, mods: list[torch.Tensor] | None, mask: torch.Tensor | None) -> torch.Tensor:
-        """The shared block Phi_J on h (B, T, d); mods: per layer (B|1, T|1, 4d) or None."""
+    def _block(self, h: torch.Tensor, mods: list[torch.Tensor] | None, mask: torch.Tensor | None,
+               attends: list | None = None) -> torch.Tensor:
+        """The shared block Phi_J on h (B, T, d); mods: per layer (B|1, T|1, 4d) or None; attends: per layer
+        attention override (the KV cache) or None."""
         for j, layer in enumerate(self.layers):
             mod = None if mods is None else mods[j]
+            attend = None if attends is None else attends[j]
             if self.activation_checkpointing == "layer" and torch.is_grad_enabled():
-                h = checkpoint(layer, h, mod, mask, use_reentrant=False)
+                h = checkpoint(layer, h, mod, mask, attend, use_reentrant=False)
             else:
-                h = layer(h, mod, mask)
+                h = layer(h, mod, mask, attend)
         return h
 
-    def _apply_block(self, h, mods, mask):
+    def _apply_block(self, h, mods, mask, attends=None):
         if self.activation_checkpointing == "loop" and torch.is_grad_enabled():
-            return checkpoint(self._block, h, mods, mask, use_reentrant=False)
-        return self._block(h, mods, mask)
+            return checkpoint(self._block, h, mods, mask, attends, use_reentrant=False)
+        return self._block(h, mods, mask, attends)
 
     def run_loops(self, h0: torch.Tensor, delta: torch.Tensor, depth: torch.Tensor | None,
-                  cont: torch.Tensor | None) -> torch.Tensor:
-        """Runs M = len(delta) loops from h0 (B, T, d). depth (B, T) in 1..M or None (all tokens depth M);
-        cont (B, T, L) continue probabilities for the straight-through estimator (None: no STE).
-        Returns the final states (B, T, d); exited tokens keep their last state."""
+                  cont: torch.Tensor | None, tables: list[torch.Tensor] | None = None, hooks=None) -> torch.Tensor:
+        """Runs M = len(delta) loops from h0 (B, T, d). depth (B, T) in 0..M (0: a token that runs no loop,
+        e.g. padding) or None (every token depth M); cont (B, T, L) continue probabilities for the
+        straight-through estimator (None: no STE). tables: precomputed `modulation_tables(delta)` (decoding
+        reuses them). hooks: the KV cache's prefill, an object with `attend(i, j, order, n)` -> attention
+        override of layer j in loop i and `loop_done(i, n)`, where order (B, Tm) holds the positions of the
+        compacted active tokens (None: no compaction) and n (B,) CPU int64 the |A_i| of each row; hooks force
+        the gather-scatter path. Returns the final states (B, T, d); exited tokens keep their last state."""
         M = delta.numel()
-        tables = self.modulation_tables(delta)
+        tables = self.modulation_tables(delta) if tables is None else tables
         B, T, d = h0.shape
         h = h0
         for i in range(1, M + 1):
             if depth is None:  # every token active: no compaction, one table row broadcast
                 mods = None if tables is None else [tb[table_index(torch.tensor(M), i)].view(1, 1, -1) for tb in tables]
-                h = self._apply_block(h, mods, None)
+                n = torch.full((B,), T, dtype=torch.long)
+                h = self._apply_block(h, mods, None, self._attends(hooks, i, None, n))
+                if hooks is not None:
+                    hooks.loop_done(i, n)
                 continue
             active = depth >= i  # (B, T)
-            if self.cfg.gather_scatter:
-                n = active.sum(1)  # (B,)
+            if self.cfg.gather_scatter or hooks is not None:
+                n = active.sum(1).cpu()  # (B,) |A_i| per row: one host sync per loop
                 Tm = int(n.max())
-                order = torch.sort((~active).to(torch.uint8), dim=1, stable=True).indices[:, :Tm]  # (B, Tm)
-                valid = (torch.arange(Tm, device=h.device)[None] < n[:, None])[..., None]  # (B, Tm, 1)
-                gidx = order[..., None].expand(B, Tm, d)
-                hc = h.gather(1, gidx)  # (B, Tm, d)
-                dep = depth.gather(1, order)
+                if Tm == 0:
+                    break
+                if int(n.min()) == T:  # every token active (always so in loop 1): no compaction needed
+                    order, hc, dep = None, h, depth
+                else:
+                    order = torch.sort((~active).to(torch.uint8), dim=1, stable=True).indices[:, :Tm]  # (B, Tm)
+                    gidx = order[..., None].expand(B, Tm, d)
+                    hc, dep = h.gather(1, gidx), depth.gather(1, order)  # (B, Tm, d), (B, Tm)
                 mods = None if tables is None else [tb[table_index(dep, i)] for tb in tables]
-                out = self._apply_block(hc, mods, None)  # causal among the compacted active tokens
+                out = self._apply_block(hc, mods, None, self._attends(hooks, i, order, n))  # causal among A_i
                 if cont is not None:
-                    s = cont[..., i - 1].gather(1, order).to(out.dtype)[..., None]
+                    s = cont[..., i - 1] if order is None else cont[..., i - 1].gather(1, order)
+                    s = s.to(out.dtype)[..., None]
                     out = hc + (out - hc) * (1 + s - s.detach())
-                h = h.scatter(1, gidx, torch.where(valid, out, hc))
+                if order is None:
+                    h = out
+                else:
+                    valid = (torch.arange(Tm, device=h.device)[None] < n.to(h.device)[:, None])[..., None]  # (B, Tm, 1)
+                    h = h.scatter(1, gidx, torch.where(valid, out, hc))
+                if hooks is not None:
+                    hooks.loop_done(i, n)
             else:  # dense reference: all tokens computed, masks instead of compaction
                 causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
                 eye = torch.eye(T, dtype=torch.bool, device=h.device)
@@ -151,6 +171,9 @@ class LoopedLM(nn.Module):
                     out = h + (out - h) * (1 + s - s.detach())
                 h = torch.where(active[..., None], out, h)
         return h
+
+    def _attends(self, hooks, i: int, order, n) -> list | None:
+        return None if hooks is None else [hooks.attend(i, j, order, n) for j in range(len(self.layers))]
 
     # ------------------------------------------------------------------------------------- forward
     def embed(self, idx: torch.Tensor, pos_offset: int | torch.Tensor = 0) -> torch.Tensor:
