@@ -34,3 +34,13 @@ def run_cases(worker, specs: dict[str, dict], rounds: int) -> dict[str, dict]:
         p.join()
         results[label] = {"time_s": sorted(times[label])[len(times[label]) // 2], **r}
     return results
+
+
+def write_json(path, out: dict) -> None:
+    """Writes a benchmark's results (creating the directory) and says where."""
+    import json
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")

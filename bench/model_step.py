@@ -14,7 +14,6 @@ sum_i |A_i| / (M * T) over both passes. Writes JSON (default bench/results/model
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from interleave import run_cases  # noqa: E402  (bench/ is the script's own directory)
+from interleave import run_cases, write_json  # noqa: E402  (bench/ is the script's own directory)
 
 
 def _worker(args: dict, conn) -> None:
@@ -134,9 +133,7 @@ def main(argv=None) -> dict:
               f"(expected compute ratio sum|A_i|/(M*T) = {summary['expected_compute_ratio']:.2f}), "
               f"peak memory {summary['gather_scatter_memory_ratio']:.2f}")
     out = {"settings": common, "results": results, "summary": summary}
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(out, indent=2))
-    print(f"wrote {a.json}")
+    write_json(a.json, out)
     return out
 
 

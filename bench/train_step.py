@@ -17,7 +17,6 @@ MFU = tokens/s x model.flops_per_token(executed loops) / --peak-flops. Writes JS
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from interleave import run_cases  # noqa: E402  (bench/ is the script's own directory)
+from interleave import run_cases, write_json  # noqa: E402  (bench/ is the script's own directory)
 
 
 def _worker(spec: dict, conn) -> None:
@@ -163,9 +162,7 @@ def main(argv=None) -> dict:
         if v is not None:
             print(f"{k:<44} {v:6.2f}")
     out = {"settings": {**common, "steps": a.steps, "peak_flops": peak}, "results": results, "summary": summary}
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(out, indent=2))
-    print(f"wrote {a.json}")
+    write_json(a.json, out)
     return out
 
 
