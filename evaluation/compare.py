@@ -20,6 +20,7 @@ import click
 
 from evaluation.figures import pyplot, save
 
+from pipeline import tracking
 from pipeline.config import VARIANTS
 
 TASK_COLUMNS = [("copa", "COPA"), ("hellaswag", "HellaSwag"), ("lambada_openai", "LAMBADA"), ("openbookqa", "OBQA"),
@@ -49,15 +50,9 @@ class Run:
         return sorted({int(m.group(1)) for k in self.metrics if (m := _EVAL_KEY.match(k))})
 
 
-def default_tracking_uri() -> str:
-    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-
-
 def collect_runs(tracking_uri: str, experiments: list[str], tags: dict[str, str], run_ids: list[str]) -> list[Run]:
     """Runs by id, or every run of the experiments whose tags match; newest first."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri or default_tracking_uri())
+    client = tracking.client(tracking_uri)
     if run_ids:
         raw = [client.get_run(r) for r in run_ids]
     else:
@@ -65,7 +60,7 @@ def collect_runs(tracking_uri: str, experiments: list[str], tags: dict[str, str]
         for name in experiments:
             exp = client.get_experiment_by_name(name)
             if exp is None:
-                raise click.UsageError(f"MLflow experiment {name!r} not found at {tracking_uri or default_tracking_uri()}")
+                raise click.UsageError(f"MLflow experiment {name!r} not found at {tracking.tracking_uri(tracking_uri)}")
             ids.append(exp.experiment_id)
         flt = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
         raw = client.search_runs(ids, filter_string=flt, max_results=5000, order_by=["attributes.start_time DESC"])
@@ -223,9 +218,7 @@ def table3(sel: Selection) -> Table:
 # ------------------------------------------------------------------------------------------ plots
 def plot_all(sel: Selection, tracking_uri: str, out: Path) -> list[Path]:
     plt = pyplot()
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri or default_tracking_uri())
+    client = tracking.client(tracking_uri)
     paths = []
     variants = sel.variants()
 

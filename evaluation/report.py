@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from evaluation.tasks import TASK_ORDER, TASKS
+from pipeline import tracking
 
 
 def table_accuracy(task: str, res: dict, metric: str) -> float | None:
@@ -179,14 +180,11 @@ def flat_metrics(result: dict) -> dict[str, float]:
 def log_mlflow(result: dict, files: list[Path], tracking_uri: str, experiment: str, run_id: str | None,
                tags: dict[str, str], step: int = 0) -> str:
     """Logs every metric in batches (1000 per call) and the files as artifacts; returns the run id."""
-    import mlflow
     from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
-
     from mlflow.exceptions import MlflowException
 
-    uri = tracking_uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
+    uri = tracking.tracking_uri(tracking_uri)
+    client = tracking.client(uri)
     if run_id is not None:
         try:
             client.get_run(run_id)
@@ -196,9 +194,7 @@ def log_mlflow(result: dict, files: list[Path], tracking_uri: str, experiment: s
                                      "train_run_id")
             run_id = None
     if run_id is None:
-        exp = client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
-        run = client.create_run(exp_id, tags={**tags, "mlflow.runName": tags.get("run_name", "eval")})
+        run = client.create_run(tracking.experiment_id(client, experiment), tags={**tags, "mlflow.runName": tags.get("run_name", "eval")})
         run_id = run.info.run_id
         created = True
     else:
@@ -206,12 +202,9 @@ def log_mlflow(result: dict, files: list[Path], tracking_uri: str, experiment: s
             client.set_tag(run_id, f"eval.{k}" if not k.startswith("eval") else k, v)
         created = False
     now = int(time.time() * 1000)
-    ms = [Metric(k, v, now, step) for k, v in flat_metrics(result).items()]
-    for i in range(0, len(ms), 1000):
-        client.log_batch(run_id, metrics=ms[i:i + 1000])
+    tracking.log_metrics(client, run_id, [Metric(k, v, now, step) for k, v in flat_metrics(result).items()])
     for f in files:
         client.log_artifact(run_id, str(f), artifact_path="eval")
     if created:
         client.set_terminated(run_id)
-    del mlflow
     return run_id

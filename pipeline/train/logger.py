@@ -11,11 +11,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
-
-def default_tracking_uri() -> str:
-    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+from pipeline import tracking
 
 
 class RunLogger:
@@ -31,15 +28,9 @@ class RunLogger:
         self.active, self.client, self.run_id, self._buf = rank == 0, None, None, []
         if not self.active or not cfg.logging.mlflow:
             return None
-        import logging as pylogging
-
-        from mlflow.tracking import MlflowClient
-
-        pylogging.getLogger("alembic").setLevel(pylogging.WARNING)
-        uri = cfg.logging.tracking_uri or default_tracking_uri()
-        self.client = MlflowClient(tracking_uri=uri)
-        exp = self.client.get_experiment_by_name(cfg.logging.experiment)
-        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(cfg.logging.experiment)
+        uri = tracking.tracking_uri(cfg.logging.tracking_uri)
+        self.client = tracking.client(uri)
+        exp_id = tracking.experiment_id(self.client, cfg.logging.experiment)
         if resume_run_id:
             try:
                 run = self.client.get_run(resume_run_id)
@@ -86,15 +77,14 @@ class RunLogger:
 
         ts = int(time.time() * 1000)
         self._buf += [Metric(k, float(v), ts, int(step)) for k, v in values.items()]
-        if len(self._buf) >= 1000:
+        if len(self._buf) >= tracking.BATCH:
             self.flush()
 
     def flush(self) -> None:
         if self.client is None or not self._buf:
             return
         buf, self._buf = self._buf, []
-        for i in range(0, len(buf), 1000):
-            self.client.log_batch(self.run_id, metrics=buf[i:i + 1000])
+        tracking.log_metrics(self.client, self.run_id, buf)
 
     def set_tags(self, tags: dict) -> None:
         if self.client is not None:
