@@ -129,13 +129,18 @@ def init_distributed(device: str) -> tuple[int, int, int]:
         raise ConfigError(f"train.device resolves to {device} but DeepSpeed's accelerator is {acc} "
                           f"(set DS_ACCELERATOR={device} before the run)")
     if not torch.distributed.is_initialized():
-        if "WORLD_SIZE" not in os.environ:  # plain `tlf train`: a process group of one
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
+        backend = "nccl" if device == "cuda" else "gloo"
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", auto_mpi_discovery=False,
-                                   verbose=False)
+        if "WORLD_SIZE" in os.environ:  # under a launcher: rank, size and rendezvous come from its environment
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+        else:  # plain `tlf train`: a process group of one, given explicitly rather than through RANK/WORLD_SIZE/
+            # MASTER_PORT in os.environ, which child processes (a later `tlf train` started from the same Python)
+            # would inherit and try to rendezvous on a port this process still holds. Only LOCAL_RANK, which the
+            # DeepSpeed engine reads, is set.
+            os.environ.setdefault("LOCAL_RANK", "0")
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                                       init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
     local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
     if device == "cpu" and local > 1 and "OMP_NUM_THREADS" not in os.environ:
