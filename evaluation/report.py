@@ -120,18 +120,21 @@ def _json_default(o):
 def checkpoint_run_id(export_dir: Path) -> tuple[str | None, int]:
     """(the training run's MLflow id recorded beside the checkpoint or None, the checkpoint's step or 0).
 
-    Looked for in the export dir, its checkpoint dir and the run dir: the trainer's `rank0_state.pt`
-    (`mlflow_run_id`, `step`), a `mlflow_run_id` file, or a `mlflow_run_id` / `run_id` key in a JSON file."""
+    Looked for in the export dir, its checkpoint dir and the run dir: the trainer's plain-JSON `run.json` written
+    beside each export (`mlflow_run_id`, `step`), a `mlflow_run_id` file, or a `mlflow_run_id` / `run_id` key in
+    another JSON file. Never unpickles the trainer's state file."""
+    from pipeline.train.checkpoint import RUN_RECORD
+
     for d in (export_dir, export_dir.parent, export_dir.parent.parent):
-        st = d / "rank0_state.pt"
-        if st.is_file():
-            try:
-                import torch
-                state = torch.load(st, map_location="cpu", weights_only=False)  # our own trainer's file
-                if isinstance(state, dict) and state.get("mlflow_run_id"):
-                    return str(state["mlflow_run_id"]), int(state.get("step", 0) or 0)
-            except Exception:  # noqa: BLE001 - an unreadable state file just means no recorded run
-                pass
+        for sub in (d, d / "model"):
+            rec = sub / RUN_RECORD
+            if rec.is_file():
+                try:
+                    meta = json.loads(rec.read_text())
+                except (json.JSONDecodeError, OSError, UnicodeDecodeError):
+                    meta = None
+                if isinstance(meta, dict) and isinstance(meta.get("mlflow_run_id"), str) and meta["mlflow_run_id"]:
+                    return meta["mlflow_run_id"], int(meta.get("step", 0) or 0)
         f = d / "mlflow_run_id"
         if f.is_file() and f.read_text().strip():
             return f.read_text().strip(), 0

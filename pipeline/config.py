@@ -141,6 +141,9 @@ class TrainConfig:
     device: str = f("auto", "auto, cpu or cuda.")
     ds_config: str = f("", "DeepSpeed template JSON; empty means ds_configs/zero{zero_stage}.json (\"auto\" fields filled from train/optim).")
     nan_skip_limit: int = f(10, "nan_policy=skip: stop after this many non-finite batches in a row.")
+    deterministic: bool = f(False, "Bit-identical losses across reruns and kill+resume on the same machine: "
+                            "deterministic kernels, CUBLAS_WORKSPACE_CONFIG on CUDA, 1 CPU thread per rank "
+                            "(costs step time, see bench/README.md).")
 
 
 @dataclass

@@ -92,9 +92,20 @@ def test_base_model_budget_does_nothing(env):
     assert "| Base (8 ⊗ 1) | 8x |" in (env / "out_base" / "table1.md").read_text()
 
 
+class _Trap:
+    """Unpickling this creates a file: the sign that someone ran torch.load(weights_only=False) on it."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
 def test_logs_into_the_checkpoints_recorded_run(env, tmp_path):
-    """The trainer's layout: run dir with `latest` -> global_step<N>/ holding rank0_state.pt (with the MLflow run
-    id and step) and the model export in model/."""
+    """The trainer's layout: run dir with `latest` -> global_step<N>/ holding the model export in model/ with its
+    plain-JSON run.json (MLflow run id and step). The trainer's pickled rank0_state.pt is never unpickled: a
+    booby-trapped one beside it does nothing."""
     from mlflow.tracking import MlflowClient
     uri = f"sqlite:///{env / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
@@ -102,17 +113,21 @@ def test_logs_into_the_checkpoints_recorded_run(env, tmp_path):
     train_run = client.create_run(exp.experiment_id).info.run_id
     run_dir = tmp_path / "run"
     shutil.copytree(env / "base", run_dir / "global_step5" / "model")
-    torch.save({"step": 5, "mlflow_run_id": train_run, "rng": {"numpy": np.random.get_state()}},
+    rec = run_dir / "global_step5" / "model" / "run.json"
+    rec.write_text(json.dumps({"mlflow_run_id": train_run, "tracking_uri": uri, "step": 5}))
+    marker = tmp_path / "unpickled"
+    torch.save({"step": 9, "mlflow_run_id": "f" * 32, "trap": _Trap(str(marker))},
                run_dir / "global_step5" / "rank0_state.pt")
     (run_dir / "latest").write_text("global_step5\n")
     res = run(run_dir, overrides(env, tasks="[copa]", perplexity="false", out_dir=str(tmp_path / "o")),
               log=lambda *a: None)
     assert res["mlflow_run_id"] == train_run and res["mlflow_run"] == "checkpoint's run"
+    assert not marker.exists()
     hist = client.get_metric_history(train_run, "eval/M1/copa/acc")
     assert len(hist) == 1 and hist[0].step == 5 and hist[0].value == pytest.approx(res["budgets"][0]["tasks"]["copa"]["acc"])
     assert client.get_run(train_run).data.tags["eval.split.copa"] == "validation"
     # a run id the tracking store does not know (trained against another store): a new run links it
-    torch.save({"step": 5, "mlflow_run_id": "0" * 32}, run_dir / "global_step5" / "rank0_state.pt")
+    rec.write_text(json.dumps({"mlflow_run_id": "0" * 32, "tracking_uri": uri, "step": 5}))
     res = run(run_dir, overrides(env, tasks="[copa]", perplexity="false", out_dir=str(tmp_path / "o2")),
               log=lambda *a: None)
     assert res["mlflow_run"] == "new run" and "not in" in res["mlflow_note"]

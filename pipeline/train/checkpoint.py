@@ -18,6 +18,7 @@ ZeRO 0-2 (DESIGN §6), which is why each rank's own state lives in its own file.
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 import re
@@ -77,13 +78,19 @@ def find_resume(cfg: Config, root: Path) -> Path | None:
 
 # ---------------------------------------------------------------------------------------------- RNG
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    """Every RNG's state as tensors and plain Python types, so the state file loads with weights_only=True."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+            "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(s: dict) -> None:
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in s["python"]))
+    kind, keys, pos, has_gauss, gauss = s["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), int(pos), int(has_gauss),
+                         float(gauss)))
     torch.set_rng_state(s["torch"])
     if s.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
@@ -117,6 +124,18 @@ def _remove_tree(p: Path) -> None:
     trash = p.with_name(f".trash-{p.name.lstrip('.')}-{os.getpid()}")
     os.replace(p, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+RUN_RECORD = "run.json"
+
+
+def write_run_record(directory: Path, cfg: Config, run_id: str | None, step: int) -> None:
+    """run.json beside an export: the training run's MLflow id, tracking URI and step, as plain JSON (evaluation
+    reads it instead of the trainer's state file)."""
+    from pipeline.tracking import tracking_uri
+
+    rec = {"mlflow_run_id": run_id, "tracking_uri": tracking_uri(cfg.logging.tracking_uri), "step": int(step)}
+    atomic_write_bytes(directory / RUN_RECORD, [json.dumps(rec, indent=1).encode()])
 
 
 def export_model(engine, model, cfg: Config, directory: Path, rank: int) -> None:
@@ -160,6 +179,8 @@ def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: i
         torch.save(state, buf)
         atomic_write_bytes(tmp / f"rank{rank}_state.pt", [buf.getvalue()])
         export_model(engine, model, cfg, tmp / "model", rank)
+        if rank == 0:
+            write_run_record(tmp / "model", cfg, state.get("mlflow_run_id"), step)
     except OSError as e:
         # No collective here: a peer may be inside DeepSpeed's own barrier. Single process: clean up and
         # report; under a launcher this rank exits non-zero and the launcher stops the others.
@@ -198,7 +219,12 @@ def read_state(path: Path, rank: int, world_size: int) -> dict:
         have = sorted(p.name for p in path.glob("rank*_state.pt"))
         raise CheckpointError(f"{path}: no {f.name} (it holds {', '.join(have) or 'no rank files'}); "
                               f"resume with the world size that wrote it")
-    state = torch.load(f, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True)  # never unpickles arbitrary objects
+    except Exception as e:  # noqa: BLE001 - truncated, foreign or tampered file: name it
+        raise CheckpointError(f"{f}: not a readable training state ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); resume from another checkpoint "
+                              f"or set checkpoint.resume=none") from e
     if state["world_size"] != world_size:
         raise CheckpointError(f"{path} was written by {state['world_size']} ranks; this run has {world_size}")
     return state

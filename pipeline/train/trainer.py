@@ -105,12 +105,13 @@ def evaluate(engine, loaders, n_batches: int, device) -> dict[str, float]:
 def run(cfg: Config) -> TrainResult:
     """Trains cfg (a resolved Config) from scratch or from a checkpoint; see the module doc."""
     from pipeline.model import LoopedLM
-    from pipeline.train import ds
+    from pipeline.train import determinism, ds
     from pipeline.train.data import TrainLoader, ValLoader
 
     device_kind = ds.resolve_device(cfg)
     precision = ds.resolve_precision(cfg, device_kind)
     rank, local_rank, ws = ds.init_distributed(device_kind)
+    determinism.apply(cfg.train.deterministic, device_kind)
     accum = cfg.check_world_size(ws)
     ds_config = ds.build_ds_config(cfg, ws, precision)
     root = ckpt.run_dir(cfg)
