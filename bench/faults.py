@@ -35,13 +35,22 @@ TINY = ["model.vocab_size=512", "model.block_size=32", "model.d_model=32", "mode
         "train.deterministic=true"]
 
 # KILL_IN_SAVE=N: SIGKILL itself inside the save of step N, after DeepSpeed's files and the rank state, before
-# the export (N = max_steps: the final export). Prints the losses and the step it started from.
+# the export (N = max_steps: the final export). KILL_AT_MICRO=k: SIGKILL itself when the loader hands out
+# micro-batch k (during step k+1 at batch 2). Prints the losses and the step it started from.
 CHILD = """
 import json, os, signal, sys
 from pipeline.config import load_config
 from pipeline.train import checkpoint
 from pipeline.train.trainer import run
+from pipeline.train.data import TrainLoader
 kill = os.environ.get("KILL_IN_SAVE")
+kill_micro = int(os.environ.get("KILL_AT_MICRO", "-1"))
+orig = TrainLoader.next
+def nxt(self):
+    if self.micro == kill_micro:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return orig(self)
+TrainLoader.next = nxt
 real = checkpoint.export_model
 def export(engine, model, cfg, directory, rank):
     if kill and f"global_step{kill}" in str(directory):
@@ -78,8 +87,8 @@ def _newest_complete(ck: Path) -> int:
 
 
 def train_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int = 2) -> dict:
-    """n kill trials of single-process `tlf train`: a third killed inside a save (one of them the final export),
-    the rest at a random moment of the run. Returns counts and per-trial records."""
+    """n kill trials of single-process `tlf train`, in turn: killed inside a save (the first in the final export),
+    during a random step, at a random time after the start (which may fall in start-up, or after the end). Returns counts and per-trial records."""
     data = work / "shards"
     data.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -98,6 +107,11 @@ def train_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int = 
             at = steps if i == 0 else r.choice(range(interval, steps + 1, interval))
             how = f"in save of step {at}" + (" (final export)" if at == steps else "")
             p = _start(args, KILL_IN_SAVE=str(at))
+            p.communicate(timeout=600)
+        elif i % 3 == 1:
+            micro = r.randrange(steps)
+            how = f"during step {micro + 1}"
+            p = _start(args, KILL_AT_MICRO=str(micro))
             p.communicate(timeout=600)
         else:
             delay = r.uniform(0.0, ref_s)
