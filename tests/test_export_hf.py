@@ -101,7 +101,7 @@ assert not any(k.split(".")[0] in ("pipeline", "data_prep", "evaluation") for k 
 
 @torch.no_grad()
 def test_loads_in_a_process_where_tlf_cannot_be_imported(tmp_path):
-    model, _, d = export_hf(tmp_path, "tiny/tmlt-ee")
+    model, _, d = export_hf(tmp_path)  # t-loopformer: router + gather-scatter
     src = (d / "modeling_tlf.py").read_text()
     assert "import pipeline" not in src and "from pipeline" not in src
     idx = torch.randint(0, 50257, (2, 9))
