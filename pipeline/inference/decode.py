@@ -63,11 +63,11 @@ class _PrefillHooks:
     def __init__(self, dec: "Decoder", reserve: int):
         self.dec, self.reserve = dec, reserve
 
-    def attend(self, i: int, j: int, order, n: torch.Tensor):
-        return partial(self.dec._prefill_attend, i, j, order, n.numpy(), self.reserve)
+    def attend(self, i: int, j: int, order, n: np.ndarray):
+        return partial(self.dec._prefill_attend, i, j, order, n, self.reserve)
 
-    def loop_done(self, i: int, n: torch.Tensor) -> None:
-        self.dec.cache.prefill_done(i, n.numpy())
+    def loop_done(self, i: int, n: np.ndarray) -> None:
+        self.dec.cache.prefill_done(i, n)
 
 
 class Decoder:
