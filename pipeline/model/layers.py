@@ -114,9 +114,9 @@ class _ScaleRows(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             r = rows[idx]
             gx = gy * (r + ctx.c) if ctx.c else gy * r
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1]:  # index_add_: deterministic on GPUs under torch.use_deterministic_algorithms
             acc = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)  # (K, d)
-            grows = acc.index_put_((idx,), (gy * x).float(), accumulate=True).to(rows.dtype)
+            grows = acc.index_add_(0, idx.reshape(-1), (gy * x).reshape(-1, rows.shape[-1]).float()).to(rows.dtype)
         return gx, grows, None, None
 
 

@@ -174,6 +174,9 @@ def run(cfg: Config) -> TrainResult:
     ckpt.set_rng_state(_seeded_rng(cfg.train.seed))
     model = LoopedLM(cfg.model)
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    if cfg.train.compile:
+        from pipeline.train.compile import apply_compile
+        apply_compile(model)
     optimizer, scheduler = ds.build_optimizer(cfg, model)
     engine = ds.initialize(model, optimizer, scheduler, ds_config)
     device = engine.device
@@ -192,7 +195,7 @@ def run(cfg: Config) -> TrainResult:
     scale = cfg.name.split("/")[0] if "/" in cfg.name else ""
     tags = {"variant": cfg.model.variant, "preset": cfg.name, "scale": scale, "world_size": ws,
             "device": device_kind, "precision": precision, "zero_stage": cfg.train.zero_stage,
-            "activation_checkpointing": cfg.train.activation_checkpointing}
+            "activation_checkpointing": cfg.train.activation_checkpointing, "compile": cfg.train.compile}
     run_id = log.start(cfg, rank, tags, resume_run_id=run_id)
     n_params = model.num_params()
     log.info(f"{cfg.name or cfg.model.variant}: {n_params / 1e6:.2f}M params, {ws} rank(s) on {device_kind} "
