@@ -111,3 +111,16 @@ def test_loads_in_a_process_where_tlf_cannot_be_imported(tmp_path):
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert torch.allclose(torch.load(tmp_path / "out.pt", weights_only=True), model(idx).logits, atol=ATOL, rtol=0)
+
+
+def test_bundling_refuses_model_code_importing_other_tlf_modules(tmp_path, monkeypatch):
+    from pipeline.hf import export as E
+
+    fake = tmp_path / "model"
+    fake.mkdir()
+    for m in E.MODULES:
+        (fake / f"{m}.py").write_text((E.MODEL_DIR / f"{m}.py").read_text())
+    (fake / "looped.py").write_text("from pipeline.hostsync import count\n" + (fake / "looped.py").read_text())
+    monkeypatch.setattr(E, "MODEL_DIR", fake)
+    with pytest.raises(RuntimeError, match=r"looped\.py:1: a tlf import"):
+        E.modeling_source()

@@ -18,6 +18,9 @@ from pipeline.model.io import state_for_export
 MODULES = ["schedule", "router", "layers", "looped"]  # pipeline/model/*.py in dependency order
 MODEL_DIR = Path(__file__).resolve().parent.parent / "model"
 EOT = 50256
+# imports removed from the bundled source: they resolve inside the bundle (ModelConfig: pipeline/hf/remote.py);
+# any other tlf import in the model code makes the export fail loudly instead of writing a broken file
+BUNDLED = {"__future__", "pipeline.config", *(f"pipeline.model.{m}" for m in MODULES)}
 
 
 def _strip_tlf_imports(path: Path) -> str:
@@ -25,7 +28,9 @@ def _strip_tlf_imports(path: Path) -> str:
     lines = src.splitlines(keepends=True)
     drop = set()
     for node in ast.parse(src).body:
-        if isinstance(node, ast.ImportFrom) and (node.module == "__future__" or (node.module or "").startswith("pipeline")):
+        if isinstance(node, ast.ImportFrom) and node.module in BUNDLED:
+            if node.module == "pipeline.config" and [a.name for a in node.names] != ["ModelConfig"]:
+                raise RuntimeError(f"{path}:{node.lineno}: only ModelConfig can come from pipeline.config in bundled code")
             drop.update(range(node.lineno - 1, node.end_lineno))
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, (ast.Import, ast.ImportFrom)) and node.lineno - 1 not in drop:
