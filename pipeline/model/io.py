@@ -102,5 +102,5 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", over
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight" or not cfg.model.tie_embeddings]
     if missing or unexpected:
-        raise ConfigError(f"{f}: weights do not match {d / 'config.yaml'} (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise ConfigError(f"{f}: weights do not match its config.yaml (missing {missing[:5]}, unexpected {unexpected[:5]})")
     return model.to(device).eval(), cfg
