@@ -17,9 +17,9 @@ def export(checkpoint: str, out: str, fmt: str = "safetensors") -> Path:
     if Path(out).resolve() == find_export(checkpoint).resolve():
         raise click.UsageError(f"--out {out}: is the source export itself; choose another directory")
     if fmt in ("safetensors", "hf"):
-        from pipeline.model.io import _have_safetensors
+        from pipeline.model.io import have_safetensors
 
-        if not _have_safetensors():
+        if not have_safetensors():
             raise click.UsageError(f"--format {fmt} needs the safetensors package (pip install tlf[hf])")
     if fmt == "hf":
         from pipeline.hf.export import export_hf

@@ -11,13 +11,12 @@ import json
 import shutil
 from pathlib import Path
 
-
+from data_prep.tokenizer import EOT
 from pipeline.config import Config
 from pipeline.model.io import state_for_export
 
 MODULES = ["schedule", "router", "layers", "looped"]  # pipeline/model/*.py in dependency order
 MODEL_DIR = Path(__file__).resolve().parent.parent / "model"
-EOT = 50256
 # imports removed from the bundled source: they resolve inside the bundle (ModelConfig: pipeline/hf/remote.py);
 # any other tlf import in the model code makes the export fail loudly instead of writing a broken file
 BUNDLED = {"__future__", "pipeline.config", *(f"pipeline.model.{m}" for m in MODULES)}

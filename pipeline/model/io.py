@@ -23,7 +23,7 @@ from pipeline.model.looped import LoopedLM
 WEIGHT_FILES = ("model.safetensors", "model.pt")  # in order of preference when loading
 
 
-def _have_safetensors() -> bool:
+def have_safetensors() -> bool:
     try:
         import safetensors.torch  # noqa: F401
     except ModuleNotFoundError:
@@ -41,7 +41,7 @@ def save_model(directory: str | os.PathLike, model: LoopedLM, cfg: Config, fmt: 
     """fmt: "safetensors" (the default when the package is installed) or "pt"."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    fmt = fmt or ("safetensors" if _have_safetensors() else "pt")
+    fmt = fmt or ("safetensors" if have_safetensors() else "pt")
     state = state_for_export(model)
     if fmt == "safetensors":
         from safetensors.torch import save as st_save
@@ -79,7 +79,7 @@ def load_state(f: Path) -> dict[str, torch.Tensor]:
     """The tensors of a weights file; a clear one-line ConfigError naming the file when it is unreadable."""
     try:
         if f.suffix == ".safetensors":
-            if not _have_safetensors():
+            if not have_safetensors():
                 raise ConfigError(f"{f}: reading safetensors weights needs the package (pip install tlf[hf])")
             from safetensors.torch import load_file
 
