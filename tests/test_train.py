@@ -196,10 +196,11 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch)
     assert rest.start_step == 3 and rest.losses == full.losses[3:]
 
 
-def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data):
+@pytest.mark.parametrize("recipe", ["paper", "budget"])
+def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
     from pipeline.train.trainer import run
 
-    extra = ["train.zero_stage=2", "train.grad_accum_steps=2", "train.global_batch_size=4", "train.micro_batch_size=2",
+    extra = [f"model.router_recipe={recipe}", "train.zero_stage=2", "train.grad_accum_steps=2", "train.global_batch_size=4", "train.micro_batch_size=2",
              "schedule.max_steps=6", "checkpoint.interval=3", "train.eval_interval=0"]
     full = run(tiny_cfg(tmp_path / "a", data, *extra))
     part = run(tiny_cfg(tmp_path / "b", data, *extra, f"checkpoint.resume={tmp_path / 'a' / 'global_step3'}"))
