@@ -72,7 +72,7 @@ class ModelConfig:
     router_target_depth: float = f(0.0, "budget recipe: target mean depth in (1, loops) (loop work = it / loops); 0 means (loops + 1) / 2.")
     router_balance_weight: float = f(1.0, "budget recipe: weight of KL(prior || batch-mean exit distribution).")
     router_entropy_weight: float = f(0.1, "budget recipe: weight of the mean per-token entropy of the exit distribution.")
-    router_init_std: float = f(1.0, "budget recipe: std of the router's output weights x sqrt(hidden) at init (logit spread across tokens).")
+    router_init_std: float = f(2.0, "budget recipe: std of the router's output weights x sqrt(hidden) at init (logit spread across tokens).")
     gather_scatter: bool = f(True, "Compute only active tokens per loop (false: dense masked reference path).")
     align_target: Literal["logits", "hidden"] = f(
         "logits", "Alignment MSE on per-token logits (paper) or on final-normed hidden states (LoopFormer code).")

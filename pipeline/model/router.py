@@ -80,7 +80,7 @@ class Router(nn.Module):
     (module doc); the budget recipe normalises h0 and owns a prior over depths (`prior`, a buffer)."""
 
     def __init__(self, d: int, hidden: int, max_loops: int, recipe: str = "paper", target_depth: float = 0.0,
-                 init_std: float = 1.0, balance_weight: float = 0.0, entropy_weight: float = 0.0):
+                 init_std: float = 2.0, balance_weight: float = 0.0, entropy_weight: float = 0.0):
         super().__init__()
         self.fc1 = nn.Linear(d, hidden)
         self.fc2 = nn.Linear(hidden, max_loops)
