@@ -151,6 +151,8 @@ class TrainConfig:
     zero_stage: int = f(1, "DeepSpeed ZeRO stage 0-3.")
     activation_checkpointing: Literal["none", "loop", "layer"] = f(
         "none", "Recompute activations per loop application or per layer in backward (non-reentrant).")
+    compile: bool = f(False, "torch.compile each layer of the shared block (dynamic shapes: the compacted length "
+                              "does not recompile). Off by default: on CPU it gains ~5% per step after a ~20 s compile.")
     log_interval: int = f(10, "Steps between console progress lines and MLflow flushes (metrics are recorded every step).")
     eval_interval: int = f(1000, "Steps between validation-loss evaluations (0 disables).")
     eval_batches: int = f(20, "Micro-batches per validation-loss evaluation.")

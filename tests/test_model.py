@@ -325,3 +325,19 @@ def test_param_groups_cover_every_parameter_once():
     assert len(ids) == len(set(ids)) == len(list(model.parameters()))
     no_decay = {id(p) for p in groups[1]["params"]}
     assert id(model.wte.weight) in no_decay and id(model.layers[0].attn.qkv_proj.weight) not in no_decay
+
+
+def test_depth_at_a_smaller_budget_is_the_full_depth_clipped():
+    """The shortcut pass reuses the full pass's |A_i| (one host read per forward): that needs
+    depth(S) == min(depth(L), S) for every S, i.e. continue probabilities non-increasing in i."""
+    from pipeline.model.router import Router
+    torch.manual_seed(0)
+    r = Router(16, 8, 6)
+    with torch.no_grad():
+        r.fc2.weight.normal_(0, 4.0)
+    out = r(torch.randn(3, 50, 16) * 3)
+    full = out.depth(6, 0.5)
+    assert len(full.unique()) >= 4
+    for S in range(1, 7):
+        for theta in (0.1, 0.5, 0.9):
+            assert torch.equal(out.depth(S, theta), out.depth(6, theta).clamp(max=S))
