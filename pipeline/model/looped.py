@@ -15,7 +15,8 @@ tau' in A_i) and keeps inactive tokens' states: it is the test oracle and the ab
 Training (`objective=True`, the default in train mode) computes in one call the full pass (M=L, uniform
 schedule, CE loss L_L) and, for shortcut variants, a shortcut pass (S ~ U{1..L-1}, integer schedule;
 CE loss L_S) and the alignment MSE of the shortcut pass to the stop-gradient full pass:
-loss = L_L + lambda_short * L_S + lambda_align * L_align.
+loss = L_L + lambda_short * L_S + lambda_align * L_align (+ the router's own loss, `Router.aux_loss`, under the
+budget router recipe; its statistics join `stats`).
 """
 from __future__ import annotations
 
