@@ -87,3 +87,19 @@ class SavedTensors:
 
     def __exit__(self, *exc):
         self._ctx.__exit__(*exc)
+
+
+def tensor_peak_mib(fn) -> float:
+    """Runs fn() and returns the peak growth of live tensor bytes (MiB) while it ran, from the profiler's
+    allocation events: the CPU counterpart of CUDA's max_memory_allocated, exact and repeatable (the process's
+    resident set also counts freed memory the C allocator keeps, which varies run to run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20
