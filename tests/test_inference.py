@@ -13,13 +13,16 @@ from pipeline.model import LoopedLM
 torch.set_num_threads(1)
 ATOL = 1e-5
 TINY = sorted(p.split("/")[1] for p in list_presets() if p.startswith("tiny/"))
+CASES = TINY + ["t-loopformer@budget"]  # variant@router_recipe: the budget recipe's router (normalised input) too
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def make(variant="t-loopformer", seed=0, device="cpu"):
-    """A tiny model whose layers do something (non-zero modulators) and whose router depths vary a lot."""
+    """A tiny model whose layers do something (non-zero modulators) and whose router depths vary a lot.
+    variant may name a router recipe: 't-loopformer@budget'."""
     torch.manual_seed(seed)
-    model = LoopedLM(load_config(f"tiny/{variant}").model)
+    variant, _, recipe = variant.partition("@")
+    model = LoopedLM(load_config(f"tiny/{variant}", [f"model.router_recipe={recipe}"] if recipe else []).model)
     with torch.no_grad():
         for layer in model.layers:
             if layer.modulated:
@@ -59,7 +62,7 @@ def run(model, M, seqs, lens, dec=None, **kw):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", TINY)
+@pytest.mark.parametrize("variant", CASES)
 def test_prefill_decode_equals_full_forward(variant, device):
     model = make(variant, device=device)
     L = model.cfg.loops
@@ -75,7 +78,7 @@ def test_prefill_decode_equals_full_forward(variant, device):
         mem = dec.cache.memory()
         assert mem["dense_entries"] == M * sum(fed) and mem["entries"] == sum(expect)
         full = torch.cat([r.depth[0].cpu() for r in ref])
-        if variant == "t-loopformer" and M == L:  # depths really vary: within a step, across rows and lengths
+        if variant.startswith("t-loopformer") and M == L:  # depths really vary: within a step, across rows and lengths
             assert len(full.unique()) == M
             assert any(len(row.unique()) > 1 for row in steps)
             assert mem["entries"] < mem["dense_entries"]

@@ -15,7 +15,8 @@ tau' in A_i) and keeps inactive tokens' states: it is the test oracle and the ab
 Training (`objective=True`, the default in train mode) computes in one call the full pass (M=L, uniform
 schedule, CE loss L_L) and, for shortcut variants, a shortcut pass (S ~ U{1..L-1}, integer schedule;
 CE loss L_S) and the alignment MSE of the shortcut pass to the stop-gradient full pass:
-loss = L_L + lambda_short * L_S + lambda_align * L_align.
+loss = L_L + lambda_short * L_S + lambda_align * L_align (+ the router's own loss, `Router.aux_loss`, under the
+budget router recipe; its statistics join `stats`).
 """
 from __future__ import annotations
 
@@ -82,7 +83,9 @@ class LoopedLM(nn.Module):
             self.phi_t = FourierEmbedding(d, cfg.fourier_dim, cfg.fourier_max_period)
         if cfg.conditioning == "time_step":
             self.phi_dt = FourierEmbedding(d, cfg.fourier_dim, cfg.fourier_max_period)
-        self.router = Router(d, cfg.router_hidden or max(d // 4, 1), cfg.loops) if cfg.router else None
+        self.router = Router(d, cfg.router_hidden or max(d // 4, 1), cfg.loops, cfg.router_recipe, cfg.target_depth,
+                             cfg.router_init_std, cfg.router_balance_weight, cfg.router_entropy_weight) \
+            if cfg.router else None
         self.norm_f = RMSNorm(d, cfg.norm_eps, affine=True)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -106,6 +109,8 @@ class LoopedLM(nn.Module):
             if layer.modulated:
                 nn.init.zeros_(layer.modulator[1].weight)
                 nn.init.zeros_(layer.modulator[1].bias)
+        if self.router is not None:
+            self.router.reset_parameters()  # the budget recipe's defined init; a no-op for the paper recipe
 
     # -------------------------------------------------------------------------------- conditioning
     def modulation_tables(self, delta: torch.Tensor) -> list[torch.Tensor] | None:
@@ -293,6 +298,12 @@ class LoopedLM(nn.Module):
             out.parts.update(loss_S=loss_S.detach(), loss_align=align.detach())
             out.stats.update({f"short/{k_}": v for k_, v in depth_stats(depth_s, k.numel()).items()})
             out.stats["short/loops"] = torch.tensor(float(k.numel()))
+        if objective and r is not None:  # the router's own loss (budget recipe); its stats log as router/<name>
+            aux, aux_stats = self.router.aux_loss(r)
+            if aux is not None:
+                out.loss = out.loss + aux
+                out.parts["loss_router"] = aux.detach()
+                out.stats.update(aux_stats)
         return out
 
     # ------------------------------------------------------------------------------- accounting
