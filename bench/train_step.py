@@ -12,7 +12,19 @@ cases are interleaved round-robin so machine load hits every case alike; the med
 Before each step every case reseeds torch with the step number, so all cases draw the same shortcut schedules.
 By default the router's weights are spread so token depths cover 1..L as a trained router's do (`--router init`
 keeps the initialisation, near-uniform pi, every token about L/2 deep); the mean depth is printed.
-MFU = tokens/s x model.flops_per_token(executed loops) / --peak-flops. Writes JSON (bench/results/train_step.json).
+MFU = tokens/s x model.flops_per_token(executed loops) / --peak-flops. On CPU a step is timed by the process's
+CPU time (robust to other load on the machine; one thread per case), on CUDA by the wall clock after a sync.
+
+Memory breakdown (`pipeline.memory.SavedTensors`): one forward of the objective per case counts the bytes autograd
+keeps for backward, once per storage (weights saved by the matmuls included, in loop 1), per loop application (full pass loops 1..L, shortcut loops 1..S) with the
+tokens that ran it, and the rest (embedding + router, the LM heads with their losses). Host reads per forward
+are counted with `pipeline.hostsync`. The summary prints issue 12's three targets: t-loopformer's peak memory
+<= 0.80x loopformer's; step-time ratio <= 1.10x the ratio of their model FLOPs per token (mean executed loops of
+both passes); <= 1 host read per forward. On CPU the peak compared is that of live tensors (weights + optimizer
+state + the peak during one untimed step whose shortcut pass has the most loops, S = L - 1, so the largest;
+`pipeline.memory.tensor_peak_mib`), since the process's peak RSS also holds memory the C allocator keeps after
+freeing it and moves by ±10% between identical runs; the RSS figure is printed beside it.
+Writes JSON (bench/results/train_step.json).
 """
 from __future__ import annotations
 
@@ -34,9 +46,11 @@ def _worker(spec: dict, conn) -> None:
     import torch
 
     from pipeline.config import load_config
-    from pipeline.memory import region_peak_mib, region_start
+    from pipeline.hostsync import count_host_reads
+    from pipeline.memory import SavedTensors, region_peak_mib, region_start, tensor_peak_mib
     from pipeline.model import LoopedLM
     from pipeline.train import ds
+    from pipeline.train.compile import apply_compile
 
     torch.set_num_threads(spec["threads"])
     cfg = load_config(f"{spec['scale']}/{spec['variant']}", spec["overrides"] + spec["extra"] + [
@@ -52,21 +66,25 @@ def _worker(spec: dict, conn) -> None:
             model.router.fc2.weight.normal_(0, 1.0)
             model.router.fc2.bias.copy_(torch.linspace(1.0, -1.0, cfg.model.loops))
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    B, T = spec["batch"], cfg.model.block_size
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
+    y = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
+    breakdown = _saved_breakdown(model, x, y, cfg.model.loops, SavedTensors, count_host_reads)  # eager, on CPU
+    if cfg.train.compile:
+        apply_compile(model)
     opt, sched = ds.build_optimizer(cfg, model)
     engine = ds.initialize(model, opt, sched, ds.build_ds_config(cfg, 1, "bf16" if spec["bf16"] else "fp32"))
     dev = engine.device
-    B, T = spec["batch"], cfg.model.block_size
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(dev)
-    y = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(dev)
+    x, y = x.to(dev), y.to(dev)
     cuda = str(dev).startswith("cuda")
     base = region_start(dev)  # the steps' own peak (optimizer state included), not start-up's
     state = {"n": 0, "loops": [], "heads": 1}
 
-    def step():
+    def step(shortcut=None):
         torch.manual_seed(state["n"])
         state["n"] += 1
-        out = engine(x, y)
+        out = engine(x, y, shortcut=shortcut)
         engine.backward(out.loss)
         engine.step()
         if cuda:
@@ -77,21 +95,73 @@ def _worker(spec: dict, conn) -> None:
 
     for _ in range(spec["warmup"]):
         step()
+    alloc_gb = None
+    if not cuda:  # weights + optimizer state + the peak of live tensors during one (untimed) step
+        persistent = sum(t.numel() * t.element_size() for t in _persistent_tensors(engine))
+        longest = torch.tensor([2] + [1] * (cfg.model.loops - 2))  # S = L - 1: the step of the largest peak
+        alloc_gb = (persistent / 2**20 + tensor_peak_mib(lambda: step(longest))) / 1024
     conn.send("ready")
     while True:
         cmd = conn.recv()
         if cmd == "step":
-            t0 = time.perf_counter()
+            clock = time.perf_counter if cuda else time.process_time  # CPU: this process's CPU time
+            t0 = clock()
             step()
-            conn.send(time.perf_counter() - t0)
+            conn.send(clock() - t0)
         elif cmd == "stats":
             loops = sum(state["loops"]) / len(state["loops"])
             peak = region_peak_mib(dev, base) / 1024
-            conn.send({"peak_mem_gb": peak, "mean_depth": state["depth"], "loops_executed": loops,
+            conn.send({"peak_mem_gb": peak, "alloc_peak_gb": alloc_gb if alloc_gb is not None else peak, "mean_depth": state["depth"], "loops_executed": loops,
                        "flops_per_token": model.flops_per_token(loops, T, state["heads"]),
-                       "params": model.num_params(), "tokens_per_step": B * T})
+                       "params": model.num_params(), "tokens_per_step": B * T, **breakdown})
         else:
             return
+
+
+def _persistent_tensors(engine):
+    """The tensors that live across steps: parameters and the optimizer's state (storage counted once)."""
+    import torch
+    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    seen, out = set(), []
+    tensors = list(engine.module.parameters()) + [v for st in opt.state.values() for v in st.values()
+                                                  if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            out.append(t)
+    return out
+
+
+def _saved_breakdown(model, x, y, L: int, SavedTensors, count_host_reads) -> dict:
+    """One forward of the objective: bytes kept for backward per loop application and per token, the rest
+    (embedding + router, LM heads + losses), and the host reads the model made."""
+    acc, calls, tokens = SavedTensors(), [0], {}
+
+    def loop_start(mod, args):  # layer 0 starts every loop application
+        calls[0] += 1
+        k = calls[0]
+        acc.label = f"full/{k}" if k <= L else f"short/{k - L}"
+        tokens[acc.label] = args[0].shape[0] * args[0].shape[1]
+
+    def head_start(mod, args):
+        acc.label = "heads+losses"
+
+    hooks = [model.layers[0].register_forward_pre_hook(loop_start), model.norm_f.register_forward_pre_hook(head_start)]
+    acc.label = "embed+router"
+    import torch
+    torch.manual_seed(0)
+    with acc, count_host_reads() as reads:
+        out = model(x, y)
+    del out
+    for h in hooks:
+        h.remove()
+    loops = {k: v for k, v in acc.by_label.items() if k in tokens}
+    token_loops = sum(tokens.values())
+    return {"saved_mib": acc.total / 2**20, "saved_loops_mib": sum(loops.values()) / 2**20,
+            "saved_other_mib": {k: v / 2**20 for k, v in acc.by_label.items() if k not in tokens},
+            "saved_per_loop": {k: {"tokens": tokens[k], "bytes_per_token": v / tokens[k]} for k, v in loops.items()},
+            "token_loops": token_loops, "loop_bytes_per_token": sum(loops.values()) / max(token_loops, 1),
+            "host_reads_per_forward": len(reads)}
 
 
 def main(argv=None) -> dict:
@@ -110,6 +180,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--router", choices=["spread", "init"], default="spread",
                     help="spread: router weights set so depths cover 1..L (like a trained router); init: as initialised "
                          "(near-uniform pi, every token about L/2 deep)")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the train.compile=true cases")
     ap.add_argument("--peak-flops", type=float, default=None, help="for MFU; default: logging.peak_flops")
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "train_step.json"))
     a = ap.parse_args(argv)
@@ -124,10 +195,15 @@ def main(argv=None) -> dict:
     ablations = {"t-loopformer gs=off": ("t-loopformer", ["model.gather_scatter=false"]),
                  "t-loopformer ckpt=loop": ("t-loopformer", ["train.activation_checkpointing=loop"]),
                  "t-loopformer ckpt=layer": ("t-loopformer", ["train.activation_checkpointing=layer"]),
-                 "loopformer ckpt=loop": ("loopformer", ["train.activation_checkpointing=loop"])}
+                 "loopformer ckpt=loop": ("loopformer", ["train.activation_checkpointing=loop"]),
+                 "t-loopformer compile": ("t-loopformer", ["train.compile=true"]),
+                 "loopformer compile": ("loopformer", ["train.compile=true"])}
+    if a.no_compile:
+        ablations = {k: v for k, v in ablations.items() if "compile" not in k}
     for label, (v, extra) in ablations.items():
-        if v in variants:
-            specs[label] = {**common, "variant": v, "extra": extra}
+        if v in variants:  # compiled cases warm up until each 0/1-specialised graph has been met
+            specs[label] = {**common, "variant": v, "extra": extra,
+                            **({"warmup": max(a.warmup, 6)} if "compile" in label else {})}
     results = run_cases(_worker, specs, a.steps)
     for r in results.values():
         r["tokens_per_s"] = r["tokens_per_step"] / r["time_s"]
@@ -139,29 +215,63 @@ def main(argv=None) -> dict:
           f"d={m.d_model}, J={m.n_layers} L={m.loops}, vocab {m.vocab_size}, on {a.device}"
           f"{' bf16' if a.bf16 else ' fp32'}, {a.threads} threads, router {a.router}")
     ref = results.get("t-loopformer", next(iter(results.values())))
-    print(f"{'case':<26} {'ms/step':>9} {'tok/s':>9} {'x t-loopf':>9} {'peak GB':>8} {'depth':>6} {'MFU %':>7}")
+    print(f"{'case':<26} {'ms/step':>9} {'tok/s':>9} {'x t-loopf':>9} {'peak GB':>8} {'alloc GB':>8} {'depth':>6} {'MFU %':>7} "
+          f"{'saved MiB':>9} {'B/tok-loop':>10} {'reads':>5}")
     for label, r in results.items():
         print(f"{label:<26} {r['time_s'] * 1e3:9.1f} {r['tokens_per_s']:9.0f} {r['tokens_per_s'] / ref['tokens_per_s']:9.2f} "
-              f"{r['peak_mem_gb']:8.3f} {r['mean_depth']:6.2f} {100 * r['mfu']:7.3f}")
+              f"{r['peak_mem_gb']:8.3f} {r['alloc_peak_gb']:8.3f} {r['mean_depth']:6.2f} {100 * r['mfu']:7.3f} {r['saved_mib']:9.1f} "
+              f"{r['loop_bytes_per_token']:10.0f} {r['host_reads_per_forward']:5d}")
+    for label in ("loopformer", "t-loopformer"):
+        if label in results:
+            r = results[label]
+            per = ", ".join(f"{k} {v['bytes_per_token'] / 1024:.1f}KB x{v['tokens']}" for k, v in r["saved_per_loop"].items())
+            other = ", ".join(f"{k} {v:.1f}" for k, v in r["saved_other_mib"].items())
+            print(f"  {label} kept for backward per loop (bytes/token x tokens): {per}; other MiB: {other}")
 
     def ratio(a_, b_, key):
         return results[a_][key] / results[b_][key] if a_ in results and b_ in results and results[b_][key] else None
 
+    targets = {}
+    if "t-loopformer" in results and "loopformer" in results:
+        t, lf = results["t-loopformer"], results["loopformer"]
+        flops = t["flops_per_token"] / lf["flops_per_token"]
+        time_r = t["time_s"] / lf["time_s"]
+        # the floor: loopformer's peak less its per-token loop bytes for the token-loops t-loopformer skips (rate:
+        # the median loop, loop 1 also holds the weights the matmuls save); all else (weights, Adam state, LM heads
+        # and losses, embeddings, every token's loop 1) is what both models keep whatever the router does
+        rate = sorted(v["bytes_per_token"] for v in lf["saved_per_loop"].values())[len(lf["saved_per_loop"]) // 2]
+        floor = 1 - rate * (lf["token_loops"] - t["token_loops"]) / 2**20 / (lf["alloc_peak_gb"] * 1024)
+        targets = {"peak memory ratio (live tensors)": (t["alloc_peak_gb"] / lf["alloc_peak_gb"], 0.80),
+                   "peak memory ratio (process RSS, noisy on CPU)": (t["peak_mem_gb"] / lf["peak_mem_gb"], None),
+                   "peak_mem floor (same bytes per token-loop)": (floor, None),
+                   "saved-for-backward ratio": (t["saved_mib"] / lf["saved_mib"], None),
+                   "loop bytes per token-loop ratio": (t["loop_bytes_per_token"] / lf["loop_bytes_per_token"], None),
+                   "token-loops ratio": (t["token_loops"] / lf["token_loops"], None),
+                   "model FLOPs ratio": (flops, None),
+                   "step time ratio / FLOPs ratio": (time_r / flops, 1.10),
+                   "host reads per forward (t-loopformer)": (float(t["host_reads_per_forward"]), 1.0)}
+        print()
+        for k, (v, tgt) in targets.items():
+            verdict = "" if tgt is None else (f"  target <= {tgt:.2f}: " + ("met" if v <= tgt else "MISSED"))
+            print(f"{k:<44} {v:6.3f}{verdict}")
     summary = {
         "t-loopformer/loopformer tokens_per_s": ratio("t-loopformer", "loopformer", "tokens_per_s"),
-        "t-loopformer/loopformer peak_mem": ratio("t-loopformer", "loopformer", "peak_mem_gb"),
+        "t-loopformer/loopformer peak_mem": ratio("t-loopformer", "loopformer", "alloc_peak_gb"),
         "gather_scatter on/off tokens_per_s": ratio("t-loopformer", "t-loopformer gs=off", "tokens_per_s"),
-        "gather_scatter on/off peak_mem": ratio("t-loopformer", "t-loopformer gs=off", "peak_mem_gb"),
-        "ckpt loop/none peak_mem (t-loopformer)": ratio("t-loopformer ckpt=loop", "t-loopformer", "peak_mem_gb"),
+        "gather_scatter on/off peak_mem": ratio("t-loopformer", "t-loopformer gs=off", "alloc_peak_gb"),
+        "ckpt loop/none peak_mem (t-loopformer)": ratio("t-loopformer ckpt=loop", "t-loopformer", "alloc_peak_gb"),
         "ckpt loop/none tokens_per_s (t-loopformer)": ratio("t-loopformer ckpt=loop", "t-loopformer", "tokens_per_s"),
-        "ckpt layer/none peak_mem (t-loopformer)": ratio("t-loopformer ckpt=layer", "t-loopformer", "peak_mem_gb"),
-        "ckpt loop/none peak_mem (loopformer)": ratio("loopformer ckpt=loop", "loopformer", "peak_mem_gb"),
+        "ckpt layer/none peak_mem (t-loopformer)": ratio("t-loopformer ckpt=layer", "t-loopformer", "alloc_peak_gb"),
+        "ckpt loop/none peak_mem (loopformer)": ratio("loopformer ckpt=loop", "loopformer", "alloc_peak_gb"),
+        "compile on/off tokens_per_s (t-loopformer)": ratio("t-loopformer compile", "t-loopformer", "tokens_per_s"),
+        "compile on/off tokens_per_s (loopformer)": ratio("loopformer compile", "loopformer", "tokens_per_s"),
     }
     print()
     for k, v in summary.items():
         if v is not None:
             print(f"{k:<44} {v:6.2f}")
-    out = {"settings": {**common, "steps": a.steps, "peak_flops": peak}, "results": results, "summary": summary}
+    out = {"settings": {**common, "steps": a.steps, "peak_flops": peak}, "results": results, "summary": summary,
+           "targets": {k: {"value": v, "target": tgt} for k, (v, tgt) in targets.items()}}
     write_json(a.json, out)
     return out
 

@@ -62,6 +62,7 @@ _PLUGINS = [
     ("evaluation.compare", "compare"),
     ("evaluation.ablate", "ablate"),
     ("pipeline.sweep", "sweep"),
+    ("pipeline.export", "export_cmd"),
 ]
 
 

@@ -67,6 +67,12 @@ class ModelConfig:
     router_threshold: float = f(0.5, "theta: token runs loop i while its continue probability p(i) > theta.")
     router_hidden: int = f(0, "Router MLP hidden size; 0 means d_model // 4.")
     router_ste: bool = f(True, "Straight-through estimator: scale active updates by 1 + p(i) - sg(p(i)).")
+    router_recipe: Literal["paper", "budget"] = f(
+        "paper", "Router training: paper (STE only, default init) or budget (defined init + depth prior + entropy loss; README 'Router training').")
+    router_target_depth: float = f(0.0, "budget recipe: target mean depth in (1, loops) (loop work = it / loops); 0 means (loops + 1) / 2.")
+    router_balance_weight: float = f(1.0, "budget recipe: weight of KL(prior || batch-mean exit distribution).")
+    router_entropy_weight: float = f(0.1, "budget recipe: weight of the mean per-token entropy of the exit distribution.")
+    router_init_std: float = f(2.0, "budget recipe: std of the router's output weights x sqrt(hidden) at init (logit spread across tokens).")
     gather_scatter: bool = f(True, "Compute only active tokens per loop (false: dense masked reference path).")
     align_target: Literal["logits", "hidden"] = f(
         "logits", "Alignment MSE on per-token logits (paper) or on final-normed hidden states (LoopFormer code).")
@@ -96,6 +102,17 @@ class ModelConfig:
             raise ConfigError(f"model.router_threshold must lie in (0, 1), got {self.router_threshold}")
         if self.router_hidden < 0:
             raise ConfigError(f"model.router_hidden must be >= 0, got {self.router_hidden}")
+        if self.router_target_depth != 0.0 and not 1.0 < self.router_target_depth < self.loops:
+            raise ConfigError(f"model.router_target_depth must be 0 (default) or lie strictly between 1 and "
+                              f"model.loops ({self.loops}), got {self.router_target_depth}")
+        for k in ("router_balance_weight", "router_entropy_weight", "router_init_std"):
+            if getattr(self, k) < 0:
+                raise ConfigError(f"model.{k} must be >= 0, got {getattr(self, k)}")
+
+    @property
+    def target_depth(self) -> float:
+        """The budget recipe's target mean depth (router_target_depth, or (loops + 1) / 2 when 0)."""
+        return self.router_target_depth or (self.loops + 1) / 2
 
 
 @dataclass
@@ -134,6 +151,9 @@ class TrainConfig:
     zero_stage: int = f(1, "DeepSpeed ZeRO stage 0-3.")
     activation_checkpointing: Literal["none", "loop", "layer"] = f(
         "none", "Recompute activations per loop application or per layer in backward (non-reentrant).")
+    compile: bool = f(False, "torch.compile each layer of the shared block (dynamic shapes: the compacted length "
+                              "does not recompile). Off by default: ~20 s of compilation per process for ~15% per step "
+                              "(CPU, d=512), a loss on short runs.")
     log_interval: int = f(10, "Steps between console progress lines and MLflow flushes (metrics are recorded every step).")
     eval_interval: int = f(1000, "Steps between validation-loss evaluations (0 disables).")
     eval_batches: int = f(20, "Micro-batches per validation-loss evaluation.")

@@ -49,3 +49,57 @@ def region_peak_mib(device: torch.device | str, base: float) -> float:
     hwm = _status_kib("VmHWM")
     peak = (hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024.0
     return peak - base
+
+
+class SavedTensors:
+    """Counts the bytes autograd keeps for backward inside a `with` block: every tensor saved for the backward
+    pass, once per storage (views of one storage count once), attributed to the `label` current when it was
+    first saved. Set `label` from hooks (e.g. a forward pre-hook per loop) to get a breakdown.
+
+        acc = SavedTensors()
+        with acc:
+            loss = model(x, y).loss
+        acc.total, acc.by_label  # bytes, {label: bytes}
+    """
+
+    def __init__(self) -> None:
+        self.label = None
+        self.by_label: dict = {}
+        self._seen: set = set()
+        self._ctx = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_label.values())
+
+    def _pack(self, t: torch.Tensor):
+        s = t.untyped_storage()
+        key = (s.data_ptr(), t.device)
+        if key not in self._seen and s.nbytes() > 0:
+            self._seen.add(key)
+            self.by_label[self.label] = self.by_label.get(self.label, 0) + s.nbytes()
+        return t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
+def tensor_peak_mib(fn) -> float:
+    """Runs fn() and returns the peak growth of live tensor bytes (MiB) while it ran, from the profiler's
+    allocation events: the CPU counterpart of CUDA's max_memory_allocated, exact and repeatable (the process's
+    resident set also counts freed memory the C allocator keeps, which varies run to run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20

@@ -17,3 +17,15 @@ def perturbed_tiny(name: str = "tiny/t-loopformer", seed: int = 0):
         if m.router is not None:
             m.router.fc2.bias.copy_(torch.linspace(-0.5, 0.5, cfg.model.loops))
     return m.eval(), cfg
+
+
+def spread_router(model, seed: int = 0):
+    """Scales the router's weights so its softmax is peaky and token depths cover 1..L (as a trained router's
+    do, unlike the near-uniform initialisation); returns the model."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        r = model.router
+        r.fc1.weight.copy_(torch.randn(r.fc1.weight.shape, generator=g) * 5.0)
+        r.fc2.weight.copy_(torch.randn(r.fc2.weight.shape, generator=g) * 3.0)
+        r.fc2.bias.copy_(torch.randn(r.fc2.bias.shape, generator=g))
+    return model

@@ -61,6 +61,7 @@ def harness_run(model, tmp_path_factory):
     res = lm_eval.simple_evaluate(model=lm, tasks=[f"{n}_local" for n in LOCAL], limit=N, log_samples=True,
                                   task_manager=TaskManager(include_path=str(d), include_defaults=False),
                                   bootstrap_iters=0)
+    res["config"]["_task_dir"] = str(d)
     return res, rows
 
 
@@ -126,3 +127,27 @@ def test_generate_until_uses_the_inference_generate(model):
         (o2,) = lm.generate_until([Instance("generate_until", {}, (prompts[0], {"until": [cut], "max_gen_toks": 6}), 0)])
         assert o2 == first.split(cut)[0]
     assert isinstance(outs[2], str)
+
+
+def test_harness_hf_model_on_the_export_agrees_with_tlf_model(model, harness_run, tmp_path):
+    """lm_eval's own `hf` model on `tlf export --format hf` (trust_remote_code) gives the `tlf` model's acc."""
+    import lm_eval.models.huggingface  # noqa: F401  registers `hf` (the registry holds only `tlf` so far)
+    from pipeline.hf.export import export_hf
+
+    res_tlf, rows = harness_run
+    cfg = load_config("tiny/t-loopformer")
+    d = export_hf(model, cfg, tmp_path / "hf", tmp_path)
+    conf = json.loads((d / "config.json").read_text())
+    conf["loops_budget"] = 2  # the default budget M of the export (the tlf run above uses loops=2)
+    (d / "config.json").write_text(json.dumps(conf))
+    tdir = Path(res_tlf["config"]["_task_dir"])
+    res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={d},trust_remote_code=True,dtype=float32",
+                                  tasks=[f"{n}_local" for n in LOCAL], limit=N, log_samples=True, batch_size=4,
+                                  task_manager=TaskManager(include_path=str(tdir), include_defaults=False),
+                                  bootstrap_iters=0, device="cpu")
+    for n in LOCAL:
+        t, h = res_tlf["results"][f"{n}_local"], res["results"][f"{n}_local"]
+        assert h["acc,none"] == t["acc,none"], n
+        got = [r[0][0] for s in sorted(res["samples"][f"{n}_local"], key=lambda s: s["doc_id"]) for r in s["resps"]]
+        want = [r[0][0] for s in sorted(res_tlf["samples"][f"{n}_local"], key=lambda s: s["doc_id"]) for r in s["resps"]]
+        assert got == pytest.approx(want, abs=1e-4), n

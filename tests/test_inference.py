@@ -13,13 +13,16 @@ from pipeline.model import LoopedLM
 torch.set_num_threads(1)
 ATOL = 1e-5
 TINY = sorted(p.split("/")[1] for p in list_presets() if p.startswith("tiny/"))
+CASES = TINY + ["t-loopformer@budget"]  # variant@router_recipe: the budget recipe's router (normalised input) too
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def make(variant="t-loopformer", seed=0, device="cpu"):
-    """A tiny model whose layers do something (non-zero modulators) and whose router depths vary a lot."""
+    """A tiny model whose layers do something (non-zero modulators) and whose router depths vary a lot.
+    variant may name a router recipe: 't-loopformer@budget'."""
     torch.manual_seed(seed)
-    model = LoopedLM(load_config(f"tiny/{variant}").model)
+    variant, _, recipe = variant.partition("@")
+    model = LoopedLM(load_config(f"tiny/{variant}", [f"model.router_recipe={recipe}"] if recipe else []).model)
     with torch.no_grad():
         for layer in model.layers:
             if layer.modulated:
@@ -59,7 +62,7 @@ def run(model, M, seqs, lens, dec=None, **kw):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", TINY)
+@pytest.mark.parametrize("variant", CASES)
 def test_prefill_decode_equals_full_forward(variant, device):
     model = make(variant, device=device)
     L = model.cfg.loops
@@ -75,7 +78,7 @@ def test_prefill_decode_equals_full_forward(variant, device):
         mem = dec.cache.memory()
         assert mem["dense_entries"] == M * sum(fed) and mem["entries"] == sum(expect)
         full = torch.cat([r.depth[0].cpu() for r in ref])
-        if variant == "t-loopformer" and M == L:  # depths really vary: within a step, across rows and lengths
+        if variant.startswith("t-loopformer") and M == L:  # depths really vary: within a step, across rows and lengths
             assert len(full.unique()) == M
             assert any(len(row.unique()) > 1 for row in steps)
             assert mem["entries"] < mem["dense_entries"]
@@ -195,13 +198,45 @@ def test_partial_batches_take_both_read_paths_exactly():
     assert any(f for _, f in kinds) and any(not f and 0 < n < 6 for n, f in kinds)
 
 
-def test_modulation_tables_built_once_per_M_and_refreshed_after_a_weight_update():
+def test_each_decoder_builds_its_own_tables_from_the_current_weights():
     from pipeline.inference.decode import modulation_tables
     model = make("loopformer")
-    a, b, c = modulation_tables(model, 4), modulation_tables(model, 4), modulation_tables(model, 2)
-    assert a is b and len(c[0]) == 3 and len(a[0]) == 10  # K = M(M+1)/2 rows per layer
-    with torch.no_grad():
-        model.layers[0].modulator[1].bias.add_(1.0)
-    d = modulation_tables(model, 4)
-    assert d is not a and not torch.equal(d[0], a[0]) and modulation_tables(model, 4) is d
+    a, b = Decoder(model, loops=4).tables, Decoder(model, loops=2).tables
+    assert len(a[0]) == 10 and len(b[0]) == 3  # K = M(M+1)/2 rows per layer
+    assert Decoder(model, loops=4).tables[0] is not a[0]  # never shared between decoders
     assert modulation_tables(make("base-loop"), 3) is None
+
+
+@pytest.mark.parametrize("change", ["data_mul", "data_copy", "vector_to_parameters"])
+def test_decoding_follows_weight_changes_that_bypass_autograd(change):
+    """Weights changed through `.data` (or `vector_to_parameters`, as distributed optimizers do) move neither
+    the parameter's identity nor its version counter: a decoder made afterwards must still see them."""
+    model, other = make("loopformer"), make("loopformer", seed=7)
+    idx = torch.randint(0, 50304, (2, 9), generator=torch.Generator().manual_seed(3))
+    Decoder(model, loops=4).prefill(idx, all_logits=True)  # used once before the change
+    if change == "data_mul":
+        model.layers[0].modulator[1].weight.data.mul_(3)
+    elif change == "data_copy":
+        for p, q in zip(model.parameters(), other.parameters()):
+            p.data.copy_(q.data)
+    else:
+        torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(other.parameters()),
+                                            model.parameters())
+    logits, _ = Decoder(model, loops=4).prefill(idx, all_logits=True)
+    assert (logits - model(idx, loops=4).logits).abs().max().item() <= ATOL
+
+
+def test_generate_after_a_dtype_change_uses_tables_of_the_new_dtype():
+    from pipeline.inference.generate import generate
+    model = make("t-loopformer")
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    generate(model, prompts, max_new_tokens=3, temperature=0)  # fp32 use first
+    model.to(torch.bfloat16)
+    dec = Decoder(model, loops=4)
+    assert all(t.dtype == torch.bfloat16 for t in dec.tables)
+    g = generate(model, prompts, max_new_tokens=3, temperature=0)
+    assert [len(t) for t in g.tokens] == [3, 3]
+    idx = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    logits, _ = dec.prefill(idx, all_logits=True)
+    # bf16 (8 mantissa bits): the forward's straight-through factor 1 + s - sg(s) rounds, the decoder skips it
+    assert (logits.float() - model(idx, loops=4).logits.float()).abs().max().item() <= 2e-2

@@ -7,6 +7,7 @@ import torch
 
 from pipeline.config import VARIANTS, load_config, list_presets
 from pipeline.model import LoopedLM, RouterOutput
+from pipeline.model.router import depth_prior
 from pipeline.model.schedule import sample_shortcut, table_index, time_table, uniform
 
 torch.set_num_threads(1)
@@ -40,9 +41,10 @@ def grads(model):
 
 
 # --------------------------------------------------------------------------------- gather-scatter
-@pytest.mark.parametrize("variant", ["t-loopformer", "loopformer", "base-loop-ee-align"])
-def test_gather_scatter_equals_dense_reference(variant):
-    model = make(variant)
+@pytest.mark.parametrize("variant,overrides", [("t-loopformer", []), ("t-loopformer", ["model.router_recipe=budget"]),
+                                               ("loopformer", []), ("base-loop-ee-align", [])])
+def test_gather_scatter_equals_dense_reference(variant, overrides):
+    model = make(variant, *overrides)
     idx, tgt = batch()
     k = torch.tensor([1, 2, 1])  # a fixed shortcut schedule so both paths see the same objective
     model.train()
@@ -156,6 +158,74 @@ def test_straight_through_estimator():
     assert model.router.fc1.weight.grad is None  # without STE the discrete routing gives no gradient
 
 
+# ------------------------------------------------------------------------------- budget recipe
+@pytest.mark.parametrize("L,mean", [(4, 2.0), (4, 3.0), (8, 2.5), (3, 2.0)])
+def test_depth_prior_has_the_target_mean_and_maximum_entropy(L, mean):
+    q = depth_prior(L, mean)
+    depths = torch.arange(1, L + 1, dtype=torch.float64)
+    assert float(q.sum()) == pytest.approx(1.0) and bool((q > 0).all())
+    assert float((q * depths).sum()) == pytest.approx(mean, abs=1e-9)
+    ent = float(-(q * q.log()).sum())
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):  # any other distribution with that mean has less entropy
+        r = torch.rand(L, generator=g, dtype=torch.float64)
+        r = r / r.sum()
+        # move r's mean to `mean` by mixing with the point mass at the needed end
+        end = torch.zeros(L, dtype=torch.float64)
+        rm = float((r * depths).sum())
+        end[0 if rm > mean else L - 1] = 1.0
+        lam = (mean - rm) / (float((end * depths).sum()) - rm)
+        other = (1 - lam) * r + lam * end
+        assert float(-(other * other.clamp_min(1e-300).log()).sum()) <= ent + 1e-9
+    with pytest.raises(AssertionError, match="strictly between 1 and 4"):
+        depth_prior(4, 4.0)
+
+
+def test_budget_init_spreads_depth_and_gives_the_router_gradient_at_step_one():
+    """Unperturbed init (zero modulators): the paper recipe's logits barely differ across tokens and its router
+    gets exactly zero gradient; the budget recipe's batch-mean exit distribution is near its prior, its logits
+    differ across tokens, several depths are in use and the router learns from the first step."""
+    idx, tgt = batch(B=4, T=64)
+    k = torch.tensor([2, 2])
+    paper = make("t-loopformer", perturb=False).train()
+    r = paper.route(paper.embed(idx))
+    assert float(r.logits.detach().std(dim=(0, 1)).max()) < 1e-2
+    paper(idx, tgt, shortcut=k).loss.backward()
+    assert float(paper.router.fc1.weight.grad.abs().sum()) == 0.0
+    model = make("t-loopformer", "model.router_recipe=budget", "model.router_target_depth=2.5", perturb=False).train()
+    r = model.route(model.embed(idx))
+    pi_mean = torch.softmax(r.logits.float(), -1).mean((0, 1))
+    q = depth_prior(4, 2.5).float()
+    assert float((q * (q / pi_mean).log()).sum()) < 0.1
+    assert float(r.logits.detach().std(dim=(0, 1)).min()) > 0.3
+    assert len(r.depth(4, 0.5).unique()) >= 2
+    out = model(idx, tgt, shortcut=k)
+    assert set(out.parts) == {"loss_L", "loss_S", "loss_align", "loss_router"}
+    assert {"balance_kl", "entropy", "soft_depth"} <= set(out.stats)
+    out.loss.backward()
+    assert float(model.router.fc1.weight.grad.abs().sum()) > 0
+    model.eval()  # evaluation: the loss is the cross-entropy alone
+    ev = model(idx, tgt)
+    assert "loss_router" not in ev.parts and torch.equal(ev.loss, ev.parts["loss_L"])
+
+
+def test_budget_loss_reaches_depths_no_token_runs():
+    """The straight-through estimator cannot raise p(L) for a token that stops before loop L; the budget loss
+    does: when no token of the batch reaches depth L, its gradient raises every token's depth-L logit."""
+    model = make("t-loopformer", "model.router_recipe=budget", "model.router_target_depth=2.5", perturb=False)
+    L = model.cfg.loops
+    logits = torch.randn(2, 16, L) * 0.3
+    logits[..., L - 1] -= 4.0  # p(L) << theta everywhere
+    logits.requires_grad_(True)
+    pi = torch.softmax(logits, -1)
+    cont = torch.cat([torch.ones_like(pi[..., :1]), pi.flip(-1).cumsum(-1).flip(-1)[..., 1:]], -1)
+    r = RouterOutput(logits=logits, cont=cont)
+    assert int(r.depth(L, 0.5).max()) < L
+    loss, _ = model.router.aux_loss(r)
+    loss.backward()
+    assert bool((logits.grad[..., L - 1] < 0).all())  # descending the loss raises the depth-L logit
+
+
 # ----------------------------------------------------------------------------- conditioning
 def test_zero_initialised_modulator_is_identity():
     model = make("t-loopformer", perturb=False)
@@ -255,3 +325,19 @@ def test_param_groups_cover_every_parameter_once():
     assert len(ids) == len(set(ids)) == len(list(model.parameters()))
     no_decay = {id(p) for p in groups[1]["params"]}
     assert id(model.wte.weight) in no_decay and id(model.layers[0].attn.qkv_proj.weight) not in no_decay
+
+
+def test_depth_at_a_smaller_budget_is_the_full_depth_clipped():
+    """The shortcut pass reuses the full pass's |A_i| (one host read per forward): that needs
+    depth(S) == min(depth(L), S) for every S, i.e. continue probabilities non-increasing in i."""
+    from pipeline.model.router import Router
+    torch.manual_seed(0)
+    r = Router(16, 8, 6)
+    with torch.no_grad():
+        r.fc2.weight.normal_(0, 4.0)
+    out = r(torch.randn(3, 50, 16) * 3)
+    full = out.depth(6, 0.5)
+    assert len(full.unique()) >= 4
+    for S in range(1, 7):
+        for theta in (0.1, 0.5, 0.9):
+            assert torch.equal(out.depth(S, theta), out.depth(6, theta).clamp(max=S))

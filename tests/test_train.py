@@ -196,14 +196,35 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch)
     assert rest.start_step == 3 and rest.losses == full.losses[3:]
 
 
-def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data):
+@pytest.mark.parametrize("recipe", ["paper", "budget"])
+def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
     from pipeline.train.trainer import run
 
-    extra = ["train.zero_stage=2", "train.grad_accum_steps=2", "train.global_batch_size=4", "train.micro_batch_size=2",
+    extra = [f"model.router_recipe={recipe}", "train.zero_stage=2", "train.grad_accum_steps=2", "train.global_batch_size=4", "train.micro_batch_size=2",
              "schedule.max_steps=6", "checkpoint.interval=3", "train.eval_interval=0"]
     full = run(tiny_cfg(tmp_path / "a", data, *extra))
     part = run(tiny_cfg(tmp_path / "b", data, *extra, f"checkpoint.resume={tmp_path / 'a' / 'global_step3'}"))
     assert part.losses == full.losses[3:]
+
+
+@pytest.mark.parametrize("target", [1.6, 2.4])
+def test_budget_recipe_lands_on_its_target_depth(tmp_path, target):
+    """Trained with the budget router recipe, the executed (thresholded) mean depth on held-out tokens lands
+    within 10 % of the target and every depth 1..L keeps at least 2 % and at most 70 % of the tokens."""
+    from pipeline.model.io import load_model
+    from pipeline.train.data import ValLoader
+    from pipeline.train.trainer import run
+
+    data = make_shards(tmp_path / "data", windows=64)  # 2k tokens: nearly every id of the 512 is trained on
+    run(tiny_cfg(tmp_path / "run", data, "model.router_recipe=budget", f"model.router_target_depth={target}",
+                 "schedule.max_steps=40", "train.eval_interval=0", "checkpoint.interval=0", "train.log_interval=40"))
+    model, cfg = load_model(tmp_path / "run")
+    idx = torch.cat([x for x, _ in ValLoader(str(data), "val", 32, 8, 0, 1, 512).batches(1)])
+    with torch.no_grad():
+        depth = model(idx).depth
+    share = torch.bincount(depth.flatten() - 1, minlength=cfg.model.loops).float() / depth.numel()
+    assert abs(float(depth.float().mean()) / target - 1) < 0.1, (float(depth.float().mean()), share.tolist())
+    assert bool((share >= 0.02).all()) and bool((share <= 0.7).all()), share.tolist()
 
 
 def test_mlflow_run_holds_params_metrics_and_tags(tmp_path, data):

@@ -9,8 +9,9 @@
                        k/v there, and is scattered back; loops past a row's depth are skipped (early exit;
                        with one row, the loop simply stops).
 
-Modulation (shift/gate per (depth, loop) pair) is a (K, 4d) table per layer, built once per budget M by
-`model.modulation_tables(uniform(M))` and only indexed while decoding: no modulator weight is read.
+Modulation (shift/gate per (depth, loop) pair) is a (K, 4d) table per layer, built by each `Decoder` from
+`model.modulation_tables(uniform(M))` when it is created and only indexed while decoding: no modulator
+weight is read per token. A new `Decoder` always sees the model's current weights, dtype and device.
 The router's straight-through factor 1 + s - sg(s) is 1 in value and is skipped here; outputs match the
 model's forward within fp32 rounding (tests: atol 1e-5).
 
@@ -22,7 +23,6 @@ whenever depths differ; with every depth = M it is the ordinary cache.
 """
 from __future__ import annotations
 
-import weakref
 from functools import partial
 
 import numpy as np
@@ -33,19 +33,13 @@ from pipeline.inference.cache import LoopView, RecursionKVCache
 from pipeline.model.schedule import table_index, uniform
 
 
-_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def modulation_tables(model, M: int):
-    """`model.modulation_tables(uniform(M))`, built once per (model, M) and reused until a conditioning
-    weight changes (checked by the parameters' identity and in-place version counters)."""
-    stamp = tuple((id(p), p._version) for n, p in model.named_parameters()
-                  if ".modulator." in n or n.startswith("phi_"))
-    memo = _TABLES.setdefault(model, {})  # M -> (stamp, tables)
-    if M not in memo or memo[M][0] != stamp:
-        with torch.no_grad():
-            memo[M] = (stamp, model.modulation_tables(uniform(M)))
-    return memo[M][1]
+    """The per-layer (K, 4d) modulation tables of budget M (K = M(M+1)/2), built from the model's weights as
+    they are now, in their dtype and on their device. Each `Decoder` builds its own: a table kept across
+    decoders could go stale when weights change in ways no cheap stamp sees (`.data` writes, a distributed
+    optimizer's copies, `model.to(dtype)`), while rebuilding costs one small MLP pass over K rows."""
+    with torch.no_grad():
+        return model.modulation_tables(uniform(M))
 
 
 def pad_prompts(prompts, device) -> tuple[torch.Tensor, np.ndarray]:
@@ -69,15 +63,16 @@ class _PrefillHooks:
     def __init__(self, dec: "Decoder", reserve: int):
         self.dec, self.reserve = dec, reserve
 
-    def attend(self, i: int, j: int, order, n: torch.Tensor):
-        return partial(self.dec._prefill_attend, i, j, order, n.numpy(), self.reserve)
+    def attend(self, i: int, j: int, order, n: np.ndarray):
+        return partial(self.dec._prefill_attend, i, j, order, n, self.reserve)
 
-    def loop_done(self, i: int, n: torch.Tensor) -> None:
-        self.dec.cache.prefill_done(i, n.numpy())
+    def loop_done(self, i: int, n: np.ndarray) -> None:
+        self.dec.cache.prefill_done(i, n)
 
 
 class Decoder:
-    """One batch's generation state: the cache and the per-M modulation tables."""
+    """One batch's generation state: the cache and the modulation tables of its budget M (built here, from the
+    model's current weights; pass `tables` only to share them between decoders of the same unchanged model)."""
 
     def __init__(self, model, loops: int | None = None, threshold: float | None = None, layout: str = "compact",
                  mask_empty: bool = True, full_depth: bool = False, tables=None):

@@ -1,8 +1,11 @@
 """Model export: the consolidated weights + resolved config that generation and evaluation load.
 
-An export is a directory holding `config.yaml` (the whole resolved Config) and `model.pt` (a plain,
-single-device state dict in fp32). Training writes one beside each checkpoint (`<ckpt>/model/`), so
-`tlf generate` and `tlf eval` never need DeepSpeed. Files are written atomically.
+An export is a directory holding `config.yaml` (the whole resolved Config) and `model.safetensors` (a plain,
+single-device fp32 state dict; the tied `lm_head.weight` is not stored twice). Training writes one beside
+each checkpoint (`<ckpt>/model/`), so `tlf generate` and `tlf eval` never need DeepSpeed. Files are written
+atomically. Without the `safetensors` package (`pip install tlf[hf]`) the weights go to `model.pt` instead;
+exports holding `model.pt` (older runs) still load, through `torch.load(weights_only=True)`: loading never
+unpickles arbitrary objects.
 """
 from __future__ import annotations
 
@@ -17,28 +20,75 @@ from data_prep.shards import atomic_write_bytes
 from pipeline.config import Config, ConfigError, apply_overrides, config_from_dict, to_yaml
 from pipeline.model.looped import LoopedLM
 
+WEIGHT_FILES = ("model.safetensors", "model.pt")  # in order of preference when loading
 
-def save_model(directory: str | os.PathLike, model: LoopedLM, cfg: Config) -> Path:
+
+def have_safetensors() -> bool:
+    try:
+        import safetensors.torch  # noqa: F401
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
+def state_for_export(model: LoopedLM) -> dict[str, torch.Tensor]:
+    """fp32 CPU copies of the weights, contiguous and unshared (the tied lm_head is left out)."""
+    skip = {"lm_head.weight"} if model.cfg.tie_embeddings else set()
+    return {k: v.detach().float().cpu().contiguous().clone() for k, v in model.state_dict().items() if k not in skip}
+
+
+def save_model(directory: str | os.PathLike, model: LoopedLM, cfg: Config, fmt: str | None = None) -> Path:
+    """fmt: "safetensors" (the default when the package is installed) or "pt"."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    atomic_write_bytes(d / "model.pt", [buf.getvalue()])
+    fmt = fmt or ("safetensors" if have_safetensors() else "pt")
+    state = state_for_export(model)
+    if fmt == "safetensors":
+        from safetensors.torch import save as st_save
+
+        atomic_write_bytes(d / "model.safetensors", [st_save(state, metadata={"format": "pt"})])
+    else:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        atomic_write_bytes(d / "model.pt", [buf.getvalue()])
+    for other in WEIGHT_FILES:  # a re-export in the other format must not leave stale weights preferred
+        if other != f"model.{fmt}" and (d / other).exists():
+            (d / other).unlink()
     atomic_write_bytes(d / "config.yaml", [to_yaml(cfg).encode()])
     return d
+
+
+def weights_file(d: Path) -> Path | None:
+    return next((d / w for w in WEIGHT_FILES if (d / w).is_file()), None)
 
 
 def find_export(path: str | os.PathLike) -> Path:
     """Accepts an export dir, a checkpoint dir containing `model/`, or a run dir with `latest` checkpoint."""
     p = Path(path)
     for cand in (p, p / "model"):
-        if (cand / "model.pt").is_file() and (cand / "config.yaml").is_file():
+        if weights_file(cand) and (cand / "config.yaml").is_file():
             return cand
     latest = p / "latest"
     if latest.is_file():
         return find_export(p / latest.read_text().strip())
-    raise FileNotFoundError(f"{p}: no model export (expected model.pt and config.yaml, or a checkpoint dir with model/)")
+    raise FileNotFoundError(f"{p}: no model export (expected model.safetensors or model.pt, and config.yaml, "
+                            f"or a checkpoint dir with model/)")
+
+
+def load_state(f: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file; a clear one-line ConfigError naming the file when it is unreadable."""
+    try:
+        if f.suffix == ".safetensors":
+            if not have_safetensors():
+                raise ConfigError(f"{f}: reading safetensors weights needs the package (pip install tlf[hf])")
+            from safetensors.torch import load_file
+
+            return load_file(str(f), device="cpu")
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except ConfigError:
+        raise
+    except Exception as e:  # truncated/corrupt file, or a pickle holding more than tensors
+        raise ConfigError(f"{f}: unreadable weights ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", overrides: list[str] = ()) -> tuple[LoopedLM, Config]:
@@ -47,9 +97,10 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", over
     cfg = config_from_dict(raw, source=str(d / "config.yaml"))
     apply_overrides(cfg, overrides)
     model = LoopedLM(cfg.model)
-    state = torch.load(d / "model.pt", map_location="cpu", weights_only=True)
+    f = weights_file(d)
+    state = load_state(f)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight" or not cfg.model.tie_embeddings]
     if missing or unexpected:
-        raise ConfigError(f"{d}: weights do not match its config.yaml (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise ConfigError(f"{f}: weights do not match its config.yaml (missing {missing[:5]}, unexpected {unexpected[:5]})")
     return model.to(device).eval(), cfg

@@ -6,6 +6,7 @@ conditioning values (depth, loop) pairs of one pass.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -85,6 +86,48 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+class RowMod(NamedTuple):
+    """Per-token modulation given by reference: row idx[b, t] of a (K, 4d) table (K = the distinct (depth, loop)
+    pairs of a pass). Layers scale by the picked rows without materialising (B, T, 4d) for backward."""
+    table: torch.Tensor  # (K, 4d)
+    idx: torch.Tensor  # (B, T) int64 row of each token
+
+
+class _ScaleRows(torch.autograd.Function):
+    """y = x * (c + rows[idx]) for x (B, T, d), rows (K, d), idx (B, T), c a constant (1: gamma, 0: gate).
+
+    Saves x, the small table and the index, and recomputes rows[idx] in backward: the (B, T, d) gathered rows
+    and c + rows[idx] that plain autograd would keep per token are never stored. The table's gradient is
+    accumulated in fp32 (a sum over all B*T tokens) and cast back to the table's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, rows, idx, c: float):
+        ctx.c = c
+        ctx.save_for_backward(x, rows, idx)
+        r = rows[idx]  # (B, T, d), transient
+        return x * (r + c) if c else x * r
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, rows, idx = ctx.saved_tensors
+        gx = grows = None
+        if ctx.needs_input_grad[0]:
+            r = rows[idx]
+            gx = gy * (r + ctx.c) if ctx.c else gy * r
+        if ctx.needs_input_grad[1]:  # index_add_: deterministic on GPUs under torch.use_deterministic_algorithms
+            acc = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)  # (K, d)
+            grows = acc.index_add_(0, idx.reshape(-1), (gy * x).reshape(-1, rows.shape[-1]).float()).to(rows.dtype)
+        return gx, grows, None, None
+
+
+def _split(mod):
+    """(a_msa, a_mlp, g_msa, g_mlp) as callables scale(x, c) -> x * (c + part) for a dense mod tensor
+    (B|1, T|1, 4d) or a RowMod."""
+    if isinstance(mod, RowMod):
+        return [lambda x, c, r=r: _ScaleRows.apply(x, r, mod.idx, c) for r in mod.table.chunk(4, dim=-1)]
+    return [lambda x, c, r=r: x * (r + c) if c else x * r for r in mod.chunk(4, dim=-1)]
+
+
 class Layer(nn.Module):
     """One layer of the shared block.
 
@@ -106,11 +149,12 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor | None, mask: torch.Tensor | None = None,
                 attend=None) -> torch.Tensor:
-        """x (B, T, d); mod (B, T, 4d) or (1, 1, 4d) per-token modulation, None for plain layers;
-        attend: optional attention override passed to Attention.forward (KV cache)."""
+        """x (B, T, d); mod: per-token modulation as a tensor (B, T, 4d) or (1, 1, 4d), or a RowMod (table
+        rows by index: nothing per token kept for backward), None for plain layers; attend: optional
+        attention override passed to Attention.forward (KV cache)."""
         if mod is None:
             x = x + self.attn(self.norm1(x), mask, attend)
             return x + self.mlp(self.norm2(x))
-        a_msa, a_mlp, g_msa, g_mlp = mod.chunk(4, dim=-1)
-        x = x + a_msa * self.attn(self.norm1(x) * (1 + g_msa), mask, attend)
-        return x + a_mlp * self.mlp(self.norm2(x) * (1 + g_mlp))
+        a_msa, a_mlp, g_msa, g_mlp = _split(mod)
+        x = x + a_msa(self.attn(g_msa(self.norm1(x), 1.0), mask, attend), 0.0)
+        return x + a_mlp(self.mlp(g_mlp(self.norm2(x), 1.0)), 0.0)

@@ -15,22 +15,48 @@ tau' in A_i) and keeps inactive tokens' states: it is the test oracle and the ab
 Training (`objective=True`, the default in train mode) computes in one call the full pass (M=L, uniform
 schedule, CE loss L_L) and, for shortcut variants, a shortcut pass (S ~ U{1..L-1}, integer schedule;
 CE loss L_S) and the alignment MSE of the shortcut pass to the stop-gradient full pass:
-loss = L_L + lambda_short * L_S + lambda_align * L_align.
+loss = L_L + lambda_short * L_S + lambda_align * L_align (+ the router's own loss, `Router.aux_loss`, under the
+budget router recipe; its statistics join `stats`).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.config import ModelConfig
-from pipeline.model.layers import FourierEmbedding, Layer, RMSNorm
+from pipeline.model.layers import FourierEmbedding, Layer, RMSNorm, RowMod
 from pipeline.model.router import Router, RouterOutput, depth_stats
 from pipeline.model.schedule import sample_shortcut, table_index, time_table, uniform
+
+
+def active_counts(depth: torch.Tensor, M: int) -> np.ndarray:
+    """(B, M) int64 numpy: |A_i| = #{tau : depth_tau >= i} of each row for i = 1..M, from one host read (the
+    shapes of every loop's compaction are known before the first loop runs)."""
+    i = torch.arange(1, M + 1, device=depth.device)
+    return (depth[..., None] >= i).sum(1).cpu().numpy()  # the pass's one device -> host sync
+
+
+class _GatherRows(torch.autograd.Function):
+    """h.gather(1, gidx) for h (B, T, d) and gidx (B, Tm, d) with distinct positions per row (a compaction).
+    Autograd's own gather keeps the whole (B, T, d) input for backward; this keeps only the index: the
+    gradient is scattered (not accumulated: positions are distinct, so it is deterministic on GPUs too)."""
+
+    @staticmethod
+    def forward(ctx, h, gidx):
+        ctx.save_for_backward(gidx)
+        ctx.shape = h.shape
+        return h.gather(1, gidx)
+
+    @staticmethod
+    def backward(ctx, g):
+        (gidx,) = ctx.saved_tensors
+        return g.new_zeros(ctx.shape).scatter(1, gidx, g), None
 
 
 @dataclass
@@ -57,7 +83,9 @@ class LoopedLM(nn.Module):
             self.phi_t = FourierEmbedding(d, cfg.fourier_dim, cfg.fourier_max_period)
         if cfg.conditioning == "time_step":
             self.phi_dt = FourierEmbedding(d, cfg.fourier_dim, cfg.fourier_max_period)
-        self.router = Router(d, cfg.router_hidden or max(d // 4, 1), cfg.loops) if cfg.router else None
+        self.router = Router(d, cfg.router_hidden or max(d // 4, 1), cfg.loops, cfg.router_recipe, cfg.target_depth,
+                             cfg.router_init_std, cfg.router_balance_weight, cfg.router_entropy_weight) \
+            if cfg.router else None
         self.norm_f = RMSNorm(d, cfg.norm_eps, affine=True)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -81,6 +109,8 @@ class LoopedLM(nn.Module):
             if layer.modulated:
                 nn.init.zeros_(layer.modulator[1].weight)
                 nn.init.zeros_(layer.modulator[1].bias)
+        if self.router is not None:
+            self.router.reset_parameters()  # the budget recipe's defined init; a no-op for the paper recipe
 
     # -------------------------------------------------------------------------------- conditioning
     def modulation_tables(self, delta: torch.Tensor) -> list[torch.Tensor] | None:
@@ -115,29 +145,36 @@ class LoopedLM(nn.Module):
         return self._block(h, mods, mask, attends)
 
     def run_loops(self, h0: torch.Tensor, delta: torch.Tensor, depth: torch.Tensor | None,
-                  cont: torch.Tensor | None, tables: list[torch.Tensor] | None = None, hooks=None) -> torch.Tensor:
+                  cont: torch.Tensor | None, tables: list[torch.Tensor] | None = None, hooks=None,
+                  counts: torch.Tensor | None = None) -> torch.Tensor:
         """Runs M = len(delta) loops from h0 (B, T, d). depth (B, T) in 0..M (0: a token that runs no loop,
         e.g. padding) or None (every token depth M); cont (B, T, L) continue probabilities for the
         straight-through estimator (None: no STE). tables: precomputed `modulation_tables(delta)` (decoding
         reuses them). hooks: the KV cache's prefill, an object with `attend(i, j, order, n)` -> attention
         override of layer j in loop i and `loop_done(i, n)`, where order (B, Tm) holds the positions of the
-        compacted active tokens (None: no compaction) and n (B,) CPU int64 the |A_i| of each row; hooks force
-        the gather-scatter path. Returns the final states (B, T, d); exited tokens keep their last state."""
+        compacted active tokens (None: no compaction) and n (B,) numpy int64 the |A_i| of each row; hooks force
+        the gather-scatter path. counts: (B, >= M) numpy int64 |A_i| of each row and loop (`active_counts`), or
+        None to read them here: the pass's only host sync. Returns the final states (B, T, d); exited tokens
+        keep their last state."""
         M = delta.numel()
         tables = self.modulation_tables(delta) if tables is None else tables
         B, T, d = h0.shape
         h = h0
+        compact = depth is not None and (self.cfg.gather_scatter or hooks is not None)
+        if compact and counts is None:
+            counts = active_counts(depth, M)
         for i in range(1, M + 1):
             if depth is None:  # every token active: no compaction, one table row broadcast
-                mods = None if tables is None else [tb[table_index(torch.tensor(M), i)].view(1, 1, -1) for tb in tables]
-                n = torch.full((B,), T, dtype=torch.long)
+                row = M * (M - 1) // 2 + i - 1  # table_index(M, i)
+                mods = None if tables is None else [tb[row].view(1, 1, -1) for tb in tables]
+                n = np.full(B, T, dtype=np.int64)
                 h = self._apply_block(h, mods, None, self._attends(hooks, i, None, n))
                 if hooks is not None:
                     hooks.loop_done(i, n)
                 continue
             active = depth >= i  # (B, T)
-            if self.cfg.gather_scatter or hooks is not None:
-                n = active.sum(1).cpu()  # (B,) |A_i| per row: one host sync per loop
+            if compact:
+                n = counts[:, i - 1]  # (B,) |A_i| per row, on the host
                 Tm = int(n.max())
                 if Tm == 0:
                     break
@@ -146,8 +183,12 @@ class LoopedLM(nn.Module):
                 else:
                     order = torch.sort((~active).to(torch.uint8), dim=1, stable=True).indices[:, :Tm]  # (B, Tm)
                     gidx = order[..., None].expand(B, Tm, d)
-                    hc, dep = h.gather(1, gidx), depth.gather(1, order)  # (B, Tm, d), (B, Tm)
-                mods = None if tables is None else [tb[table_index(dep, i)] for tb in tables]
+                    hc, dep = _GatherRows.apply(h, gidx), depth.gather(1, order)  # (B, Tm, d), (B, Tm)
+                if tables is not None:  # rows picked by index: no per-token (Tm, 4d) kept for backward
+                    ti = table_index(dep, i)  # (B, Tm)
+                    mods = [RowMod(tb, ti) for tb in tables]
+                else:
+                    mods = None
                 out = self._apply_block(hc, mods, None, self._attends(hooks, i, order, n))  # causal among A_i
                 if cont is not None:
                     s = cont[..., i - 1] if order is None else cont[..., i - 1].gather(1, order)
@@ -156,7 +197,8 @@ class LoopedLM(nn.Module):
                 if order is None:
                     h = out
                 else:
-                    valid = (torch.arange(Tm, device=h.device)[None] < n.to(h.device)[:, None])[..., None]  # (B, Tm, 1)
+                    nd = torch.from_numpy(n).to(h.device)  # host -> device, no sync
+                    valid = (torch.arange(Tm, device=h.device)[None] < nd[:, None])[..., None]  # (B, Tm, 1)
                     h = h.scatter(1, gidx, torch.where(valid, out, hc))
                 if hooks is not None:
                     hooks.loop_done(i, n)
@@ -195,19 +237,21 @@ class LoopedLM(nn.Module):
         hf = self.norm_f(h)
         return self.lm_head(hf), hf
 
-    def final_states(self, h0: torch.Tensor, r: RouterOutput | None, delta: torch.Tensor):
+    def final_states(self, h0: torch.Tensor, r: RouterOutput | None, delta: torch.Tensor,
+                     counts: torch.Tensor | None = None):
         """One pass with schedule delta (budget M = len(delta)) from h0 (B, T, d): returns the final states
-        before the norm (B, T, d) and the per-token depth (B, T) int64 in 1..M (all M without a router)."""
+        before the norm (B, T, d) and the per-token depth (B, T) int64 in 1..M (all M without a router).
+        counts: `active_counts` of a depth map of budget >= M from the same router output (None: read here)."""
         M = delta.numel()
         depth = None if r is None else r.depth(M, self.cfg.router_threshold)
         cont = r.cont if (r is not None and self.cfg.router_ste) else None
-        h = self.run_loops(h0, delta, depth, cont)
+        h = self.run_loops(h0, delta, depth, cont, counts=counts)
         if depth is None:
             depth = torch.full(h0.shape[:2], M, dtype=torch.long, device=h0.device)
         return h, depth
 
-    def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor):
-        h, depth = self.final_states(h0, r, delta)
+    def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor, counts=None):
+        h, depth = self.final_states(h0, r, delta, counts)
         logits, hf = self.head(h)
         return logits, hf, depth
 
@@ -225,7 +269,12 @@ class LoopedLM(nn.Module):
             objective = self.training and targets is not None and M == L
         h0 = self.embed(idx)
         r = self.route(h0)
-        logits, hf, depth = self._pass(h0, r, uniform(M))
+        # |A_i| of every loop of both passes from one host read: the shortcut pass's depth at budget S is
+        # min(depth, S) (p(i) is non-increasing in i), so its active sets are this pass's first S.
+        counts = None
+        if r is not None and self.cfg.gather_scatter:
+            counts = active_counts(r.depth(M, self.cfg.router_threshold), M)
+        logits, hf, depth = self._pass(h0, r, uniform(M), counts)
         out = LoopedLMOutput(logits=logits, depth=depth, hidden=hf)
         out.stats.update({f"full/{k}": v for k, v in depth_stats(depth, M).items()})
         if targets is None:
@@ -234,9 +283,12 @@ class LoopedLM(nn.Module):
         out.loss = loss_L
         out.parts["loss_L"] = loss_L.detach()
         if objective and self.cfg.shortcut:
-            k = sample_shortcut(L) if shortcut is None else shortcut
-            assert int(k.sum()) == L and bool((k > 0).all()), f"shortcut schedule {k.tolist()} must be positive, sum {L}"
-            logits_s, hf_s, depth_s = self._pass(h0, r, k.double() / L)
+            if shortcut is None:
+                k = sample_shortcut(L)  # positive, sums to L by construction
+            else:
+                k = shortcut
+                assert int(k.sum()) == L and bool((k > 0).all()), f"shortcut schedule {k.tolist()} must be positive, sum {L}"
+            logits_s, hf_s, depth_s = self._pass(h0, r, k.double() / L, counts)
             loss_S = F.cross_entropy(logits_s.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
             if self.cfg.align_target == "logits":
                 align = F.mse_loss(logits_s.float(), logits.detach().float())
@@ -246,6 +298,12 @@ class LoopedLM(nn.Module):
             out.parts.update(loss_S=loss_S.detach(), loss_align=align.detach())
             out.stats.update({f"short/{k_}": v for k_, v in depth_stats(depth_s, k.numel()).items()})
             out.stats["short/loops"] = torch.tensor(float(k.numel()))
+        if objective and r is not None:  # the router's own loss (budget recipe); its stats log as router/<name>
+            aux, aux_stats = self.router.aux_loss(r)
+            if aux is not None:
+                out.loss = out.loss + aux
+                out.parts["loss_router"] = aux.detach()
+                out.stats.update(aux_stats)
         return out
 
     # ------------------------------------------------------------------------------- accounting

@@ -1,11 +1,31 @@
-"""Token-choice router (DESIGN §1): per-token depth from the initial state h0 alone.
+"""Token-choice router: per-token depth from the initial state h0 alone.
 
 pi = softmax(MLP(h0)) over the training maximum L depths; continue probability p(i) = sum_{l>=i} pi_l,
 so p(1) = 1. With budget M <= L and threshold theta, token depth m = max{i <= M : p(i) > theta} >= 1, and
-the active sets A_i = {tau : m_tau >= i} are nested. The router owns its statistics (`RouterOutput.stats`).
+the active sets A_i = {tau : m_tau >= i} are nested. The router owns its statistics (`RouterOutput.stats`)
+and its auxiliary loss (`Router.aux_loss`).
+
+Two training recipes (`model.router_recipe`):
+
+- `paper`: the MLP on raw h0 with the model's default init, trained only through the straight-through
+  estimator in the loops (no loss of its own). At init h0 is tiny, so the logits barely differ across tokens
+  and every p(i) sits near its uniform value; the STE reaches p(i) only for loops a token runs, so nothing
+  ever raises p(L) on its own and nothing weighs depth against compute.
+- `budget`: the router (a) reads RMS-normalised h0 and starts from a defined init: fc1 with unit-gain
+  weights, fc2 with weights of std `router_init_std / sqrt(hidden)` (so logits differ across tokens by about
+  that much) and bias log q, where q is the depth prior below; (b) adds to the training objective
+  `router_balance_weight * KL(q || mean_tau pi_tau)`, a batch-level prior over depths: the batch's mean exit
+  distribution is pulled to q, which gives every pi_l (including depths no token runs) a gradient and fixes
+  the expected compute, while single tokens stay free to be confident (depth stays token-dependent); and
+  (c) `router_entropy_weight * mean_tau H(pi_tau)`, which makes each token's exit distribution peaky so that
+  its thresholded depth (the median of pi) agrees with its expected depth (the mean): the budget, set on
+  the distribution, then holds for the executed depth. q is the maximum-entropy distribution over 1..L with
+  mean `router_target_depth` (q_l proportional to exp(beta * l)): every depth gets mass, none more than the
+  target forces.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,24 +50,79 @@ def depth_stats(depth: torch.Tensor, M: int) -> dict[str, torch.Tensor]:
     """
     d = depth.detach().reshape(-1)
     n = d.numel()
-    hist = torch.bincount(d - 1, minlength=M)[:M].float() / max(n, 1)
+    hist = (d[:, None] == torch.arange(1, M + 1, device=d.device)).sum(0).float() / max(n, 1)  # no bincount: it syncs on GPUs
     active = d.sum().float()
     return {"depth_hist": hist, "mean_depth": active / max(n, 1), "active_tokens": active,
             "compute_ratio": active / max(M * n, 1)}
 
 
-class Router(nn.Module):
-    """2-layer MLP d -> hidden -> L on h0 (B, T, d); returns RouterOutput."""
+def depth_prior(L: int, mean: float) -> torch.Tensor:
+    """The maximum-entropy distribution over depths 1..L with the given mean (1 < mean < L):
+    q_l = exp(beta * l) / Z, beta found by bisection (the mean is increasing in beta). (L,) float64."""
+    assert 1.0 < mean < L, f"target depth {mean} must lie strictly between 1 and {L}"
+    depths = torch.arange(1, L + 1, dtype=torch.float64)
 
-    def __init__(self, d: int, hidden: int, max_loops: int):
+    def q_of(beta: float) -> torch.Tensor:
+        return torch.softmax(beta * depths, 0)
+
+    lo, hi = -50.0, 50.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if float((q_of(mid) * depths).sum()) < mean:
+            lo = mid
+        else:
+            hi = mid
+    return q_of(0.5 * (lo + hi))
+
+
+class Router(nn.Module):
+    """2-layer MLP d -> hidden -> L on h0 (B, T, d); returns RouterOutput. recipe: 'paper' or 'budget'
+    (module doc); the budget recipe normalises h0 and owns a prior over depths (`prior`, a buffer)."""
+
+    def __init__(self, d: int, hidden: int, max_loops: int, recipe: str = "paper", target_depth: float = 0.0,
+                 init_std: float = 2.0, balance_weight: float = 0.0, entropy_weight: float = 0.0):
         super().__init__()
         self.fc1 = nn.Linear(d, hidden)
         self.fc2 = nn.Linear(hidden, max_loops)
+        self.recipe = recipe
+        self.init_std = init_std
+        self.balance_weight = balance_weight
+        self.entropy_weight = entropy_weight
+        if recipe == "budget":
+            self.register_buffer("prior", depth_prior(max_loops, target_depth).float(), persistent=False)
+
+    def reset_parameters(self) -> None:
+        """The budget recipe's defined init (module doc); the paper recipe keeps the model's default init."""
+        if self.recipe != "budget":
+            return
+        with torch.no_grad():
+            nn.init.normal_(self.fc1.weight, 0.0, 1.0 / math.sqrt(self.fc1.in_features))
+            nn.init.zeros_(self.fc1.bias)
+            nn.init.normal_(self.fc2.weight, 0.0, self.init_std / math.sqrt(self.fc2.in_features))
+            self.fc2.bias.copy_(self.prior.log())
 
     def forward(self, h0: torch.Tensor) -> RouterOutput:
-        logits = self.fc2(F.gelu(self.fc1(h0)))  # (B, T, L)
+        x = h0
+        if self.recipe == "budget":
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        logits = self.fc2(F.gelu(self.fc1(x)))  # (B, T, L)
         pi = torch.softmax(logits.float(), dim=-1)
         # p(i) = sum_{l >= i} pi_l: reverse cumulative sum; p(1) is 1 by definition (set exactly).
         cont = pi.flip(-1).cumsum(-1).flip(-1)
         cont = torch.cat([torch.ones_like(cont[..., :1]), cont[..., 1:]], dim=-1)
         return RouterOutput(logits=logits, cont=cont)
+
+    def aux_loss(self, r: RouterOutput) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The router's own training loss and its statistics (detached): (None, {}) for the paper recipe;
+        for the budget recipe balance_weight * KL(q || mean pi) + entropy_weight * mean H(pi), with stats
+        balance_kl, entropy and soft_depth (the batch's expected depth sum_i p(i))."""
+        if self.recipe != "budget":
+            return None, {}
+        logp = torch.log_softmax(r.logits.float(), dim=-1).flatten(0, -2)  # (N, L)
+        pi = logp.exp()
+        q = self.prior.to(pi.dtype)
+        kl = (q * (q.log() - pi.mean(0).clamp_min(1e-12).log())).sum()
+        ent = -(pi * logp).sum(-1).mean()
+        loss = self.balance_weight * kl + self.entropy_weight * ent
+        stats = {"balance_kl": kl.detach(), "entropy": ent.detach(), "soft_depth": r.cont.detach().sum(-1).mean()}
+        return loss, stats

@@ -19,7 +19,7 @@ def sample_shortcut(L: int, generator: torch.Generator | None = None) -> torch.T
     """Shortcut trajectory: S ~ U{1..L-1}, then positive integers k_1..k_S summing to L drawn uniformly
     (S-1 distinct cut points among 1..L-1). Returns k (S,) int64; delta = k / L."""
     assert L >= 2, "a shortcut needs L >= 2"
-    S = int(torch.randint(1, L, (1,), generator=generator))
+    S = int(torch.randint(1, L, (1,), generator=generator).numpy()[0])  # a CPU draw: no device sync
     cuts = torch.randperm(L - 1, generator=generator)[: S - 1] + 1
     bounds = torch.cat([torch.zeros(1, dtype=torch.long), cuts.sort().values, torch.tensor([L])])
     return bounds.diff()

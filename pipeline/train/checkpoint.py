@@ -5,7 +5,7 @@ Layout of `checkpoint.dir` (default `checkpoints/<config name with / replaced by
     latest                      # names the newest complete checkpoint; written last (atomic rename)
     global_step{N}/             # DeepSpeed's model/optimizer/scheduler files (engine.save_checkpoint)
         rank{r}_state.pt        # this rank's step, data position, RNG states (python, numpy, torch, cuda), config
-        model/                  # pipeline.model.io export (model.pt + config.yaml): what generate/eval load
+        model/                  # pipeline.model.io export (model.safetensors + config.yaml): what generate/eval load
 
 A checkpoint is written under `.tmp-global_step{N}/` and renamed to `global_step{N}/` by rank 0 only after every
 rank has written its files, then `latest` is replaced; so a kill or a full disk during a save leaves only a

@@ -1,12 +1,14 @@
 """The training loop: `run(cfg)` is the whole of `tlf train` (the CLI is a thin wrapper; tests call it).
 
 One step = train.grad_accum_steps micro-batches through the DeepSpeed engine (`engine(x, y)` computes the whole
-objective of DESIGN §1 in one forward; `engine.backward`; `engine.step`). Before each backward the micro-batch
-loss, its parts and two flags (non-finite loss, stop signal) are summed over ranks in one all-reduce, so every
-rank takes the same decision: a non-finite loss stops the run naming the step (train.nan_policy=stop; the last
-good checkpoint stays the newest) or drops that micro-batch before its backward and draws the next one
-(nan_policy=skip, at most train.nan_skip_limit in a row); SIGTERM/SIGINT end the run after the current step
-with a checkpoint. A non-finite gradient norm after a step always stops (the weights are already updated).
+training objective in one forward; `engine.backward`; `engine.step`). Host syncs: the loss, its parts, the
+router statistics, a non-finite flag per micro-batch, the stop-signal flag and the gradient norm stay on the
+device (`StepMeter`) and are summed over ranks in one all-reduce and read once, after the step's last
+micro-batch: one device -> host sync per optimizer step, so every rank takes the same decision. A non-finite loss
+stops the run naming the step and micro-batch (train.nan_policy=stop; the step's update is never saved, the last
+good checkpoint stays the newest). nan_policy=skip must decide before each backward, so it reads one flag per
+micro-batch (all-reduced) and drops a bad micro-batch, drawing the next one (at most train.nan_skip_limit in a
+row). SIGTERM/SIGINT end the run after the current step with a checkpoint. A non-finite gradient norm always stops.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from pipeline.config import Config, ConfigError
 from pipeline.train import checkpoint as ckpt
@@ -65,25 +68,65 @@ class _Signals:
             signal.signal(sig, old)
 
 
-def _allreduce(values: list[float], device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
-    return t.tolist()
+class StepMeter:
+    """One optimizer step's losses, non-finite flags and router statistics, accumulated on the device; `read`
+    sums them over ranks in one all-reduce and reads them with the step's one host sync."""
 
+    PARTS = ("loss_L", "loss_S", "loss_align")
 
-def _stat_metrics(stats: list[dict]) -> dict:
-    """Router/depth statistics averaged over this rank's micro-batches of the step."""
-    out: dict[str, float] = {}
-    for s in stats:
-        for k, v in s.items():
-            v = v.detach().float().cpu()
-            if v.numel() == 1:
-                out[f"router/{k}"] = out.get(f"router/{k}", 0.0) + float(v) / len(stats)
+    def __init__(self, accum: int, device):
+        self.device, self.n = device, 0
+        self.losses = torch.zeros(1 + len(self.PARTS), dtype=torch.float64, device=device)  # loss, parts: sums
+        self.bad = torch.zeros(accum, dtype=torch.float64, device=device)  # 1 where micro-batch k was non-finite
+        self.stats: dict[str, torch.Tensor] = {}  # key -> sum over micro-batches (vectors zero-padded)
+
+    def add(self, out, k: int) -> None:
+        loss = out.loss.detach().double()
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        vals = torch.stack([loss] + [out.parts[p].double() if p in out.parts else zero for p in self.PARTS])
+        finite = torch.isfinite(loss)
+        self.losses += torch.where(finite, vals, 0.0)
+        self.bad[k] = (~finite).double()
+        for key, v in out.stats.items():
+            v = v.detach().to(self.device, torch.float64).reshape(-1)
+            cur = self.stats.get(key)
+            if cur is not None:  # histograms of shortcut passes of different S: pad to the longer
+                n = max(cur.numel(), v.numel())
+                cur, v = F.pad(cur, (0, n - cur.numel())), F.pad(v, (0, n - v.numel()))
+                v = cur + v
+            self.stats[key] = v
+        self.n += 1
+
+    def read(self, signal: bool, grad_norm, ws: int) -> dict:
+        """All-reduce + the one host read. grad_norm: a device tensor (read here), a float or None.
+        Returns loss/parts means over micro-batches and ranks, the first non-finite micro-batch (1-based, 0:
+        none), whether any rank was signalled, the gradient norm and the `router/...` metrics."""
+        sig = torch.tensor([1.0 if signal else 0.0], dtype=torch.float64, device=self.device)
+        gn = grad_norm.detach().double().reshape(1).to(self.device) if isinstance(grad_norm, torch.Tensor) else None
+        keys = list(self.stats)
+        vec = torch.cat([self.losses, self.bad, sig] + ([gn] if gn is not None else []) + [self.stats[k] for k in keys])
+        torch.distributed.all_reduce(vec)
+        v = vec.tolist()  # the optimizer step's one device -> host sync
+        a = len(self.bad)
+        n = max(self.n, 1)
+        losses, bad, rest = v[:4], v[4:4 + a], v[4 + a:]
+        out = {"loss": losses[0] / ws / n, **{p: x / ws / n for p, x in zip(self.PARTS, losses[1:])},
+               "bad_micro_batch": next((k + 1 for k, b in enumerate(bad) if b > 0), 0), "signal": rest[0] > 0}
+        rest = rest[1:]
+        if gn is not None:
+            out["grad_norm"], rest = rest[0] / ws, rest[1:]
+        else:
+            out["grad_norm"] = grad_norm
+        metrics = {}
+        for key in keys:
+            vals, rest = rest[: self.stats[key].numel()], rest[self.stats[key].numel():]
+            if len(vals) == 1:
+                metrics[f"router/{key}"] = vals[0] / ws / n
             else:  # depth_hist: share of tokens per depth 1..M
-                for i, x in enumerate(v.tolist(), 1):
-                    key = f"router/{k.replace('depth_hist', 'depth_share')}_{i}"
-                    out[key] = out.get(key, 0.0) + x / len(stats)
-    return out
+                for i, x in enumerate(vals, 1):
+                    metrics[f"router/{key.replace('depth_hist', 'depth_share')}_{i}"] = x / ws / n
+        out["router"] = metrics
+        return out
 
 
 def evaluate(engine, loaders, n_batches: int, device) -> dict[str, float]:
@@ -92,11 +135,13 @@ def evaluate(engine, loaders, n_batches: int, device) -> dict[str, float]:
     engine.eval()
     with torch.no_grad():
         for name, loader in loaders:
-            tot, cnt = 0.0, 0
+            tot, cnt = torch.zeros((), dtype=torch.float64, device=device), 0
             for x, y in loader.batches(n_batches):
-                tot += float(engine(x.to(device), y.to(device)).loss)
+                tot += engine(x.to(device), y.to(device)).loss.detach().double()
                 cnt += 1
-            s, c = _allreduce([tot, cnt], device)
+            t = torch.stack([tot, torch.tensor(float(cnt), dtype=torch.float64, device=device)])
+            torch.distributed.all_reduce(t)
+            s, c = t.tolist()  # one read per validation set
             out[name] = s / c
     engine.train()
     return out
@@ -130,6 +175,9 @@ def run(cfg: Config) -> TrainResult:
     ckpt.set_rng_state(_seeded_rng(cfg.train.seed))
     model = LoopedLM(cfg.model)
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    if cfg.train.compile:
+        from pipeline.train.compile import apply_compile
+        apply_compile(model)
     optimizer, scheduler = ds.build_optimizer(cfg, model)
     engine = ds.initialize(model, optimizer, scheduler, ds_config)
     device = engine.device
@@ -148,7 +196,7 @@ def run(cfg: Config) -> TrainResult:
     scale = cfg.name.split("/")[0] if "/" in cfg.name else ""
     tags = {"variant": cfg.model.variant, "preset": cfg.name, "scale": scale, "world_size": ws,
             "device": device_kind, "precision": precision, "zero_stage": cfg.train.zero_stage,
-            "activation_checkpointing": cfg.train.activation_checkpointing}
+            "activation_checkpointing": cfg.train.activation_checkpointing, "compile": cfg.train.compile}
     run_id = log.start(cfg, rank, tags, resume_run_id=run_id)
     n_params = model.num_params()
     log.info(f"{cfg.name or cfg.model.variant}: {n_params / 1e6:.2f}M params, {ws} rank(s) on {device_kind} "
@@ -177,43 +225,42 @@ def run(cfg: Config) -> TrainResult:
             t_start, t_last, ema = time.time(), time.time(), None
             consecutive_bad, stop_signal = 0, False
             while step < max_steps:
-                sums = [0.0, 0.0, 0.0, 0.0]
-                stats = []
-                done = 0
+                meter = StepMeter(accum, device)
+                done, zero0_norm = 0, None
                 while done < accum:
                     x, y = loader.next()
                     out = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
                     loss = out.loss
-                    lv = float(loss.detach())
-                    finite = math.isfinite(lv)
-                    parts = [float(out.parts.get(k, 0.0)) for k in ("loss_L", "loss_S", "loss_align")]
-                    red = _allreduce([lv if finite else 0.0, *(p if finite else 0.0 for p in parts),
-                                      0.0 if finite else 1.0, 1.0 if sig.name else 0.0], device)
-                    if red[4] > 0:
-                        msg = f"non-finite loss at step {step + 1} (micro-batch {done + 1}/{accum})"
-                        if cfg.train.nan_policy == "stop":
-                            raise NonFiniteError(f"{msg}; stopping. Last good checkpoint: {last_good()}")
-                        consecutive_bad += 1
-                        res.skipped += 1
-                        log.warn(f"{msg}; skipped (train.nan_policy=skip, {consecutive_bad} in a row)")
-                        if consecutive_bad >= cfg.train.nan_skip_limit:
-                            raise NonFiniteError(f"{msg}: {consecutive_bad} non-finite batches in a row "
-                                                 f"(train.nan_skip_limit); stopping. Last good checkpoint: {last_good()}")
-                        del out, loss
-                        continue
-                    consecutive_bad = 0
+                    if cfg.train.nan_policy == "skip":  # decided before the backward: one read per micro-batch
+                        flag = (~torch.isfinite(loss.detach())).double().reshape(1)
+                        torch.distributed.all_reduce(flag)
+                        if flag.item() > 0:
+                            msg = f"non-finite loss at step {step + 1} (micro-batch {done + 1}/{accum})"
+                            consecutive_bad += 1
+                            res.skipped += 1
+                            log.warn(f"{msg}; skipped (train.nan_policy=skip, {consecutive_bad} in a row)")
+                            if consecutive_bad >= cfg.train.nan_skip_limit:
+                                raise NonFiniteError(f"{msg}: {consecutive_bad} non-finite batches in a row "
+                                                     f"(train.nan_skip_limit); stopping. Last good checkpoint: {last_good()}")
+                            del out, loss
+                            continue
+                        consecutive_bad = 0
                     engine.backward(loss)
-                    grad_norm = _zero0_grad_norm(engine) if done == accum - 1 else None
+                    if done == accum - 1:
+                        zero0_norm = _zero0_grad_norm(engine)
                     engine.step()
-                    sums = [a + b / ws for a, b in zip(sums, red[:4])]
-                    stats.append(out.stats)
-                    stop_signal = red[5] > 0
+                    meter.add(out, done)
                     done += 1
-                step += 1
-                loss_mean = sums[0] / accum
-                res.losses.append(loss_mean)
                 gn = engine.get_global_grad_norm()
-                gn = float(gn) if gn is not None else grad_norm
+                r = meter.read(sig.name is not None, zero0_norm if gn is None else gn, ws)
+                if r["bad_micro_batch"]:
+                    raise NonFiniteError(f"non-finite loss at step {step + 1} (micro-batch {r['bad_micro_batch']}/"
+                                         f"{accum}); stopping. Last good checkpoint: {last_good()}")
+                stop_signal = r["signal"]
+                step += 1
+                loss_mean = r["loss"]
+                res.losses.append(loss_mean)
+                gn = r["grad_norm"]
                 if gn is not None and not math.isfinite(gn):
                     raise NonFiniteError(f"non-finite gradient norm at step {step}; stopping. Last good checkpoint: "
                                          f"{last_good()}")
@@ -223,12 +270,12 @@ def run(cfg: Config) -> TrainResult:
                 ema = dt if ema is None else 0.9 * ema + 0.1 * dt
                 metrics = {"loss": loss_mean, "lr": _lr_of_step(engine), "tokens_per_s": tokens_per_step / dt,
                            "step_time_s": dt, "epoch": loader.epoch}
-                metrics["loss_L"] = sums[1] / accum
+                metrics["loss_L"] = r["loss_L"]
                 if cfg.model.shortcut:
-                    metrics.update(loss_S=sums[2] / accum, loss_align=sums[3] / accum)
+                    metrics.update(loss_S=r["loss_S"], loss_align=r["loss_align"])
                 if gn is not None:
                     metrics["grad_norm"] = gn
-                sm = _stat_metrics(stats)
+                sm = r["router"]
                 metrics.update(sm)
                 loops = sm.get("router/full/mean_depth", cfg.model.loops) + sm.get("router/short/mean_depth", 0.0)
                 fpt = model.flops_per_token(loops_executed=loops, seq_len=T, lm_heads=2 if "router/short/loops" in sm else 1)
@@ -266,14 +313,15 @@ def run(cfg: Config) -> TrainResult:
     return res
 
 
-def _zero0_grad_norm(engine) -> float | None:
-    """ZeRO-0 fp32 does not report a gradient norm: compute it from the (already all-reduced) grads."""
+def _zero0_grad_norm(engine) -> torch.Tensor | None:
+    """ZeRO-0 fp32 does not report a gradient norm: compute it from the (already all-reduced) grads, as a
+    device tensor (read with the step's other values)."""
     if engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled():
         return None
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
     if not grads:
         return None
-    return float(torch.nn.utils.get_total_norm(grads))
+    return torch.nn.utils.get_total_norm(grads)
 
 
 def _lr_of_step(engine) -> float:

@@ -1,0 +1,79 @@
+# The `transformers` wrapper of the exported modelling file. NOT imported by tlf: pipeline.hf.export appends this
+# text to tlf's model source (pipeline/model/*.py with their tlf imports removed), so the file it writes,
+# modeling_tlf.py, is self-contained and its math is tlf's by construction. Names used here but not defined
+# (LoopedLM, FourierEmbedding, math, torch, F) come from that bundled source.
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+
+class ModelConfig:
+    """Stand-in for tlf's ModelConfig dataclass: the architecture fields as attributes."""
+
+    def __init__(self, fields: dict):
+        self.__dict__.update(fields)
+
+    def validate(self) -> None:
+        pass
+
+
+class TLFConfig(PretrainedConfig):
+    model_type = "tlf_looped"
+
+    def __init__(self, tlf_model: dict | None = None, loops_budget: int | None = None, **kw):
+        self.tlf_model = dict(tlf_model or {})  # every tlf ModelConfig field (loops L, router_threshold, ...)
+        self.loops_budget = loops_budget  # default budget M (None: M = L)
+        kw.setdefault("tie_word_embeddings", False)  # tlf ties inside the module; transformers must not re-tie
+        super().__init__(**kw)
+
+
+class TLFPreTrainedModel(PreTrainedModel):
+    config_class = TLFConfig
+    base_model_prefix = "model"
+    _supports_cache_class = False
+
+    def _init_weights(self, module):
+        if isinstance(module, FourierEmbedding):  # the non-persistent frequency buffer is not in the weights
+            half = module.freqs.numel()
+            mp = self.config.tlf_model["fourier_max_period"]
+            module.freqs = torch.exp(-math.log(mp) * torch.arange(half, dtype=torch.float32) / half)
+
+
+class TLFForCausalLM(TLFPreTrainedModel, GenerationMixin):
+    """tlf's LoopedLM (router, gather-scatter, elastic budget). No KV cache: generate() recomputes the whole
+    prefix each step (exact). attention_mask: each row's real tokens (one contiguous run, i.e. left or right
+    padding) run as their own sequence from position 0, exactly as tlf runs that row unpadded."""
+
+    def __init__(self, config: TLFConfig):
+        super().__init__(config)
+        self.model = LoopedLM(ModelConfig(config.tlf_model))
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.wte
+
+    def get_output_embeddings(self):
+        return self.model.lm_head
+
+    def _logits(self, ids, M):  # (B, T) -> (B, T, V)
+        return self.model(ids, loops=M).logits
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, loops=None, past_key_values=None,
+                use_cache=None, return_dict=None, **kwargs):
+        M = loops or self.config.loops_budget or self.config.tlf_model["loops"]
+        if attention_mask is None or bool(attention_mask.bool().all()):
+            logits = self._logits(input_ids, M)
+        else:
+            keep = attention_mask.bool()  # (B, T)
+            logits = None
+            for b in range(input_ids.shape[0]):
+                row = self._logits(input_ids[b:b + 1, keep[b]], M)[0]  # (n_b, V)
+                if logits is None:
+                    logits = row.new_zeros(*input_ids.shape, row.shape[-1])
+                logits[b, keep[b]] = row
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, loops=None, **kwargs):
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "loops": loops}

@@ -1,0 +1,61 @@
+"""train.compile: each layer compiled once with dynamic shapes; the compacted length changes every loop and step
+without recompiling, and the compiled model computes what the eager one does. Backends here are dynamo's
+eager/aot_eager (fast, the same tracing and graph breaks as inductor); bench/train_step.py times inductor."""
+import pytest
+import torch
+
+from helpers import perturbed_tiny, spread_router
+from pipeline.train.compile import apply_compile, compile_count
+
+
+def _batches(n, T=24):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, 50304, (2, T), generator=g), torch.randint(0, 50304, (2, T), generator=g)) for _ in range(n)]
+
+
+def test_compiled_layers_match_eager_and_do_not_recompile_once_warm():
+    torch._dynamo.reset()
+    eager, comp = spread_router(perturbed_tiny()[0]), spread_router(perturbed_tiny()[0])
+    eager.train(), comp.train()
+    apply_compile(comp, backend="aot_eager")
+    counts, lengths = [], set()
+    warm = [torch.tensor([4]), torch.tensor([1, 3]), None, torch.tensor([2, 1, 1])]  # S = 1, 2, sampled, 3
+    for k, (x, y) in enumerate(_batches(12)):
+        short = warm[k] if k < len(warm) else None
+        torch.manual_seed(k)
+        a = eager(x, y, shortcut=short)
+        torch.manual_seed(k)
+        b = comp(x, y, shortcut=short)
+        a.loss.backward(), b.loss.backward()
+        assert torch.allclose(a.logits, b.logits, atol=1e-5) and torch.equal(a.depth, b.depth)
+        counts.append(compile_count())
+        lengths |= {int((a.depth >= i).sum(1).max()) for i in range(2, 5)}
+    assert len(lengths) >= 3  # the compacted lengths really varied
+    # warm after the first steps (each 0/1-specialised case met once): later steps compile nothing new
+    assert 0 < counts[5] == counts[-1] <= 4 * len(comp.layers), counts
+    for (n, p), q in zip(eager.named_parameters(), comp.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), n
+
+
+def test_train_compile_switch_compiles_the_layers(tmp_path, monkeypatch, data):
+    from test_train import tiny_cfg
+
+    import pipeline.train.compile as tc
+    from pipeline.train.trainer import run
+    orig = tc.apply_compile
+    calls = []
+
+    def eager_backend(model, backend="inductor"):
+        calls.append(model)
+        orig(model, backend="eager")
+    monkeypatch.setattr(tc, "apply_compile", eager_backend)
+    torch._dynamo.reset()
+    res = run(tiny_cfg(tmp_path, data, "train.compile=true", "schedule.max_steps=4", "train.eval_interval=0"))
+    assert len(calls) == 1 and res.step == 4 and all(l == l for l in res.losses)
+    assert compile_count() > 0
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from test_train import make_shards
+    return make_shards(tmp_path_factory.mktemp("shards"), windows=10)

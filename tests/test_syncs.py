@@ -1,0 +1,67 @@
+"""Host syncs (issue: the router's savings in training): at most one device -> host read per forward pass inside
+the model (all |A_i| of a pass from one read) and one per optimizer step in the training loop. Counted with
+`pipeline.hostsync.count_host_reads`, which records `.item()/.cpu()/.tolist()/float()/int()/bool()` calls made
+from tlf's own files: on a GPU each of those waits for the device's queue."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import load_config
+from pipeline.hostsync import count_host_reads
+from pipeline.model import LoopedLM
+
+MODEL = tuple(str(Path(__file__).resolve().parent.parent / "pipeline" / "model" / f)  # the forward's files
+              for f in ("looped.py", "layers.py", "router.py", "schedule.py"))
+TRAINER = str(Path(__file__).resolve().parent.parent / "pipeline" / "train" / "trainer.py")
+
+
+def _tiny(variant: str, *extra: str) -> LoopedLM:
+    torch.manual_seed(0)
+    return LoopedLM(load_config(f"tiny/{variant}", list(extra)).model)
+
+
+@pytest.mark.parametrize("variant,extra,expected", [
+    ("t-loopformer", (), 1),  # full + shortcut pass: one read of every loop's |A_i|
+    ("t-loopformer", ("model.gather_scatter=false",), 0),  # the dense oracle needs no sizes
+    ("loopformer", (), 0),  # no router: every token runs every loop
+    ("base-loop", (), 0),
+])
+def test_one_host_read_per_forward_pass(variant, extra, expected):
+    m = _tiny(variant, *extra).train()
+    x, y = torch.randint(0, 100, (2, 16)), torch.randint(0, 100, (2, 16))
+    with count_host_reads(MODEL) as reads:
+        m(x, y).loss.backward()
+    assert len(reads) == expected, reads
+    m.eval()
+    with count_host_reads(MODEL) as reads, torch.no_grad():
+        m(x, loops=2)  # elastic budget M < L
+    assert len(reads) == expected, reads
+
+
+def test_the_counter_sees_reads_and_restores_torch():
+    t = torch.ones(2)
+    with count_host_reads((str(Path(__file__).resolve()),)) as reads:
+        t.sum().item(), float(t[0]), t.tolist(), t.cpu(), bool(t[0])
+    assert [r[3] for r in reads] == ["item", "__float__", "tolist", "cpu", "__bool__"]
+    assert torch.Tensor.item.__name__ == "item"  # unpatched again
+
+
+def test_training_loop_reads_once_per_optimizer_step(tmp_path, data):
+    from test_train import tiny_cfg
+
+    from pipeline.train.trainer import run
+    steps, accum = 3, 2
+    cfg = tiny_cfg(tmp_path, data, f"schedule.max_steps={steps}", "train.eval_interval=0", "checkpoint.interval=0",
+                   f"train.grad_accum_steps={accum}", f"train.global_batch_size={2 * accum}")
+    with count_host_reads((TRAINER,)) as loop_reads, count_host_reads(MODEL) as model_reads:
+        res = run(cfg)
+    assert res.step == steps and len(res.losses) == steps
+    assert len(loop_reads) == steps, loop_reads  # StepMeter.read: one per optimizer step
+    assert len(model_reads) == steps * accum, model_reads  # one per forward (micro-batch)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from test_train import make_shards
+    return make_shards(tmp_path_factory.mktemp("shards"), windows=10)
