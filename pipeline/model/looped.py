@@ -1,4 +1,4 @@
-"""LoopedLM: one module for every variant of DESIGN §1 (flags in ModelConfig select the variant).
+"""LoopedLM: one module for every variant of docs/design.md §1 (flags in ModelConfig select the variant).
 
     h0 = E_tok + E_pos                                  # (B, T, d), positions added once
     depth m = router(h0) clipped at M (or M for all)    # (B, T)
