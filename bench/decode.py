@@ -6,7 +6,7 @@ prompt lengths and TPOT (time per output token) at batch 1 and 32, for
     fulldepth  (b) the same model with a full-depth cache: every token writes every loop (exited tokens
                project k/v from their frozen state; prefill runs every token through every loop)
     loopformer (c) LoopFormer at the same M: the same weights with the router off (every token depth M,
-               which DESIGN §1 makes identical to loopformer), recursion-wise cache (all loops full)
+               which docs/design.md §1 makes identical to loopformer), recursion-wise cache (all loops full)
     base       (d) the dense J*M x 1 model (same FLOPs per token as a full-depth looped pass), plain cache
 
     python bench/decode.py                                  # defaults below (a few minutes on 2 CPU cores)

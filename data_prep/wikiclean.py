@@ -1,5 +1,5 @@
 """Plain text from a MediaWiki XML dump (the gensim test enwiki dump that serves as the demo's
-second-domain perplexity set, DESIGN §4).
+second-domain perplexity set, docs/design.md §4).
 
 `iter_articles(path)` streams (title, wikitext) of main-namespace, non-redirect pages from a .xml or
 .xml.bz2 file; `clean(wikitext)` removes markup "reasonably": comments, <ref>s, templates, tables,

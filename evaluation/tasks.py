@@ -1,4 +1,4 @@
-"""The ten zero-shot tasks of the paper's Table 1, exactly as DESIGN §5 (lm-evaluation-harness 0.4 formats).
+"""The ten zero-shot tasks of the paper's Table 1, exactly as docs/design.md §5 (lm-evaluation-harness 0.4 formats).
 
 Every task yields `Example`s: a context string, the choices as the harness's `doc_to_choice` gives them, and
 the gold index. A choice is scored as the log-likelihood of `" " + choice` after the context (the harness's

@@ -109,11 +109,6 @@ class ModelConfig:
             if getattr(self, k) < 0:
                 raise ConfigError(f"model.{k} must be >= 0, got {getattr(self, k)}")
 
-    @property
-    def target_depth(self) -> float:
-        """The budget recipe's target mean depth (router_target_depth, or (loops + 1) / 2 when 0)."""
-        return self.router_target_depth or (self.loops + 1) / 2
-
 
 @dataclass
 class DataConfig:

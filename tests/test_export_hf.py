@@ -18,11 +18,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 torch.set_num_threads(1)
 ATOL = 1e-5
-TINY = sorted(p for p in list_presets() if p.startswith("tiny/"))
+TINY = sorted(p for p in list_presets() if p.startswith("tiny/")) + ["tiny/t-loopformer@budget"]
 
 
 def export_hf(tmp_path, name="tiny/t-loopformer"):
-    model, cfg = perturbed_tiny(name)
+    name, _, recipe = name.partition("@")  # "@budget": the budget router recipe
+    model, cfg = perturbed_tiny(name, overrides=(f"model.router_recipe={recipe}",) if recipe else ())
     src = save_model(tmp_path / "src", model, cfg)
     res = CliRunner().invoke(main, ["export", str(src), "--format", "hf", "--out", str(tmp_path / "hf")])
     assert res.exit_code == 0, res.output

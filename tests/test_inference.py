@@ -1,4 +1,4 @@
-"""Recursion-wise KV cache exactness (DESIGN §2): prefill + token-by-token decode = one full forward at every
+"""Recursion-wise KV cache exactness (docs/design.md §2): prefill + token-by-token decode = one full forward at every
 position (fp32, atol 1e-5) for every tiny preset, M < L, and batches whose rows differ in depth and length;
 plus proofs that a cache attending to an empty slot fails those checks."""
 import numpy as np

@@ -1,4 +1,4 @@
-"""LoopedLM invariants (DESIGN §1): gather-scatter = dense reference, router semantics, STE, shortcut
+"""LoopedLM invariants (docs/design.md §1): gather-scatter = dense reference, router semantics, STE, shortcut
 schedules, zero-init identity, causality and forward/backward for every preset."""
 import itertools
 

@@ -65,3 +65,29 @@ def test_training_loop_reads_once_per_optimizer_step(tmp_path, data):
 def data(tmp_path_factory):
     from test_train import make_shards
     return make_shards(tmp_path_factory.mktemp("shards"), windows=10)
+
+
+def test_step_meter_means_flags_and_padded_histograms(tmp_path):
+    """StepMeter: parts (loss_router included) averaged over micro-batches, the first non-finite micro-batch
+    named, shortcut histograms of different S padded, the signal and a device grad norm read with the rest."""
+    import torch.distributed as dist
+
+    from pipeline.model.looped import LoopedLMOutput
+    from pipeline.train.trainer import StepMeter
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    m = StepMeter(3, "cpu")
+    for k, (loss, hist) in enumerate([(2.0, [0.5, 0.5]), (4.0, [0.2, 0.3, 0.5]), (float("nan"), [1.0])]):
+        out = LoopedLMOutput(logits=torch.zeros(1), depth=torch.zeros(1), loss=torch.tensor(loss),
+                             parts={"loss_L": torch.tensor(loss), "loss_router": torch.tensor(0.1 * (k + 1))},
+                             stats={"short/depth_hist": torch.tensor(hist), "full/mean_depth": torch.tensor(2.0)})
+        m.add(out, k)
+    with count_host_reads() as reads:
+        r = m.read(True, torch.tensor(3.0), 1)
+    assert len(reads) == 1  # the one read of the step
+    assert r["loss"] == pytest.approx(2.0) and r["loss_L"] == pytest.approx(2.0)  # (2 + 4 + dropped NaN) / 3
+    assert r["loss_router"] == pytest.approx(0.1) and r["loss_S"] == 0.0  # (0.1 + 0.2 + dropped) / 3
+    assert r["bad_micro_batch"] == 3 and r["signal"] is True and r["grad_norm"] == pytest.approx(3.0)
+    assert r["router"]["router/short/depth_share_1"] == pytest.approx((0.5 + 0.2 + 1.0) / 3)
+    assert r["router"]["router/short/depth_share_3"] == pytest.approx(0.5 / 3)
+    assert r["router"]["router/full/mean_depth"] == pytest.approx(2.0)

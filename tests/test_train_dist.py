@@ -83,7 +83,7 @@ def test_two_gloo_ranks_zero_1_2_3_learn_and_resume_bit_exact(tmp_path):
         losses = r0[f"z{stage}"]
         assert len(losses) == 10 and losses == r1[f"z{stage}"]  # the logged loss is the mean over ranks
         assert losses[-1] < 0.7 * losses[0], (stage, losses)
-    # ZeRO stages agree on the same data (fp32; DESIGN §6 saw ~1e-6)
+    # ZeRO stages agree on the same data (fp32; docs/design.md §6 saw ~1e-6)
     assert max(abs(a - b) for a, b in zip(r0["z1"], r0["z3"])) < 1e-4
     for stage in (1, 3):
         r = r0[f"resume{stage}"]

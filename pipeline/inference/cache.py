@@ -1,4 +1,4 @@
-"""Recursion-wise KV cache (DESIGN §2): one key/value cache per (loop i, layer j).
+"""Recursion-wise KV cache (docs/design.md §2): one key/value cache per (loop i, layer j).
 
 Two exact layouts, one class:
 

@@ -25,7 +25,7 @@ def _load_tokenizer():
     except Exception as e:  # noqa: BLE001 - any failure to find the BPE files is a usage problem here
         raise click.ClickException(
             f"GPT-2 tokenizer unavailable ({type(e).__name__}: {e}). Point TIKTOKEN_CACHE_DIR at the BPE files "
-            "(DESIGN §4) or run `tlf prep-data` once to set them up.") from None
+            "(docs/design.md §4) or run `tlf prep-data` once to set them up.") from None
 
 
 class _Stream:

@@ -1,4 +1,4 @@
-"""Prefill and early-exit decode with the recursion-wise KV cache (DESIGN §2, paper §3.3 and appendix).
+"""Prefill and early-exit decode with the recursion-wise KV cache (docs/design.md §2, paper §3.3 and appendix).
 
     prefill(prompts)   the prompts (right-padded, pads get depth 0 so they are never active) go through
                        the model's own gather-scatter loops (`LoopedLM.run_loops` with cache hooks) in one

@@ -1,4 +1,4 @@
-"""LoopedLM: one module for every variant of DESIGN §1 (flags in ModelConfig select the variant).
+"""LoopedLM: one module for every variant of docs/design.md §1 (flags in ModelConfig select the variant).
 
     h0 = E_tok + E_pos                                  # (B, T, d), positions added once
     depth m = router(h0) clipped at M (or M for all)    # (B, T)
@@ -83,7 +83,7 @@ class LoopedLM(nn.Module):
             self.phi_t = FourierEmbedding(d, cfg.fourier_dim, cfg.fourier_max_period)
         if cfg.conditioning == "time_step":
             self.phi_dt = FourierEmbedding(d, cfg.fourier_dim, cfg.fourier_max_period)
-        self.router = Router(d, cfg.router_hidden or max(d // 4, 1), cfg.loops, cfg.router_recipe, cfg.target_depth,
+        self.router = Router(d, cfg.router_hidden or max(d // 4, 1), cfg.loops, cfg.router_recipe, cfg.router_target_depth,
                              cfg.router_init_std, cfg.router_balance_weight, cfg.router_entropy_weight) \
             if cfg.router else None
         self.norm_f = RMSNorm(d, cfg.norm_eps, affine=True)

@@ -89,7 +89,8 @@ class Router(nn.Module):
         self.balance_weight = balance_weight
         self.entropy_weight = entropy_weight
         if recipe == "budget":
-            self.register_buffer("prior", depth_prior(max_loops, target_depth).float(), persistent=False)
+            target = target_depth or (max_loops + 1) / 2  # 0: the middle of 1..L
+            self.register_buffer("prior", depth_prior(max_loops, target).float(), persistent=False)
 
     def reset_parameters(self) -> None:
         """The budget recipe's defined init (module doc); the paper recipe keeps the model's default init."""

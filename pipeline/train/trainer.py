@@ -72,7 +72,7 @@ class StepMeter:
     """One optimizer step's losses, non-finite flags and router statistics, accumulated on the device; `read`
     sums them over ranks in one all-reduce and reads them with the step's one host sync."""
 
-    PARTS = ("loss_L", "loss_S", "loss_align")
+    PARTS = ("loss_L", "loss_S", "loss_align", "loss_router")
 
     def __init__(self, accum: int, device):
         self.device, self.n = device, 0
@@ -109,7 +109,8 @@ class StepMeter:
         v = vec.tolist()  # the optimizer step's one device -> host sync
         a = len(self.bad)
         n = max(self.n, 1)
-        losses, bad, rest = v[:4], v[4:4 + a], v[4 + a:]
+        p = 1 + len(self.PARTS)
+        losses, bad, rest = v[:p], v[p:p + a], v[p + a:]
         out = {"loss": losses[0] / ws / n, **{p: x / ws / n for p, x in zip(self.PARTS, losses[1:])},
                "bad_micro_batch": next((k + 1 for k, b in enumerate(bad) if b > 0), 0), "signal": rest[0] > 0}
         rest = rest[1:]
@@ -273,6 +274,8 @@ def run(cfg: Config) -> TrainResult:
                 metrics["loss_L"] = r["loss_L"]
                 if cfg.model.shortcut:
                     metrics.update(loss_S=r["loss_S"], loss_align=r["loss_align"])
+                if cfg.model.router and cfg.model.router_recipe != "paper":
+                    metrics["loss_router"] = r["loss_router"]
                 if gn is not None:
                     metrics["grad_norm"] = gn
                 sm = r["router"]
