@@ -13,7 +13,7 @@ hidden temp dir (removed by the next save) and the previous checkpoint stays the
 save, the free space is checked against the size of the previous checkpoint (or an estimate from the parameter
 count); too little is an error before anything is written. Old checkpoints beyond `checkpoint.keep_last` are
 renamed to `.trash-*` and then removed. DeepSpeed's `client_state` comes back from rank 0's file only under
-ZeRO 0-2 (DESIGN §6), which is why each rank's own state lives in its own file.
+ZeRO 0-2 (docs/design.md §6), which is why each rank's own state lives in its own file.
 """
 from __future__ import annotations
 
