@@ -24,4 +24,4 @@ def test_depth_summary_reports_the_largest_budget_and_its_loop_work(tmp_path):
 
 def test_demo_router_overrides_are_valid_config():
     cfg = load_config("small/t-loopformer", VARIANT_OVERRIDES["t-loopformer"])
-    assert cfg.model.router_recipe == "budget" and 1 < cfg.model.target_depth < cfg.model.loops
+    assert cfg.model.router_recipe == "budget" and 1 < cfg.model.router_target_depth < cfg.model.loops
