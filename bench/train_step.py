@@ -46,8 +46,7 @@ def _worker(spec: dict, conn) -> None:
     import torch
 
     from pipeline.config import load_config
-    from pipeline.hostsync import count_host_reads
-    from pipeline.memory import SavedTensors, region_peak_mib, region_start, tensor_peak_mib
+    from pipeline.memory import region_peak_mib, region_start, tensor_peak_mib
     from pipeline.model import LoopedLM
     from pipeline.train import ds
     from pipeline.train.compile import apply_compile
@@ -70,7 +69,7 @@ def _worker(spec: dict, conn) -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
     y = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
-    breakdown = _saved_breakdown(model, x, y, cfg.model.loops, SavedTensors, count_host_reads)  # eager, on CPU
+    breakdown = _saved_breakdown(model, x, y, cfg.model.loops)  # eager, on CPU
     if cfg.train.compile:
         apply_compile(model)
     opt, sched = ds.build_optimizer(cfg, model)
@@ -132,9 +131,14 @@ def _persistent_tensors(engine):
     return out
 
 
-def _saved_breakdown(model, x, y, L: int, SavedTensors, count_host_reads) -> dict:
+def _saved_breakdown(model, x, y, L: int) -> dict:
     """One forward of the objective: bytes kept for backward per loop application and per token, the rest
     (embedding + router, LM heads + losses), and the host reads the model made."""
+    import torch
+
+    from pipeline.hostsync import count_host_reads
+    from pipeline.memory import SavedTensors
+
     acc, calls, tokens = SavedTensors(), [0], {}
 
     def loop_start(mod, args):  # layer 0 starts every loop application
@@ -148,7 +152,6 @@ def _saved_breakdown(model, x, y, L: int, SavedTensors, count_host_reads) -> dic
 
     hooks = [model.layers[0].register_forward_pre_hook(loop_start), model.norm_f.register_forward_pre_hook(head_start)]
     acc.label = "embed+router"
-    import torch
     torch.manual_seed(0)
     with acc, count_host_reads() as reads:
         out = model(x, y)

@@ -97,7 +97,7 @@ class Decoder:
         if self.tables is None:
             return [None] * len(self.model.layers)
         if dep is None:
-            ti = table_index(torch.tensor(self.M), i)
+            ti = table_index(self.M, i)
             return [tb[ti].view(1, 1, -1) for tb in self.tables]
         ti = table_index(dep, i)
         return [tb[ti] for tb in self.tables]

@@ -146,7 +146,7 @@ class LoopedLM(nn.Module):
 
     def run_loops(self, h0: torch.Tensor, delta: torch.Tensor, depth: torch.Tensor | None,
                   cont: torch.Tensor | None, tables: list[torch.Tensor] | None = None, hooks=None,
-                  counts: torch.Tensor | None = None) -> torch.Tensor:
+                  counts: np.ndarray | None = None) -> torch.Tensor:
         """Runs M = len(delta) loops from h0 (B, T, d). depth (B, T) in 0..M (0: a token that runs no loop,
         e.g. padding) or None (every token depth M); cont (B, T, L) continue probabilities for the
         straight-through estimator (None: no STE). tables: precomputed `modulation_tables(delta)` (decoding
@@ -165,8 +165,7 @@ class LoopedLM(nn.Module):
             counts = active_counts(depth, M)
         for i in range(1, M + 1):
             if depth is None:  # every token active: no compaction, one table row broadcast
-                row = M * (M - 1) // 2 + i - 1  # table_index(M, i)
-                mods = None if tables is None else [tb[row].view(1, 1, -1) for tb in tables]
+                mods = None if tables is None else [tb[table_index(M, i)].view(1, 1, -1) for tb in tables]
                 n = np.full(B, T, dtype=np.int64)
                 h = self._apply_block(h, mods, None, self._attends(hooks, i, None, n))
                 if hooks is not None:
@@ -238,7 +237,7 @@ class LoopedLM(nn.Module):
         return self.lm_head(hf), hf
 
     def final_states(self, h0: torch.Tensor, r: RouterOutput | None, delta: torch.Tensor,
-                     counts: torch.Tensor | None = None):
+                     counts: np.ndarray | None = None):
         """One pass with schedule delta (budget M = len(delta)) from h0 (B, T, d): returns the final states
         before the norm (B, T, d) and the per-token depth (B, T) int64 in 1..M (all M without a router).
         counts: `active_counts` of a depth map of budget >= M from the same router output (None: read here)."""

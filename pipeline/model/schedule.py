@@ -25,9 +25,10 @@ def sample_shortcut(L: int, generator: torch.Generator | None = None) -> torch.T
     return bounds.diff()
 
 
-def table_index(depth: torch.Tensor, i: int) -> torch.Tensor:
-    """Index of (m, i) in the time table for a depth tensor; rows with m < i are clamped (never used)."""
-    m = depth.clamp(min=i)
+def table_index(depth: torch.Tensor | int, i: int) -> torch.Tensor | int:
+    """Index of (m, i) in the time table for a depth tensor (or one int depth); rows with m < i are clamped
+    (never used)."""
+    m = depth.clamp(min=i) if isinstance(depth, torch.Tensor) else max(depth, i)
     return m * (m - 1) // 2 + (i - 1)
 
 

@@ -68,6 +68,12 @@ class _Signals:
             signal.signal(sig, old)
 
 
+def _sum_over_ranks(t: torch.Tensor) -> list[float]:
+    """All-reduces a small float64 vector and reads it: the host sync of whoever calls it."""
+    torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
 class StepMeter:
     """One optimizer step's losses, non-finite flags and router statistics, accumulated on the device; `read`
     sums them over ranks in one all-reduce and reads them with the step's one host sync."""
@@ -105,12 +111,11 @@ class StepMeter:
         gn = grad_norm.detach().double().reshape(1).to(self.device) if isinstance(grad_norm, torch.Tensor) else None
         keys = list(self.stats)
         vec = torch.cat([self.losses, self.bad, sig] + ([gn] if gn is not None else []) + [self.stats[k] for k in keys])
-        torch.distributed.all_reduce(vec)
-        v = vec.tolist()  # the optimizer step's one device -> host sync
+        v = _sum_over_ranks(vec)  # the optimizer step's one device -> host sync
         a = len(self.bad)
         n = max(self.n, 1)
-        p = 1 + len(self.PARTS)
-        losses, bad, rest = v[:p], v[p:p + a], v[p + a:]
+        n_loss = 1 + len(self.PARTS)
+        losses, bad, rest = v[:n_loss], v[n_loss:n_loss + a], v[n_loss + a:]
         out = {"loss": losses[0] / ws / n, **{p: x / ws / n for p, x in zip(self.PARTS, losses[1:])},
                "bad_micro_batch": next((k + 1 for k, b in enumerate(bad) if b > 0), 0), "signal": rest[0] > 0}
         rest = rest[1:]
@@ -140,9 +145,7 @@ def evaluate(engine, loaders, n_batches: int, device) -> dict[str, float]:
             for x, y in loader.batches(n_batches):
                 tot += engine(x.to(device), y.to(device)).loss.detach().double()
                 cnt += 1
-            t = torch.stack([tot, torch.tensor(float(cnt), dtype=torch.float64, device=device)])
-            torch.distributed.all_reduce(t)
-            s, c = t.tolist()  # one read per validation set
+            s, c = _sum_over_ranks(torch.stack([tot, torch.tensor(float(cnt), dtype=torch.float64, device=device)]))
             out[name] = s / c
     engine.train()
     return out
@@ -233,9 +236,7 @@ def run(cfg: Config) -> TrainResult:
                     out = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
                     loss = out.loss
                     if cfg.train.nan_policy == "skip":  # decided before the backward: one read per micro-batch
-                        flag = (~torch.isfinite(loss.detach())).double().reshape(1)
-                        torch.distributed.all_reduce(flag)
-                        if flag.item() > 0:
+                        if _sum_over_ranks((~torch.isfinite(loss.detach())).double().reshape(1))[0] > 0:
                             msg = f"non-finite loss at step {step + 1} (micro-batch {done + 1}/{accum})"
                             consecutive_bad += 1
                             res.skipped += 1
