@@ -36,9 +36,10 @@ TINY = ["model.vocab_size=512", "model.block_size=32", "model.d_model=32", "mode
 
 # KILL_IN_SAVE=N: SIGKILL itself inside the save of step N, after DeepSpeed's files and the rank state, before
 # the export (N = max_steps: the final export). KILL_AT_MICRO=k: SIGKILL itself when the loader hands out
-# micro-batch k (during step k+1 at batch 2). Prints the losses and the step it started from.
+# micro-batch k (during step k+1 at batch 2). Prints the losses, the steps it started from and ended at, and the
+# process's thread count and deterministic-algorithms flag (before and after the run). The tests use it too.
 CHILD = """
-import json, os, signal, sys
+import json, os, signal, sys, torch
 from pipeline.config import load_config
 from pipeline.train import checkpoint
 from pipeline.train.trainer import run
@@ -57,8 +58,11 @@ def export(engine, model, cfg, directory, rank):
         os.kill(os.getpid(), signal.SIGKILL)
     return real(engine, model, cfg, directory, rank)
 checkpoint.export_model = export
+before = torch.get_num_threads()
 res = run(load_config("tiny/t-loopformer", sys.argv[1:]))
-print(json.dumps({"losses": [float(x) for x in res.losses], "start": res.start_step, "step": res.step}))
+print(json.dumps({"losses": [float(x) for x in res.losses], "start": res.start_step, "step": res.step,
+                  "threads_before": before, "threads": torch.get_num_threads(),
+                  "det": torch.are_deterministic_algorithms_enabled()}))
 """
 
 

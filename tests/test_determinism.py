@@ -10,27 +10,8 @@ import subprocess
 import pytest
 import torch
 
+from bench.faults import CHILD  # run() in a child that SIGKILLs itself at KILL_AT_MICRO; prints losses
 from test_train import PY, REPO, TINY, clean_env, make_shards
-
-# Runs `tlf train`'s run() with the given overrides; SIGKILLs itself when the loader hands out global micro-batch
-# KILL_AT_MICRO; prints the losses and what the process looked like.
-SCRIPT = """
-import json, os, signal, sys, torch
-from pipeline.config import load_config
-from pipeline.train.data import TrainLoader
-from pipeline.train.trainer import run
-kill_at = int(os.environ.get("KILL_AT_MICRO", "-1"))
-orig = TrainLoader.next
-def nxt(self):
-    if self.micro == kill_at:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return orig(self)
-TrainLoader.next = nxt
-before = torch.get_num_threads()
-res = run(load_config("tiny/t-loopformer", sys.argv[1:]))
-print(json.dumps({"losses": [float(x) for x in res.losses], "start": res.start_step, "threads_before": before,
-                  "threads": torch.get_num_threads(), "det": torch.are_deterministic_algorithms_enabled()}))
-"""
 
 
 def default_threads_env(**extra) -> dict:
@@ -41,7 +22,7 @@ def default_threads_env(**extra) -> dict:
 
 
 def train(args: list[str], **extra) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-c", SCRIPT, *args], capture_output=True, text=True, timeout=300, cwd=REPO,
+    return subprocess.run([PY, "-c", CHILD, *args], capture_output=True, text=True, timeout=300, cwd=REPO,
                           env=default_threads_env(**extra))
 
 

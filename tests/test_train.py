@@ -327,19 +327,6 @@ def test_full_disk_during_save_leaves_previous_checkpoint(tmp_path, data, monkey
     assert sorted(p.name for p in root.iterdir()) == ["global_step2", "global_step3", "latest"]
 
 
-KILL_SCRIPT = """
-import os, signal, sys
-from pipeline.config import load_config
-from pipeline.train import checkpoint
-from pipeline.train.trainer import run
-real = checkpoint.export_model
-def export(engine, model, cfg, directory, rank):
-    if "global_step4" in str(directory):  # DeepSpeed's files and the rank state are written: die mid-save
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(engine, model, cfg, directory, rank)
-checkpoint.export_model = export
-run(load_config("tiny/t-loopformer", sys.argv[1:]))
-"""
 
 
 def test_killed_save_leaves_a_loadable_checkpoint(tmp_path, data):
@@ -348,7 +335,9 @@ def test_killed_save_leaves_a_loadable_checkpoint(tmp_path, data):
 
     root = tmp_path / "ck"
     args = TINY + [f"data.dir={data}", f"checkpoint.dir={root}", "checkpoint.interval=2"]
-    p = subprocess.run([PY, "-c", KILL_SCRIPT, *args], capture_output=True, text=True, timeout=300, env=clean_env())
+    from bench.faults import CHILD  # dies inside the save of step 4: DeepSpeed's files and the rank state written
+    p = subprocess.run([PY, "-c", CHILD, *args], capture_output=True, text=True, timeout=300,
+                       env=clean_env(KILL_IN_SAVE="4"))
     assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
     assert (root / "latest").read_text() == "global_step2"
     assert sorted(x.name for x in root.iterdir()) == [".tmp-global_step4", "global_step2", "latest"]
