@@ -56,7 +56,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (gidx,) = ctx.saved_tensors
-        return g.new_zeros(ctx.shape).scatter(1, gidx, g), None
+        return g.new_zeros(ctx.shape).scatter_(1, gidx, g), None  # (B, T, d), filled in place
 
 
 @dataclass
