@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from pipeline.config import ConfigError
+from data_prep.configlib import ConfigError
 
 
 def _fail(e: Exception) -> None:

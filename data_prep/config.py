@@ -11,8 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-
-from pipeline.config import ConfigError, _set, apply_overrides, f, read_yaml_mapping
+from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_mapping, set_key
 
 SOURCES = ("files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext")
 # Named Hugging Face sources: (dataset, default config, split)
@@ -130,10 +129,10 @@ def load_prep_config(yaml_file: str | None = None, values: dict | None = None,
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: 'prep' must be a mapping of prep-data options")
         for k, v in data.items():
-            _set(cfg, str(k), v, str(path))
+            set_key(cfg, str(k), v, str(path))
     for k, v in (values or {}).items():
         if v is not None:
-            _set(cfg, k, v, f"option --{k.replace('_', '-')}")
+            set_key(cfg, k, v, f"option --{k.replace('_', '-')}")
     apply_overrides(cfg, list(overrides), validate=False)
     cfg.validate()
     return cfg

@@ -13,12 +13,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
+
+# The generic machinery lives in data_prep.configlib (the lowest layer; PrepConfig uses it too); its names
+# stay importable from here.
+from data_prep.configlib import (ConfigError, apply_overrides, f, parse_override, read_yaml_chain,  # noqa: F401
+                                 read_yaml_mapping, set_key)
+from data_prep.configlib import field_docs as _field_docs
 
 def _config_dir() -> Path:
     if os.environ.get("TLF_CONFIG_DIR"):
@@ -34,17 +39,6 @@ CONFIG_DIR = _config_dir()
 SCALES = ("tiny", "small", "paper")
 VARIANTS = ("base", "base-loop", "tmlt", "naive-loop-ee", "base-loop-ee-align", "tmlt-ee", "loopformer",
             "t-loopformer")
-
-
-class ConfigError(ValueError):
-    """A config problem, with the key and the source (file or command line) in its message."""
-
-
-def f(default: Any, doc: str, **kw):
-    """A dataclass field with a one-line doc (shown by `tlf config show --doc` and in the README)."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc}, **kw)
-    return field(default=default, metadata={"doc": doc}, **kw)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,105 +250,6 @@ class Config:
 # --------------------------------------------------------------------------------------------------
 # Loading, merging, checking
 # --------------------------------------------------------------------------------------------------
-def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
-    """Checks value against a field type; returns (ok, converted value)."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return value in typing.get_args(tp), value
-    if origin is typing.Union:
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return True, None
-        for a in args:
-            if a is not type(None):
-                ok, v = _type_ok(value, a)
-                if ok:
-                    return True, v
-        return False, value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True, float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "6e-4" as a string
-            try:
-                return True, float(value)
-            except ValueError:
-                return False, value
-        return False, value
-    if tp is str:
-        return isinstance(value, str), value
-    if tp is list or origin is list:
-        return isinstance(value, list), list(value) if isinstance(value, list) else value
-    return True, value
-
-
-def _describe(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    return getattr(tp, "__name__", str(tp))
-
-
-def _set(obj: Any, key: str, value: Any, source: str, prefix: str = "") -> None:
-    """Sets obj.<key> (dotted) with type checks; unknown keys are errors."""
-    head, _, rest = key.partition(".")
-    names = {fl.name: fl for fl in fields(obj)}
-    full = f"{prefix}{head}"
-    if head not in names:
-        close = difflib.get_close_matches(head, list(names), n=1)
-        hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-        raise ConfigError(f"{source}: unknown config key '{full}'{hint}")
-    hints = typing.get_type_hints(type(obj))
-    tp = hints[head]
-    cur = getattr(obj, head)
-    if dataclasses.is_dataclass(cur):
-        if rest:
-            _set(cur, rest, value, source, f"{full}.")
-            return
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: '{full}' is a section; give a mapping, got {value!r}")
-        for k, v in value.items():
-            _set(cur, str(k), v, source, f"{full}.")
-        return
-    if rest:
-        raise ConfigError(f"{source}: '{full}' is not a section, so '{prefix}{key}' does not exist")
-    ok, v = _type_ok(value, tp)
-    if not ok:
-        raise ConfigError(f"{source}: '{full}' expects {_describe(tp)}, got {value!r}")
-    setattr(obj, head, v)
-
-
-def read_yaml_mapping(path: Path, what: str = "sections") -> dict:
-    """A YAML file whose top level is a mapping; a missing file, bad YAML or another shape is a ConfigError."""
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping of {what}")
-    return data
-
-
-def _read_yaml(path: Path, seen: tuple = ()) -> list[tuple[str, dict]]:
-    """Returns [(source, mapping), ...] in merge order, following `inherit:`."""
-    path = path.resolve()
-    if path in seen:
-        raise ConfigError(f"{path}: inherit cycle ({' -> '.join(str(p) for p in seen)})")
-    data = read_yaml_mapping(path)
-    parents = data.pop("inherit", []) or []
-    if isinstance(parents, str):
-        parents = [parents]
-    out: list[tuple[str, dict]] = []
-    for p in parents:
-        out += _read_yaml(path.parent / p, seen + (path,))
-    out.append((str(path), data))
-    return out
-
-
 def resolve_path(name: str) -> Path:
     """A preset name (tiny/t-loopformer) or a YAML path."""
     p = Path(name)
@@ -368,35 +263,14 @@ def resolve_path(name: str) -> Path:
     raise ConfigError(f"unknown config {name!r}: neither a YAML file nor a preset{hint}")
 
 
-def parse_override(item: str) -> tuple[str, Any]:
-    if "=" not in item:
-        raise ConfigError(f"command line: override {item!r} must look like section.key=value")
-    key, _, raw = item.partition("=")
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip(), value
-
-
-def apply_overrides(cfg: Config, overrides: list[str] | tuple, validate: bool = True) -> Config:
-    """Applies `section.key=value` strings in place (type-checked), then validates."""
-    for item in overrides:
-        k, v = parse_override(item)
-        _set(cfg, k, v, f"command line ({item})")
-    if validate:
-        cfg.validate()
-    return cfg
-
-
 def load_config(name: Optional[str] = None, overrides: list[str] | tuple = ()) -> Config:
     """Loads a preset or YAML file (or the defaults when name is None), applies overrides, validates."""
     cfg = Config()
     if name:
         path = resolve_path(name)
-        for source, data in _read_yaml(path):
+        for source, data in read_yaml_chain(path):
             for k, v in data.items():
-                _set(cfg, str(k), v, source)
+                set_key(cfg, str(k), v, source)
         if not cfg.name:
             cfg.name = name if not Path(name).suffix else path.stem
     apply_overrides(cfg, overrides, validate=False)
@@ -411,7 +285,7 @@ def load_config(name: Optional[str] = None, overrides: list[str] | tuple = ()) -
 def config_from_dict(d: dict, source: str = "checkpoint") -> Config:
     cfg = Config()
     for k, v in d.items():
-        _set(cfg, k, v, source)
+        set_key(cfg, k, v, source)
     cfg.validate()
     return cfg
 
@@ -421,18 +295,9 @@ def list_presets() -> list[str]:
                   if p.parent.name in SCALES)
 
 
-def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+def field_docs(cls: type = Config) -> list[tuple[str, str, Any, str]]:
     """[(dotted key, type, default, doc)] for every field, for `tlf config show --doc` and the README."""
-    rows = []
-    hints = typing.get_type_hints(cls)
-    for fl in fields(cls):
-        tp = hints[fl.name]
-        if dataclasses.is_dataclass(tp):
-            rows += field_docs(tp, f"{prefix}{fl.name}.")
-            continue
-        default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
-        rows.append((f"{prefix}{fl.name}", _describe(tp), default, fl.metadata.get("doc", "")))
-    return rows
+    return _field_docs(cls)
 
 
 def to_yaml(cfg: Config) -> str:
