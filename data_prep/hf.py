@@ -1,4 +1,5 @@
-"""Hugging Face Hub datasets in streaming mode (FineWeb-Edu, OpenWebText, any dataset id).
+"""Hugging Face Hub datasets in streaming mode (FineWeb-Edu, OpenWebText, any dataset id), and the one Hub probe
+(`hub_problem`, also used by evaluation's task loader).
 
 Before streaming, the Hub is probed with a hard deadline (cfg.hf_timeout seconds, in a daemon thread so
 not even a stuck DNS lookup can hang us); offline mode (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) fails at
@@ -8,7 +9,9 @@ streaming iterator's own `state_dict()` (taken at each task start) plus a record
 from __future__ import annotations
 
 import os
+import socket
 import threading
+from urllib.parse import urlparse
 
 from data_prep.sources import Task
 from data_prep.worker import PrepInputError
@@ -22,8 +25,43 @@ class HubUnreachable(PrepInputError):
     """The Hub (or the dataset) cannot be reached; the message says how to use local files instead."""
 
 
-def _truthy(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def offline_var() -> str | None:
+    """The offline-mode variable that is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), or None."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return var
+    return None
+
+
+def hub_problem(timeout: float, dataset: str = "") -> str | None:
+    """None when the Hub answers within about `timeout` s (for `dataset`: its dataset info; else a TCP connect to
+    the endpoint), otherwise why not. Offline mode answers at once; the question runs in a daemon thread so not
+    even a stuck DNS lookup can hang the caller."""
+    var = offline_var()
+    if var:
+        return f"{var} is set (offline mode)"
+    result: dict = {}
+
+    def ask():
+        try:
+            if dataset:
+                from huggingface_hub import HfApi
+                HfApi().dataset_info(dataset, timeout=timeout)
+            else:
+                from huggingface_hub import constants
+                u = urlparse(constants.ENDPOINT)
+                port = u.port or (443 if u.scheme == "https" else 80)
+                socket.create_connection((u.hostname or "", port), timeout=timeout).close()
+            result["ok"] = True
+        except Exception as e:  # any failure: network, 404, auth
+            result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+    t = threading.Thread(target=ask, daemon=True, name="hf-probe")
+    t.start()
+    t.join(timeout + 1.0)
+    if result.get("ok"):
+        return None
+    return result.get("error") or f"no answer within {timeout:g} s"
 
 
 def _local_hint(dataset: str) -> str:
@@ -35,25 +73,11 @@ def _local_hint(dataset: str) -> str:
 def probe(dataset: str, config: str, timeout: float) -> None:
     """Raises HubUnreachable within about `timeout` seconds unless the Hub answers for dataset."""
     where = f"dataset '{dataset}'" + (f" (config {config})" if config else "")
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        if _truthy(var):
-            raise HubUnreachable(f"cannot stream {where}: {var} is set (offline mode). {_local_hint(dataset)}")
-    result: dict = {}
-
-    def ask():
-        try:
-            from huggingface_hub import HfApi
-            HfApi().dataset_info(dataset, timeout=timeout)
-            result["ok"] = True
-        except Exception as e:  # any failure: network, 404, auth
-            result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-
-    t = threading.Thread(target=ask, daemon=True, name="hf-probe")
-    t.start()
-    t.join(timeout + 1.0)
-    if result.get("ok"):
+    why = hub_problem(timeout, dataset)
+    if why is None:
         return
-    why = result.get("error") or f"no answer within {timeout:g} s"
+    if offline_var():
+        raise HubUnreachable(f"cannot stream {where}: {why}. {_local_hint(dataset)}")
     raise HubUnreachable(f"cannot reach the Hugging Face Hub for {where}: {why}. {_local_hint(dataset)}")
 
 

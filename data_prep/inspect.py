@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.shards import EOT, ShardError, ShardReader
+from data_prep.shards import ShardError, ShardReader
+from data_prep.tokenizer import EOT
 from data_prep.writer import MANIFEST
 
 

@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.config import OUTPUT_KEYS, PrepConfig
-from data_prep.shards import EOT, ShardError, ShardReader, atomic_write_json
+from data_prep.files import write_json
+from data_prep.shards import ShardError, ShardReader
 from data_prep.sources import make_source
-from data_prep.tokenizer import MAX_UINT16_VOCAB, TOKENIZER, get_encoding
+from data_prep.tokenizer import EOT, MAX_UINT16_VOCAB, TOKENIZER, get_encoding
 from data_prep.worker import PrepInputError, init_worker, tokenize_task
 from data_prep.writer import MANIFEST, SplitWriter, manifest, write_tokens
 
@@ -206,7 +207,7 @@ class _Run:
                 partials[s] = {"file": fname, "tokens": int(w.fill), "sha256": sha}
         resume = {"doc": doc, "cursor": cursor, "drop": used, "produced": produced, "counters": counters,
                   "bad_examples": self.bad_examples[:], "partials": partials}
-        atomic_write_json(self.out / MANIFEST, self._manifest(False, resume))
+        write_json(self.out / MANIFEST, self._manifest(False, resume), sort_keys=True)
         self.partials = {s: p["file"] for s, p in partials.items()}
         for s, f in old.items():
             if f not in self.partials.values():
@@ -222,7 +223,7 @@ class _Run:
             return self.manifest
         cfg = self.cfg
         if self.doc == 0 and self.produced == 0:
-            atomic_write_json(self.out / MANIFEST, self._manifest(False, None))
+            write_json(self.out / MANIFEST, self._manifest(False, None), sort_keys=True)
         workers = cfg.resolved_workers()
         pool = make_pool(workers)
         bar = None
@@ -258,7 +259,7 @@ class _Run:
         for w in self.writers.values():
             w.commit()
         m = self._manifest(True, None)
-        atomic_write_json(self.out / MANIFEST, m)
+        write_json(self.out / MANIFEST, m, sort_keys=True)
         for f in self.partials.values():
             (self.out / f).unlink(missing_ok=True)
         if self.counters["skipped_bad"]:

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
+from data_prep.files import atomic_write_bytes
+from data_prep.tokenizer import EOT  # noqa: F401  (the document separator of every shard)
+
 MAGIC = 20240520
 VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-EOT = 50256  # GPT-2 <|endoftext|>, written before every document
 
 
 class ShardError(ValueError):
@@ -25,34 +27,6 @@ class ShardError(ValueError):
 
 def shard_name(name: str, split: str, index: int) -> str:
     return f"{name}_{split}_{index:06d}.bin"
-
-
-def atomic_write_bytes(path: str | os.PathLike, chunks) -> None:
-    """Writes the byte chunks to path via a temp file, fsync and rename (complete or absent)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            for c in chunks:
-                fh.write(c)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    try:  # make the rename itself durable
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
-
-
-def atomic_write_json(path: str | os.PathLike, obj) -> None:
-    atomic_write_bytes(path, [json.dumps(obj, indent=2, sort_keys=True).encode()])
 
 
 def write_shard(path: str | os.PathLike, tokens) -> None:

@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 
-from data_prep.shards import EOT
+from data_prep.tokenizer import EOT
 
 _ENC = None
 

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.shards import EOT, HEADER_INTS, MAGIC, VERSION, atomic_write_bytes, shard_name
+from data_prep.files import atomic_write_bytes
+from data_prep.shards import HEADER_INTS, MAGIC, VERSION, shard_name
+from data_prep.tokenizer import EOT
 
 MANIFEST = "manifest.json"
 FORMAT = "tlf-token-shards"

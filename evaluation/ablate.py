@@ -26,6 +26,7 @@ from evaluation.figures import pyplot, save
 import torch
 
 from pipeline.inference import timing
+from pipeline.device import resolve_device
 from pipeline.memory import region_peak_mib, region_start
 from pipeline.model.io import find_export, load_model
 
@@ -40,7 +41,7 @@ def _median_time(fn, repeats: int) -> float:
 
 def _step_memory_worker(export: str, gather_scatter: bool, batch: int, seq: int, q) -> None:
     torch.manual_seed(0)
-    model, cfg = load_model(export, "cuda" if torch.cuda.is_available() else "cpu")
+    model, cfg = load_model(export, resolve_device("auto"))
     model.cfg.gather_scatter = gather_scatter
     model.train()
     dev = model.wte.weight.device

@@ -10,9 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-
 from pipeline.config import Config, ConfigError, load_config
+from pipeline.device import resolve_device
 from pipeline.model.io import find_export, load_model
 
 from evaluation import report
@@ -68,10 +67,10 @@ def check_config(cfg: Config, expected: str | None) -> None:
 
 
 def pick_device(cfg: Config, device: str | None) -> str:
-    d = device or cfg.train.device
-    if d == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return d
+    """--device if given, else train.device (pipeline.device.resolve_device)."""
+    if device:
+        return resolve_device(device, "--device", indexed=True)
+    return resolve_device(cfg.train.device, "train.device")
 
 
 def ppl_dirs(cfg: Config) -> list[str]:

@@ -17,8 +17,9 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from evaluation.scorer import Scorer, encode_pair
 from data_prep.tokenizer import EOT, decode, encode
+from evaluation.scorer import Scorer, encode_pair
+from pipeline.device import resolve_device
 
 
 @register_model("tlf")
@@ -31,11 +32,11 @@ class TLFLM(LM):
                 raise ValueError("tlf: give model_args checkpoint=PATH (an export, checkpoint or run dir)")
             from pipeline.model.io import load_model
             model, _cfg = load_model(checkpoint, "cpu")
-        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if str(dev).startswith("cuda") and not torch.cuda.is_available():  # lm_eval's CLI default is cuda
+        if str(device or "").startswith("cuda") and not torch.cuda.is_available():  # lm_eval's CLI default is cuda
             import warnings
-            warnings.warn(f"tlf: device {dev!r} requested but CUDA is not available; using cpu")
-            dev = "cpu"
+            warnings.warn(f"tlf: device {device!r} requested but CUDA is not available; using cpu")
+            device = "cpu"
+        dev = resolve_device(device, "device", indexed=True)
         self.model = model.to(dev).eval()
         L = self.model.cfg.loops
         self.loops = int(loops) if loops not in (None, "") else L

@@ -19,15 +19,12 @@ import ast
 import glob
 import gzip
 import json
-import os
 import re
-import socket
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
-from urllib.parse import urlparse
 
+from data_prep.hf import hub_problem as _hub_problem, offline_var
 from evaluation import assets
 
 
@@ -299,31 +296,14 @@ _PROBE: dict[str, str | None] = {}
 
 
 def hub_problem(timeout: float = 3.0) -> str | None:
-    """None when the hub answers a TCP connect within `timeout` s, else why not (cached per process).
-    Runs in a thread so a hanging DNS lookup cannot block us."""
-    if any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
-           for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
-        return "HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set"
+    """None when the hub endpoint answers a TCP connect within `timeout` s, else why not (data_prep.hf's probe,
+    cached per process, endpoint and offline setting)."""
     from huggingface_hub import constants
-    endpoint = constants.ENDPOINT
-    if endpoint in _PROBE:
-        return _PROBE[endpoint]
-    u = urlparse(endpoint)
-    host, port = u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
-    result: list[str | None] = ["timed out after %.0f s" % timeout]
-
-    def probe():
-        try:
-            with socket.create_connection((host, port), timeout=timeout):
-                result[0] = None
-        except OSError as e:
-            result[0] = f"{type(e).__name__}: {e}"
-
-    th = threading.Thread(target=probe, daemon=True)
-    th.start()
-    th.join(timeout + 0.5)
-    _PROBE[endpoint] = None if result[0] is None else f"hub endpoint {endpoint} unreachable ({result[0]})"
-    return _PROBE[endpoint]
+    key = f"{constants.ENDPOINT} {offline_var()}"
+    if key not in _PROBE:
+        why = _hub_problem(timeout)
+        _PROBE[key] = why if why is None or offline_var() else f"hub endpoint {constants.ENDPOINT} unreachable ({why})"
+    return _PROBE[key]
 
 
 def load_from_hub(sp: TaskSpec, limit: int = 0) -> TaskData:

@@ -83,17 +83,8 @@ _register_plugins()
 def entry() -> None:
     """Console-script entry: drops the `--local_rank=N` the DeepSpeed launcher appends to every rank's
     argv (the rank is also in $LOCAL_RANK), so `deepspeed $(which tlf) train ...` works as is."""
-    argv, skip = [], False
-    for a in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif a.startswith("--local_rank=") or a.startswith("--local-rank="):
-            continue
-        elif a in ("--local_rank", "--local-rank"):
-            skip = True
-        else:
-            argv.append(a)
-    main(args=argv, prog_name="tlf")
+    from pipeline.train.ds import strip_local_rank
+    main(args=strip_local_rank(sys.argv[1:]), prog_name="tlf")
 
 
 if __name__ == "__main__":

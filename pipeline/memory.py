@@ -1,6 +1,7 @@
-"""Peak memory of a region of code: CUDA max allocated on GPU; on CPU the process's peak resident set
-(VmHWM), which Linux lets a process reset (`/proc/self/clear_refs` <- 5), so a region's own peak is
-measured even after a larger start-up (imports, loading weights).
+"""Every memory reading of tlf: the trainer's per-step metrics (`memory_metrics`) and the peak of a region of
+code: CUDA max allocated on GPU; on CPU the process's peak resident set (VmHWM), which Linux lets a process
+reset (`/proc/self/clear_refs` <- 5), so a region's own peak is measured even after a larger start-up
+(imports, loading weights).
 
     base = region_start(dev)
     ...                                  # the work to measure
@@ -24,6 +25,27 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
+def rss_mib() -> float:
+    """The process's resident set now (MiB; its peak so far where /proc is missing)."""
+    rss = _status_kib("VmRSS")
+    return (rss if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024.0
+
+
+def peak_rss_mib() -> float:
+    """The process's peak resident set (MiB) since it started or since the last region_start."""
+    hwm = _status_kib("VmHWM")
+    return (hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024.0
+
+
+def memory_metrics(device: str) -> dict:
+    """The trainer's memory metrics: CUDA max allocated/reserved (GB) on GPU; resident and peak resident set
+    (GB) on CPU."""
+    if device == "cuda":
+        return {"mem/cuda_max_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+                "mem/cuda_max_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
+    return {"mem/peak_rss_gb": peak_rss_mib() / 1024.0, "mem/rss_gb": rss_mib() / 1024.0}
+
+
 def region_start(device: torch.device | str = "cpu") -> float:
     """Resets the peak counter; returns the memory in use now (MiB) as the region's base."""
     dev = torch.device(device)
@@ -36,8 +58,7 @@ def region_start(device: torch.device | str = "cpu") -> float:
             fh.write("5")  # reset VmHWM to the current RSS
     except OSError:
         pass
-    rss = _status_kib("VmRSS")
-    return (rss if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024.0
+    return rss_mib()
 
 
 def region_peak_mib(device: torch.device | str, base: float) -> float:
@@ -46,9 +67,7 @@ def region_peak_mib(device: torch.device | str, base: float) -> float:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         return torch.cuda.max_memory_allocated(dev) / 2**20 - base
-    hwm = _status_kib("VmHWM")
-    peak = (hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024.0
-    return peak - base
+    return peak_rss_mib() - base
 
 
 class SavedTensors:

@@ -5,11 +5,11 @@ import codecs
 import sys
 
 import click
-import torch
 
+from data_prep.tokenizer import EOT
+from pipeline.config import ConfigError
+from pipeline.device import resolve_device
 from pipeline.inference.generate import generate as generate_tokens
-
-EOT = 50256
 
 
 def get_tokenizer():
@@ -44,12 +44,6 @@ class _Stream:
         sys.stdout.flush()
 
 
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 @click.command("generate")
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--prompt", "-p", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
@@ -67,8 +61,12 @@ def generate(checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loo
              stop, device):
     """Generate text from CHECKPOINT (an export dir, a checkpoint dir with model/, or a run dir)."""
     from pipeline.model.io import load_model
+    try:
+        dev = resolve_device(device, "--device", indexed=True)
+    except ConfigError as e:
+        raise click.BadParameter(str(e)) from None
     enc = _load_tokenizer()
-    model, _ = load_model(checkpoint, _resolve_device(device))
+    model, _ = load_model(checkpoint, dev)
     ids = [enc.encode_ordinary(p) or [EOT] for p in prompts]  # an empty prompt starts from <|endoftext|>
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
               loops=loops, threshold=threshold, stop_token=EOT if stop else None, vocab_limit=enc.n_vocab)

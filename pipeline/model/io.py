@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from data_prep.shards import atomic_write_bytes
+from data_prep.files import atomic_write_bytes
 from pipeline.config import Config, ConfigError, apply_overrides, config_from_dict, to_yaml
 from pipeline.model.looped import LoopedLM
 

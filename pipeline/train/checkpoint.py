@@ -18,7 +18,6 @@ ZeRO 0-2 (docs/design.md §6), which is why each rank's own state lives in its o
 from __future__ import annotations
 
 import io
-import json
 import os
 import random
 import re
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_prep.shards import atomic_write_bytes
+from data_prep.files import atomic_write_bytes, write_json
 from pipeline.config import Config
 
 STEP_DIR = re.compile(r"^global_step(\d+)$")
@@ -135,7 +134,7 @@ def write_run_record(directory: Path, cfg: Config, run_id: str | None, step: int
     from pipeline.tracking import tracking_uri
 
     rec = {"mlflow_run_id": run_id, "tracking_uri": tracking_uri(cfg.logging.tracking_uri), "step": int(step)}
-    atomic_write_bytes(directory / RUN_RECORD, [json.dumps(rec, indent=1).encode()])
+    write_json(directory / RUN_RECORD, rec, indent=1)
 
 
 def export_model(engine, model, cfg: Config, directory: Path, rank: int) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import Config, ConfigError
+from pipeline.device import resolve_device as _resolve_device
 
 BATCH_KEYS = {"train_batch_size": "global_batch_size", "train_micro_batch_size_per_gpu": "micro_batch_size",
               "gradient_accumulation_steps": "grad_accum_steps"}
@@ -31,14 +32,8 @@ def ds_config_dir() -> Path:
 
 
 def resolve_device(cfg: Config) -> str:
-    dev = cfg.train.device
-    if dev == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if dev not in ("cpu", "cuda"):
-        raise ConfigError(f"train.device must be auto, cpu or cuda, got {dev!r}")
-    if dev == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but torch sees no CUDA device")
-    return dev
+    """'cpu' or 'cuda' for train.device (pipeline.device.resolve_device)."""
+    return _resolve_device(cfg.train.device, "train.device")
 
 
 def resolve_precision(cfg: Config, device: str) -> str:
@@ -114,6 +109,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def strip_local_rank(argv: list[str]) -> list[str]:
+    """argv without the `--local_rank=N` / `--local_rank N` (or --local-rank) the DeepSpeed launcher appends to
+    every rank's command; N goes to $LOCAL_RANK unless the launcher set it already."""
+    out, it = [], iter(argv)
+    for a in it:
+        name, eq, val = a.partition("=")
+        if name in ("--local_rank", "--local-rank"):
+            os.environ.setdefault("LOCAL_RANK", val if eq else next(it, "0"))
+        else:
+            out.append(a)
+    return out
 
 
 def init_distributed(device: str) -> tuple[int, int, int]:

@@ -8,11 +8,11 @@ and metrics are buffered and sent with `log_batch` (at most 1000 per call).
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 from pipeline import tracking
+from pipeline.memory import memory_metrics  # noqa: F401  (re-exported for the trainer; pipeline.memory reads memory)
 
 
 class RunLogger:
@@ -100,21 +100,3 @@ def fmt_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}"
-
-
-def memory_metrics(device: str) -> dict:
-    """CUDA max allocated/reserved (GB) on GPU; process RSS and peak RSS (GB) on CPU."""
-    if device == "cuda":
-        import torch
-
-        return {"mem/cuda_max_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
-                "mem/cuda_max_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
-    import resource
-
-    out = {"mem/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    try:
-        with open("/proc/self/statm") as fh:
-            out["mem/rss_gb"] = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-    except OSError:
-        pass
-    return out

@@ -1,0 +1,47 @@
+"""Files written whole or not at all: `atomic_write_bytes` (temp name, fsync, rename) and the one JSON writer,
+`write_json`, used by every layer (shards, manifests, checkpoints, exports, evaluation and benchmark results).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def atomic_write_bytes(path: str | os.PathLike, chunks) -> None:
+    """Writes the byte chunks to path via a temp file, fsync and rename (complete or absent)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            for c in chunks:
+                fh.write(c)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    try:  # make the rename itself durable
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def _plain(o):
+    """numpy / torch scalars as numbers; anything else JSON cannot hold as its str()."""
+    if hasattr(o, "item"):
+        return o.item()
+    return str(o)
+
+
+def write_json(path: str | os.PathLike, obj, indent: int = 2, sort_keys: bool = False) -> Path:
+    """Writes obj as JSON atomically, creating the directory; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, [json.dumps(obj, indent=indent, sort_keys=sort_keys, default=_plain).encode()])
+    return path
