@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,9 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.interleave import write_json  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.inference import timing  # noqa: E402
-from pipeline.model import LoopedLM  # noqa: E402
+from pipeline.model import LoopedLM, spread_router  # noqa: E402
 
 VARIANTS = ("tlf", "nocache", "fulldepth", "loopformer", "base")
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (one thread: the compute, not the waiting)
@@ -48,10 +48,7 @@ def build(o):
             f"model.n_layers={o.layers}", f"model.loops={o.loops}"]
     torch.manual_seed(0)
     tlf = LoopedLM(load_config("tiny/t-loopformer", over).model)
-    with torch.no_grad():  # same spread as bench/model_step.py: init routers are near uniform (depth ~L/2)
-        tlf.router.fc1.weight.normal_(0, o.router_scale * 5.0 / o.d_model ** 0.5 / tlf.cfg.init_std)
-        tlf.router.fc2.weight.normal_(0, o.router_scale)
-        tlf.router.fc2.bias.copy_(torch.linspace(1.0, -1.0, o.loops))
+    spread_router(tlf, 0, o.router_scale)  # init routers are near uniform (depth ~L/2); a trained one spreads
     base = LoopedLM(load_config("tiny/base", over[:-2] + [f"model.n_layers={o.layers * o.M}", "model.loops=1"]).model)
     lf = copy.copy(tlf)  # shares every weight; only the runtime switch differs
     lf.use_router = False
@@ -169,10 +166,7 @@ def main(argv=None):
               + " ".join(f"{row['tlf_over'][v]:>6.2f}" for v in VARIANTS[1:])
               + f"   {row['mean_depth']:.2f}/{o.loops} = {row['expected_compute_ratio']:.2f}"
               + f"   {row['expected_flops_ratio_c']:>9.2f}")
-    out = Path(o.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(o), "rows": rows}, indent=1))
-    print(f"wrote {out}", file=sys.stderr)
+    write_json(o.json, {"config": vars(o), "rows": rows})
     return rows
 
 

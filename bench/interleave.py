@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+from data_prep.files import write_json as _write_json
+
 
 def run_cases(worker, specs: dict[str, dict], rounds: int) -> dict[str, dict]:
     ctx = mp.get_context("spawn")
@@ -37,10 +39,5 @@ def run_cases(worker, specs: dict[str, dict], rounds: int) -> dict[str, dict]:
 
 
 def write_json(path, out: dict) -> None:
-    """Writes a benchmark's results (creating the directory) and says where."""
-    import json
-    from pathlib import Path
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}")
+    """Writes a benchmark's results (data_prep.files.write_json) and says where."""
+    print(f"wrote {_write_json(path, out)}")

@@ -30,7 +30,7 @@ def _worker(args: dict, conn) -> None:
 
     from pipeline.config import load_config
     from pipeline.memory import region_peak_mib, region_start
-    from pipeline.model import LoopedLM
+    from pipeline.model import LoopedLM, spread_router
 
     torch.manual_seed(0)
     torch.set_num_threads(args["threads"])
@@ -43,12 +43,7 @@ def _worker(args: dict, conn) -> None:
         cfg.n_layers, cfg.loops = o["layers"] * o["loops"], 1
     else:
         cfg.n_layers, cfg.loops = o["layers"], o["loops"]
-    model = LoopedLM(cfg).to(dev).train()
-    if model.router is not None:  # spread tokens over depths (a trained router does; init is near uniform)
-        with torch.no_grad():
-            model.router.fc1.weight.normal_(0, 5.0 / cfg.d_model ** 0.5 / cfg.init_std)
-            model.router.fc2.weight.normal_(0, 1.0)
-            model.router.fc2.bias.copy_(torch.linspace(1.0, -1.0, cfg.loops))
+    model = spread_router(LoopedLM(cfg)).to(dev).train()  # depths over 1..L (a trained router's; init is near uniform)
     L = cfg.loops
     k = torch.tensor([L // 2, L - L // 2]) if L >= 2 else None  # fixed shortcut schedule: same work each step
     g = torch.Generator().manual_seed(1)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.interleave import write_json  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,8 +117,7 @@ def main() -> None:
                                     "hours_for_25B": 25e9 / min(63 * per_worker, main_cap) / 3600}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
+    write_json(args.out, res)
     print(f"input: {res['input']['documents']} documents, {n_tokens:,} tokens; cpus {os.cpu_count()}, "
           f"load {res['machine']['load_avg_1m']:.1f}")
     for k, v in res["rates_tok_s"].items():

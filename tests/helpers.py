@@ -2,6 +2,7 @@
 import torch
 
 from pipeline.config import load_config
+from pipeline.model import spread_router as _spread_router
 from pipeline.model.looped import LoopedLM
 
 
@@ -19,13 +20,7 @@ def perturbed_tiny(name: str = "tiny/t-loopformer", seed: int = 0, overrides: tu
     return m.eval(), cfg
 
 
-def spread_router(model, seed: int = 0):
-    """Scales the router's weights so its softmax is peaky and token depths cover 1..L (as a trained router's
-    do, unlike the near-uniform initialisation); returns the model."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        r = model.router
-        r.fc1.weight.copy_(torch.randn(r.fc1.weight.shape, generator=g) * 5.0)
-        r.fc2.weight.copy_(torch.randn(r.fc2.weight.shape, generator=g) * 3.0)
-        r.fc2.bias.copy_(torch.randn(r.fc2.bias.shape, generator=g))
-    return model
+def spread_router(model, seed: int = 0, scale: float = 3.0):
+    """The tests' one router-spreading fixture: pipeline.model.spread_router (the benchmarks' recipe) at a
+    peakier scale, so that the few tokens of a tiny test already cover every depth 1..L; returns the model."""
+    return _spread_router(model, seed, scale)

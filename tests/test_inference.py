@@ -4,6 +4,7 @@ plus proofs that a cache attending to an empty slot fails those checks."""
 import numpy as np
 import pytest
 import torch
+from helpers import spread_router
 
 from pipeline.config import list_presets, load_config
 from pipeline.inference.cache import LoopView, RecursionKVCache
@@ -28,11 +29,7 @@ def make(variant="t-loopformer", seed=0, device="cpu"):
             if layer.modulated:
                 layer.modulator[1].weight.normal_(0, 0.05)
                 layer.modulator[1].bias.normal_(0, 0.05)
-        if model.router is not None:  # scaled router weights: peaky softmax, tokens spread over all depths
-            model.router.fc1.weight.normal_(0, 5.0)
-            model.router.fc2.weight.normal_(0, 3.0)
-            model.router.fc2.bias.normal_(0, 1.0)
-    return model.to(device).eval()
+    return spread_router(model, seed).to(device).eval()  # peaky router: tokens spread over all depths
 
 
 def sequences(lengths=(5, 12, 1), total=20, seed=1, device="cpu"):

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import shutil
 from pathlib import Path
 
+from data_prep.files import write_json
 from data_prep.tokenizer import EOT
 from pipeline.config import Config
 from pipeline.model.io import state_for_export
@@ -71,7 +71,7 @@ def write_tokenizer(out: Path) -> None:
     shutil.copyfile(d / BPE_CACHE_NAMES["vocab.bpe"], out / "merges.txt")
     tok = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": None, "add_prefix_space": False,
            "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
-    (out / "tokenizer_config.json").write_text(json.dumps(tok, indent=2))
+    write_json(out / "tokenizer_config.json", tok)
 
 
 def model_card(cfg: Config, source: Path) -> str:
@@ -99,9 +99,9 @@ def export_hf(model, cfg: Config, out: Path, source: Path) -> Path:
         state["model.lm_head.weight"] = state["model.wte.weight"].clone()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "modeling_tlf.py").write_text(modeling_source())
-    (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": EOT, "eos_token_id": EOT,
-                                                            "pad_token_id": EOT, "use_cache": False}, indent=2))
+    write_json(out / "config.json", hf_config(cfg))
+    write_json(out / "generation_config.json", {"bos_token_id": EOT, "eos_token_id": EOT, "pad_token_id": EOT,
+                                                "use_cache": False})
     write_tokenizer(out)
     (out / "README.md").write_text(model_card(cfg, source))
     return out
