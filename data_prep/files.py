@@ -1,5 +1,6 @@
-"""Files written whole or not at all: `atomic_write_bytes` (temp name, fsync, rename) and the one JSON writer,
-`write_json`, used by every layer (shards, manifests, checkpoints, exports, evaluation and benchmark results).
+"""Files written whole or not at all: `atomic_write_bytes` (temp name, fsync, rename), the one JSON writer,
+`write_json`, used by every layer (shards, manifests, checkpoints, exports, evaluation and benchmark results),
+and `read_json` for JSON a user may have broken (manifests, DeepSpeed templates): an error naming the file.
 """
 from __future__ import annotations
 
@@ -45,3 +46,12 @@ def write_json(path: str | os.PathLike, obj, indent: int = 2, sort_keys: bool = 
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, [json.dumps(obj, indent=indent, sort_keys=sort_keys, default=_plain).encode()])
     return path
+
+
+def read_json(path: str | os.PathLike, error: type[Exception] = ValueError):
+    """The JSON value in path; invalid JSON raises `error` with a one-line message naming the file."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: invalid JSON ({e})") from None

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_prep.files import read_json
 from data_prep.shards import ShardError, ShardReader
 from data_prep.tokenizer import EOT
 from data_prep.writer import MANIFEST
@@ -29,10 +30,7 @@ def inspect(directory: str | Path, samples: int = 3, chars: int = 300, verify: b
     meta = None
     lines = [f"directory: {d}"]
     if mpath.is_file():
-        try:
-            meta = json.loads(mpath.read_text())
-        except json.JSONDecodeError as e:
-            raise ShardError(f"{mpath}: invalid JSON ({e})") from None
+        meta = read_json(mpath, ShardError)
         src = meta.get("source", {})
         what = src.get("source")
         extra = src.get("inputs") or [r.get("dataset") for r in src.get("resolved", []) if r.get("dataset")]

@@ -6,13 +6,12 @@ written atomically (temp name, fsync, rename), so a shard on disk is either comp
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-from data_prep.files import atomic_write_bytes
+from data_prep.files import atomic_write_bytes, read_json
 from data_prep.tokenizer import EOT  # noqa: F401  (the document separator of every shard)
 
 MAGIC = 20240520
@@ -79,10 +78,7 @@ class ShardSet:
         self.split = split
         manifest = self.dir / "manifest.json"
         if manifest.is_file():
-            try:
-                meta = json.loads(manifest.read_text())
-            except json.JSONDecodeError as e:
-                raise ShardError(f"{manifest}: invalid JSON ({e})") from None
+            meta = read_json(manifest, ShardError)
             if meta.get("complete") is False:
                 raise ShardError(f"{manifest}: incomplete (prep-data is still running or was interrupted; "
                                  "rerun the same `tlf prep-data` command to finish it)")

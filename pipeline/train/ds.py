@@ -10,7 +10,6 @@ from ours is an error naming both values.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from data_prep.files import read_json
 from pipeline.config import Config, ConfigError
 from pipeline.device import resolve_device as _resolve_device
 
@@ -49,10 +49,7 @@ def build_ds_config(cfg: Config, world_size: int, precision: str) -> dict:
     path = Path(cfg.train.ds_config) if cfg.train.ds_config else ds_config_dir() / f"zero{cfg.train.zero_stage}.json"
     if not path.is_file():
         raise ConfigError(f"train.ds_config: DeepSpeed template {path} not found")
-    try:
-        ds = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: invalid JSON ({e})") from None
+    ds = read_json(path, ConfigError)
     t = cfg.train
     for key, ours in BATCH_KEYS.items():
         want = getattr(t, ours)
