@@ -2,9 +2,12 @@
 
 Every `import` / `from ... import` in the four packages (module level or inside a function) may name its own
 package or one to its left only. Bench scripts import each other by bare name (`from interleave import ...`,
-run as scripts with bench/ on sys.path): those count as bench.
+run as scripts with bench/ on sys.path): those count as bench. A module named in a string (`importlib`) counts
+too: the one place allowed to do that upwards is the `tlf` command's plugin table (COMPOSITION_ROOT), which
+registers each package's commands when the CLI starts.
 """
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("data_prep", "pipeline", "evaluation", "bench")
 BENCH_SCRIPTS = {p.stem for p in (ROOT / "bench").glob("*.py")}
+COMPOSITION_ROOT = {"pipeline/cli.py"}  # `tlf`'s _PLUGINS: ("evaluation.cli", "eval_cmd"), ...
+MODULE_STRING = re.compile(r"^(%s)(\.\w+)+$" % "|".join(LAYERS))
 
 
 def imported_packages(source: str, filename: str = "<src>"):
@@ -35,14 +40,24 @@ def imported_packages(source: str, filename: str = "<src>"):
     return out
 
 
+def named_modules(source: str, filename: str = "<src>"):
+    """[(line, top-level layer, string)] for every string constant that is a dotted module path of LAYERS."""
+    return [(n.lineno, n.value.split(".")[0], repr(n.value)) for n in ast.walk(ast.parse(source, filename))
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and MODULE_STRING.match(n.value)]
+
+
 def violations(root: Path = ROOT):
     bad = []
     for rank, pkg in enumerate(LAYERS):
         for path in sorted((root / pkg).rglob("*.py")):
-            for line, top, stmt in imported_packages(path.read_text(), str(path)):
+            rel, src = path.relative_to(root).as_posix(), path.read_text()
+            found = imported_packages(src, str(path))
+            if rel not in COMPOSITION_ROOT:
+                found += named_modules(src, str(path))
+            for line, top, stmt in found:
                 if LAYERS.index(top) > rank:
-                    bad.append(f"{path.relative_to(root)}:{line}: {pkg} must not import {top}: {stmt}")
-    return bad
+                    bad.append(f"{rel}:{line}: {pkg} must not import {top}: {stmt}")
+    return sorted(bad)
 
 
 def test_imports_run_one_way():
@@ -64,6 +79,15 @@ def test_violation_names_file_line_and_import(tmp_path):
     for pkg in LAYERS:
         (tmp_path / pkg).mkdir()
     (tmp_path / "data_prep" / "x.py").write_text("import os\n\ndef f():\n    from pipeline.config import Config\n")
+    (tmp_path / "pipeline" / "y.py").write_text('import importlib\nm = importlib.import_module("evaluation.cli")\n'
+                                                'DIRS = ("pipeline", "evaluation")  # directory names are fine\n')
     (tmp_path / "bench" / "ok.py").write_text("from evaluation import report\nfrom data_prep import shards\n")
     assert violations(tmp_path) == [
-        "data_prep/x.py:4: data_prep must not import pipeline: from pipeline.config import Config"]
+        "data_prep/x.py:4: data_prep must not import pipeline: from pipeline.config import Config",
+        "pipeline/y.py:2: pipeline must not import evaluation: 'evaluation.cli'"]
+
+
+def test_only_the_cli_plugin_table_names_upper_layers():
+    """The exception is real and single: pipeline/cli.py names evaluation's commands, nothing else does."""
+    src = (ROOT / "pipeline" / "cli.py").read_text()
+    assert {top for _, top, _ in named_modules(src)} == {"data_prep", "pipeline", "evaluation"}
