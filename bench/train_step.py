@@ -49,6 +49,7 @@ def _worker(spec: dict, conn) -> None:
     from pipeline.memory import region_peak_mib, region_start, tensor_peak_mib
     from pipeline.model import LoopedLM
     from pipeline.train import ds
+    from pipeline.train.ac import apply_ac
     from pipeline.train.compile import apply_compile
 
     torch.set_num_threads(spec["threads"])
@@ -64,7 +65,7 @@ def _worker(spec: dict, conn) -> None:
             model.router.fc1.weight.normal_(0, 5.0 / cfg.model.d_model ** 0.5 / cfg.model.init_std)
             model.router.fc2.weight.normal_(0, 1.0)
             model.router.fc2.bias.copy_(torch.linspace(1.0, -1.0, cfg.model.loops))
-    model.activation_checkpointing = cfg.train.activation_checkpointing
+    apply_ac(model, cfg.train.activation_checkpointing)
     B, T = spec["batch"], cfg.model.block_size
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
