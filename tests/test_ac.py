@@ -3,18 +3,8 @@ without it, checkpoints and exports with the usual parameter names, and a resume
 from __future__ import annotations
 
 import numpy as np
-import pytest
-import torch
 
-from tests.test_train import make_shards, tiny_cfg
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.test_train import make_shards, one_thread, tiny_cfg  # noqa: F401 (one_thread: autouse fixture)
 
 
 def test_trainer_applies_ac_from_outside(tmp_path):
