@@ -21,7 +21,6 @@ Modulation is a precomputed (K, 4d) table per layer; no modulator weight is read
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 from pathlib import Path
@@ -50,8 +49,8 @@ def build(o):
     tlf = LoopedLM(load_config("tiny/t-loopformer", over).model)
     spread_router(tlf, 0, o.router_scale)  # init routers are near uniform (depth ~L/2); a trained one spreads
     base = LoopedLM(load_config("tiny/base", over[:-2] + [f"model.n_layers={o.layers * o.M}", "model.loops=1"]).model)
-    lf = copy.copy(tlf)  # shares every weight; only the runtime switch differs
-    lf.use_router = False
+    lf = LoopedLM(load_config("tiny/loopformer", over).model)  # tlf's weights without its router: every token
+    lf.load_state_dict({k: v for k, v in tlf.state_dict().items() if not k.startswith("router.")})  # runs M loops
     return {k: m.to(dev, dtype).eval() for k, m in (("tlf", tlf), ("lf", lf), ("base", base))}
 
 

@@ -49,6 +49,7 @@ def _worker(spec: dict, conn) -> None:
     from pipeline.memory import region_peak_mib, region_start, tensor_peak_mib
     from pipeline.model import LoopedLM, spread_router
     from pipeline.train import ds
+    from pipeline.train.ac import apply_ac
     from pipeline.train.compile import apply_compile
 
     torch.set_num_threads(spec["threads"])
@@ -61,7 +62,7 @@ def _worker(spec: dict, conn) -> None:
     model = LoopedLM(cfg.model)
     if spec["router"] == "spread":  # depths over 1..L, as a trained router gives
         spread_router(model)
-    model.activation_checkpointing = cfg.train.activation_checkpointing
+    apply_ac(model, cfg.train.activation_checkpointing)
     B, T = spec["batch"], cfg.model.block_size
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)

@@ -42,12 +42,11 @@ def _median_time(fn, repeats: int) -> float:
 def _step_memory_worker(export: str, gather_scatter: bool, batch: int, seq: int, q) -> None:
     torch.manual_seed(0)
     model, cfg = load_model(export, resolve_device("auto"))
-    model.cfg.gather_scatter = gather_scatter
     model.train()
     dev = model.wte.weight.device
     idx = torch.randint(0, min(cfg.model.vocab_size, 50257), (batch, seq), device=dev)
     base = region_start(dev)
-    model(idx, idx).loss.backward()
+    model(idx, idx, gather_scatter=gather_scatter).loss.backward()
     q.put(region_peak_mib(dev, base))
 
 
@@ -86,13 +85,12 @@ def run(checkpoint: str, out: str | Path, loops: int = 0, ppl_dir: str = "", ppl
     tp_feed = torch.randint(0, vocab, (1, min(tpot_steps, T - tp_prompt.shape[1] - 1)), generator=g).to(dev)
     rc = {}
     for router in ((True, False) if has_router else (False,)):
-        model.use_router = router
-        ppl = perplexity(model, stream, M, device=dev)
+        ppl = perplexity(model, stream, M, device=dev, router=router)
         for cache in (True, False):
-            sec = _median_time(lambda: timing.tpot(model, M, tp_prompt, tp_feed, cache=cache)[0], repeats)
+            sec = _median_time(lambda: timing.tpot(model, M, tp_prompt, tp_feed, cache=cache, router=router)[0],
+                               repeats)
             rc[f"router_{'on' if router else 'off'}/cache_{'on' if cache else 'off'}"] = {
                 "ppl": ppl["ppl"], "mean_depth": ppl["depth"]["mean"], "tpot_ms": 1e3 * sec}
-    model.use_router = has_router
     res["router_cache"] = rc
     log("router x cache: " + "; ".join(f"{k}: ppl {v['ppl']:.2f}, TPOT {v['tpot_ms']:.2f} ms" for k, v in rc.items()))
 
@@ -100,11 +98,9 @@ def run(checkpoint: str, out: str | Path, loops: int = 0, ppl_dir: str = "", ppl
     gs = {}
     prompt = torch.randint(0, vocab, (1, T), generator=g).to(dev)
     for on in (True, False):
-        model.cfg.gather_scatter = on
-        sec = _median_time(lambda: _timed_forward(model, prompt, M), repeats)
+        sec = _median_time(lambda: _timed_forward(model, prompt, M, on), repeats)
         mem = step_memory_mb(export, on, train_batch, T)
         gs["on" if on else "off"] = {"train_step_peak_mb": mem, "prefill_ms": 1e3 * sec}
-    model.cfg.gather_scatter = cfg.model.gather_scatter
     res["gather_scatter"] = gs
     log("gather-scatter: " + "; ".join(f"{k}: step memory {v['train_step_peak_mb']:.0f} MB, prefill "
                                        f"{v['prefill_ms']:.1f} ms" for k, v in gs.items()))
@@ -112,12 +108,9 @@ def run(checkpoint: str, out: str | Path, loops: int = 0, ppl_dir: str = "", ppl
     # -- threshold sweep -------------------------------------------------------------------------
     sweep = []
     if has_router:
-        theta0 = model.cfg.router_threshold
         for th in thresholds:
-            model.cfg.router_threshold = th
-            p = perplexity(model, stream, M, device=dev)
+            p = perplexity(model, stream, M, device=dev, threshold=th)
             sweep.append({"theta": th, "ppl": p["ppl"], "mean_depth": p["depth"]["mean"]})
-        model.cfg.router_threshold = theta0
         log("threshold sweep: " + ", ".join(f"θ={s['theta']}: ppl {s['ppl']:.2f} depth {s['mean_depth']:.2f}"
                                              for s in sweep))
     res["threshold_sweep"] = sweep
@@ -126,13 +119,11 @@ def run(checkpoint: str, out: str | Path, loops: int = 0, ppl_dir: str = "", ppl
     lens = [P for P in prompt_lens if P <= T] or [T]
     tt = {}
     for router in ((True, False) if has_router else (False,)):
-        model.use_router = router
         row = {}
         for P in lens:
             pr = torch.randint(0, vocab, (1, P), generator=g).to(dev)
-            row[str(P)] = 1e3 * _median_time(lambda: timing.ttft(model, M, pr)[0], repeats)
+            row[str(P)] = 1e3 * _median_time(lambda: timing.ttft(model, M, pr, router=router)[0], repeats)
         tt[f"router_{'on' if router else 'off'}"] = row
-    model.use_router = has_router
     res["ttft_ms"] = tt
     log("TTFT: " + "; ".join(f"{k}: " + ", ".join(f"P={p} {v:.1f} ms" for p, v in row.items()) for k, row in tt.items()))
 
@@ -143,11 +134,11 @@ def run(checkpoint: str, out: str | Path, loops: int = 0, ppl_dir: str = "", ppl
 
 
 @torch.no_grad()
-def _timed_forward(model, idx, M) -> float:
+def _timed_forward(model, idx, M, gather_scatter: bool) -> float:
     if idx.device.type == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()
-    model(idx, loops=M).logits[:, -1].argmax(-1).cpu()
+    model(idx, loops=M, gather_scatter=gather_scatter).logits[:, -1].argmax(-1).cpu()
     return time.perf_counter() - t
 
 

@@ -13,13 +13,15 @@ from pipeline.model.schedule import uniform
 
 
 @torch.no_grad()
-def hidden_states(model, idx: torch.Tensor, loops: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h (B, T, d) before the final norm, depth (B, T) int64 in 1..M)."""
+def hidden_states(model, idx: torch.Tensor, loops: int, router: bool = True,
+                  threshold: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h (B, T, d) before the final norm, depth (B, T) int64 in 1..M); router and threshold as
+    `LoopedLM.forward` takes them (the ablations' switches)."""
     M = int(loops)
     if not 1 <= M <= model.cfg.loops:
         raise ValueError(f"loop budget {M} must lie in 1..{model.cfg.loops}")
     h0 = model.embed(idx)
-    return model.final_states(h0, model.route(h0), uniform(M))
+    return model.final_states(h0, model.route(h0, router), uniform(M), threshold=threshold)
 
 
 @torch.no_grad()

@@ -88,8 +88,9 @@ class TokenStream:
 
 @torch.no_grad()
 def perplexity(model, stream: TokenStream, loops: int, context: int = 0, stride: int = 0, batch_size: int = 8,
-               device: str | torch.device = "cpu") -> dict:
-    """Mean NLL, ppl, tokens counted and the depth statistics of `stream` at budget `loops`."""
+               device: str | torch.device = "cpu", router: bool = True, threshold: float | None = None) -> dict:
+    """Mean NLL, ppl, tokens counted and the depth statistics of `stream` at budget `loops` (router and
+    threshold: the ablations' switches, as `LoopedLM.forward` takes them)."""
     T = min(context or model.cfg.block_size, model.cfg.block_size)
     M = int(loops)
     win = make_windows(stream.num_tokens, T, stride)
@@ -110,7 +111,7 @@ def perplexity(model, stream: TokenStream, loops: int, context: int = 0, stride:
             rows += [r] * (ln - f)
             pos += range(f, ln)
             tgt.append(toks[1 + f:])
-        h, depth = hidden_states(model, idx.to(device), M)
+        h, depth = hidden_states(model, idx.to(device), M, router, threshold)
         rows_t, pos_t = torch.tensor(rows), torch.tensor(pos)
         lg = logits_at(model, h[rows_t, pos_t])  # (P, V)
         y = torch.cat(tgt).to(lg.device)

@@ -9,6 +9,7 @@ from pipeline.config import VARIANTS, load_config, list_presets
 from pipeline.model import LoopedLM, RouterOutput
 from pipeline.model.router import depth_prior
 from pipeline.model.schedule import sample_shortcut, table_index, time_table, uniform
+from pipeline.train.ac import apply_ac, checkpointed_mode
 
 torch.set_num_threads(1)
 
@@ -56,8 +57,7 @@ def test_gather_scatter_equals_dense_reference(variant, overrides):
         assert len(d.unique()) >= 3 and not torch.equal(d[0], d[1])
         assert not torch.equal((d >= 2).sum(1), (d >= 2).sum(1)[:1].expand(3))  # different |A_2| per row
     model.zero_grad()
-    model.cfg.gather_scatter = False
-    out_dense = model(idx, tgt, shortcut=k)
+    out_dense = model(idx, tgt, shortcut=k, gather_scatter=False)
     out_dense.loss.backward()
     g_dense = grads(model)
     torch.testing.assert_close(out_gs.logits, out_dense.logits, atol=1e-5, rtol=0)
@@ -71,11 +71,8 @@ def test_gather_scatter_elastic_budget_and_threshold():
     model = make().eval()
     idx, _ = batch(B=4, T=33)
     for M, theta in [(2, 0.5), (3, 0.3), (4, 0.7)]:
-        model.cfg.router_threshold = theta
-        model.cfg.gather_scatter = True
-        a = model(idx, loops=M)
-        model.cfg.gather_scatter = False
-        b = model(idx, loops=M)
+        a = model(idx, loops=M, threshold=theta, gather_scatter=True)
+        b = model(idx, loops=M, threshold=theta, gather_scatter=False)
         torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=0)
         assert int(a.depth.max()) <= M
 
@@ -88,11 +85,34 @@ def test_activation_checkpointing_is_exact(mode):
     model.train()
     model(idx, tgt, shortcut=k).loss.backward()
     ref = grads(model)
+    sd = {k_: v.clone() for k_, v in model.state_dict().items()}
     model.zero_grad()
-    model.activation_checkpointing = mode
+    apply_ac(model, mode)
+    assert checkpointed_mode(model) == mode
     model(idx, tgt, shortcut=k).loss.backward()
     for n, g in grads(model).items():
         torch.testing.assert_close(g, ref[n], atol=1e-6, rtol=0, msg=n)
+    # applied from outside: names and state dict unchanged, so checkpoints load either way
+    assert model.state_dict().keys() == sd.keys()
+    LoopedLM(model.cfg).load_state_dict(model.state_dict())
+    with pytest.raises(ValueError, match="already applied"):
+        apply_ac(model, mode)
+
+
+def test_activation_checkpointing_recomputes_only_under_grad():
+    """Checkpointed units run once under no_grad (validation) and twice (forward + recompute) with autograd."""
+    model = make()
+    apply_ac(model, "loop")
+    calls = []
+    model.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    idx, tgt = batch(B=2, T=16)
+    with torch.no_grad():
+        model(idx, loops=2)
+    n_eval = len(calls)
+    calls.clear()
+    model.train()
+    model(idx, tgt, loops=2, objective=False).loss.backward()
+    assert n_eval == 2 and len(calls) == 4
 
 
 # --------------------------------------------------------------------------------------- router
@@ -101,15 +121,15 @@ def test_router_off_equals_loopformer_exactly():
     lf = LoopedLM(load_config("tiny/loopformer").model)
     missing, unexpected = lf.load_state_dict(t.state_dict(), strict=False)
     assert not missing and all(k.startswith("router.") for k in unexpected)
-    t.use_router = False
     idx, tgt = batch()
     k = torch.tensor([3, 1])
     for m in (t, lf):
         m.train()
-    a, b = t(idx, tgt, shortcut=k), lf(idx, tgt, shortcut=k)
+    a, b = t(idx, tgt, shortcut=k, router=False), lf(idx, tgt, shortcut=k)
     assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
     t.eval(), lf.eval()
-    assert torch.equal(t(idx, loops=3).logits, lf(idx, loops=3).logits)
+    assert torch.equal(t(idx, loops=3, router=False).logits, lf(idx, loops=3).logits)
+    assert not torch.equal(t(idx, loops=3).logits, lf(idx, loops=3).logits)  # the call's switch, not model state
 
 
 def test_depth_semantics():

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.inference.cache import LoopView, RecursionKVCache
-from pipeline.model.schedule import table_index, uniform
+from pipeline.model.schedule import uniform
 
 
 def modulation_tables(model, M: int):
@@ -75,32 +75,23 @@ class Decoder:
     model's current weights; pass `tables` only to share them between decoders of the same unchanged model)."""
 
     def __init__(self, model, loops: int | None = None, threshold: float | None = None, layout: str = "compact",
-                 mask_empty: bool = True, full_depth: bool = False, tables=None):
+                 mask_empty: bool = True, full_depth: bool = False, tables=None, router: bool = True):
         cfg = model.cfg
         self.model, self.M = model, loops or cfg.loops
         if not 1 <= self.M <= cfg.loops:
             raise ValueError(f"loop budget {self.M} must lie in 1..{cfg.loops}")
         self.theta = cfg.router_threshold if threshold is None else threshold
+        self.router = router  # False: every token runs the whole budget (the router is not consulted)
         self.layout, self.mask_empty, self.full_depth = layout, mask_empty, full_depth
         self.tables = modulation_tables(model, self.M) if tables is None else tables  # per layer (K, 4d) or None
         self.cache: RecursionKVCache | None = None
 
     # ----------------------------------------------------------------------------------- helpers
     def _depth(self, h0: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, T) int64 in 1..M
-        r = self.model.route(h0)
+        r = self.model.route(h0, self.router)
         if r is None:
             return torch.full(h0.shape[:2], self.M, dtype=torch.long, device=h0.device)
         return r.depth(self.M, self.theta)
-
-    def _mods(self, dep: torch.Tensor | None, i: int):
-        """Per layer modulation (B, T, 4d) indexed from the tables; dep None = every token depth M."""
-        if self.tables is None:
-            return [None] * len(self.model.layers)
-        if dep is None:
-            ti = table_index(self.M, i)
-            return [tb[ti].view(1, 1, -1) for tb in self.tables]
-        ti = table_index(dep, i)
-        return [tb[ti] for tb in self.tables]
 
     def _prefill_attend(self, i, j, order, n, reserve, q, k, v):
         self.cache.prefill_store(i, j, k, v, order, n, reserve)
@@ -152,13 +143,13 @@ class Decoder:
     def _prefill_loop_full(self, h, depth, i, lengths, reserve):
         """Ablation (b): every real token writes loop i; exited tokens keep their state (dense, no compaction)."""
         active = (depth >= i)[..., None]  # (B, T, 1)
-        mods = self._mods(depth, i)
-        x = h
-        for j, layer in enumerate(self.model.layers):
-            x = torch.where(active, layer(x, mods[j], None,
-                                          partial(self._prefill_attend, i, j, None, lengths, reserve)), x)
+        m = self.model
+        attends = [partial(self._prefill_attend, i, j, None, lengths, reserve) for j in range(len(m.layers))]
+        mods = m.loop_mods(self.tables, i, self.M, depth)
+        for j, layer in enumerate(m.layers):  # layer by layer: exited tokens keep their state inside the loop too
+            h = torch.where(active, layer(h, None if mods is None else mods[j], None, attends[j]), h)
         self.cache.prefill_done(i, lengths)
-        return x
+        return h
 
     # ------------------------------------------------------------------------------------ decode
     @torch.no_grad()
@@ -185,9 +176,8 @@ class Decoder:
                 view = cache.begin_loop(i, rows_np)
                 x = h if view.rows is None else h[view.rows]  # (R, 1, d)
                 dep = depth if view.rows is None else depth[view.rows]
-                mods = self._mods(dep[:, None], i)
-                for j, layer in enumerate(m.layers):
-                    x = layer(x, mods[j], None, partial(self._decode_attend, i, j, view))
+                attends = [partial(self._decode_attend, i, j, view) for j in range(len(m.layers))]
+                x = m.layers(x, m.loop_mods(self.tables, i, self.M, dep[:, None]), None, attends)  # one loop
                 h = x if view.rows is None else h.index_copy(0, view.rows, x)
             if len(exited_np):
                 self._write_exited(i, exited_np, h, depth)
@@ -199,8 +189,7 @@ class Decoder:
         view = self.cache.begin_loop(i, rows_np)
         x = h if view.rows is None else h[view.rows]  # (R, 1, d)
         dep = depth if view.rows is None else depth[view.rows]
-        mods = self._mods(dep[:, None], i)
+        mods = self.model.loop_mods(self.tables, i, self.M, dep[:, None])
         for j, layer in enumerate(self.model.layers):
-            a = layer.norm1(x) if mods[j] is None else layer.norm1(x) * (1 + mods[j].chunk(4, dim=-1)[2])
-            _, k, v = layer.attn.qkv(a)
+            k, v = layer.kv(x, None if mods is None else mods[j])
             self.cache.write(i, j, view, k, v)

@@ -45,11 +45,12 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p
 def generate(model, prompts, max_new_tokens: int = 32, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, loops: int | None = None,
              threshold: float | None = None, stop_token: int | None = None, vocab_limit: int | None = None,
-             callback: Callable[[int, list, list], None] | None = None, decoder: Decoder | None = None) -> Generation:
+             callback: Callable[[int, list, list], None] | None = None, decoder: Decoder | None = None,
+             router: bool = True) -> Generation:
     """Generates up to max_new_tokens per prompt (list of token-id lists, any lengths).
 
     loops: budget M <= L (default L; schedule uniform 1/M, router depth clipped at M); threshold: router
-    theta (default the config's). stop_token: a row that samples it stops (no further compute).
+    theta (default the config's); router=False: every token runs the whole budget. stop_token: a row that samples it stops (no further compute).
     vocab_limit: sample only ids < vocab_limit (e.g. 50257 to skip the padded vocabulary).
     callback(step, tokens, depths): called after every sampled step with per-row lists (None for rows
     that had already stopped): the streaming hook. seed: makes sampling reproducible."""
@@ -57,7 +58,7 @@ def generate(model, prompts, max_new_tokens: int = 32, temperature: float = 1.0,
         raise ValueError("max_new_tokens must be >= 1")
     was_training = model.training
     model.eval()
-    dec = decoder or Decoder(model, loops=loops, threshold=threshold)
+    dec = decoder or Decoder(model, loops=loops, threshold=threshold, router=router)
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens - 1 > model.cfg.block_size:
         raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds block_size "

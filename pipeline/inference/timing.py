@@ -25,8 +25,8 @@ def _sync(dev: torch.device) -> None:
 
 @torch.no_grad()
 def ttft(model, M: int, prompt: torch.Tensor, cache: bool = True, full_depth: bool = False,
-         clock=time.perf_counter) -> tuple[float, torch.Tensor]:
-    dec = Decoder(model, loops=M, full_depth=full_depth)
+         clock=time.perf_counter, router: bool = True) -> tuple[float, torch.Tensor]:
+    dec = Decoder(model, loops=M, full_depth=full_depth, router=router)
     _sync(prompt.device)
     t = clock()
     logits, depth = dec.prefill(prompt, use_cache=cache)
@@ -36,8 +36,8 @@ def ttft(model, M: int, prompt: torch.Tensor, cache: bool = True, full_depth: bo
 
 @torch.no_grad()
 def tpot(model, M: int, prompts: torch.Tensor, feed: torch.Tensor, cache: bool = True, full_depth: bool = False,
-         clock=time.perf_counter) -> tuple[float, torch.Tensor, dict | None]:
-    dec = Decoder(model, loops=M, full_depth=full_depth)
+         clock=time.perf_counter, router: bool = True) -> tuple[float, torch.Tensor, dict | None]:
+    dec = Decoder(model, loops=M, full_depth=full_depth, router=router)
     n = feed.shape[1]
     if not cache:
         seq = prompts

@@ -158,3 +158,24 @@ class Layer(nn.Module):
         a_msa, a_mlp, g_msa, g_mlp = _split(mod)
         x = x + a_msa(self.attn(g_msa(self.norm1(x), 1.0), mask, attend), 0.0)
         return x + a_mlp(self.mlp(g_mlp(self.norm2(x), 1.0)), 0.0)
+
+    def kv(self, x: torch.Tensor, mod) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, H, T, hd) this layer's attention would project from x (B, T, d) under mod,
+        without running it (decoding's ablation writes them for tokens past their depth)."""
+        a = self.norm1(x) if mod is None else _split(mod)[2](self.norm1(x), 1.0)
+        _, k, v = self.attn.qkv(a)
+        return k, v
+
+
+class SharedBlock(nn.ModuleList):
+    """The shared block Phi_J: its J layers applied in order, one loop. A ModuleList, so parameters keep their
+    names (layers.{j}.*); activation checkpointing and compilation wrap this module or its layers from outside
+    (pipeline/train/ac.py, pipeline/train/compile.py): nothing here knows about them."""
+
+    def forward(self, h: torch.Tensor, mods: list | None = None, mask: torch.Tensor | None = None,
+                attends: list | None = None) -> torch.Tensor:
+        """h (B, T, d); mods: per layer a modulation as Layer.forward takes it, or None; attends: per layer an
+        attention override (the KV cache), or None."""
+        for j, layer in enumerate(self):
+            h = layer(h, None if mods is None else mods[j], mask, None if attends is None else attends[j])
+        return h

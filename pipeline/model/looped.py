@@ -27,10 +27,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from pipeline.config import ModelConfig
-from pipeline.model.layers import FourierEmbedding, Layer, RMSNorm, RowMod
+from pipeline.model.layers import FourierEmbedding, Layer, RMSNorm, RowMod, SharedBlock
 from pipeline.model.router import Router, RouterOutput, depth_stats
 from pipeline.model.schedule import sample_shortcut, table_index, time_table, uniform
 
@@ -66,7 +65,6 @@ class LoopedLMOutput:
     loss: torch.Tensor | None = None  # () total objective
     parts: dict[str, torch.Tensor] = field(default_factory=dict)  # loss_L, loss_S, loss_align (detached)
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # depth_stats of each pass (detached)
-    hidden: torch.Tensor | None = None  # (B, T, d) final-normed hidden state of the full pass
 
 
 class LoopedLM(nn.Module):
@@ -78,7 +76,7 @@ class LoopedLM(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, d)
         self.wpe = nn.Embedding(cfg.block_size, d)
         modulated = cfg.conditioning != "none"
-        self.layers = nn.ModuleList(Layer(cfg, modulated) for _ in range(cfg.n_layers))
+        self.layers = SharedBlock(Layer(cfg, modulated) for _ in range(cfg.n_layers))  # Phi_J, one loop
         if modulated:
             self.phi_t = FourierEmbedding(d, cfg.fourier_dim, cfg.fourier_max_period)
         if cfg.conditioning == "time_step":
@@ -90,8 +88,6 @@ class LoopedLM(nn.Module):
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        self.use_router = cfg.router  # runtime switch: False gives every token depth M (router off)
-        self.activation_checkpointing = "none"  # none | loop | layer; set from outside by the trainer
         self._init_weights()
 
     # ------------------------------------------------------------------------------------------ init
@@ -126,27 +122,23 @@ class LoopedLM(nn.Module):
         return [layer.modulator(c) for layer in self.layers]
 
     # ------------------------------------------------------------------------------------ the loops
-    def _block(self, h: torch.Tensor, mods: list[torch.Tensor] | None, mask: torch.Tensor | None,
-               attends: list | None = None) -> torch.Tensor:
-        """The shared block Phi_J on h (B, T, d); mods: per layer (B|1, T|1, 4d) or None; attends: per layer
-        attention override (the KV cache) or None."""
-        for j, layer in enumerate(self.layers):
-            mod = None if mods is None else mods[j]
-            attend = None if attends is None else attends[j]
-            if self.activation_checkpointing == "layer" and torch.is_grad_enabled():
-                h = checkpoint(layer, h, mod, mask, attend, use_reentrant=False)
-            else:
-                h = layer(h, mod, mask, attend)
-        return h
-
-    def _apply_block(self, h, mods, mask, attends=None):
-        if self.activation_checkpointing == "loop" and torch.is_grad_enabled():
-            return checkpoint(self._block, h, mods, mask, attends, use_reentrant=False)
-        return self._block(h, mods, mask, attends)
+    def loop_mods(self, tables: list[torch.Tensor] | None, i: int, M: int, depth: torch.Tensor | None = None,
+                  by_index: bool = True) -> list | None:
+        """Per layer modulation of loop i in a pass of budget M from its `modulation_tables`: None for plain
+        layers; with depth None (every token at depth M) the one table row, broadcast (1, 1, 4d); else each
+        token's row for its (depth, i) pair: by index (RowMod, nothing per token kept for backward) or, with
+        by_index=False, gathered (B, T, 4d) as the dense reference does."""
+        if tables is None:
+            return None
+        if depth is None:
+            ti = table_index(M, i)
+            return [tb[ti].view(1, 1, -1) for tb in tables]
+        ti = table_index(depth, i)  # (B, T)
+        return [RowMod(tb, ti) if by_index else tb[ti] for tb in tables]
 
     def run_loops(self, h0: torch.Tensor, delta: torch.Tensor, depth: torch.Tensor | None,
                   cont: torch.Tensor | None, tables: list[torch.Tensor] | None = None, hooks=None,
-                  counts: np.ndarray | None = None) -> torch.Tensor:
+                  counts: np.ndarray | None = None, gather_scatter: bool | None = None) -> torch.Tensor:
         """Runs M = len(delta) loops from h0 (B, T, d). depth (B, T) in 0..M (0: a token that runs no loop,
         e.g. padding) or None (every token depth M); cont (B, T, L) continue probabilities for the
         straight-through estimator (None: no STE). tables: precomputed `modulation_tables(delta)` (decoding
@@ -154,20 +146,21 @@ class LoopedLM(nn.Module):
         override of layer j in loop i and `loop_done(i, n)`, where order (B, Tm) holds the positions of the
         compacted active tokens (None: no compaction) and n (B,) numpy int64 the |A_i| of each row; hooks force
         the gather-scatter path. counts: (B, >= M) numpy int64 |A_i| of each row and loop (`active_counts`), or
-        None to read them here: the pass's only host sync. Returns the final states (B, T, d); exited tokens
-        keep their last state."""
+        None to read them here: the pass's only host sync. gather_scatter: compact the active tokens (default
+        `cfg.gather_scatter`) or run the dense masked reference. Returns the final states (B, T, d); exited
+        tokens keep their last state."""
         M = delta.numel()
         tables = self.modulation_tables(delta) if tables is None else tables
         B, T, d = h0.shape
         h = h0
-        compact = depth is not None and (self.cfg.gather_scatter or hooks is not None)
+        gs = self.cfg.gather_scatter if gather_scatter is None else gather_scatter
+        compact = depth is not None and (gs or hooks is not None)
         if compact and counts is None:
             counts = active_counts(depth, M)
         for i in range(1, M + 1):
             if depth is None:  # every token active: no compaction, one table row broadcast
-                mods = None if tables is None else [tb[table_index(M, i)].view(1, 1, -1) for tb in tables]
                 n = np.full(B, T, dtype=np.int64)
-                h = self._apply_block(h, mods, None, self._attends(hooks, i, None, n))
+                h = self.layers(h, self.loop_mods(tables, i, M), None, self._attends(hooks, i, None, n))
                 if hooks is not None:
                     hooks.loop_done(i, n)
                 continue
@@ -183,12 +176,8 @@ class LoopedLM(nn.Module):
                     order = torch.sort((~active).to(torch.uint8), dim=1, stable=True).indices[:, :Tm]  # (B, Tm)
                     gidx = order[..., None].expand(B, Tm, d)
                     hc, dep = _GatherRows.apply(h, gidx), depth.gather(1, order)  # (B, Tm, d), (B, Tm)
-                if tables is not None:  # rows picked by index: no per-token (Tm, 4d) kept for backward
-                    ti = table_index(dep, i)  # (B, Tm)
-                    mods = [RowMod(tb, ti) for tb in tables]
-                else:
-                    mods = None
-                out = self._apply_block(hc, mods, None, self._attends(hooks, i, order, n))  # causal among A_i
+                mods = self.loop_mods(tables, i, M, dep)  # rows by index: no per-token (Tm, 4d) kept for backward
+                out = self.layers(hc, mods, None, self._attends(hooks, i, order, n))  # causal among A_i
                 if cont is not None:
                     s = cont[..., i - 1] if order is None else cont[..., i - 1].gather(1, order)
                     s = s.to(out.dtype)[..., None]
@@ -205,8 +194,7 @@ class LoopedLM(nn.Module):
                 causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
                 eye = torch.eye(T, dtype=torch.bool, device=h.device)
                 mask = ((causal[None] & active[:, None, :]) | eye[None])[:, None]  # (B, 1, T, T)
-                mods = None if tables is None else [tb[table_index(depth, i)] for tb in tables]
-                out = self._apply_block(h, mods, mask)
+                out = self.layers(h, self.loop_mods(tables, i, M, depth, by_index=False), mask)
                 if cont is not None:
                     s = cont[..., i - 1].to(out.dtype)[..., None]
                     out = h + (out - h) * (1 + s - s.detach())
@@ -228,8 +216,10 @@ class LoopedLM(nn.Module):
         pos = torch.arange(pos_offset, pos_offset + T, device=idx.device)
         return self.wte(idx) + self.wpe(pos)[None]
 
-    def route(self, h0: torch.Tensor) -> RouterOutput | None:
-        return self.router(h0) if (self.router is not None and self.use_router) else None
+    def route(self, h0: torch.Tensor, router: bool = True) -> RouterOutput | None:
+        """The router's output for h0 (B, T, d), or None without a router or with router=False (every token
+        then runs the whole budget: with the same weights, t-loopformer becomes loopformer)."""
+        return self.router(h0) if (self.router is not None and router) else None
 
 
     def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,44 +227,54 @@ class LoopedLM(nn.Module):
         return self.lm_head(hf), hf
 
     def final_states(self, h0: torch.Tensor, r: RouterOutput | None, delta: torch.Tensor,
-                     counts: np.ndarray | None = None):
+                     counts: np.ndarray | None = None, threshold: float | None = None,
+                     gather_scatter: bool | None = None):
         """One pass with schedule delta (budget M = len(delta)) from h0 (B, T, d): returns the final states
         before the norm (B, T, d) and the per-token depth (B, T) int64 in 1..M (all M without a router).
-        counts: `active_counts` of a depth map of budget >= M from the same router output (None: read here)."""
+        counts: `active_counts` of a depth map of budget >= M from the same router output (None: read here).
+        threshold: the router's exit threshold (default `cfg.router_threshold`); gather_scatter as run_loops."""
         M = delta.numel()
-        depth = None if r is None else r.depth(M, self.cfg.router_threshold)
+        depth = None if r is None else r.depth(M, self._theta(threshold))
         cont = r.cont if (r is not None and self.cfg.router_ste) else None
-        h = self.run_loops(h0, delta, depth, cont, counts=counts)
+        h = self.run_loops(h0, delta, depth, cont, counts=counts, gather_scatter=gather_scatter)
         if depth is None:
             depth = torch.full(h0.shape[:2], M, dtype=torch.long, device=h0.device)
         return h, depth
 
-    def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor, counts=None):
-        h, depth = self.final_states(h0, r, delta, counts)
+    def _theta(self, threshold: float | None) -> float:
+        return self.cfg.router_threshold if threshold is None else float(threshold)
+
+    def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor, counts=None, threshold=None, gather_scatter=None):
+        h, depth = self.final_states(h0, r, delta, counts, threshold, gather_scatter)
         logits, hf = self.head(h)
         return logits, hf, depth
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loops: int | None = None,
-                objective: bool | None = None, shortcut: torch.Tensor | None = None) -> LoopedLMOutput:
+                objective: bool | None = None, shortcut: torch.Tensor | None = None, *, router: bool = True,
+                threshold: float | None = None, gather_scatter: bool | None = None) -> LoopedLMOutput:
         """idx (B, T) tokens; targets (B, T) next tokens (-1 ignored) or None; loops = budget M <= L
         (default L; elastic inference uses the uniform schedule 1/M and clips router depth at M).
         objective: compute the training objective (full + shortcut pass + alignment); default = training
         mode with targets and M = L. shortcut: (S,) positive ints summing to L (default: sampled from
-        torch's global RNG)."""
+        torch's global RNG). The ablations' switches are arguments of the call, never model state:
+        router=False runs every token through the whole budget (the router is not consulted); threshold
+        overrides `cfg.router_threshold`; gather_scatter overrides `cfg.gather_scatter` (False: the dense
+        masked reference)."""
         L = self.cfg.loops
         M = loops or L
         assert 1 <= M <= L, f"loop budget {M} must lie in 1..{L}"
         if objective is None:
             objective = self.training and targets is not None and M == L
         h0 = self.embed(idx)
-        r = self.route(h0)
+        r = self.route(h0, router)
         # |A_i| of every loop of both passes from one host read: the shortcut pass's depth at budget S is
         # min(depth, S) (p(i) is non-increasing in i), so its active sets are this pass's first S.
         counts = None
-        if r is not None and self.cfg.gather_scatter:
-            counts = active_counts(r.depth(M, self.cfg.router_threshold), M)
-        logits, hf, depth = self._pass(h0, r, uniform(M), counts)
-        out = LoopedLMOutput(logits=logits, depth=depth, hidden=hf)
+        gs = self.cfg.gather_scatter if gather_scatter is None else gather_scatter
+        if r is not None and gs:
+            counts = active_counts(r.depth(M, self._theta(threshold)), M)
+        logits, hf, depth = self._pass(h0, r, uniform(M), counts, threshold, gs)
+        out = LoopedLMOutput(logits=logits, depth=depth)
         out.stats.update({f"full/{k}": v for k, v in depth_stats(depth, M).items()})
         if targets is None:
             return out
@@ -287,7 +287,7 @@ class LoopedLM(nn.Module):
             else:
                 k = shortcut
                 assert int(k.sum()) == L and bool((k > 0).all()), f"shortcut schedule {k.tolist()} must be positive, sum {L}"
-            logits_s, hf_s, depth_s = self._pass(h0, r, k.double() / L, counts)
+            logits_s, hf_s, depth_s = self._pass(h0, r, k.double() / L, counts, threshold, gs)
             loss_S = F.cross_entropy(logits_s.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
             if self.cfg.align_target == "logits":
                 align = F.mse_loss(logits_s.float(), logits.detach().float())

@@ -156,6 +156,7 @@ def run(cfg: Config) -> TrainResult:
     from pipeline.model import LoopedLM
     from pipeline.train import determinism, ds
     from pipeline.train.data import TrainLoader, ValLoader
+    from pipeline.train.ac import apply_ac
 
     device_kind = ds.resolve_device(cfg)
     precision = ds.resolve_precision(cfg, device_kind)
@@ -178,7 +179,7 @@ def run(cfg: Config) -> TrainResult:
     # (ZeRO-3 gathers parameters per block call, so all ranks must run the same number of loops).
     ckpt.set_rng_state(_seeded_rng(cfg.train.seed))
     model = LoopedLM(cfg.model)
-    model.activation_checkpointing = cfg.train.activation_checkpointing
+    apply_ac(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         from pipeline.train.compile import apply_compile
         apply_compile(model)
