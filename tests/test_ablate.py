@@ -4,6 +4,7 @@ import json
 import numpy as np
 import torch
 from click.testing import CliRunner
+from helpers import spread_router
 
 from data_prep.shards import write_shard
 from pipeline.cli import main
@@ -16,9 +17,7 @@ def test_ablate_tiny_checkpoint(tmp_path):
     torch.manual_seed(0)
     cfg = load_config("tiny/t-loopformer", ["model.block_size=32", f"data.dir={tmp_path / 'val'}"])
     model = LoopedLM(cfg.model)
-    with torch.no_grad():  # a router that spreads tokens over depths, as a trained one does
-        model.router.fc1.weight.normal_(0, 5.0)
-        model.router.fc2.weight.normal_(0, 3.0)
+    spread_router(model)  # a router that spreads tokens over depths, as a trained one does
     save_model(tmp_path / "ckpt", model, cfg)
     (tmp_path / "val").mkdir()
     write_shard(tmp_path / "val" / "v_val_000000.bin", np.random.default_rng(0).integers(0, 50256, 600))

@@ -5,6 +5,7 @@ import pytest
 import tiktoken
 import torch
 from click.testing import CliRunner
+from helpers import spread_router
 
 from pipeline.cli import main
 from pipeline.config import load_config
@@ -24,9 +25,7 @@ def make(variant="t-loopformer", seed=0):
         for layer in model.layers:
             if layer.modulated:
                 layer.modulator[1].weight.normal_(0, 0.05)
-        if model.router is not None:
-            model.router.fc1.weight.normal_(0, 5.0)
-            model.router.fc2.weight.normal_(0, 3.0)
+        spread_router(model, seed)  # (before wte is scaled: the recipe reads h0 at its init scale)
         model.wte.weight.mul_(20)  # sharper logits: greedy choices are far from ties
     return model.eval(), cfg
 
