@@ -10,11 +10,12 @@ from pipeline.model import LoopedLM, RouterOutput
 from pipeline.model.router import depth_prior
 from pipeline.model.schedule import sample_shortcut, table_index, time_table, uniform
 from pipeline.train.ac import apply_ac, checkpointed_mode
+from tests.helpers import spread_router
 
 torch.set_num_threads(1)
 
 
-def make(variant="t-loopformer", *overrides, perturb=True, seed=0):
+def make(variant="t-loopformer", *overrides, perturb=True, seed=1):
     """A tiny model; perturb=True makes modulators non-zero and router depths diverse."""
     torch.manual_seed(seed)
     cfg = load_config(f"tiny/{variant}", list(overrides)).model
@@ -25,10 +26,7 @@ def make(variant="t-loopformer", *overrides, perturb=True, seed=0):
                 if layer.modulated:
                     layer.modulator[1].weight.normal_(0, 0.05)
                     layer.modulator[1].bias.normal_(0, 0.05)
-            if model.router is not None:  # peaky softmax -> tokens spread over all depths
-                model.router.fc1.weight.normal_(0, 5.0)
-                model.router.fc2.weight.normal_(0, 3.0)
-                model.router.fc2.bias.normal_(0, 1.0)
+        spread_router(model, seed)  # peaky softmax -> tokens spread over all depths
     return model
 
 
@@ -207,12 +205,12 @@ def test_budget_init_spreads_depth_and_gives_the_router_gradient_at_step_one():
     differ across tokens, several depths are in use and the router learns from the first step."""
     idx, tgt = batch(B=4, T=64)
     k = torch.tensor([2, 2])
-    paper = make("t-loopformer", perturb=False).train()
+    paper = make("t-loopformer", perturb=False, seed=0).train()
     r = paper.route(paper.embed(idx))
     assert float(r.logits.detach().std(dim=(0, 1)).max()) < 1e-2
     paper(idx, tgt, shortcut=k).loss.backward()
     assert float(paper.router.fc1.weight.grad.abs().sum()) == 0.0
-    model = make("t-loopformer", "model.router_recipe=budget", "model.router_target_depth=2.5", perturb=False).train()
+    model = make("t-loopformer", "model.router_recipe=budget", "model.router_target_depth=2.5", perturb=False, seed=0).train()
     r = model.route(model.embed(idx))
     pi_mean = torch.softmax(r.logits.float(), -1).mean((0, 1))
     q = depth_prior(4, 2.5).float()

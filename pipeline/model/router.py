@@ -108,9 +108,11 @@ class Router(nn.Module):
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
         logits = self.fc2(F.gelu(self.fc1(x)))  # (B, T, L)
         pi = torch.softmax(logits.float(), dim=-1)
-        # p(i) = sum_{l >= i} pi_l: reverse cumulative sum; p(1) is 1 by definition (set exactly).
+        # p(i) = sum_{l >= i} pi_l: reverse cumulative sum; p(1) is 1 by definition (set exactly). The suffix
+        # sums are non-increasing in floating point too (each adds a term >= 0), but p(2) can round above 1
+        # when pi_1 is tiny: capped, so p is non-increasing from p(1) on.
         cont = pi.flip(-1).cumsum(-1).flip(-1)
-        cont = torch.cat([torch.ones_like(cont[..., :1]), cont[..., 1:]], dim=-1)
+        cont = torch.cat([torch.ones_like(cont[..., :1]), cont[..., 1:].clamp_max(1.0)], dim=-1)
         return RouterOutput(logits=logits, cont=cont)
 
     def aux_loss(self, r: RouterOutput) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
