@@ -139,13 +139,14 @@ def test_naive_loop_ee_is_the_base_loop_checkpoint_under_its_own_name(env, tmp_p
     run carry the naive-loop-ee name and link the base-loop training run; compare shows its rows under it."""
     from mlflow.tracking import MlflowClient
     from evaluation.compare import run as compare
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = f"sqlite:///{env / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
-    train_run = client.create_run(client.create_experiment("tlf"), tags={"variant": "base-loop"}).info.run_id
+    exp = client.get_experiment_by_name("train") or client.get_experiment(client.create_experiment("train"))
+    train_run = client.create_run(exp.experiment_id, tags={"variant": "base-loop"}).info.run_id
     export = tmp_path / "base-loop"
     shutil.copytree(env / "base-loop", export)
     (export / "run.json").write_text(json.dumps({"mlflow_run_id": train_run, "tracking_uri": uri, "step": 3}))
-    ov = overrides(env, tasks="[copa]", perplexity="false", out_dir=str(tmp_path / "o")) + [f"logging.tracking_uri={uri}"]
+    ov = overrides(env, tasks="[copa]", perplexity="false", out_dir=str(tmp_path / "o"))
     res = run(export, ov, loops="2", variant="naive-loop-ee", log=lambda *a: None)
     assert res["model"]["variant"] == "naive-loop-ee" and res["model"]["trained_as"] == "base-loop"
     assert res["mlflow_run_id"] != train_run and res["mlflow_run"] == "new run"
@@ -153,7 +154,7 @@ def test_naive_loop_ee_is_the_base_loop_checkpoint_under_its_own_name(env, tmp_p
     assert tags["variant"] == "naive-loop-ee" and tags["train_run_id"] == train_run
     assert not client.get_run(train_run).data.metrics  # the base-loop run's own evaluation keys stay free
     assert "| Naive-Loop-EE (2 ⊗ 2) |" in (tmp_path / "o" / "table1.md").read_text()
-    t1 = compare(uri, ("tlf",), {}, (), tmp_path / "cmp").tables[0]
+    t1 = compare(uri, run_ids=(res["mlflow_run_id"],), out=tmp_path / "cmp").tables[0]
     assert [r[0] for r in t1.rows] == ["naive-loop-ee (M=2)"]
     assert t1.rows[0][t1.columns.index("COPA")] == pytest.approx(100 * res["budgets"][0]["tasks"]["copa"]["acc"])
     with pytest.raises(ConfigError, match="--variant naive-loop-ee: evaluates a base-loop checkpoint, this one is t-loopformer"):

@@ -1,13 +1,10 @@
-"""evaluation/results.py: results.json round-trips, the MLflow keys flatten and read back to the same structure,
-and `tlf compare` gives the same tables from a run's metrics as from its results.json artifact."""
+"""evaluation/results.py: results.json round-trips, the MLflow keys flatten and read back to the same structure
+(tests/test_compare.py: compare gives the same tables from a run's metrics as from its results.json artifact)."""
 import copy
 import json
 
 import pytest
-from mlflow.entities import Metric
-from mlflow.tracking import MlflowClient
 
-from evaluation import compare
 from evaluation import results as R
 from evaluation.tasks import TASK_ORDER
 
@@ -17,7 +14,7 @@ def _task(acc, norm=None):
     return t if norm is None else {**t, "acc_norm": norm, "acc_norm_stderr": 0.02}
 
 
-def _results() -> R.Results:
+def results_fixture() -> R.Results:
     def budget(M, scale):
         return {"loops": M, "effective_loops": M,
                 "tasks": {"copa": _task(0.5 * scale), "piqa": _task(0.6 * scale, 0.7 * scale),
@@ -36,7 +33,7 @@ def _results() -> R.Results:
 
 
 def test_file_round_trip_and_the_mlflow_keys(tmp_path):
-    res = _results()
+    res = results_fixture()
     R.write(tmp_path / "r" / "results.json", res)
     assert R.read(tmp_path / "r" / "results.json") == res
     assert not [p for p in (tmp_path / "r").iterdir() if p.name != "results.json"]  # no temporary left behind
@@ -51,7 +48,7 @@ def test_file_round_trip_and_the_mlflow_keys(tmp_path):
 
 
 def test_flatten_then_read_gives_the_measured_structure():
-    res = _results()
+    res = results_fixture()
     back = R.from_metrics(dict(reversed(list(R.flatten(res).items()))), "t-loopformer", "acc")  # any key order
     want = copy.deepcopy(res)
     for b in want["budgets"]:  # what MLflow carries: the numbers
@@ -71,7 +68,7 @@ def test_flatten_then_read_gives_the_measured_structure():
 
 
 def test_the_stored_average_is_used_unless_another_metric_is_asked_for():
-    res = _results()
+    res = results_fixture()
     b = res["budgets"][0]
     assert R.budget_average(res, b, "acc") == 0.123  # stored (deliberately not the mean of the tasks)
     assert R.budget_average(res, b, "acc_norm") == pytest.approx((0.5 + 0.7 + 0.3) / 3)
@@ -88,27 +85,3 @@ def test_run_record_and_bad_files(tmp_path):
     (tmp_path / "results.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"results.json: not a tlf results file"):
         R.read(tmp_path / "results.json")
-
-
-def test_compare_reads_the_artifact_or_the_metrics_to_the_same_tables(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("res")
-    res = _results()
-    path = R.write(tmp_path / "eval" / "results.json", res)
-    for variant, with_metrics, with_artifact in (("loopformer", True, False), ("t-loopformer", False, True),
-                                                 ("tmlt", True, True)):
-        run = client.create_run(exp, tags={"variant": variant}).info.run_id
-        flat = R.flatten(res) if with_metrics else {"eval/M2/avg_acc": 0.0}  # the artifact must win over this
-        client.log_batch(run, metrics=[Metric(k, v, 0, 0) for k, v in flat.items()])
-        if with_artifact:
-            client.log_artifact(run, str(path), artifact_path=R.ARTIFACT_DIR)
-    out = compare.run(uri, ("res",), {}, (), tmp_path / "cmp")
-    for t in out.tables[:2]:
-        rows = {}
-        for r in t.rows:
-            rows.setdefault(r[0].split(" (")[0], []).append(r[1:])
-        assert rows["loopformer"] == rows["t-loopformer"] == rows["tmlt"], t.title
-    t1 = out.tables[0]
-    assert t1.rows[0][t1.columns.index("Avg")] == pytest.approx(12.3)  # the stored average, x100
-    assert t1.columns[1:3] == ["PPL demo", "PPL demo-enwiki"]
