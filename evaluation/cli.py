@@ -23,8 +23,10 @@ from pipeline.config import ConfigError
 @click.option("--out", "out_dir", default=None, help="Output directory.")
 @click.option("--config", "config", default=None, help="Refuse a checkpoint whose model differs from this preset.")
 @click.option("--device", default=None, help="cpu, cuda or auto (default: train.device).")
+@click.option("--variant", default=None,
+              help="Label the results as this variant of the same trained model (naive-loop-ee: a base-loop checkpoint).")
 def eval_cmd(checkpoint, overrides, loops, tasks, limit, batch_size, source, race_file, ppl_tokens, stride, no_ppl,
-             no_latency, no_mlflow, out_dir, config, device):
+             no_latency, no_mlflow, out_dir, config, device, variant):
     """Evaluate CHECKPOINT: perplexity, the ten zero-shot tasks, depth distribution and latency per budget."""
     from evaluation.evaluate import run
     from evaluation.tasks import TaskDataError
@@ -47,7 +49,7 @@ def eval_cmd(checkpoint, overrides, loops, tasks, limit, batch_size, source, rac
     if no_ppl:
         ov.append("eval.depth=false")
     try:
-        run(checkpoint, ov, loops=loops, config=config, device=device, log=click.echo)
+        run(checkpoint, ov, loops=loops, config=config, device=device, variant=variant, log=click.echo)
     except (TaskDataError, FileNotFoundError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise

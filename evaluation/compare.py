@@ -1,9 +1,12 @@
 """`tlf compare`: the paper's tables and figures from MLflow runs, side by side for the eight variants.
 
 Training runs (`tlf train`) log `loss`, `val/loss`, `tokens_per_s`, `mfu`, `mem/*` and `router/*`; evaluation
-runs (`tlf eval`, or eval metrics logged into the training run) log `eval/M{M}/...`. Runs are grouped by
-their `variant` tag; for each variant the newest run that has training metrics and the newest that has
-evaluation metrics are used (one run may be both). A metric a run lacks is a blank cell, never an error.
+runs (`tlf eval`, or eval metrics logged into the training run) log `eval/M{M}/...` and the `eval/results.json`
+artifact. Runs are grouped by their `variant` tag; for each variant the newest run that has training metrics
+and the newest that has evaluation metrics are used (one run may be both). An evaluation is read through
+`evaluation/results.py` (the artifact, else the metrics), never by parsing key names here. naive-loop-ee has
+no training run of its own: `tlf sweep` evaluates the base-loop checkpoint under its name. A metric a run
+lacks is a blank cell, never an error.
 
 Outputs, in `--out`: `compare.md` (all tables), `table1.csv`, `table2.csv`, `table3.csv`, and PNG plots
 `loss_curves.png`, `ppl_vs_loops.png`, `depth_distribution.png`, `throughput.png`.
@@ -12,21 +15,17 @@ from __future__ import annotations
 
 import csv
 import math
-import re
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
 
+from evaluation import results as R
 from evaluation.figures import pyplot, save
 
 from pipeline import tracking
 from pipeline.config import VARIANTS
-
-TASK_COLUMNS = [("copa", "COPA"), ("hellaswag", "HellaSwag"), ("lambada_openai", "LAMBADA"), ("openbookqa", "OBQA"),
-                ("piqa", "PIQA"), ("race", "RACE"), ("sciq", "SciQ"), ("arc_challenge", "ARC-C"),
-                ("social_iqa", "SIQA"), ("arc_easy", "ARC-E")]
-_EVAL_KEY = re.compile(r"^eval/M(\d+)/")
 
 
 @dataclass
@@ -37,6 +36,7 @@ class Run:
     start_time: int
     tags: dict
     metrics: dict  # last value of every metric
+    results: R.Results | None = None  # the evaluation, loaded for the selected evaluation runs
 
     @property
     def has_train(self) -> bool:
@@ -44,10 +44,10 @@ class Run:
 
     @property
     def has_eval(self) -> bool:
-        return any(k.startswith("eval/") for k in self.metrics)
+        return R.has_eval(self.metrics)
 
-    def budgets(self) -> list[int]:
-        return sorted({int(m.group(1)) for k in self.metrics if (m := _EVAL_KEY.match(k))})
+    def budgets(self) -> list[R.Budget]:
+        return sorted(self.results["budgets"], key=lambda b: b["loops"]) if self.results else []
 
 
 def collect_runs(tracking_uri: str, experiments: list[str], tags: dict[str, str], run_ids: list[str]) -> list[Run]:
@@ -79,13 +79,17 @@ class Selection:
         return [v for v in VARIANTS if v in seen] + sorted(seen - set(VARIANTS))
 
 
-def select(runs: list[Run]) -> Selection:
+def select(runs: list[Run], client=None) -> Selection:
+    """The newest training and evaluation run per variant; with a client, the evaluations' results are loaded."""
     sel = Selection()
     for r in runs:  # newest first
         if r.has_train:
             sel.train.setdefault(r.variant, r)
         if r.has_eval:
             sel.eval.setdefault(r.variant, r)
+    for r in sel.eval.values():
+        if r.results is None:
+            r.results = R.load_run(client, r.run_id, r.tags, r.metrics)
     return sel
 
 
@@ -143,53 +147,51 @@ class Table:
 
 
 def _ppl_sets(runs: list[Run]) -> list[str]:
-    sets = []
+    sets: list[str] = []
     for r in runs:
-        for k in r.metrics:
-            m = re.match(r"^eval/M\d+/ppl/(.+)/ppl$", k)
-            if m and m.group(1) not in sets:
-                sets.append(m.group(1))
+        for b in r.budgets():
+            sets += [k for p in b.get("perplexity", []) if (k := R.ppl_key(p["set"])) not in sets]
     return sets
+
+
+def _ppl(b: R.Budget, s: str) -> float | None:
+    return next((p.get("ppl") for p in b.get("perplexity", []) if R.ppl_key(p["set"]) == s), None)
 
 
 def table1(sel: Selection, metric: str = "acc") -> Table:
     """Perplexities, ten accuracies (x100) and their average, one row per variant and loop budget."""
     runs = [sel.eval[v] for v in sel.variants() if v in sel.eval]
     sets = _ppl_sets(runs)
-    cols = ["Model (M)"] + [f"PPL {s}" for s in sets] + [label for _, label in TASK_COLUMNS] + ["Avg"]
+    cols = ["Model (M)"] + [f"PPL {s}" for s in sets] + list(R.TASK_LABELS.values()) + ["Avg"]
     rows = []
     for r in runs:
-        for M in r.budgets():
-            pre = f"eval/M{M}/"
-            ppl = [r.metrics.get(f"{pre}ppl/{s}/ppl") for s in sets]
-            accs = []
-            for task, _ in TASK_COLUMNS:
-                v = r.metrics.get(f"{pre}{task}/{metric}", r.metrics.get(f"{pre}{task}/acc"))
-                accs.append(None if v is None else 100 * v)
-            got = [a for a in accs if a is not None]
-            rows.append([f"{r.variant} (M={M})"] + ppl + accs + [sum(got) / len(got) if got else None])
+        for b in r.budgets():
+            tasks = b.get("tasks", {})
+            accs = [R.table_accuracy(tasks[t], metric) if t in tasks else None for t in R.TASK_LABELS]
+            avg = R.budget_average(r.results, b, metric)
+            rows.append([f"{r.variant} (M={b['loops']})"] + [_ppl(b, s) for s in sets]
+                        + [None if a is None else 100 * a for a in accs] + [None if avg is None else 100 * avg])
     return Table("Table 1: perplexity and zero-shot accuracy", cols, rows,
-                 ["low"] * len(sets) + ["high"] * (len(TASK_COLUMNS) + 1), [".2f"] * (len(cols) - 1))
+                 ["low"] * len(sets) + ["high"] * (len(R.TASK_LABELS) + 1), [".2f"] * (len(cols) - 1))
 
 
 def table2(sel: Selection) -> Table:
     """Decoding latency per variant and budget: TPOT (ms/token) and TTFT (ms) at each measured size."""
     runs = [sel.eval[v] for v in sel.variants() if v in sel.eval]
-    keys: list[str] = []
+    keys: list[tuple[str, str]] = []  # (tpot_ms | ttft_ms, size)
     for r in runs:
-        for k in r.metrics:
-            m = re.match(r"^eval/M\d+/latency/((tpot|ttft)_ms_[A-Z]\d+)$", k)
-            if m and m.group(1) not in keys:
-                keys.append(m.group(1))
-    keys.sort(key=lambda k: (k.startswith("ttft"), int(re.sub(r"\D", "", k.split("_")[-1]))))
-    cols = ["Model (M)"] + [k.replace("_ms_", " ms ").replace("tpot", "TPOT").replace("ttft", "TTFT") for k in keys] \
-        + ["decode depth"]
+        for b in r.budgets():
+            lat = b.get("latency") or {}
+            keys += [(k, n) for k in ("tpot_ms", "ttft_ms") for n in lat.get(k) or {} if (k, n) not in keys]
+    keys.sort(key=lambda kn: (kn[0] == "ttft_ms", int(kn[1])))
+    cols = ["Model (M)"] + [f"{k[:4].upper()} ms {'B' if k == 'tpot_ms' else 'P'}{n}" for k, n in keys] + ["decode depth"]
     rows = []
     for r in runs:
-        for M in r.budgets():
-            vals = [r.metrics.get(f"eval/M{M}/latency/{k}") for k in keys]
+        for b in r.budgets():
+            lat = b.get("latency") or {}
+            vals = [(lat.get(k) or {}).get(n) for k, n in keys]
             if any(v is not None for v in vals):
-                rows.append([f"{r.variant} (M={M})"] + vals + [r.metrics.get(f"eval/M{M}/latency/decode_mean_depth")])
+                rows.append([f"{r.variant} (M={b['loops']})"] + vals + [lat.get("decode_mean_depth")])
     return Table("Table 2: decoding latency", cols, rows, ["low"] * len(keys) + [""], [".3f"] * len(keys) + [".2f"])
 
 
@@ -245,7 +247,7 @@ def plot_all(sel: Selection, tracking_uri: str, out: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
         for ax, s in zip(axes[0], sets):
             for v, r in runs.items():
-                pts = [(M, r.metrics.get(f"eval/M{M}/ppl/{s}/ppl")) for M in r.budgets()]
+                pts = [(b["loops"], _ppl(b, s)) for b in r.budgets()]
                 pts = [(M, p) for M, p in pts if p is not None]
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=v)
@@ -253,17 +255,16 @@ def plot_all(sel: Selection, tracking_uri: str, out: Path) -> list[Path]:
             ax.grid(alpha=0.3), ax.legend(fontsize=7)
         paths.append(save(fig, out / "ppl_vs_loops.png"))
 
-    depth_runs = {v: r for v, r in runs.items() if any("/depth/share_" in k for k in r.metrics)}
-    if depth_runs:  # depth distribution (router variants at their largest budget)
+    depth = {v: b for v, r in runs.items() if (b := max((b for b in r.budgets() if b.get("depth")),
+                                                         key=lambda b: b["loops"], default=None))}
+    if depth:  # depth distribution (router variants at their largest budget)
         fig, ax = plt.subplots(figsize=(6, 4))
-        shown = [v for v in depth_runs if v == "t-loopformer"] or list(depth_runs)[:1]
+        shown = [v for v in depth if v == "t-loopformer"] or list(depth)[:1]
         for v in shown:
-            r = depth_runs[v]
-            M = max(r.budgets())
-            shares = [r.metrics.get(f"eval/M{M}/depth/share_{i}", 0.0) for i in range(1, M + 1)]
-            ax.bar(range(1, M + 1), [100 * s for s in shares], label=f"{v} (M={M}, mean "
-                   f"{r.metrics.get(f'eval/M{M}/depth/mean', float('nan')):.2f})")
-        ax.set_xticks(range(1, max(max(r.budgets()) for r in depth_runs.values()) + 1))
+            M, d = depth[v]["loops"], depth[v]["depth"]
+            shares = (list(d["share"]) + [0.0] * M)[:M]
+            ax.bar(range(1, M + 1), [100 * s for s in shares], label=f"{v} (M={M}, mean {d['mean']:.2f})")
+        ax.set_xticks(range(1, max(b["loops"] for b in depth.values()) + 1))
         ax.set_xlabel("loops per token"), ax.set_ylabel("share of tokens (%)"), ax.set_title("depth distribution")
         ax.legend(fontsize=7)
         paths.append(save(fig, out / "depth_distribution.png"))
@@ -290,8 +291,9 @@ class CompareResult:
 
 def run(tracking_uri: str = "", experiments: tuple[str, ...] = ("tlf",), tags: dict | None = None,
         run_ids: tuple[str, ...] = (), out: str | Path = "compare", metric: str = "acc") -> CompareResult:
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one results.json per run: no bars
     runs = collect_runs(tracking_uri, list(experiments), tags or {}, list(run_ids))
-    sel = select(runs)
+    sel = select(runs, tracking.client(tracking_uri))
     outd = Path(out)
     outd.mkdir(parents=True, exist_ok=True)
     tables = [table1(sel, metric), table2(sel), table3(sel)]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from pipeline.config import Config, ConfigError, load_config
+from pipeline.config import VARIANTS, Config, ConfigError, load_config, trained_variant
 from pipeline.device import resolve_device
 from pipeline.model.io import find_export, load_model
 
-from evaluation import report
+from evaluation import report, results
 from evaluation.depth import depth_chart
 from evaluation.perplexity import TokenStream, perplexity
 from evaluation.latency import measure_latency
@@ -66,6 +66,22 @@ def check_config(cfg: Config, expected: str | None) -> None:
         raise ConfigError(f"checkpoint is not a {expected} model: " + "; ".join(diffs[:6]))
 
 
+def relabel(cfg: Config, variant: str | None) -> str | None:
+    """Evaluate the checkpoint as `variant` (naive-loop-ee: a base-loop checkpoint read at M < L, no training
+    run of its own): checks the checkpoint is the model that variant trains as, renames cfg.model.variant and
+    returns the checkpoint's own variant (None when not relabelled)."""
+    if not variant or variant == cfg.model.variant:
+        return None
+    if variant not in VARIANTS:
+        raise ConfigError(f"--variant: {variant!r} is not one of {', '.join(VARIANTS)}")
+    if trained_variant(variant) != cfg.model.variant:
+        raise ConfigError(f"--variant {variant}: evaluates a {trained_variant(variant)} checkpoint, this one is "
+                          f"{cfg.model.variant}")
+    own, cfg.model.variant = cfg.model.variant, variant
+    cfg.model.validate()
+    return own
+
+
 def pick_device(cfg: Config, device: str | None) -> str:
     """--device if given, else train.device (pipeline.device.resolve_device)."""
     if device:
@@ -78,15 +94,18 @@ def ppl_dirs(cfg: Config) -> list[str]:
 
 
 def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, config: str | None = None,
-        device: str | None = None, model=None, cfg: Config | None = None, log=print) -> dict:
+        device: str | None = None, model=None, cfg: Config | None = None, variant: str | None = None,
+        log=print) -> results.Results:
     """Evaluates `checkpoint` (export, checkpoint or run dir). `overrides` are `section.key=value` strings
     applied to the checkpoint's config (e.g. eval.tasks=[copa], eval.limit=20, eval.source=offline);
-    `loops` '2,4,8' or a list. Returns the result dict (also written to <out_dir>/results.json)."""
+    `loops` '2,4,8' or a list; `variant` labels the results as another variant of the same trained model
+    (`relabel`). Returns the results (evaluation/results.py's schema, also written to <out_dir>/results.json)."""
     t_start = time.time()
     export = find_export(checkpoint)
     if model is None or cfg is None:
         model, cfg = load_model(export, "cpu", list(overrides))
     check_config(cfg, config)
+    trained_as = relabel(cfg, variant)
     dev = pick_device(cfg, device)
     model = model.to(dev).eval()
     budgets = resolve_budgets(cfg, parse_loops(loops))
@@ -104,16 +123,16 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
     log(f"eval: {len(tasks)} tasks, {len(streams)} perplexity sets loaded in {load_s:.1f}s; budgets "
         f"{[m for m, _ in budgets]} on {dev}")
 
-    name = cfg.name or export.name
+    name = (cfg.name or export.name) + (f"-as-{cfg.model.variant}" if trained_as else "")
     out_dir = Path(ev.out_dir) if ev.out_dir else Path("out") / "eval" / name.replace("/", "_") / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     scorer = Scorer(model, ev.batch_size, dev)
     files: list[Path] = []
-    result = {
+    result: results.Results = {
         "checkpoint": str(Path(checkpoint)), "export": str(export), "config_name": cfg.name,
         "model": {"variant": cfg.model.variant, "n_layers": cfg.model.n_layers, "loops": cfg.model.loops,
                   "router": cfg.model.router, "block_size": cfg.model.block_size,
-                  "params": model.num_params()},
+                  "params": model.num_params(), **({"trained_as": trained_as} if trained_as else {})},
         "device": dev, "limit": ev.limit, "source": ev.source, "table_metric": ev.table_metric,
         "ppl_sets": [s.name for s in streams], "budgets": [],
     }
@@ -138,7 +157,7 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
             log(f"  M={m_req} {n} ({r['split']}): " + ", ".join(f"{k}={v:.4f}" for k, v in r.items()
                                                                  if isinstance(v, float))
                 + (f"  [{r['note']}]" if r.get("note") else ""))
-        avg, n_avg = report.average_accuracy(b["tasks"], ev.table_metric)
+        avg, n_avg = results.average_accuracy(b["tasks"], ev.table_metric)
         b["avg_acc"], b["avg_acc_tasks"] = avg, n_avg
         for i, st in enumerate(streams):
             t0 = time.time()
@@ -164,13 +183,17 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
     result["wall_s"] = round(time.time() - t_start, 3)
     md = out_dir / "table1.md"
     md.write_text(report.table1_markdown(result))
-    result["files"] = {"json": str(out_dir / "results.json"), "table": str(md), "charts": [str(f) for f in files]}
-    files = [out_dir / "results.json", md] + files
-    report.write_json(out_dir / "results.json", result)
+    out_json = out_dir / results.RESULTS_FILE
+    result["files"] = {"json": str(out_json), "table": str(md), "charts": [str(f) for f in files]}
+    files = [out_json, md] + files
+    results.write(out_json, result)
     if ev.mlflow:
-        run_id, step = report.checkpoint_run_id(export)
+        rec = results.read_run_record(export)
+        run_id, step = (rec.mlflow_run_id, rec.step) if rec else (None, 0)
         tags = {"variant": cfg.model.variant, "preset": cfg.name or "", "checkpoint": str(export),
-                "kind": "eval", "run_name": f"eval-{name}"}
+                "kind": "eval", "run_name": f"eval-{name}", "table_metric": ev.table_metric}
+        if trained_as and run_id:  # another variant's rows: its own run, linked to the training run
+            tags["train_run_id"], run_id = run_id, None
         first = result["budgets"][0]["tasks"] if result["budgets"] else {}
         tags.update({f"split.{t}": r["split"] for t, r in first.items()})
         result["mlflow_run_id"] = report.log_mlflow(result, files, cfg.logging.tracking_uri, cfg.logging.experiment,
@@ -178,7 +201,7 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
         result["mlflow_run"] = "checkpoint's run" if result["mlflow_run_id"] == run_id else "new run"
         if result.get("mlflow_note"):
             log(f"eval: {result['mlflow_note']}")
-        report.write_json(out_dir / "results.json", result)
+        results.write(out_json, result)
     log("\n" + md.read_text())
-    log(f"eval: wrote {out_dir / 'results.json'} and {md}")
+    log(f"eval: wrote {out_json} and {md}")
     return result

@@ -52,8 +52,8 @@ def config_show(name: str, overrides: tuple[str, ...], doc: bool) -> None:
     click.echo(to_yaml(cfg), nl=False)
 
 
-# Commands that live with their component; each is registered only once its module exists and imports.
-_PLUGINS = [
+# Commands that live with their component (module, click command).
+_COMMANDS = [
     ("data_prep.cli", "prep_data"),
     ("data_prep.cli", "data"),
     ("pipeline.train.cli", "train"),
@@ -66,18 +66,8 @@ _PLUGINS = [
 ]
 
 
-def _register_plugins() -> None:
-    for module, attr in _PLUGINS:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name and (e.name == module or module.startswith(e.name + ".")):
-                continue  # the component is not built yet
-            raise
-        main.add_command(getattr(mod, attr))
-
-
-_register_plugins()
+for _module, _attr in _COMMANDS:
+    main.add_command(getattr(importlib.import_module(_module), _attr))
 
 
 def entry() -> None:

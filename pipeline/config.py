@@ -37,13 +37,40 @@ def _config_dir() -> Path:
 
 CONFIG_DIR = _config_dir()
 SCALES = ("tiny", "small", "paper")
-VARIANTS = ("base", "base-loop", "tmlt", "naive-loop-ee", "base-loop-ee-align", "tmlt-ee", "loopformer",
-            "t-loopformer")
 
 
 # --------------------------------------------------------------------------------------------------
 # Components
 # --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Variant:
+    """What a variant name means (README "Presets"): the model flags that define it, and how it is evaluated."""
+    looped: bool  # model.loops >= 2 (base is the dense J*L x 1 baseline: model.loops == 1)
+    conditioning: str  # model.conditioning
+    shortcut: bool  # model.shortcut: the shortcut pass + alignment loss in the objective
+    router: bool  # model.router
+    early_exit: bool = False  # its Table-1 rows are budgets M < L of a model trained without early-exit terms
+    trains_as: str = ""  # the variant whose trained checkpoint it evaluates (no training run of its own)
+
+
+VARIANT_TABLE = {
+    "base": Variant(False, "none", False, False),
+    "base-loop": Variant(True, "none", False, False),
+    "tmlt": Variant(True, "time", False, False),
+    "naive-loop-ee": Variant(True, "none", False, False, early_exit=True, trains_as="base-loop"),
+    "base-loop-ee-align": Variant(True, "none", True, False),
+    "tmlt-ee": Variant(True, "time", True, False),
+    "loopformer": Variant(True, "time_step", True, False),
+    "t-loopformer": Variant(True, "time_step", True, True),
+}
+VARIANTS = tuple(VARIANT_TABLE)  # the paper's Table-1 order
+
+
+def trained_variant(variant: str) -> str:
+    """The variant whose training run produces `variant`'s checkpoint (naive-loop-ee -> base-loop)."""
+    return VARIANT_TABLE[variant].trains_as or variant
+
+
 @dataclass
 class ModelConfig:
     variant: str = f("t-loopformer", "Variant name (one of the eight presets; tags runs); the flags below define behaviour.")
@@ -81,6 +108,7 @@ class ModelConfig:
     def validate(self) -> None:
         if self.variant not in VARIANTS:
             raise ConfigError(f"model.variant: {self.variant!r} is not one of {', '.join(VARIANTS)}")
+        self._check_variant_flags()
         if self.d_model % self.n_heads:
             raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
         for k in ("vocab_size", "block_size", "d_model", "n_heads", "d_ff", "n_layers", "loops", "fourier_dim"):
@@ -102,6 +130,22 @@ class ModelConfig:
         for k in ("router_balance_weight", "router_entropy_weight", "router_init_std"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"model.{k} must be >= 0, got {getattr(self, k)}")
+
+    def _check_variant_flags(self) -> None:
+        """The flags must be the ones VARIANT_TABLE gives the `variant` name (a run's tag is what it trained)."""
+        v = VARIANT_TABLE[self.variant]
+        if (self.loops >= 2) != v.looped:
+            want = ">= 2" if v.looped else "1 (the dense baseline: set n_layers to J*L)"
+            raise ConfigError(f"model.loops: {self.loops} contradicts model.variant={self.variant} (needs loops {want})")
+        for key in ("conditioning", "shortcut", "router"):
+            if getattr(self, key) != getattr(v, key):
+                raise ConfigError(f"model.{key}: {_yaml_scalar(getattr(self, key))} contradicts model.variant="
+                                  f"{self.variant}, which has {key}={_yaml_scalar(getattr(v, key))} (README 'Presets'); "
+                                  "change the flag or the variant name")
+
+
+def _yaml_scalar(x) -> str:
+    return str(x).lower() if isinstance(x, bool) else str(x)
 
 
 @dataclass

@@ -2,20 +2,22 @@
 
     data (demo corpus -> shards) -> train small base-loop, loopformer, t-loopformer -> eval -> compare
 
-Every stage is the `tlf` command a user would type (printed before it runs); everything the demo writes
-lives under `runs/demo/` (MLflow store, checkpoints, evaluation and comparison outputs) and `data/`.
+Every stage is the `tlf` command a user would type (printed before it runs); the train -> eval -> compare
+stages are `pipeline/orchestrate.py`'s, the same plan `tlf sweep` runs, with the demo's own settings.
+Everything the demo writes lives under `runs/demo/` (MLflow store, checkpoints, evaluation and comparison
+outputs) and `data/`.
 Options: `python -m pipeline.demo --help` (more variants, steps, task limit).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pipeline import orchestrate
 
 DEFAULT_VARIANTS = ("base-loop", "loopformer", "t-loopformer")
 # The demo's t-loopformer trains with the budget router recipe (README "Router training"): the paper's recipe
@@ -25,23 +27,35 @@ DEMO_TASKS = ("copa", "hellaswag", "lambada_openai", "openbookqa", "piqa", "sciq
               "arc_easy")  # RACE has no offline copy: it needs --race-file (see README)
 
 
-def tlf(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", *args]
+def variants_of(a: argparse.Namespace) -> list[str]:
+    return [v.strip() for v in a.variants.split(",") if v.strip()]
 
 
-def stage(title: str, cmd: list[str], log: list) -> float:
-    shown = "tlf " + " ".join(shlex.quote(a) for a in cmd[3:])
-    print(f"\n=== {title}\n$ {shown}", flush=True)
-    t0 = time.time()
-    res = subprocess.run(cmd)
-    dt = time.time() - t0
-    if res.returncode != 0:
-        sys.exit(f"demo: stage '{title}' failed (exit {res.returncode}); command: {shown}")
-    log.append((title, dt))
-    return dt
+def plan(a: argparse.Namespace, work: Path, uri: str) -> list[orchestrate.Stage]:
+    """The demo's stages: the two data sets, then the orchestrator's train -> eval -> compare for `a.variants`."""
+    common = [f"logging.tracking_uri={uri}", "logging.experiment=demo"]
+    data = [orchestrate.Stage("data: demo corpus (State of the Union + Moby-Dick) -> GPT-2 shards",
+                              ["prep-data", "--source", "demo", "--out", "data/demo", "--no-progress"]),
+            orchestrate.Stage("data: enwiki sample -> second-domain validation shards",
+                              ["prep-data", "--source", "demo-enwiki", "--out", "data/demo-enwiki", "--no-progress"])]
+    train = lambda v: [f"schedule.max_steps={a.steps}", "checkpoint.resume=none",  # noqa: E731
+                       f"checkpoint.interval={a.steps}", "data.extra_val_dirs=[data/demo-enwiki]",
+                       "train.eval_interval=50", *VARIANT_OVERRIDES.get(v, []), *common]
+    ev = ["--loops", a.loops, "--limit", str(a.limit), "--tasks", ",".join(DEMO_TASKS), "--ppl-tokens",
+          str(a.ppl_tokens), "eval.ppl_dirs=[data/demo,data/demo-enwiki]", *common]
+    cmp = ["--tracking-uri", uri, "--experiment", "demo", "--out", str(work / "compare")]
+    return data + orchestrate.variant_stages("small", variants_of(a), str(work), train, ev, cmp)
 
 
-def main(argv=None) -> None:
+def _announce(st: orchestrate.Stage) -> None:
+    print(f"\n=== {st.title}\n$ {st.shell()}", flush=True)
+
+
+def _fail(st: orchestrate.Stage, code: int) -> None:
+    sys.exit(f"demo: stage '{st.title}' failed (exit {code}); command: {st.shell()}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="small/<variant> presets to train")
     ap.add_argument("--steps", type=int, default=120, help="training steps per variant")
@@ -49,8 +63,11 @@ def main(argv=None) -> None:
     ap.add_argument("--loops", default="1,2,4", help="loop budgets to evaluate")
     ap.add_argument("--ppl-tokens", type=int, default=16384, help="validation tokens scored per set")
     ap.add_argument("--work", default="runs/demo")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
     t_start = time.time()
     work = Path(a.work).resolve()
     if work.exists():
@@ -58,27 +75,9 @@ def main(argv=None) -> None:
     work.mkdir(parents=True)
     uri = f"sqlite:///{work / 'mlflow.db'}"
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
-    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    log: list = []
-    common = [f"logging.tracking_uri={uri}", "logging.experiment=demo"]
+    log = orchestrate.run(plan(a, work, uri), _announce, _fail)
 
-    stage("data: demo corpus (State of the Union + Moby-Dick) -> GPT-2 shards",
-          tlf("prep-data", "--source", "demo", "--out", "data/demo", "--no-progress"), log)
-    stage("data: enwiki sample -> second-domain validation shards",
-          tlf("prep-data", "--source", "demo-enwiki", "--out", "data/demo-enwiki", "--no-progress"), log)
-    for v in variants:
-        stage(f"train small/{v}", tlf("train", f"small/{v}", f"schedule.max_steps={a.steps}",
-                                      f"checkpoint.dir={work / 'checkpoints' / v}", "checkpoint.resume=none",
-                                      f"checkpoint.interval={a.steps}", "data.extra_val_dirs=[data/demo-enwiki]",
-                                      "train.eval_interval=50", *VARIANT_OVERRIDES.get(v, []), *common), log)
-    for v in variants:
-        stage(f"eval small/{v}", tlf("eval", str(work / "checkpoints" / v), "--loops", a.loops, "--limit", str(a.limit),
-                                     "--tasks", ",".join(DEMO_TASKS), "--ppl-tokens", str(a.ppl_tokens),
-                                     "--out", str(work / "eval" / v), "eval.ppl_dirs=[data/demo,data/demo-enwiki]",
-                                     *common), log)
-    stage("compare", tlf("compare", "--tracking-uri", uri, "--experiment", "demo", "--out", str(work / "compare")), log)
-
-    routed = [v for v in variants if (work / "eval" / v / "results.json").is_file()]
+    routed = [v for v in variants_of(a) if (work / "eval" / v / "results.json").is_file()]
     for v in routed:
         summary = depth_summary(work / "eval" / v / "results.json")
         if summary:

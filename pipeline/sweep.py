@@ -4,50 +4,39 @@ Sequentially on this machine (default), or `--print` the launch commands (one li
 
     tlf sweep paper --print --launcher "deepspeed --num_gpus 8 --hostfile hosts" > sweep.sh
 
-Every variant gets its own checkpoint dir (`<out>/checkpoints/<variant>`) and is logged to the MLflow
-experiment `sweep-<scale>` (or `--experiment`), so the final `tlf compare` finds all eight runs.
+Every trained model gets its own checkpoint dir (`<out>/checkpoints/<variant>`) and is logged to the MLflow
+experiment `sweep-<scale>` (or `--experiment`), so the final `tlf compare` finds all eight variants.
+naive-loop-ee is base-loop evaluated at M < L: it is not trained again, its evaluation reads the base-loop
+checkpoint under its own name (`tlf eval ... --variant naive-loop-ee`). The stages are
+`pipeline/orchestrate.py`'s, shared with `make demo`.
 """
 from __future__ import annotations
 
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import click
 
+from pipeline import orchestrate
 from pipeline.config import SCALES, VARIANTS, load_config
 
 
 def plan(scale: str, variants: list[str], out: str, experiment: str, launcher: str, overrides: list[str],
-         eval_args: list[str], tracking_uri: str = "") -> list[list[str]]:
-    """The commands of a sweep, in order: train each variant, evaluate each, compare."""
-    tlf = ["tlf"]
-    train_prefix = shlex.split(launcher) + ["$(which tlf)"] if launcher else tlf
+         eval_args: list[str], tracking_uri: str = "") -> list[orchestrate.Stage]:
+    """The stages of a sweep, in order: train each model once (naive-loop-ee is the base-loop checkpoint read
+    at M < L), evaluate each variant, compare."""
     log = [f"logging.experiment={experiment}"] + ([f"logging.tracking_uri={tracking_uri}"] if tracking_uri else [])
-    cmds = []
     for v in variants:
         load_config(f"{scale}/{v}", overrides)  # fail now, not after hours of training, on a bad override
-        cmds.append(train_prefix + ["train", f"{scale}/{v}", f"checkpoint.dir={out}/checkpoints/{v}", *log, *overrides])
-    for v in variants:
-        cmds.append(tlf + ["eval", f"{out}/checkpoints/{v}", "--out", f"{out}/eval/{v}", *eval_args, *log])
-    cmds.append(tlf + ["compare", "--experiment", experiment, "--out", f"{out}/compare"]
-                + (["--tracking-uri", tracking_uri] if tracking_uri else []))
-    return cmds
+    return orchestrate.variant_stages(
+        scale, variants, out, lambda v: [*log, *overrides], [*eval_args, *log],
+        ["--experiment", experiment, "--out", f"{out}/compare"] + (["--tracking-uri", tracking_uri] if tracking_uri else []),
+        shlex.split(launcher))
 
 
-def shell_line(cmd: list[str]) -> str:
-    return " ".join(c if c == "$(which tlf)" else shlex.quote(c) for c in cmd)
-
-
-def run_plan(cmds: list[list[str]]) -> None:
-    for cmd in cmds:
-        click.echo(f"$ {shell_line(cmd)}", err=True)
-        argv = [sys.executable, "-m", "pipeline.cli", *cmd[1:]] if cmd[0] == "tlf" else cmd
-        res = subprocess.run(argv)
-        if res.returncode != 0:
-            raise click.ClickException(f"sweep stopped: `{shell_line(cmd)}` exited {res.returncode} "
-                                       "(rerun the sweep: training resumes from its last checkpoint)")
+def _fail(stage: orchestrate.Stage, code: int) -> None:
+    raise click.ClickException(f"sweep stopped: `{stage.shell()}` exited {code} "
+                               "(rerun the sweep: training resumes from its last checkpoint)")
 
 
 @click.command("sweep")
@@ -67,10 +56,10 @@ def sweep(scale, overrides, variants, out, experiment, tracking_uri, launcher, e
         if v not in VARIANTS:
             raise click.BadParameter(f"{v!r} is not one of {', '.join(VARIANTS)}", param_hint="--variants")
     out = out or f"runs/sweep-{scale}"
-    cmds = plan(scale, names, str(Path(out)), experiment or f"sweep-{scale}", launcher, list(overrides),
-                shlex.split(eval_args), tracking_uri)
+    stages = plan(scale, names, str(Path(out)), experiment or f"sweep-{scale}", launcher, list(overrides),
+                  shlex.split(eval_args), tracking_uri)
     if print_only:
-        for c in cmds:
-            click.echo(shell_line(c))
+        for st in stages:
+            click.echo(st.shell())
         return
-    run_plan(cmds)
+    orchestrate.run(stages, lambda st: click.echo(f"$ {st.shell()}", err=True), _fail)

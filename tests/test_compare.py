@@ -6,8 +6,10 @@ from click.testing import CliRunner
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
+from evaluation import results as R
 from evaluation.compare import run
 from pipeline.cli import main
+from test_results import results_fixture
 
 
 def _log(client, run_id, values: dict, step: int = 0):
@@ -51,8 +53,8 @@ def test_compare_tables_and_plots(tmp_path, store):
     assert labels == ["loopformer (M=2)", "loopformer (M=4)", "t-loopformer (M=2)", "t-loopformer (M=4)"]
     ppl_col = t1.columns.index("PPL demo-val")
     assert [r[ppl_col] for r in t1.rows] == [60.0, 45.0, 60.0, 40.0]
-    assert t1.rows[0][t1.columns.index("HellaSwag")] is None  # missing task: blank
-    assert t1.rows[1][-1] == (54.0 + 55.0) / 2  # average of the tasks present (x100)
+    assert t1.rows[0][t1.columns.index("HS")] is None  # missing task: blank
+    assert t1.rows[1][-1] == pytest.approx((54.0 + 55.0) / 2)  # average of the tasks present (x100)
     md = (tmp_path / "out" / "compare.md").read_text()
     assert "**40.00**" in md  # best perplexity marked
     assert [r[0] for r in t3.rows] == ["base-loop", "loopformer", "t-loopformer"]
@@ -80,3 +82,28 @@ def test_compare_cli_filters_and_errors(tmp_path, store):
     assert r.exit_code == 0 and "base-loop" in r.output
     r = CliRunner().invoke(main, ["compare", "--tracking-uri", uri, "--experiment", "nope"])
     assert r.exit_code == 2 and "experiment 'nope' not found" in r.output
+
+
+def test_compare_reads_the_artifact_or_the_metrics_to_the_same_tables(tmp_path, store):
+    """One evaluation logged three ways: metrics only (older runs), the results.json artifact only, both."""
+    uri, _ = store
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("res")
+    res = results_fixture()
+    path = R.write(tmp_path / "eval" / "results.json", res)
+    for variant, with_metrics, with_artifact in (("loopformer", True, False), ("t-loopformer", False, True),
+                                                 ("tmlt", True, True)):
+        rid = client.create_run(exp, tags={"variant": variant}).info.run_id
+        flat = R.flatten(res) if with_metrics else {"eval/M2/avg_acc": 0.0}  # the artifact must win over this
+        client.log_batch(rid, metrics=[Metric(k, v, 0, 0) for k, v in flat.items()])
+        if with_artifact:
+            client.log_artifact(rid, str(path), artifact_path=R.ARTIFACT_DIR)
+    out = run(uri, ("res",), {}, (), tmp_path / "cmp")
+    for t in out.tables[:2]:
+        rows = {}
+        for r in t.rows:
+            rows.setdefault(r[0].split(" (")[0], []).append(r[1:])
+        assert rows["loopformer"] == rows["t-loopformer"] == rows["tmlt"], t.title
+    t1 = out.tables[0]
+    assert t1.rows[0][t1.columns.index("Avg")] == pytest.approx(12.3)  # the stored average, x100
+    assert t1.columns[1:3] == ["PPL demo", "PPL demo-enwiki"]

@@ -27,7 +27,7 @@ RACE_ROW = {"article": "Tom grew up on a farm. Every morning he fed the chickens
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("evalrun")
-    for name in ("tiny/t-loopformer", "tiny/base"):
+    for name in ("tiny/t-loopformer", "tiny/base", "tiny/base-loop"):
         m, cfg = tiny(name)
         save_model(root / name.split("/")[1], m, cfg)
     rng = np.random.default_rng(0)
@@ -134,6 +134,33 @@ def test_logs_into_the_checkpoints_recorded_run(env, tmp_path):
     assert client.get_run(res["mlflow_run_id"]).data.tags["train_run_id"] == "0" * 32
 
 
+def test_naive_loop_ee_is_the_base_loop_checkpoint_under_its_own_name(env, tmp_path):
+    """--variant naive-loop-ee reads a base-loop export (no training run of its own): the results and a new MLflow
+    run carry the naive-loop-ee name and link the base-loop training run; compare shows its rows under it."""
+    from mlflow.tracking import MlflowClient
+    from evaluation.compare import run as compare
+    uri = f"sqlite:///{env / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("train") or client.get_experiment(client.create_experiment("train"))
+    train_run = client.create_run(exp.experiment_id, tags={"variant": "base-loop"}).info.run_id
+    export = tmp_path / "base-loop"
+    shutil.copytree(env / "base-loop", export)
+    (export / "run.json").write_text(json.dumps({"mlflow_run_id": train_run, "tracking_uri": uri, "step": 3}))
+    ov = overrides(env, tasks="[copa]", perplexity="false", out_dir=str(tmp_path / "o"))
+    res = run(export, ov, loops="2", variant="naive-loop-ee", log=lambda *a: None)
+    assert res["model"]["variant"] == "naive-loop-ee" and res["model"]["trained_as"] == "base-loop"
+    assert res["mlflow_run_id"] != train_run and res["mlflow_run"] == "new run"
+    tags = client.get_run(res["mlflow_run_id"]).data.tags
+    assert tags["variant"] == "naive-loop-ee" and tags["train_run_id"] == train_run
+    assert not client.get_run(train_run).data.metrics  # the base-loop run's own evaluation keys stay free
+    assert "| Naive-Loop-EE (2 ⊗ 2) |" in (tmp_path / "o" / "table1.md").read_text()
+    t1 = compare(uri, run_ids=(res["mlflow_run_id"],), out=tmp_path / "cmp").tables[0]
+    assert [r[0] for r in t1.rows] == ["naive-loop-ee (M=2)"]
+    assert t1.rows[0][t1.columns.index("COPA")] == pytest.approx(100 * res["budgets"][0]["tasks"]["copa"]["acc"])
+    with pytest.raises(ConfigError, match="--variant naive-loop-ee: evaluates a base-loop checkpoint, this one is t-loopformer"):
+        run(env / "t-loopformer", overrides(env, mlflow="false"), variant="naive-loop-ee", log=lambda *a: None)
+
+
 def test_latency_uses_the_inference_benchmark():
     import evaluation.latency as lat_mod
     from evaluation.latency import measure_latency
@@ -190,3 +217,5 @@ def test_cli(env, tmp_path):
     assert "copa (validation): acc=" in r.output and (tmp_path / "o" / "results.json").is_file()
     r = CliRunner().invoke(main, ["eval", str(env / "base"), "--tasks", "copa,nope", "--no-mlflow"])
     assert r.exit_code != 0 and "unknown task 'nope'" in r.output
+    r = CliRunner().invoke(main, ["eval", str(env / "base"), "--variant", "naive-loop-ee", "--no-mlflow"])
+    assert r.exit_code != 0 and "evaluates a base-loop checkpoint, this one is base" in r.output

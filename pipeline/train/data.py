@@ -90,7 +90,6 @@ class ValLoader:
         if self.windows < 1:
             raise ShardError(f"{directory} '{split}': {self.shards.num_tokens} tokens, fewer than one sequence of "
                              f"{seq_len}+1 tokens")
-        self.name = str(directory)
 
     def batches(self, n: int):
         for b in range(n):
