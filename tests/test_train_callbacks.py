@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pipeline.hostsync import count_host_reads
+from pipeline.train.callbacks import Callback
 from test_train import make_shards, tiny_cfg
 
 TRAIN = Path(__file__).resolve().parent.parent / "pipeline" / "train"
@@ -40,7 +41,7 @@ def data(tmp_path_factory) -> Path:
     return make_shards(tmp_path_factory.mktemp("shards"), windows=10)
 
 
-class Recorder:
+class Recorder(Callback):
     """A user callback: every hook it sees, with the step (and a metric it was given)."""
 
     def __init__(self):
