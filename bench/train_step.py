@@ -1,6 +1,7 @@
 """Training-step throughput and peak memory of every variant, side by side in one run: the whole step of
-`tlf train` (DeepSpeed engine at world size 1, ZeRO-0, AdamW + schedule + clipping; forward of the full
-objective, backward, optimizer step), with t-loopformer vs loopformer, gather-scatter on/off and activation
+`tlf train` (set up by `Trainer.build` without data, callbacks, checkpoints or MLflow, timed `Trainer.train_step()`:
+DeepSpeed engine at world size 1, ZeRO-0, AdamW + schedule + clipping; forward of the full objective, backward,
+optimizer step, the step's device-side meter), with t-loopformer vs loopformer, gather-scatter on/off and activation
 checkpointing none/loop/layer.
 
     python bench/train_step.py                                   # small scale, vocab 8192, CPU
@@ -39,6 +40,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from interleave import run_cases, write_json  # noqa: E402  (bench/ is the script's own directory)
 
 
+class _FixedBatch:
+    """The trainer's loader for a benchmark: the same (x, y) every micro-batch."""
+
+    epoch = 0
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def next(self):
+        return self.x, self.y
+
+
 def _worker(spec: dict, conn) -> None:
     os.environ.setdefault("DS_BUILD_OPS", "0")
     if spec["device"] == "cpu":
@@ -48,32 +61,33 @@ def _worker(spec: dict, conn) -> None:
     from pipeline.config import load_config
     from pipeline.memory import region_peak_mib, region_start, tensor_peak_mib
     from pipeline.model import LoopedLM, spread_router
-    from pipeline.train import ds
-    from pipeline.train.ac import apply_ac
     from pipeline.train.compile import apply_compile
+    from pipeline.train.trainer import Trainer
 
     torch.set_num_threads(spec["threads"])
+    # `tlf train`'s own set-up (Trainer.build: process group, model, DeepSpeed engine with AdamW + schedule +
+    # clipping) without data, callbacks, checkpoints or MLflow; compiled after the eager breakdown below
     cfg = load_config(f"{spec['scale']}/{spec['variant']}", spec["overrides"] + spec["extra"] + [
         f"train.micro_batch_size={spec['batch']}", "train.grad_accum_steps=1",
         f"train.global_batch_size={spec['batch']}", "train.zero_stage=0", f"train.device={spec['device']}",
-        f"train.precision={'bf16' if spec['bf16'] else 'fp32'}"])
-    ds.init_distributed(spec["device"])
+        f"train.precision={'bf16' if spec['bf16'] else 'fp32'}", "checkpoint.resume=none", "checkpoint.interval=0",
+        "train.eval_interval=0", "logging.mlflow=false"])
+    compile_ = cfg.train.compile
+    cfg.train.compile = False
     torch.manual_seed(0)
     model = LoopedLM(cfg.model)
-    if spec["router"] == "spread":  # depths over 1..L, as a trained router gives
+    if spec["router"] == "spread":  # depths over 1..L, as a trained router gives; before the engine copies weights
         spread_router(model)
-    apply_ac(model, cfg.train.activation_checkpointing)
     B, T = spec["batch"], cfg.model.block_size
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
     y = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
-    breakdown = _saved_breakdown(model, x, y, cfg.model.loops)  # eager, on CPU
-    if cfg.train.compile:
+    trainer = Trainer.build(cfg, callbacks=[], loader=_FixedBatch(x, y), model=model)
+    engine, dev = trainer.engine, trainer.engine.device
+    # eager, with the step's activation checkpointing, device and precision
+    breakdown = _saved_breakdown(model, x.to(dev), y.to(dev), cfg.model.loops)
+    if compile_:
         apply_compile(model)
-    opt, sched = ds.build_optimizer(cfg, model)
-    engine = ds.initialize(model, opt, sched, ds.build_ds_config(cfg, 1, "bf16" if spec["bf16"] else "fp32"))
-    dev = engine.device
-    x, y = x.to(dev), y.to(dev)
     cuda = str(dev).startswith("cuda")
     base = region_start(dev)  # the steps' own peak (optimizer state included), not start-up's
     state = {"n": 0, "loops": [], "heads": 1}
@@ -81,14 +95,19 @@ def _worker(spec: dict, conn) -> None:
     def step(shortcut=None):
         torch.manual_seed(state["n"])
         state["n"] += 1
-        out = engine(x, y, shortcut=shortcut)
-        engine.backward(out.loss)
-        engine.step()
+        if shortcut is None:
+            meter = trainer.train_step()  # the micro-batches of one optimizer step of `tlf train`
+        else:  # the untimed step of the largest peak: a fixed shortcut schedule, the same engine calls
+            out = engine(x.to(dev), y.to(dev), shortcut=shortcut)
+            engine.backward(out.loss)
+            engine.step()
+            return
         if cuda:
             torch.cuda.synchronize()
-        state["loops"].append(float(out.stats["full/mean_depth"]) + float(out.stats.get("short/mean_depth", 0.0)))
-        state["heads"] = 2 if "short/loops" in out.stats else 1
-        state["depth"] = float(out.stats["full/mean_depth"])
+        st = meter.stats  # sums over the step's one micro-batch
+        state["loops"].append(float(st["full/mean_depth"]) + float(st.get("short/mean_depth", 0.0)))
+        state["heads"] = 2 if "short/loops" in st else 1
+        state["depth"] = float(st["full/mean_depth"])
 
     for _ in range(spec["warmup"]):
         step()

@@ -1,10 +1,12 @@
 """The one run logger: console progress and MLflow, rank 0 only.
 
-Use the module-level `log` (`from pipeline.train.logger import log`); nothing is passed around. On ranks > 0
-every method is a no-op. MLflow: tracking URI `logging.tracking_uri` (default `sqlite:///<cwd>/mlflow.db`,
-artifacts in `./mlruns`), experiment `logging.experiment`; the resolved config (`cfg.flat()`) is logged as
-params, the run is tagged with `variant`, `preset`, `scale`, `world_size`, `device`, `precision`, `zero_stage`,
-and metrics are buffered and sent with `log_batch` (at most 1000 per call).
+Use the module-level `log` (`from pipeline.train.logger import log`); nothing is passed around. `open(rank)`
+turns the console on (rank 0; on ranks > 0 every method is a no-op) and `close()` off again; the MLflow run is
+opened by `start` and ended by `end` (the trainer's `MLflowLogger` callback does both). MLflow: tracking URI
+`logging.tracking_uri` (default `sqlite:///<cwd>/mlflow.db`, artifacts in `./mlruns`), experiment
+`logging.experiment`; the resolved config (`cfg.flat()`) is logged as params, the run is tagged with the tags
+the caller passes (pipeline.train.callbacks.run_tags), and metrics are buffered and sent with `log_batch` (at
+most 1000 per call).
 """
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import sys
 import time
 
 from pipeline import tracking
-from pipeline.memory import memory_metrics  # noqa: F401  (re-exported for the trainer; pipeline.memory reads memory)
 
 
 class RunLogger:
@@ -23,9 +24,18 @@ class RunLogger:
         self._buf: list = []
 
     # ------------------------------------------------------------------------------------- life cycle
-    def start(self, cfg, rank: int, tags: dict, resume_run_id: str | None = None) -> str | None:
-        """Opens the MLflow run (a new one, or `resume_run_id` reopened) on rank 0; returns its id."""
+    def open(self, rank: int) -> None:
+        """Console output on (rank 0 only); no MLflow run yet."""
         self.active, self.client, self.run_id, self._buf = rank == 0, None, None, []
+
+    def close(self) -> None:
+        """Turns the console off; an MLflow run nobody ended (a callback failed before it) ends FAILED."""
+        self.end("FAILED")
+        self.active = False
+
+    def start(self, cfg, tags: dict, resume_run_id: str | None = None) -> str | None:
+        """Opens the MLflow run (a new one, or `resume_run_id` reopened) on rank 0 after `open`; returns its id."""
+        self.client, self.run_id, self._buf = None, None, []
         if not self.active or not cfg.logging.mlflow:
             return None
         uri = tracking.tracking_uri(cfg.logging.tracking_uri)
@@ -58,7 +68,6 @@ class RunLogger:
             self.flush()
             self.client.set_terminated(self.run_id, status=status)
         self.client = None
-        self.active = False
 
     # ------------------------------------------------------------------------------------------ output
     def info(self, msg: str) -> None:

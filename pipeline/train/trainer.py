@@ -1,20 +1,23 @@
-"""The training loop: `run(cfg)` is the whole of `tlf train` (the CLI is a thin wrapper; tests call it).
+"""The training loop: `Trainer.build(cfg)` sets a run up once, `train_step()` runs one optimizer step's
+micro-batches, `fit()` loops over steps and calls the callbacks (pipeline.train.callbacks: speed/MFU, memory,
+validation, checkpoints, console, MLflow). `run(cfg)` = `Trainer.build(cfg).fit()` is the whole of `tlf train`
+(the CLI is a thin wrapper; tests call it).
 
 One step = train.grad_accum_steps micro-batches through the DeepSpeed engine (`engine(x, y)` computes the whole
 training objective in one forward; `engine.backward`; `engine.step`). Host syncs: the loss, its parts, the
 router statistics, a non-finite flag per micro-batch, the stop-signal flag and the gradient norm stay on the
 device (`StepMeter`) and are summed over ranks in one all-reduce and read once, after the step's last
-micro-batch: one device -> host sync per optimizer step, so every rank takes the same decision. A non-finite loss
-stops the run naming the step and micro-batch (train.nan_policy=stop; the step's update is never saved, the last
-good checkpoint stays the newest). nan_policy=skip must decide before each backward, so it reads one flag per
-micro-batch (all-reduced) and drops a bad micro-batch, drawing the next one (at most train.nan_skip_limit in a
-row). SIGTERM/SIGINT end the run after the current step with a checkpoint. A non-finite gradient norm always stops.
+micro-batch: one device -> host sync per optimizer step, so every rank takes the same decision; callbacks get
+host values only. A non-finite loss stops the run naming the step and micro-batch (train.nan_policy=stop; the
+step's update is never saved, the last good checkpoint stays the newest). nan_policy=skip must decide before
+each backward, so it reads one flag per micro-batch (all-reduced) and drops a bad micro-batch, drawing the next
+one (at most train.nan_skip_limit in a row). SIGTERM/SIGINT end the run after the current step with a
+checkpoint. A non-finite gradient norm always stops.
 """
 from __future__ import annotations
 
 import math
 import signal
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 
 from pipeline.config import Config, ConfigError
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.logger import fmt_duration, log, memory_metrics
+from pipeline.train.logger import log
 
 
 class NonFiniteError(RuntimeError):
@@ -82,6 +85,7 @@ class StepMeter:
 
     def __init__(self, accum: int, device):
         self.device, self.n = device, 0
+        self.grad_norm = None  # the step's gradient norm (device tensor, float or None), set by Trainer.train_step
         self.losses = torch.zeros(1 + len(self.PARTS), dtype=torch.float64, device=device)  # loss, parts: sums
         self.bad = torch.zeros(accum, dtype=torch.float64, device=device)  # 1 where micro-batch k was non-finite
         self.stats: dict[str, torch.Tensor] = {}  # key -> sum over micro-batches (vectors zero-padded)
@@ -151,171 +155,213 @@ def evaluate(engine, loaders, n_batches: int, device) -> dict[str, float]:
     return out
 
 
+class Trainer:
+    """One training run, built once from the config (`build`); `fit()` trains it, `train_step()` is one step.
+
+    Callbacks (pipeline.train.callbacks.Callback) get `trainer` set to this object and their hooks called in
+    list order: pre_train, then per step pre_step(step), post_step(step, metrics) (add to the host-side metrics),
+    log_metrics(step, metrics) (emit them), end_step(step) (not after a stop signal); post_train (the loop is
+    over, also after a stop signal); post_checkpoint_saved(step, path) from `save_checkpoint`; on_error(exc) when
+    anything raises; close(status) always, last (status FINISHED, KILLED after a signal, FAILED)."""
+
+    def __init__(self, cfg: Config, *, rank: int, world_size: int, device_kind: str, precision: str, root: Path,
+                 loader, val: list, model, engine, step: int, run_id: str | None, resume_from: Path | None,
+                 callbacks: list) -> None:
+        self.cfg, self.rank, self.ws, self.device_kind, self.precision = cfg, rank, world_size, device_kind, precision
+        self.root, self.loader, self.val, self.model, self.engine = root, loader, val, model, engine
+        self.device, self.accum = engine.device, cfg.train.grad_accum_steps
+        self.step, self.run_id, self.resume_from = step, run_id, resume_from
+        self.max_steps = cfg.schedule.max_steps
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
+        self.result = TrainResult(start_step=step, step=step, checkpoint=str(resume_from) if resume_from else None,
+                                  run_id=run_id)
+        self.last_saved = step if resume_from is not None else -1
+        self.consecutive_bad = 0  # nan_policy=skip: non-finite micro-batches in a row
+        self._signals: _Signals | None = None
+        self.callbacks = list(callbacks)
+        for cb in self.callbacks:
+            cb.trainer = self
+
+    @classmethod
+    def build(cls, cfg: Config, callbacks: list | None = None, *, loader=None, model=None) -> "Trainer":
+        """Device, process group, determinism, loaders, model, DeepSpeed engine, resume. callbacks: None for
+        `default_callbacks()`; loader: instead of the TrainLoader over data.dir (anything with next() -> (x, y),
+        epoch, state_dict(), load_state_dict()); model: a fresh LoopedLM(cfg.model) to train instead of a new one
+        (e.g. with weights set by a benchmark before the engine is built)."""
+        from pipeline.model import LoopedLM
+        from pipeline.train import determinism, ds
+        from pipeline.train.ac import apply_ac
+        from pipeline.train.allocator import fix_cpu_malloc_threshold
+        from pipeline.train.callbacks import default_callbacks
+        from pipeline.train.data import TrainLoader, ValLoader
+
+        device_kind = ds.resolve_device(cfg)
+        precision = ds.resolve_precision(cfg, device_kind)
+        rank, _, ws = ds.init_distributed(device_kind)
+        determinism.apply(cfg.train.deterministic, device_kind)
+        if device_kind == "cpu":  # glibc heap vs changing compacted sizes (pipeline/train/allocator.py)
+            fix_cpu_malloc_threshold()
+        cfg.check_world_size(ws)
+        ds_config = ds.build_ds_config(cfg, ws, precision)
+        root = ckpt.run_dir(cfg)
+        resume_from = ckpt.find_resume(cfg, root)
+        T, mb = cfg.model.block_size, cfg.train.micro_batch_size
+
+        if loader is None:
+            loader = TrainLoader(cfg.data.dir, cfg.data.train_split, T, mb, rank, ws, cfg.train.seed, cfg.model.vocab_size)
+        val = []
+        if cfg.train.eval_interval > 0:
+            val = [(f"val/{Path(d).name or d}", ValLoader(d, cfg.data.val_split, T, mb, rank, ws, cfg.model.vocab_size))
+                   for d in [cfg.data.dir] + list(cfg.data.extra_val_dirs)]
+            val[0] = ("val/loss", val[0][1])
+
+        # Same seed on every rank: identical initial weights, and the same shortcut schedule sampled on every rank
+        # (ZeRO-3 gathers parameters per block call, so all ranks must run the same number of loops).
+        ckpt.set_rng_state(_seeded_rng(cfg.train.seed))
+        if model is None:
+            model = LoopedLM(cfg.model)
+        apply_ac(model, cfg.train.activation_checkpointing)
+        if cfg.train.compile:
+            from pipeline.train.compile import apply_compile
+            apply_compile(model)
+        optimizer, scheduler = ds.build_optimizer(cfg, model)
+        engine = ds.initialize(model, optimizer, scheduler, ds_config)
+
+        step, run_id = 0, None
+        if resume_from is not None:
+            state = ckpt.read_state(resume_from, rank, ws)
+            _check_compatible(cfg, state["config"], resume_from)
+            ckpt.load_engine(engine, resume_from)
+            loader.load_state_dict(state["loader"])
+            ckpt.set_rng_state(state["rng"])
+            step, run_id = int(state["step"]), state.get("mlflow_run_id")
+            if engine.global_steps != step:
+                raise ckpt.CheckpointError(f"{resume_from}: DeepSpeed is at step {engine.global_steps}, our state at {step}")
+        return cls(cfg, rank=rank, world_size=ws, device_kind=device_kind, precision=precision, root=root,
+                   loader=loader, val=val, model=model, engine=engine, step=step, run_id=run_id,
+                   resume_from=resume_from, callbacks=default_callbacks() if callbacks is None else callbacks)
+
+    # ------------------------------------------------------------------------------------------- one step
+    def train_step(self) -> StepMeter:
+        """The micro-batches of one optimizer step: forward, backward, engine.step each (DeepSpeed updates after
+        the last); nan_policy=skip drops a non-finite micro-batch before its backward and draws the next. Returns
+        the step's meter, still on the device (`read` is the step's host sync); its grad_norm is set."""
+        engine, device = self.engine, self.device
+        meter = StepMeter(self.accum, device)
+        done, zero0_norm = 0, None
+        while done < self.accum:
+            x, y = self.loader.next()  # (B, T) each
+            out = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            if self.cfg.train.nan_policy == "skip" and self._skip(out.loss, done):
+                del out
+                continue
+            engine.backward(out.loss)
+            if done == self.accum - 1:
+                zero0_norm = _zero0_grad_norm(engine)
+            engine.step()
+            meter.add(out, done)
+            done += 1
+        gn = engine.get_global_grad_norm()
+        meter.grad_norm = zero0_norm if gn is None else gn
+        return meter
+
+    def _skip(self, loss: torch.Tensor, done: int) -> bool:
+        """nan_policy=skip: whether micro-batch done+1 is non-finite on any rank (one read, before its backward)."""
+        if _sum_over_ranks((~torch.isfinite(loss.detach())).double().reshape(1))[0] == 0:
+            self.consecutive_bad = 0
+            return False
+        msg = f"non-finite loss at step {self.step + 1} (micro-batch {done + 1}/{self.accum})"
+        self.consecutive_bad += 1
+        self.result.skipped += 1
+        log.warn(f"{msg}; skipped (train.nan_policy=skip, {self.consecutive_bad} in a row)")
+        if self.consecutive_bad >= self.cfg.train.nan_skip_limit:
+            raise NonFiniteError(f"{msg}: {self.consecutive_bad} non-finite batches in a row "
+                                 f"(train.nan_skip_limit); stopping. Last good checkpoint: {self.last_good()}")
+        return True
+
+    def read(self, meter: StepMeter) -> dict:
+        """The step's one host read (all ranks: losses, flags, stop signal, grad norm, router statistics)."""
+        signalled = self._signals is not None and self._signals.name is not None
+        return meter.read(signalled, meter.grad_norm, self.ws)
+
+    def last_good(self) -> str:
+        return self.result.checkpoint or "none (no checkpoint was written)"
+
+    def is_log_step(self, step: int) -> bool:
+        """Console line and MLflow flush: every train.log_interval steps, the first step run and the last."""
+        return step % self.cfg.train.log_interval == 0 or step == self.max_steps or step == self.result.start_step + 1
+
+    def save_checkpoint(self) -> Path:
+        state = {"step": self.step, "world_size": self.ws, "rank": self.rank, "loader": self.loader.state_dict(),
+                 "rng": ckpt.rng_state(), "config": self.cfg.to_dict(), "mlflow_run_id": self.run_id}
+        path = ckpt.save(self.engine, self.model, self.cfg, self.root, self.step, state, self.rank)
+        self.last_saved, self.result.checkpoint = self.step, str(path)
+        self._call("post_checkpoint_saved", self.step, path)
+        return path
+
+    # ------------------------------------------------------------------------------------------- the loop
+    def fit(self) -> TrainResult:
+        """Trains to schedule.max_steps (or a stop signal), calling the callbacks; see the class doc."""
+        res, status = self.result, "FAILED"
+        log.open(self.rank)
+        try:
+            with _Signals() as self._signals:
+                self._call("pre_train")
+                while self.step < self.max_steps:
+                    self._call("pre_step", self.step + 1)
+                    r = self.read(self.train_step())
+                    if r["bad_micro_batch"]:
+                        raise NonFiniteError(f"non-finite loss at step {self.step + 1} (micro-batch "
+                                             f"{r['bad_micro_batch']}/{self.accum}); stopping. Last good checkpoint: "
+                                             f"{self.last_good()}")
+                    self.step += 1
+                    res.losses.append(r["loss"])
+                    if r["grad_norm"] is not None and not math.isfinite(r["grad_norm"]):
+                        raise NonFiniteError(f"non-finite gradient norm at step {self.step}; stopping. Last good "
+                                             f"checkpoint: {self.last_good()}")
+                    metrics = self._metrics(r)
+                    self._call("post_step", self.step, metrics)
+                    self._call("log_metrics", self.step, metrics)
+                    if r["signal"]:
+                        res.stopped_by = self._signals.name or "signal"
+                        log.info(f"stopping at step {self.step} ({res.stopped_by} on some rank)")
+                        break
+                    self._call("end_step", self.step)
+                self._call("post_train")
+            status = "KILLED" if res.stopped_by else "FINISHED"
+        except BaseException as e:
+            self._call("on_error", e)
+            raise
+        finally:
+            res.step = self.step
+            self._signals = None
+            try:
+                self._call("close", status)
+            finally:
+                log.close()
+        return res
+
+    def _metrics(self, r: dict) -> dict:
+        """The step's own metrics from its readout: loss and parts, lr, epoch, grad norm, router statistics."""
+        m = self.cfg.model
+        out = {"loss": r["loss"], "lr": _lr_of_step(self.engine), "epoch": self.loader.epoch, "loss_L": r["loss_L"]}
+        if m.shortcut:
+            out.update(loss_S=r["loss_S"], loss_align=r["loss_align"])
+        if m.router and m.router_recipe != "paper":
+            out["loss_router"] = r["loss_router"]
+        if r["grad_norm"] is not None:
+            out["grad_norm"] = r["grad_norm"]
+        out.update(r["router"])
+        return out
+
+    def _call(self, hook: str, *args) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(*args)
+
+
 def run(cfg: Config) -> TrainResult:
-    """Trains cfg (a resolved Config) from scratch or from a checkpoint; see the module doc."""
-    from pipeline.model import LoopedLM
-    from pipeline.train import determinism, ds
-    from pipeline.train.data import TrainLoader, ValLoader
-    from pipeline.train.ac import apply_ac
-
-    device_kind = ds.resolve_device(cfg)
-    precision = ds.resolve_precision(cfg, device_kind)
-    rank, local_rank, ws = ds.init_distributed(device_kind)
-    determinism.apply(cfg.train.deterministic, device_kind)
-    accum = cfg.check_world_size(ws)
-    ds_config = ds.build_ds_config(cfg, ws, precision)
-    root = ckpt.run_dir(cfg)
-    resume_from = ckpt.find_resume(cfg, root)
-    T, mb = cfg.model.block_size, cfg.train.micro_batch_size
-
-    loader = TrainLoader(cfg.data.dir, cfg.data.train_split, T, mb, rank, ws, cfg.train.seed, cfg.model.vocab_size)
-    val = []
-    if cfg.train.eval_interval > 0:
-        val = [(f"val/{Path(d).name or d}", ValLoader(d, cfg.data.val_split, T, mb, rank, ws, cfg.model.vocab_size))
-               for d in [cfg.data.dir] + list(cfg.data.extra_val_dirs)]
-        val[0] = ("val/loss", val[0][1])
-
-    # Same seed on every rank: identical initial weights, and the same shortcut schedule sampled on every rank
-    # (ZeRO-3 gathers parameters per block call, so all ranks must run the same number of loops).
-    ckpt.set_rng_state(_seeded_rng(cfg.train.seed))
-    model = LoopedLM(cfg.model)
-    apply_ac(model, cfg.train.activation_checkpointing)
-    if cfg.train.compile:
-        from pipeline.train.compile import apply_compile
-        apply_compile(model)
-    optimizer, scheduler = ds.build_optimizer(cfg, model)
-    engine = ds.initialize(model, optimizer, scheduler, ds_config)
-    device = engine.device
-
-    step, run_id = 0, None
-    if resume_from is not None:
-        state = ckpt.read_state(resume_from, rank, ws)
-        _check_compatible(cfg, state["config"], resume_from)
-        ckpt.load_engine(engine, resume_from)
-        loader.load_state_dict(state["loader"])
-        ckpt.set_rng_state(state["rng"])
-        step, run_id = int(state["step"]), state.get("mlflow_run_id")
-        if engine.global_steps != step:
-            raise ckpt.CheckpointError(f"{resume_from}: DeepSpeed is at step {engine.global_steps}, our state at {step}")
-
-    scale = cfg.name.split("/")[0] if "/" in cfg.name else ""
-    tags = {"variant": cfg.model.variant, "preset": cfg.name, "scale": scale, "world_size": ws,
-            "device": device_kind, "precision": precision, "zero_stage": cfg.train.zero_stage,
-            "activation_checkpointing": cfg.train.activation_checkpointing, "compile": cfg.train.compile}
-    run_id = log.start(cfg, rank, tags, resume_run_id=run_id)
-    n_params = model.num_params()
-    log.info(f"{cfg.name or cfg.model.variant}: {n_params / 1e6:.2f}M params, {ws} rank(s) on {device_kind} "
-             f"({precision}, ZeRO-{cfg.train.zero_stage}), global batch {cfg.train.global_batch_size} x {T} tokens, "
-             f"checkpoints in {root}" + (f", resumed from {resume_from}" if resume_from else ""))
-
-    res = TrainResult(start_step=step, step=step, checkpoint=str(resume_from) if resume_from else None, run_id=run_id)
-    max_steps = cfg.schedule.max_steps
-    tokens_per_step = cfg.train.global_batch_size * T
-    last_saved = step if resume_from is not None else -1
-    status = "FAILED"
-
-    def save_now() -> None:
-        nonlocal last_saved
-        state = {"step": step, "world_size": ws, "rank": rank, "loader": loader.state_dict(), "rng": ckpt.rng_state(),
-                 "config": cfg.to_dict(), "mlflow_run_id": run_id}
-        path = ckpt.save(engine, model, cfg, root, step, state, rank)
-        last_saved, res.checkpoint = step, str(path)
-        log.info(f"checkpoint {path}")
-
-    def last_good() -> str:
-        return res.checkpoint or "none (no checkpoint was written)"
-
-    try:
-        with _Signals() as sig:
-            t_start, t_last, ema = time.time(), time.time(), None
-            consecutive_bad, stop_signal = 0, False
-            while step < max_steps:
-                meter = StepMeter(accum, device)
-                done, zero0_norm = 0, None
-                while done < accum:
-                    x, y = loader.next()
-                    out = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-                    loss = out.loss
-                    if cfg.train.nan_policy == "skip":  # decided before the backward: one read per micro-batch
-                        if _sum_over_ranks((~torch.isfinite(loss.detach())).double().reshape(1))[0] > 0:
-                            msg = f"non-finite loss at step {step + 1} (micro-batch {done + 1}/{accum})"
-                            consecutive_bad += 1
-                            res.skipped += 1
-                            log.warn(f"{msg}; skipped (train.nan_policy=skip, {consecutive_bad} in a row)")
-                            if consecutive_bad >= cfg.train.nan_skip_limit:
-                                raise NonFiniteError(f"{msg}: {consecutive_bad} non-finite batches in a row "
-                                                     f"(train.nan_skip_limit); stopping. Last good checkpoint: {last_good()}")
-                            del out, loss
-                            continue
-                        consecutive_bad = 0
-                    engine.backward(loss)
-                    if done == accum - 1:
-                        zero0_norm = _zero0_grad_norm(engine)
-                    engine.step()
-                    meter.add(out, done)
-                    done += 1
-                gn = engine.get_global_grad_norm()
-                r = meter.read(sig.name is not None, zero0_norm if gn is None else gn, ws)
-                if r["bad_micro_batch"]:
-                    raise NonFiniteError(f"non-finite loss at step {step + 1} (micro-batch {r['bad_micro_batch']}/"
-                                         f"{accum}); stopping. Last good checkpoint: {last_good()}")
-                stop_signal = r["signal"]
-                step += 1
-                loss_mean = r["loss"]
-                res.losses.append(loss_mean)
-                gn = r["grad_norm"]
-                if gn is not None and not math.isfinite(gn):
-                    raise NonFiniteError(f"non-finite gradient norm at step {step}; stopping. Last good checkpoint: "
-                                         f"{last_good()}")
-
-                now = time.time()
-                dt, t_last = now - t_last, now
-                ema = dt if ema is None else 0.9 * ema + 0.1 * dt
-                metrics = {"loss": loss_mean, "lr": _lr_of_step(engine), "tokens_per_s": tokens_per_step / dt,
-                           "step_time_s": dt, "epoch": loader.epoch}
-                metrics["loss_L"] = r["loss_L"]
-                if cfg.model.shortcut:
-                    metrics.update(loss_S=r["loss_S"], loss_align=r["loss_align"])
-                if cfg.model.router and cfg.model.router_recipe != "paper":
-                    metrics["loss_router"] = r["loss_router"]
-                if gn is not None:
-                    metrics["grad_norm"] = gn
-                sm = r["router"]
-                metrics.update(sm)
-                loops = sm.get("router/full/mean_depth", cfg.model.loops) + sm.get("router/short/mean_depth", 0.0)
-                fpt = model.flops_per_token(loops_executed=loops, seq_len=T, lm_heads=2 if "router/short/loops" in sm else 1)
-                metrics["mfu"] = metrics["tokens_per_s"] * fpt / (cfg.logging.peak_flops * ws)
-                metrics.update(memory_metrics(device_kind))
-                if cfg.train.eval_interval > 0 and (step % cfg.train.eval_interval == 0 or step == max_steps):
-                    vl = evaluate(engine, val, cfg.train.eval_batches, device)
-                    metrics.update(vl)
-                    res.val_losses[step] = vl["val/loss"]
-                    log.info(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in vl.items()))
-                log.metrics(metrics, step)
-                if step % cfg.train.log_interval == 0 or step == max_steps or step == res.start_step + 1:
-                    eta = fmt_duration(ema * (max_steps - step))
-                    extra = f" (L {metrics['loss_L']:.3f} S {metrics['loss_S']:.3f} align {metrics['loss_align']:.4f})" \
-                        if cfg.model.shortcut else ""
-                    depth = f" | depth {sm['router/full/mean_depth']:.2f}" if cfg.model.router else ""
-                    gns = f" | gnorm {gn:.3f}" if gn is not None else ""
-                    log.info(f"step {step}/{max_steps} | loss {loss_mean:.4f}{extra} | lr {metrics['lr']:.2e}{gns}"
-                             f" | {metrics['tokens_per_s']:,.0f} tok/s | MFU {100 * metrics['mfu']:.2f}%{depth}"
-                             f" | {fmt_duration(now - t_start)} elapsed, ETA {eta}")
-                    log.flush()
-                if stop_signal:
-                    res.stopped_by = sig.name or "signal"
-                    log.info(f"stopping at step {step} ({res.stopped_by} on some rank)")
-                    break
-                if cfg.checkpoint.interval > 0 and step % cfg.checkpoint.interval == 0:
-                    save_now()
-            if last_saved != step:
-                save_now()
-        status = "KILLED" if res.stopped_by else "FINISHED"
-    finally:
-        res.step = step
-        log.set_tags({"final_step": step})
-        log.end(status)
-    return res
+    """Trains cfg (a resolved Config) from scratch or from a checkpoint with the default callbacks."""
+    return Trainer.build(cfg).fit()
 
 
 def _zero0_grad_norm(engine) -> torch.Tensor | None:

@@ -1,0 +1,150 @@
+"""Callbacks of `pipeline.train.trainer.Trainer`: everything a run does around its steps. `default_callbacks()`
+is what `tlf train` uses; a bench or a test builds the Trainer with its own list.
+
+Hooks (all optional; `self.trainer` is set by the Trainer, see its class doc for when each is called):
+pre_train(), pre_step(step), post_step(step, metrics), log_metrics(step, metrics), end_step(step), post_train(),
+post_checkpoint_saved(step, path), on_error(exc), close(status). `metrics` holds host floats only (the step's
+one device read is done before post_step): a callback that reads a device tensor adds a host sync per step.
+The router statistics are not a callback: they travel in the step's one all-reduce (StepMeter).
+"""
+from __future__ import annotations
+
+import time
+
+from pipeline.memory import memory_metrics
+from pipeline.train.logger import fmt_duration, log
+
+
+class Callback:
+    trainer = None  # the Trainer, set when it is built
+
+    def pre_train(self) -> None: ...
+    def pre_step(self, step: int) -> None: ...  # step: the 1-based number of the step about to run
+    def post_step(self, step: int, metrics: dict) -> None: ...  # add metrics of the step just run
+    def log_metrics(self, step: int, metrics: dict) -> None: ...  # emit them
+    def end_step(self, step: int) -> None: ...
+    def post_train(self) -> None: ...
+    def post_checkpoint_saved(self, step: int, path) -> None: ...
+    def on_error(self, exc: BaseException) -> None: ...
+    def close(self, status: str) -> None: ...
+
+
+def scale_tag(cfg) -> str:
+    """The MLflow `scale` tag: SCALE of a SCALE/VARIANT preset name ("" for a YAML file). Parsed from the name
+    because the config has no field for it (a `scale` field in pipeline.config would be the better source)."""
+    return cfg.name.split("/")[0] if "/" in cfg.name else ""
+
+
+def run_tags(t) -> dict:
+    """The tags of a training run (how `tlf compare` finds runs)."""
+    c = t.cfg
+    return {"variant": c.model.variant, "preset": c.name, "scale": scale_tag(c), "world_size": t.ws,
+            "device": t.device_kind, "precision": t.precision, "zero_stage": c.train.zero_stage,
+            "activation_checkpointing": c.train.activation_checkpointing, "compile": c.train.compile}
+
+
+class Speed(Callback):
+    """step_time_s (wall clock from the previous step's end: logging, validation and saves included),
+    tokens_per_s and MFU over the executed loops (model.flops_per_token; README "MFU")."""
+
+    def pre_train(self) -> None:
+        self.t_last = time.time()
+
+    def post_step(self, step: int, metrics: dict) -> None:
+        t = self.trainer
+        now = time.time()
+        dt, self.t_last = now - self.t_last, now
+        metrics.update(tokens_per_s=t.tokens_per_step / dt, step_time_s=dt)
+        loops = metrics.get("router/full/mean_depth", t.cfg.model.loops) + metrics.get("router/short/mean_depth", 0.0)
+        fpt = t.model.flops_per_token(loops_executed=loops, seq_len=t.cfg.model.block_size,
+                                      lm_heads=2 if "router/short/loops" in metrics else 1)
+        metrics["mfu"] = metrics["tokens_per_s"] * fpt / (t.cfg.logging.peak_flops * t.ws)
+
+
+class Memory(Callback):
+    """mem/cuda_max_{allocated,reserved}_gb on GPU, mem/{rss,peak_rss}_gb on CPU."""
+
+    def post_step(self, step: int, metrics: dict) -> None:
+        metrics.update(memory_metrics(self.trainer.device_kind))
+
+
+class Validation(Callback):
+    """Validation loss every train.eval_interval steps and at the last (val/loss, val/<extra dir>)."""
+
+    def post_step(self, step: int, metrics: dict) -> None:
+        from pipeline.train.trainer import evaluate
+
+        t = self.trainer
+        n = t.cfg.train.eval_interval
+        if n > 0 and (step % n == 0 or step == t.max_steps):
+            vl = evaluate(t.engine, t.val, t.cfg.train.eval_batches, t.device)
+            metrics.update(vl)
+            t.result.val_losses[step] = vl["val/loss"]
+            log.info(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in vl.items()))
+
+
+class Checkpointer(Callback):
+    """A checkpoint every checkpoint.interval steps (0: none) and one at the end (after a stop signal too)."""
+
+    def end_step(self, step: int) -> None:
+        n = self.trainer.cfg.checkpoint.interval
+        if n > 0 and step % n == 0:
+            self.trainer.save_checkpoint()
+
+    def post_train(self) -> None:
+        if self.trainer.last_saved != self.trainer.step:
+            self.trainer.save_checkpoint()
+
+
+class MLflowLogger(Callback):
+    """The MLflow run (rank 0; logging.mlflow=false: none): opened with the config as params and `run_tags`, or
+    the resumed run reopened; metrics buffered every step and sent at log steps; final_step tag; ended with the
+    run's status."""
+
+    def pre_train(self) -> None:
+        t = self.trainer
+        t.run_id = t.result.run_id = log.start(t.cfg, run_tags(t), resume_run_id=t.run_id)
+
+    def log_metrics(self, step: int, metrics: dict) -> None:
+        log.metrics(metrics, step)
+        if self.trainer.is_log_step(step):
+            log.flush()
+
+    def close(self, status: str) -> None:
+        log.set_tags({"final_step": self.trainer.step})
+        log.end(status)
+
+
+class Console(Callback):
+    """The set-up line, a progress line at log steps (loss and parts, lr, grad norm, tokens/s, MFU, router
+    depth, elapsed, ETA from an average of step times) and each checkpoint written."""
+
+    def pre_train(self) -> None:
+        t, c = self.trainer, self.trainer.cfg
+        self.t_start, self.ema = time.time(), None
+        log.info(f"{c.name or c.model.variant}: {t.model.num_params() / 1e6:.2f}M params, {t.ws} rank(s) on "
+                 f"{t.device_kind} ({t.precision}, ZeRO-{c.train.zero_stage}), global batch "
+                 f"{c.train.global_batch_size} x {c.model.block_size} tokens, checkpoints in {t.root}"
+                 + (f", resumed from {t.resume_from}" if t.resume_from else ""))
+
+    def log_metrics(self, step: int, m: dict) -> None:
+        t, c = self.trainer, self.trainer.cfg
+        dt = m.get("step_time_s", 0.0)
+        self.ema = dt if self.ema is None else 0.9 * self.ema + 0.1 * dt
+        if not t.is_log_step(step):
+            return
+        extra = f" (L {m['loss_L']:.3f} S {m['loss_S']:.3f} align {m['loss_align']:.4f})" if c.model.shortcut else ""
+        depth = f" | depth {m['router/full/mean_depth']:.2f}" if c.model.router else ""
+        gns = f" | gnorm {m['grad_norm']:.3f}" if "grad_norm" in m else ""
+        speed = f" | {m['tokens_per_s']:,.0f} tok/s | MFU {100 * m['mfu']:.2f}%" if "mfu" in m else ""
+        log.info(f"step {step}/{t.max_steps} | loss {m['loss']:.4f}{extra} | lr {m['lr']:.2e}{gns}{speed}{depth}"
+                 f" | {fmt_duration(time.time() - self.t_start)} elapsed, ETA {fmt_duration(self.ema * (t.max_steps - step))}")
+
+    def post_checkpoint_saved(self, step: int, path) -> None:
+        log.info(f"checkpoint {path}")
+
+
+def default_callbacks() -> list[Callback]:
+    """What `tlf train` runs with. Order matters within a hook: MLflow opens its run before the console's first
+    line; the metric callbacks fill `metrics` before validation prints."""
+    return [MLflowLogger(), Console(), Speed(), Memory(), Validation(), Checkpointer()]
