@@ -31,5 +31,19 @@ setup(
     ],
     extras_require={"dev": ["pytest>=8"], "harness": ["lm-eval>=0.4.5"],
                     "hf": ["transformers>=4.40", "safetensors>=0.4", "accelerate>=0.26"]},
-    entry_points={"console_scripts": ["tlf=pipeline.cli:entry"]},
+    entry_points={
+        "console_scripts": ["tlf=pipeline.cli:entry"],
+        # `tlf`'s subcommands: each package registers its own, so pipeline/cli.py never names a layer above it
+        "tlf.commands": [
+            "prep-data=data_prep.cli:prep_data",
+            "data=data_prep.cli:data",
+            "train=pipeline.train.cli:train",
+            "generate=pipeline.inference.cli:generate",
+            "sweep=pipeline.sweep:sweep",
+            "export=pipeline.export:export_cmd",
+            "eval=evaluation.cli:eval_cmd",
+            "compare=evaluation.compare:compare",
+            "ablate=evaluation.ablate:ablate",
+        ],
+    },
 )

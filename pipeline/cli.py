@@ -1,8 +1,8 @@
 """The `tlf` command: a thin Click wrapper over plain `run(cfg)`-style functions that tests call directly."""
 from __future__ import annotations
 
-import importlib
 import sys
+from importlib.metadata import entry_points
 
 import click
 
@@ -52,22 +52,21 @@ def config_show(name: str, overrides: tuple[str, ...], doc: bool) -> None:
     click.echo(to_yaml(cfg), nl=False)
 
 
-# Commands that live with their component (module, click command).
-_COMMANDS = [
-    ("data_prep.cli", "prep_data"),
-    ("data_prep.cli", "data"),
-    ("pipeline.train.cli", "train"),
-    ("pipeline.inference.cli", "generate"),
-    ("evaluation.cli", "eval_cmd"),
-    ("evaluation.compare", "compare"),
-    ("evaluation.ablate", "ablate"),
-    ("pipeline.sweep", "sweep"),
-    ("pipeline.export", "export_cmd"),
-]
+# The subcommands live with their components and register themselves as `tlf.commands` entry points
+# (setup.py), so this module names no package above it (README "Layout").
+COMMAND_GROUP = "tlf.commands"
 
 
-for _module, _attr in _COMMANDS:
-    main.add_command(getattr(importlib.import_module(_module), _attr))
+def _add_commands() -> None:
+    eps = entry_points(group=COMMAND_GROUP)
+    if not eps:
+        raise SystemExit("tlf is not installed: its subcommands are entry points (`pip install -e .` in the "
+                         "checkout, or `make setup`)")
+    for ep in sorted(eps, key=lambda e: e.name):
+        main.add_command(ep.load(), ep.name)
+
+
+_add_commands()
 
 
 def entry() -> None:

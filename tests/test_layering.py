@@ -3,8 +3,8 @@
 Every `import` / `from ... import` in the four packages (module level or inside a function) may name its own
 package or one to its left only. Bench scripts import each other by bare name (`from interleave import ...`,
 run as scripts with bench/ on sys.path): those count as bench. A module named in a string (`importlib`) counts
-too: the one place allowed to do that upwards is the `tlf` command's plugin table (COMPOSITION_ROOT), which
-registers each package's commands when the CLI starts.
+too. There is no exception: `tlf`'s subcommands register themselves as `tlf.commands` entry points (setup.py),
+which the `tlf` command loads without naming their packages.
 """
 import ast
 import re
@@ -15,7 +15,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("data_prep", "pipeline", "evaluation", "bench")
 BENCH_SCRIPTS = {p.stem for p in (ROOT / "bench").glob("*.py")}
-COMPOSITION_ROOT = {"pipeline/cli.py"}  # `tlf`'s _PLUGINS: ("evaluation.cli", "eval_cmd"), ...
 MODULE_STRING = re.compile(r"^(%s)(\.\w+)+$" % "|".join(LAYERS))
 
 
@@ -51,9 +50,7 @@ def violations(root: Path = ROOT):
     for rank, pkg in enumerate(LAYERS):
         for path in sorted((root / pkg).rglob("*.py")):
             rel, src = path.relative_to(root).as_posix(), path.read_text()
-            found = imported_packages(src, str(path))
-            if rel not in COMPOSITION_ROOT:
-                found += named_modules(src, str(path))
+            found = imported_packages(src, str(path)) + named_modules(src, str(path))
             for line, top, stmt in found:
                 if LAYERS.index(top) > rank:
                     bad.append(f"{rel}:{line}: {pkg} must not import {top}: {stmt}")
@@ -87,7 +84,15 @@ def test_violation_names_file_line_and_import(tmp_path):
         "pipeline/y.py:2: pipeline must not import evaluation: 'evaluation.cli'"]
 
 
-def test_only_the_cli_plugin_table_names_upper_layers():
-    """The exception is real and single: pipeline/cli.py names evaluation's commands, nothing else does."""
-    src = (ROOT / "pipeline" / "cli.py").read_text()
-    assert {top for _, top, _ in named_modules(src)} == {"data_prep", "pipeline", "evaluation"}
+def test_every_package_registers_its_own_tlf_commands():
+    """The `tlf` command finds its subcommands as entry points: every one of them loads, and each package's
+    commands come from that package."""
+    from importlib.metadata import entry_points
+
+    from pipeline.cli import main
+
+    eps = {ep.name: ep for ep in entry_points(group="tlf.commands")}
+    assert {"prep-data", "train", "generate", "eval", "compare", "ablate", "sweep", "export"} <= set(eps)
+    assert set(eps) <= set(main.commands)
+    for name, ep in eps.items():
+        assert ep.value.split(".")[0] in LAYERS and main.commands[name] is ep.load(), name
