@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
+from data_prep.files import write_json
 from evaluation.tasks import TASK_ORDER, TASKS
 
 TASK_LABELS = {t: TASKS[t].label for t in TASK_ORDER}  # the Table-1 column of each task, in the paper's order
@@ -116,16 +116,8 @@ def budget_average(results: Results, b: Budget, metric: str) -> float | None:
 
 # ------------------------------------------------------------------------------------------ file
 def write(path: Path, results: Results) -> Path:
-    """results.json, atomically (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(results, indent=2, default=_json_default))
-    os.replace(tmp, path)
-    return path
-
-
-def _json_default(o):
-    return o.item() if hasattr(o, "item") else str(o)
+    """results.json, atomically (a reader never sees half a file): the one JSON writer, data_prep.files."""
+    return write_json(path, results)
 
 
 def read(path: Path) -> Results:
