@@ -5,10 +5,12 @@ Requests are (context tokens, continuation tokens) pairs, encoded as lm-evaluati
 those of `tok(context + continuation)` after `tok(context)`; an empty context becomes the EOT token). A
 request longer than the model's context keeps its last block_size + 1 tokens (left truncation).
 
-Scoring: identical model inputs are computed once (so the choices of an example whose continuations are
-single tokens share one forward of the context), inputs are sorted by length (longest first) and packed
-`batch_size` per forward, right-padded: the model is causal, so padding after a row's last real token
-cannot change its logits. The LM head and log_softmax (fp32) run only at the continuation positions.
+Scoring shares contexts (`Scorer`, tree packing): the choices of a question run their common context once,
+in one row with every choice's continuation after it, each continuation attending to the context and to
+itself only. Rows are sorted by length (longest first) and packed `batch_size` per forward, right-padded (a
+row's padding comes after all its real tokens, which never attend to it). The LM head and log_softmax (fp32)
+run only where logits are read. `Scorer(share_context=False)` is the earlier path (one causal row per distinct
+input), kept as the benchmark's baseline.
 """
 from __future__ import annotations
 
@@ -43,62 +45,141 @@ class Scored:
     n_tokens: int
 
 
-class Scorer:
-    """Scores (context ids, continuation ids) requests with `model` at budget `loops`."""
+def window(ctx: list[int], cont: list[int], T: int) -> tuple[tuple[int, ...], list[int]]:
+    """(model input, targets) of one request: the last T + 1 tokens of context + continuation (left
+    truncation), the input all but the last; the targets are the last n = min(len(cont), len(input)) tokens,
+    predicted at the input's last n positions."""
+    if not cont:
+        raise ValueError("empty continuation")
+    if not ctx:
+        raise ValueError("empty context: give it at least one token (encode_pair gives an empty context text EOT)")
+    seq = (list(ctx) + list(cont))[-(T + 1):]
+    n = min(len(cont), len(seq) - 1)
+    return tuple(seq[:-1]), seq[-n:]
 
-    def __init__(self, model, batch_size: int = 16, device: str | torch.device = "cpu"):
+
+@dataclass
+class _Batch:
+    """One forward: tokens (B, P), positions and mask (None: 0..P-1, causal) and, per request scored in it,
+    its (row, position) of each target's prediction and the targets."""
+    idx: torch.Tensor
+    positions: torch.Tensor | None
+    mask: torch.Tensor | None
+    reads: list[tuple[int, list[tuple[int, int]], list[int]]]  # (request, [(row, pos)], targets)
+
+
+class Scorer:
+    """Scores (context ids, continuation ids) requests with `model` at budget `loops`.
+
+    share_context=True (default): tree packing. A request's input splits into a prefix (up to the position
+    that predicts its first target: the context when nothing is truncated) and a branch (its other n - 1
+    continuation tokens). Requests with the same prefix share one row: the prefix once, then every distinct
+    branch, each at the positions continuing the prefix and attending to the prefix and to the earlier tokens
+    of its own branch only (`LoopedLM.hidden_states` with positions and a mask). The router reads only
+    h0 = token + position embedding, so every token's depth is the one it has in its own unpacked row, and the
+    scores equal share_context=False's up to fp32 rounding (tested). Truncated requests share when their
+    truncated prefixes are equal (same continuation length); otherwise their row holds one branch, the same
+    input as without sharing. A row holds at most block_size branch tokens after its prefix (more branches:
+    another row with the prefix again).
+    share_context=False: one row per distinct input (identical inputs computed once), causal.
+    Both: rows longest first, `batch_size` per forward, right-padded; the LM head + log_softmax (fp32) only at
+    the distinct (row, position) pairs whose logits are read."""
+
+    def __init__(self, model, batch_size: int = 16, device: str | torch.device = "cpu", share_context: bool = True):
         self.model = model
         self.batch_size = max(1, int(batch_size))
         self.device = torch.device(device)
         self.block_size = model.cfg.block_size
+        self.share_context = share_context
         self.forwards = 0  # model calls made (for benchmarks)
+        self.tokens = 0  # token slots run through the model, padding included (for benchmarks)
 
     @torch.no_grad()
     def score(self, requests: list[tuple[list[int], list[int]]], loops: int) -> list[Scored]:
-        T = self.block_size
-        inputs: dict[tuple, int] = {}
-        plan = []  # per request: (input index, input length, continuation ids)
-        for ctx, cont in requests:
-            if not cont:
-                raise ValueError("empty continuation")
-            seq = (list(ctx) + list(cont))[-(T + 1):]
-            inp = tuple(seq[:-1])
-            n = min(len(cont), len(inp))
-            k = inputs.setdefault(inp, len(inputs))
-            plan.append((k, len(inp), seq[-n:]))
-        uniq = list(inputs)
-        # per unique input: the (start, targets) windows its requests need
-        need: dict[int, list[int]] = {}
-        for r, (k, _ln, _tg) in enumerate(plan):
-            need.setdefault(k, []).append(r)
-        order = sorted(range(len(uniq)), key=lambda k: -len(uniq[k]))
+        plan = [window(ctx, cont, self.block_size) for ctx, cont in requests]
         out: list[Scored | None] = [None] * len(plan)
-        for b0 in range(0, len(order), self.batch_size):
-            ks = order[b0:b0 + self.batch_size]
-            L = len(uniq[ks[0]])
-            idx = torch.zeros(len(ks), L, dtype=torch.long)
-            for row, k in enumerate(ks):
-                idx[row, :len(uniq[k])] = torch.tensor(uniq[k], dtype=torch.long)
-            h, _ = hidden_states(self.model, idx.to(self.device), loops)
-            self.forwards += 1
-            rows, pos, tgts, owners = [], [], [], []
-            for row, k in enumerate(ks):
-                for r in need[k]:
-                    _, ln, tg = plan[r]
-                    n = len(tg)
-                    rows += [row] * n
-                    pos += range(ln - n, ln)
-                    tgts += tg
-                    owners.append((r, n))
-            lg = logits_at(self.model, h[torch.tensor(rows), torch.tensor(pos)]).log_softmax(-1)  # (P, V)
-            tgt = torch.tensor(tgts, dtype=torch.long, device=lg.device)
-            lp = lg.gather(-1, tgt[:, None])[:, 0].double().cpu()
-            hit = (lg.argmax(-1) == tgt).cpu()
-            p0 = 0
-            for r, n in owners:
-                out[r] = Scored(float(lp[p0:p0 + n].sum()), bool(hit[p0:p0 + n].all()), n)
-                p0 += n
+        batches = self._tree_batches(plan) if self.share_context else self._row_batches(plan)
+        for b in batches:
+            self._run(b, loops, out)
         return out  # type: ignore[return-value]
+
+    def _row_batches(self, plan):
+        inputs: dict[tuple, list[int]] = {}  # distinct input -> its requests
+        for r, (inp, _tg) in enumerate(plan):
+            inputs.setdefault(inp, []).append(r)
+        uniq = sorted(inputs, key=lambda inp: -len(inp))
+        for b0 in range(0, len(uniq), self.batch_size):
+            chunk = uniq[b0:b0 + self.batch_size]
+            idx = torch.zeros(len(chunk), len(chunk[0]), dtype=torch.long)  # (B, P) right-padded
+            reads = []
+            for row, inp in enumerate(chunk):
+                idx[row, :len(inp)] = torch.tensor(inp, dtype=torch.long)
+                for r in inputs[inp]:
+                    tg = plan[r][1]
+                    reads.append((r, [(row, p) for p in range(len(inp) - len(tg), len(inp))], tg))
+            yield _Batch(idx, None, None, reads)
+
+    def _tree_batches(self, plan):
+        T = self.block_size
+        groups: dict[tuple, dict[tuple, list[int]]] = {}  # prefix -> branch -> its requests
+        for r, (inp, tg) in enumerate(plan):
+            cut = len(inp) - len(tg) + 1
+            groups.setdefault(inp[:cut], {}).setdefault(inp[cut:], []).append(r)
+        rows = []  # (prefix, [branches]) with at most T branch tokens after the prefix (or one branch)
+        for prefix, branches in groups.items():
+            cur, size = [], 0
+            for br in branches:
+                if cur and size + len(br) > T:
+                    rows.append((prefix, cur))
+                    cur, size = [], 0
+                cur.append(br)
+                size += len(br)
+            rows.append((prefix, cur))
+        rows.sort(key=lambda pr: -(len(pr[0]) + sum(map(len, pr[1]))))
+        for b0 in range(0, len(rows), self.batch_size):
+            chunk = rows[b0:b0 + self.batch_size]
+            P = len(chunk[0][0]) + sum(map(len, chunk[0][1]))
+            idx = np.zeros((len(chunk), P), dtype=np.int64)  # (B, P)
+            pos = np.zeros((len(chunk), P), dtype=np.int64)  # (B, P)
+            seg = np.full((len(chunk), P), -1, dtype=np.int64)  # (B, P): 0 prefix, k branch k, -1 padding
+            reads = []
+            for row, (prefix, branches) in enumerate(chunk):
+                p = len(prefix)
+                idx[row, :p], pos[row, :p], seg[row, :p] = prefix, np.arange(p), 0
+                st = p
+                for k, br in enumerate(branches, 1):
+                    s = len(br)
+                    idx[row, st:st + s], pos[row, st:st + s], seg[row, st:st + s] = br, np.arange(p, p + s), k
+                    for r in groups[prefix][br]:
+                        reads.append((r, [(row, p - 1)] + [(row, q) for q in range(st, st + s)], plan[r][1]))
+                    st += s
+            sg = torch.from_numpy(seg)
+            mask = (sg[:, None, :] == 0) | (sg[:, None, :] == sg[:, :, None])  # (B, P, P) key in prefix or own branch
+            mask &= torch.ones(P, P, dtype=torch.bool).tril()
+            yield _Batch(torch.from_numpy(idx), torch.from_numpy(pos), mask, reads)
+
+    def _run(self, b: _Batch, loops: int, out: list) -> None:
+        dev = self.device
+        to = (lambda x: None if x is None else x.to(dev))  # noqa: E731
+        h, _ = hidden_states(self.model, b.idx.to(dev), loops, to(b.positions), to(b.mask))  # (B, P, d)
+        self.forwards += 1
+        self.tokens += b.idx.numel()
+        at: dict[tuple[int, int], int] = {}  # distinct (row, pos) -> row of the logits
+        for _r, rp, _tg in b.reads:
+            for x in rp:
+                at.setdefault(x, len(at))
+        rows, pos = zip(*at)
+        lg = logits_at(self.model, h[torch.tensor(rows, device=dev), torch.tensor(pos, device=dev)]).log_softmax(-1)  # (U, V)
+        best = lg.argmax(-1).cpu()  # (U,)
+        sel = torch.tensor([at[x] for _r, rp, _tg in b.reads for x in rp])  # (N,) logits row of each target
+        tgt = torch.tensor([t for _r, _rp, tg in b.reads for t in tg], dtype=torch.long)  # (N,)
+        lp = lg[sel.to(dev), tgt.to(dev)].double().cpu()  # (N,)
+        hit = best[sel] == tgt
+        p0 = 0
+        for r, rp, _tg in b.reads:
+            n = len(rp)
+            out[r] = Scored(float(lp[p0:p0 + n].sum()), bool(hit[p0:p0 + n].all()), n)
+            p0 += n
 
 
 # ------------------------------------------------------------------------------------------- metrics
@@ -149,9 +230,3 @@ def task_metrics(td: TaskData, kind: str, metrics: tuple[str, ...], scored: list
     if "acc_norm" in metrics:
         res["acc_norm"], res["acc_norm_stderr"] = float(np.mean(norms)), mean_stderr(norms)
     return res
-
-
-def evaluate_task(scorer: Scorer, td: TaskData, kind: str, metrics: tuple[str, ...], loops: int,
-                  requests=None) -> dict:
-    reqs, spans = requests if requests is not None else task_requests(td)
-    return task_metrics(td, kind, metrics, scorer.score(reqs, loops), spans)

@@ -249,6 +249,41 @@ class LoopedLM(nn.Module):
             depth = torch.full(h0.shape[:2], M, dtype=torch.long, device=h0.device)
         return h, depth
 
+    def hidden_states(self, idx: torch.Tensor, loops: int, positions: torch.Tensor | None = None,
+                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward(idx, loops=M)` without the head: final states before the norm (B, T, d) and depth (B, T) in
+        1..M (schedule 1/M). positions (B, T): each token's position (default 0..T-1). mask (B, T, T) bool, True
+        on the diagonal and only where key <= query in row order: query tau may attend key tau' iff
+        mask[tau, tau'] (replaces the causal rule; in loop i also tau' in A_i). With both, one row can hold a
+        prefix followed by several branches that each continue it (the scorer's tree packing). Masked loops run
+        compacted through attention hooks: on the gather-scatter path even when gather_scatter=false (equal to
+        the dense reference, docs/design.md §1); the mask of each loop is gathered once by `order`."""
+        M = int(loops)
+        h0 = self.embed(idx) if positions is None else self.wte(idx) + self.wpe(positions)  # (B, T, d)
+        r = self.route(h0)
+        if mask is None:
+            return self.final_states(h0, r, uniform(M))
+        B, T = idx.shape
+        per_loop: dict[int, torch.Tensor] = {}
+
+        def attend(i, j, order, n):
+            if i not in per_loop:  # (B, 1, Tm, Tm) among loop i's compacted tokens; the tril keeps each row's
+                mc = mask if order is None else mask.gather(1, order[..., None].expand(-1, -1, T)).gather(
+                    2, order[:, None, :].expand(-1, order.shape[1], -1))  # tail of pad slots from real queries
+                per_loop.clear()
+                per_loop[i] = (mc & torch.ones(mc.shape[-2:], dtype=torch.bool, device=mc.device).tril())[:, None]
+            m = per_loop[i]
+            return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+        from types import SimpleNamespace
+        hooks = SimpleNamespace(attend=attend, loop_done=lambda i, n: None)
+        depth = None if r is None else r.depth(M, self.cfg.router_threshold)
+        cont = r.cont if (r is not None and self.cfg.router_ste) else None
+        h = self.run_loops(h0, uniform(M), depth, cont, hooks=hooks)
+        if depth is None:
+            depth = torch.full((B, T), M, dtype=torch.long, device=idx.device)
+        return h, depth
+
     def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor, counts=None):
         h, depth = self.final_states(h0, r, delta, counts)
         logits, hf = self.head(h)
