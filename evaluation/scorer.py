@@ -6,8 +6,8 @@ those of `tok(context + continuation)` after `tok(context)`; an empty context be
 request longer than the model's context keeps its last block_size + 1 tokens (left truncation).
 
 Scoring shares contexts (`Scorer`, tree packing): the choices of a question run their common context once,
-in one row with every choice's continuation after it, each continuation attending to the context and to
-itself only. Rows are sorted by length (longest first) and packed `batch_size` per forward, right-padded (a
+in one row with the trie of the choices' continuations after it, each continuation attending to the context
+and to itself only. Rows are sorted by length (longest first) and packed `batch_size` per forward, right-padded (a
 row's padding comes after all its real tokens, which never attend to it). The LM head and log_softmax (fp32)
 run only where logits are read. `Scorer(share_context=False)` is the earlier path (one causal row per distinct
 input), kept as the benchmark's baseline.
@@ -15,7 +15,7 @@ input), kept as the benchmark's baseline.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -68,19 +68,66 @@ class _Batch:
     reads: list[tuple[int, list[tuple[int, int]], list[int]]]  # (request, [(row, pos)], targets)
 
 
+@dataclass
+class _Trie:
+    """One packed row: a prefix, then the trie of its branches (a token shared by the leading tokens of several
+    branches is one node). Node k: tokens[k], parents[k] (-1: the prefix's last token), depths[k] (0 right after
+    the prefix); paths: branch -> its node ids."""
+    prefix: tuple
+    tokens: list = field(default_factory=list)
+    parents: list = field(default_factory=list)
+    depths: list = field(default_factory=list)
+    paths: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return len(self.prefix) + len(self.tokens)
+
+
+def _in_trie(kids: dict, br: tuple) -> int:
+    """How many leading tokens of branch br the trie (kids: (parent, token) -> node) already holds."""
+    node, k = -1, 0
+    while k < len(br) and (node, br[k]) in kids:
+        node, k = kids[(node, br[k])], k + 1
+    return k
+
+
+def _tries(prefix: tuple, branches, limit: int) -> list[_Trie]:
+    """Rows for one prefix: branches (sorted, so shared leading tokens meet) inserted into a trie; a branch that
+    would take a row past `limit` nodes starts another row (a row always takes its first branch)."""
+    rows, kids = [_Trie(prefix)], {}
+    for br in sorted(branches):
+        tr, node, path = rows[-1], -1, []
+        if tr.tokens and len(tr.tokens) + len(br) - _in_trie(kids, br) > limit:
+            tr = _Trie(prefix)
+            rows.append(tr)
+            kids = {}
+        for d, t in enumerate(br):
+            nxt = kids.get((node, t))
+            if nxt is None:
+                nxt = kids[(node, t)] = len(tr.tokens)
+                tr.tokens.append(t)
+                tr.parents.append(node)
+                tr.depths.append(d)
+            node = nxt
+            path.append(node)
+        tr.paths[br] = path
+    return rows
+
+
 class Scorer:
     """Scores (context ids, continuation ids) requests with `model` at budget `loops`.
 
     share_context=True (default): tree packing. A request's input splits into a prefix (up to the position
     that predicts its first target: the context when nothing is truncated) and a branch (its other n - 1
-    continuation tokens). Requests with the same prefix share one row: the prefix once, then every distinct
-    branch, each at the positions continuing the prefix and attending to the prefix and to the earlier tokens
-    of its own branch only (`LoopedLM.hidden_states` with positions and a mask). The router reads only
-    h0 = token + position embedding, so every token's depth is the one it has in its own unpacked row, and the
-    scores equal share_context=False's up to fp32 rounding (tested). Truncated requests share when their
-    truncated prefixes are equal (same continuation length); otherwise their row holds one branch, the same
-    input as without sharing. A row holds at most block_size branch tokens after its prefix (more branches:
-    another row with the prefix again).
+    continuation tokens). Requests with the same prefix share one row: the prefix once, then the trie of their
+    branches (leading tokens common to several branches are one node), each node at the position continuing
+    its path and attending to the prefix and to its own ancestors only (`LoopedLM.hidden_states` with
+    positions and a mask). The router reads only h0 = token + position embedding, so every token's depth is the
+    one it has in its own unpacked row, and the scores equal share_context=False's up to fp32 rounding
+    (tested). Truncated requests share when their truncated prefixes are equal (same continuation length);
+    otherwise their row is their own input, as without sharing. A row holds at most block_size trie nodes
+    (more branches: another row with the prefix again).
     share_context=False: one row per distinct input (identical inputs computed once), causal.
     Both: rows longest first, `batch_size` per forward, right-padded; the LM head + log_softmax (fp32) only at
     the distinct (row, position) pairs whose logits are read."""
@@ -125,38 +172,27 @@ class Scorer:
         for r, (inp, tg) in enumerate(plan):
             cut = len(inp) - len(tg) + 1
             groups.setdefault(inp[:cut], {}).setdefault(inp[cut:], []).append(r)
-        rows = []  # (prefix, [branches]) with at most T branch tokens after the prefix (or one branch)
-        for prefix, branches in groups.items():
-            cur, size = [], 0
-            for br in branches:
-                if cur and size + len(br) > T:
-                    rows.append((prefix, cur))
-                    cur, size = [], 0
-                cur.append(br)
-                size += len(br)
-            rows.append((prefix, cur))
-        rows.sort(key=lambda pr: -(len(pr[0]) + sum(map(len, pr[1]))))
+        rows = [row for prefix, branches in groups.items() for row in _tries(prefix, branches, T)]
+        rows.sort(key=lambda tr: -tr.size)
         for b0 in range(0, len(rows), self.batch_size):
             chunk = rows[b0:b0 + self.batch_size]
-            P = len(chunk[0][0]) + sum(map(len, chunk[0][1]))
-            idx = np.zeros((len(chunk), P), dtype=np.int64)  # (B, P)
-            pos = np.zeros((len(chunk), P), dtype=np.int64)  # (B, P)
-            seg = np.full((len(chunk), P), -1, dtype=np.int64)  # (B, P): 0 prefix, k branch k, -1 padding
+            B, P = len(chunk), chunk[0].size
+            idx = np.zeros((B, P), dtype=np.int64)  # (B, P) right-padded
+            pos = np.zeros((B, P), dtype=np.int64)  # (B, P)
+            mask = np.zeros((B, P, P), dtype=bool)  # (B, P, P) key is an ancestor of the query, or itself
+            mask[:, np.arange(P), np.arange(P)] = True  # padding attends to itself only
             reads = []
-            for row, (prefix, branches) in enumerate(chunk):
-                p = len(prefix)
-                idx[row, :p], pos[row, :p], seg[row, :p] = prefix, np.arange(p), 0
-                st = p
-                for k, br in enumerate(branches, 1):
-                    s = len(br)
-                    idx[row, st:st + s], pos[row, st:st + s], seg[row, st:st + s] = br, np.arange(p, p + s), k
-                    for r in groups[prefix][br]:
-                        reads.append((r, [(row, p - 1)] + [(row, q) for q in range(st, st + s)], plan[r][1]))
-                    st += s
-            sg = torch.from_numpy(seg)
-            mask = (sg[:, None, :] == 0) | (sg[:, None, :] == sg[:, :, None])  # (B, P, P) key in prefix or own branch
-            mask &= torch.ones(P, P, dtype=torch.bool).tril()
-            yield _Batch(torch.from_numpy(idx), torch.from_numpy(pos), mask, reads)
+            for row, tr in enumerate(chunk):
+                p, n = len(tr.prefix), tr.size
+                idx[row, :p], idx[row, p:n] = tr.prefix, tr.tokens
+                pos[row, :p], pos[row, p:n] = np.arange(p), p + np.asarray(tr.depths, dtype=np.int64)
+                mask[row, :p, :p] = np.tri(p, dtype=bool)
+                for q, par in enumerate(tr.parents, p):  # parents come first: each row copies its parent's
+                    mask[row, q, :q] = mask[row, p - 1 if par < 0 else p + par, :q]
+                for br, path in tr.paths.items():
+                    for r in groups[tr.prefix][br]:
+                        reads.append((r, [(row, p - 1)] + [(row, p + k) for k in path], plan[r][1]))
+            yield _Batch(torch.from_numpy(idx), torch.from_numpy(pos), torch.from_numpy(mask), reads)
 
     def _run(self, b: _Batch, loops: int, out: list) -> None:
         dev = self.device
@@ -170,11 +206,14 @@ class Scorer:
                 at.setdefault(x, len(at))
         rows, pos = zip(*at)
         lg = logits_at(self.model, h[torch.tensor(rows, device=dev), torch.tensor(pos, device=dev)]).log_softmax(-1)  # (U, V)
-        best = lg.argmax(-1).cpu()  # (U,)
         sel = torch.tensor([at[x] for _r, rp, _tg in b.reads for x in rp])  # (N,) logits row of each target
         tgt = torch.tensor([t for _r, _rp, tg in b.reads for t in tg], dtype=torch.long)  # (N,)
-        lp = lg[sel.to(dev), tgt.to(dev)].double().cpu()  # (N,)
-        hit = best[sel] == tgt
+        sel, tgt = sel.to(dev), tgt.to(dev)
+        lpt = lg[sel, tgt]  # (N,) fp32
+        top = lpt == lg.amax(-1)[sel]  # (N,) the target is a maximum; argmax picks the first maximum, so it
+        hit = top.clone()  # confirms on those rows only (amax is one cheap pass over V, argmax is not)
+        hit[top] = lg[sel[top]].argmax(-1) == tgt[top]
+        lp, hit = lpt.double().cpu(), hit.cpu()
         p0 = 0
         for r, rp, _tg in b.reads:
             n = len(rp)

@@ -20,8 +20,8 @@ def model_for(name: str, gather_scatter: bool):
 
 
 def requests(seed: int = 3) -> list[tuple[list[int], list[int]]]:
-    """Contexts with several choices of different lengths (and repeated one-token choices), an identical
-    request, an empty context (EOT), requests longer than block_size 64: truncated ones whose continuations
+    """Contexts with several choices of different lengths (and repeated one-token choices), choices sharing
+    leading tokens, an identical request, an empty context (EOT), requests longer than block_size 64: truncated ones whose continuations
     have equal lengths (one shared truncated prefix) and different lengths (no sharing), and a context with
     more branch tokens than block_size (two rows)."""
     g = torch.Generator().manual_seed(seed)
@@ -32,6 +32,8 @@ def requests(seed: int = 3) -> list[tuple[list[int], list[int]]]:
             encode_pair("", " hello world"), encode_pair("", " hi"),
             (long1, r(4)), (long1, r(4)), (long1, r(9)), (long2, r(3)), (long2, r(6)), (r(70), r(70))]
     reqs += [(c3, r(20)) for _ in range(5)]  # 95 branch tokens after one prefix: more than one row
+    lead = r(3)
+    reqs += [(c2, lead + r(4)), (c2, lead[:1] + r(5)), (c2, lead + r(2))]  # shared leading tokens: one trie
     reqs.append(reqs[1])  # an identical request
     return reqs
 
@@ -56,6 +58,13 @@ def test_shared_scores_equal_unshared(name, gs):
         sc = Scorer(m, batch_size=1, share_context=share)
         sc.score(three, 1)
         assert (sc.tokens, sc.forwards) == (tokens, rows)
+    # branches that share leading tokens share trie nodes: (5,6,7), (5,8,7) and (5,6,7) again are 5 nodes
+    ctx = reqs[0][0]
+    tri = [(ctx, [5, 6, 7, 9]), (ctx, [5, 8, 7, 9]), (ctx, [5, 6, 7, 2])]
+    for share, tokens, rows in ((False, 30, 2), (True, 17, 1)):
+        sc = Scorer(m, batch_size=1, share_context=share)
+        sc.score(tri, 1)
+        assert (sc.tokens, sc.forwards) == (tokens, rows)
 
 
 def test_greedy_flags_vary():
@@ -69,6 +78,21 @@ def test_greedy_flags_vary():
     for share in (True, False):
         got = Scorer(m, 2, share_context=share).score(reqs, 4)
         assert [s.greedy for s in got[:2]] == [True, False]
+
+
+def test_greedy_is_argmax_on_ties():
+    """Two vocabulary rows made equal (tied head): both tokens reach the maximum, argmax (the harness's greedy
+    test) picks the lower index, so only that one is greedy."""
+    m, _ = model_for("tiny/loopformer", True)
+    ctx = requests()[0][0]
+    hf = m.head(hidden_states(m, torch.tensor([ctx]), 4)[0][0, -1])[1]  # (d,) final-normed state
+    low, top = 3, 11
+    with torch.no_grad():  # both rows 10 * hf: logit 10 |hf|^2, far above every other token's
+        m.lm_head.weight[low] = m.lm_head.weight[top] = 10 * hf
+    for share in (True, False):
+        got = Scorer(m, 2, share_context=share).score([(ctx, [top]), (ctx, [low])], 4)
+        assert [s.greedy for s in got] == [False, True]
+        assert got[0].logprob == got[1].logprob
 
 
 @pytest.mark.parametrize("gs", [True, False])
