@@ -52,7 +52,7 @@ def window(ctx: list[int], cont: list[int], T: int) -> tuple[tuple[int, ...], li
     if not cont:
         raise ValueError("empty continuation")
     if not ctx:
-        raise ValueError("empty context: give it at least one token (encode_pair gives an empty context text EOT)")
+        raise ValueError("empty context: give at least one token (encode_pair turns an empty context text into EOT)")
     seq = (list(ctx) + list(cont))[-(T + 1):]
     n = min(len(cont), len(seq) - 1)
     return tuple(seq[:-1]), seq[-n:]
@@ -205,14 +205,15 @@ class Scorer:
             for x in rp:
                 at.setdefault(x, len(at))
         rows, pos = zip(*at)
-        lg = logits_at(self.model, h[torch.tensor(rows, device=dev), torch.tensor(pos, device=dev)]).log_softmax(-1)  # (U, V)
+        hu = h[torch.tensor(rows, device=dev), torch.tensor(pos, device=dev)]  # (U, d)
+        lg = logits_at(self.model, hu).log_softmax(-1)  # (U, V)
         sel = torch.tensor([at[x] for _r, rp, _tg in b.reads for x in rp])  # (N,) logits row of each target
         tgt = torch.tensor([t for _r, _rp, tg in b.reads for t in tg], dtype=torch.long)  # (N,)
         sel, tgt = sel.to(dev), tgt.to(dev)
         lpt = lg[sel, tgt]  # (N,) fp32
-        top = lpt == lg.amax(-1)[sel]  # (N,) the target is a maximum; argmax picks the first maximum, so it
-        hit = top.clone()  # confirms on those rows only (amax is one cheap pass over V, argmax is not)
-        hit[top] = lg[sel[top]].argmax(-1) == tgt[top]
+        top = lpt == lg.amax(-1)[sel]  # (N,) the target reaches the maximum (amax: one cheap pass over V)
+        hit = top.clone()
+        hit[top] = lg[sel[top]].argmax(-1) == tgt[top]  # argmax (slow) on those rows only: ties go to the first
         lp, hit = lpt.double().cpu(), hit.cpu()
         p0 = 0
         for r, rp, _tg in b.reads:

@@ -21,9 +21,9 @@ def model_for(name: str, gather_scatter: bool):
 
 def requests(seed: int = 3) -> list[tuple[list[int], list[int]]]:
     """Contexts with several choices of different lengths (and repeated one-token choices), choices sharing
-    leading tokens, an identical request, an empty context (EOT), requests longer than block_size 64: truncated ones whose continuations
-    have equal lengths (one shared truncated prefix) and different lengths (no sharing), and a context with
-    more branch tokens than block_size (two rows)."""
+    leading tokens, an identical request, an empty context (EOT), requests longer than block_size 64: truncated
+    ones whose continuations have equal lengths (one shared truncated prefix) and different lengths (no
+    sharing), and a context with more branch tokens than block_size (two rows)."""
     g = torch.Generator().manual_seed(seed)
     r = lambda n: torch.randint(0, 50257, (n,), generator=g).tolist()  # noqa: E731
     c1, c2, c3, long1, long2 = r(12), r(30), r(5), r(80), r(60)
