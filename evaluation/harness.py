@@ -6,7 +6,8 @@
 `python -m evaluation.harness` is lm-eval's own CLI (`lm_eval ...`, same flags) with the `tlf` model
 registered first: the harness discovers models only in its own package or in modules imported before it runs.
 
-loglikelihood uses our scorer (`evaluation.scorer`: the harness's pair encoding, batched, padded);
+loglikelihood uses our scorer (`evaluation.scorer.Scorer`, as `tlf eval` does: the harness's pair encoding;
+the choices of a question share one run of their context by tree packing; batched, padded);
 loglikelihood_rolling scores the harness's disjoint rolling windows (context 1, max length = block_size);
 generate_until decodes with `pipeline.inference.generate` (recursion-wise KV cache), greedy unless the task
 asks for sampling, and cuts the text at the first `until` string.

@@ -111,7 +111,7 @@ def perplexity(model, stream: TokenStream, loops: int, context: int = 0, stride:
             rows += [r] * (ln - f)
             pos += range(f, ln)
             tgt.append(toks[1 + f:])
-        h, depth = hidden_states(model, idx.to(device), M, router, threshold)
+        h, depth = hidden_states(model, idx.to(device), M, router=router, threshold=threshold)
         rows_t, pos_t = torch.tensor(rows), torch.tensor(pos)
         lg = logits_at(model, h[rows_t, pos_t])  # (P, V)
         y = torch.cat(tgt).to(lg.device)

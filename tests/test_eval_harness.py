@@ -72,6 +72,9 @@ def test_harness_and_our_scorer_agree(model, harness_run, task):
     td = TaskData(task, [sp.from_row(r, i) for i, r in enumerate(rows[task])], "x", "local rows")
     reqs, spans = task_requests(td)
     ours = Scorer(model, batch_size=5).score(reqs, 2)  # a different batching than the harness run's
+    unshared = Scorer(model, batch_size=5, share_context=False).score(reqs, 2)  # contexts not shared
+    assert [o.logprob for o in ours] == pytest.approx([o.logprob for o in unshared], abs=1e-5)
+    assert [o.greedy for o in ours] == [o.greedy for o in unshared]
     samples = sorted(res["samples"][f"{task}_local"], key=lambda s: s["doc_id"])
     assert len(samples) == N
     for s, ex, (a, b) in zip(samples, td.examples, spans):

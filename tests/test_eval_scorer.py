@@ -70,10 +70,12 @@ def test_batched_scores_equal_brute_force(tlf):
             lp, greedy = brute(m, ctx, cont, M)
             assert s.logprob == pytest.approx(lp, abs=2e-4)
             assert s.greedy == greedy and s.n_tokens == min(len(cont), 64)
-    # requests with one-token continuations after the same context share one input: 6 distinct inputs
-    sc2 = Scorer(m, batch_size=1)
-    sc2.score(reqs, 2)
-    assert sc2.forwards == 6
+    # unshared: requests with one-token continuations after the same context share one input (6 distinct
+    # inputs); shared: every request after `shared` joins one row (5 rows)
+    for share, rows in ((False, 6), (True, 5)):
+        sc2 = Scorer(m, batch_size=1, share_context=share)
+        sc2.score(reqs, 2)
+        assert sc2.forwards == rows
 
 
 def test_budget_changes_scores_of_looped_models_only(tlf):

@@ -58,6 +58,27 @@ class _GatherRows(torch.autograd.Function):
         return g.new_zeros(ctx.shape).scatter_(1, gidx, g), None  # (B, T, d), filled in place
 
 
+class _MaskHooks:
+    """run_loops hooks for `LoopedLM.hidden_states` with an explicit (B, T, T) attention mask: each loop's mask
+    among its compacted tokens is gathered once by `order` (the tril keeps the tail of pad slots hidden from
+    real queries) and every layer of the loop attends with it."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask, self.loop, self.cur = mask, 0, None
+
+    def attend(self, i: int, j: int, order, n):
+        if i != self.loop:
+            m, T = self.mask, self.mask.shape[-1]
+            if order is not None:  # (B, Tm, Tm) among loop i's compacted tokens
+                m = m.gather(1, order[..., None].expand(-1, -1, T)).gather(2, order[:, None, :].expand(-1, order.shape[1], -1))
+            self.loop, self.cur = i, (m & torch.ones(m.shape[-2:], dtype=torch.bool, device=m.device).tril())[:, None]
+        cur = self.cur
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=cur)
+
+    def loop_done(self, i: int, n) -> None:
+        pass
+
+
 @dataclass
 class LoopedLMOutput:
     logits: torch.Tensor  # (B, T, V) of the full pass (budget M)
@@ -243,6 +264,30 @@ class LoopedLM(nn.Module):
 
     def _theta(self, threshold: float | None) -> float:
         return self.cfg.router_threshold if threshold is None else float(threshold)
+
+    def hidden_states(self, idx: torch.Tensor, loops: int, positions: torch.Tensor | None = None,
+                      mask: torch.Tensor | None = None, *, router: bool = True,
+                      threshold: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward(idx, loops=M)` without the head: final states before the norm (B, T, d) and depth (B, T) in
+        1..M (schedule 1/M). positions (B, T): each token's position (default 0..T-1). mask (B, T, T) bool, True
+        on the diagonal and only where key <= query in row order: query tau may attend key tau' iff
+        mask[tau, tau'] (replaces the causal rule; in loop i also tau' in A_i). With both, one row can hold a
+        prefix followed by several branches that each continue it (the scorer's tree packing). Masked loops run
+        compacted through attention hooks: on the gather-scatter path even when gather_scatter=false (equal to
+        the dense reference, docs/design.md §1); the mask of each loop is gathered once by `order`.
+        router, threshold: as `forward` takes them."""
+        M = int(loops)
+        h0 = self.embed(idx) if positions is None else self.wte(idx) + self.wpe(positions)  # (B, T, d)
+        r = self.route(h0, router)
+        if mask is None:
+            return self.final_states(h0, r, uniform(M), threshold=threshold)
+        B, T = idx.shape
+        depth = None if r is None else r.depth(M, self._theta(threshold))
+        cont = r.cont if (r is not None and self.cfg.router_ste) else None
+        h = self.run_loops(h0, uniform(M), depth, cont, hooks=_MaskHooks(mask))
+        if depth is None:
+            depth = torch.full((B, T), M, dtype=torch.long, device=idx.device)
+        return h, depth
 
     def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor, counts=None, threshold=None, gather_scatter=None):
         h, depth = self.final_states(h0, r, delta, counts, threshold, gather_scatter)
