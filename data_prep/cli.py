@@ -52,6 +52,8 @@ def prep_data(overrides, config_file, overwrite, inputs, **opts):
         m = prepare(cfg, overwrite=overwrite)
     except (PrepError, PrepInputError, AssetError) as e:
         _fail(e)
+    except OSError as e:  # a full disk or an unwritable --out: the manifest still describes the last whole shard
+        _fail(f"{e}; {cfg.out} keeps every shard written before it: rerun the same command to resume")
     except KeyboardInterrupt:
         click.echo(f"interrupted; rerun the same command to resume from {cfg.out}/manifest.json", err=True)
         sys.exit(130)
@@ -80,7 +82,7 @@ def inspect_cmd(directory, samples, chars, verify):
     from data_prep.shards import ShardError
     try:
         click.echo(inspect(directory, samples, chars, verify))
-    except ShardError as e:
+    except (ShardError, OSError) as e:
         _fail(e)
 
 
