@@ -9,7 +9,7 @@ from pipeline.config import ConfigError
 
 
 def _fail(e: Exception) -> None:
-    click.echo(f"error: {e}", err=True)
+    click.echo(f"Error: {e}", err=True)  # as click prints its own usage errors
     sys.exit(1)
 
 

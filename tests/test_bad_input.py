@@ -262,3 +262,10 @@ def test_bad_input_is_named(case, w, cli, monkeypatch):
     assert line is not None and msg, out  # one line names the place
     if after is not None:
         after(w)
+
+
+def test_empty_prompt_is_not_an_error_it_starts_from_endoftext(w, cli):
+    """The README's table: an empty prompt samples unconditionally (from <|endoftext|>), exit 0."""
+    r = CliRunner().invoke(cli, ["generate", str(w / "model"), "-p", "", "-n", "3", "--seed", "0", "--show-depth"])
+    assert r.exit_code == 0, r.output
+    assert "mean depth" in r.output and "Traceback" not in r.output
