@@ -51,8 +51,9 @@ def w(tmp_path_factory) -> Path:
         bad = bytearray((d / "magic" / f"t_{split}_000000.bin").read_bytes())
         bad[:4] = b"\0\0\0\0"
         (d / "magic" / f"t_{split}_000000.bin").write_bytes(bytes(bad))
-    body = (d / "trunc" / "t_train_000000.bin").read_bytes()
-    (d / "trunc" / "t_train_000000.bin").write_bytes(body[:-100])
+    for split in ("train", "val"):
+        body = (d / "trunc" / f"t_{split}_000000.bin").read_bytes()
+        (d / "trunc" / f"t_{split}_000000.bin").write_bytes(body[:-100])
     (d / "nosplit" / "t_train_000000.bin").unlink()
     (d / "badmanifest" / "manifest.json").write_text('{"complete": true, "splits": ')
     (d / "schemamanifest" / "manifest.json").write_text('{"complete": true, "splits": {"train": {"shards": 3}}}')
@@ -68,6 +69,11 @@ def w(tmp_path_factory) -> Path:
     shutil.copytree(d / "model", d / "truncmodel")
     wf = next(f for f in (d / "truncmodel").iterdir() if f.name.startswith("model."))
     wf.write_bytes(wf.read_bytes()[:200])
+    (d / "truncpt").mkdir()  # the same weights as model.pt, cut short
+    shutil.copy(d / "model" / "config.yaml", d / "truncpt" / "config.yaml")
+    import torch
+    torch.save(m.state_dict(), d / "truncpt" / "model.pt")
+    (d / "truncpt" / "model.pt").write_bytes((d / "truncpt" / "model.pt").read_bytes()[:5000])
     (d / "emptystore").mkdir()
     return d
 
@@ -123,6 +129,9 @@ CASES = {
     "eval-missing-path": (lambda w: ["eval", str(w / "nowhere"), *EVAL], 2, ["nowhere", "does not exist"]),
     "eval-no-model": (lambda w: ["eval", str(w / "nomodel"), *EVAL], 1, ["nomodel", "no model export"]),
     "eval-truncated-weights": (lambda w: ["eval", str(w / "truncmodel"), *EVAL], 2, ["truncmodel/model.", "unreadable"]),
+    "eval-truncated-model-pt": (lambda w: ["eval", str(w / "truncpt"), *EVAL], 2, ["truncpt/model.pt", "unreadable"]),
+    "eval-truncated-shard": (lambda w: ["eval", str(w / "model"), f"data.dir={w / 'trunc'}", "data.extra_val_dirs=[]",
+                                        "--ppl-tokens", "64", *EVAL], 1, ["trunc/t_val_000000.bin", "truncated"]),
     "eval-loops-0": (lambda w: ["eval", str(w / "model"), "--loops", "0", "--no-ppl", *EVAL], 2, ["loop budget 0"]),
     "eval-loops-above-L": (lambda w: ["eval", str(w / "model"), "--loops", "9", "--no-ppl", *EVAL], 2,
                            ["9", "model.loops=4"]),
