@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -53,7 +54,9 @@ def prep_data(overrides, config_file, overwrite, inputs, **opts):
     except (PrepError, PrepInputError, AssetError) as e:
         _fail(e)
     except OSError as e:  # a full disk or an unwritable --out: the manifest still describes the last whole shard
-        _fail(f"{e}; {cfg.out} keeps every shard written before it: rerun the same command to resume")
+        kept = (Path(cfg.out) / "manifest.json").is_file()
+        _fail(f"{e}" + (f"; {cfg.out} keeps every shard written before it: rerun the same command to resume"
+                        if kept else ""))
     except KeyboardInterrupt:
         click.echo(f"interrupted; rerun the same command to resume from {cfg.out}/manifest.json", err=True)
         sys.exit(130)

@@ -99,6 +99,8 @@ CASES = {
     "zst-not-zstd": (lambda w: prep(w, "notzstd.jsonl.zst"), 1, ["notzstd.jsonl.zst"]),
     "parquet-no-column": (lambda w: prep(w, "nocol.parquet"), 1, ["nocol.parquet", "text"]),
     "input-missing": (lambda w: prep(w, "nope.jsonl"), 1, ["nope.jsonl"]),
+    "prep-out-not-a-dir": (lambda w: prep(w, "good.jsonl", "--out", str(w / "good.jsonl" / "out")), 1,
+                           ["good.jsonl/out", "Not a directory"]),
     "prep-unknown-key": (lambda w: prep(w, "good.jsonl", "shard_tokns=5"), 2, ["shard_tokns"]),
     "prep-wrong-type": (lambda w: prep(w, "good.jsonl", "shard_tokens=many"), 2, ["shard_tokens"]),
     "prep-bad-manifest": (lambda w: prep(w, "good.jsonl") if (w / "out_good.jsonl").mkdir(exist_ok=True) or
@@ -124,6 +126,8 @@ CASES = {
     "yaml-inherits-itself": (lambda w: ["train", str(w / "self.yaml")], 2, ["self.yaml", "cycle"]),
     "train-batch-sizes": (lambda w: train(w, "good", "train.global_batch_size=6"), 2,
                           ["train.global_batch_size=6", "train.micro_batch_size=2"]),
+    "train-checkpoint-dir-not-a-dir": (lambda w: train(w, "good", f"checkpoint.dir={w / 'good.jsonl' / 'ck'}"), 1,
+                                       ["good.jsonl/ck", "Not a directory"]),
     "train-missing-data-dir": (lambda w: train(w, "nodata"), 1, ["nodata"]),
     # tlf eval
     "eval-missing-path": (lambda w: ["eval", str(w / "nowhere"), *EVAL], 2, ["nowhere", "does not exist"]),
@@ -137,6 +141,8 @@ CASES = {
                            ["9", "model.loops=4"]),
     "eval-wrong-magic": (lambda w: ["eval", str(w / "model"), f"data.dir={w / 'magic'}", "data.extra_val_dirs=[]",
                                     "--ppl-tokens", "64", *EVAL], 1, ["magic/t_val_000000.bin"]),
+    "eval-out-not-a-dir": (lambda w: ["eval", str(w / "model"), "--no-ppl", *EVAL, "--out", str(w / "good.jsonl" / "o")],
+                           1, ["good.jsonl/o", "Not a directory"]),
     "eval-unknown-key": (lambda w: ["eval", str(w / "model"), "eval.limt=2", *EVAL], 2, ["eval.limt"]),
     # tlf generate
     "generate-missing-path": (lambda w: ["generate", str(w / "nowhere"), "-p", "hi"], 2, ["nowhere"]),

@@ -49,15 +49,19 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     from pipeline.train.checkpoint import CheckpointError
     from pipeline.train.trainer import NonFiniteError, run
 
+    from pipeline.train.checkpoint import ensure_dir, run_dir
+
     code = 0
     try:
+        if int(os.environ.get("RANK", "0")) == 0:  # every run saves at its end: a bad checkpoint.dir fails now
+            ensure_dir(run_dir(cfg))
         res = run(cfg)
         if res.stopped_by and int(os.environ.get("RANK", "0")) == 0:
             click.echo(f"[tlf] stopped by {res.stopped_by} at step {res.step}; checkpoint {res.checkpoint}")
     except ConfigError as e:
         click.echo(f"Error: config error: {e}", err=True)
         code = 2
-    except (ShardError, CheckpointError, NonFiniteError) as e:
+    except (ShardError, CheckpointError, NonFiniteError, OSError) as e:
         click.echo(f"Error: {e}", err=True)
         code = 1
     except KeyboardInterrupt:
