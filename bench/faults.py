@@ -297,11 +297,13 @@ def prep_trials(n: int, seed: int, work: Path, docs: int = 2000, shard_tokens: i
             p = _popen(cmd(fmt, out, workers))
             _kill_after(p, delay)
         killed = p.returncode == -signal.SIGKILL
+        on_disk = sum(1 for f in out.glob("*.bin") if not f.name.startswith(".")) if out.exists() else 0
         torn = _torn_shard_accepted(out) if out.exists() else None
         rerun = _popen(cmd(fmt, out, workers))
         _, err = rerun.communicate(timeout=600)
         same = rerun.returncode == 0 and _prep_files(out) == refs[fmt]
-        rec = {"trial": i, "workers": workers, "input": fmt, "kill": how, "killed": killed, "ok": same and not torn}
+        rec = {"trial": i, "workers": workers, "input": fmt, "kill": how, "killed": killed, "shards_at_kill": on_disk,
+               "shards_total": n_files, "ok": same and not torn}
         if torn:
             rec["torn"] = torn
         if rerun.returncode:
@@ -309,7 +311,8 @@ def prep_trials(n: int, seed: int, work: Path, docs: int = 2000, shard_tokens: i
         divergences += not rec["ok"]
         trials.append(rec)
         print(f"prep-data trial {i} (workers {workers}, {fmt}): killed {how} "
-              f"({'killed' if killed else 'finished first'}), rerun {'identical' if rec['ok'] else 'DIVERGES'}"
+              f"({'killed' if killed else 'finished first'}) with {on_disk}/{n_files} shards on disk, rerun "
+              f"{'identical' if rec['ok'] else 'DIVERGES'}"
               + (f" [{torn}]" if torn else ""), flush=True)
     return {"stage": "prep-data", "trials": n, "killed": sum(t["killed"] for t in trials), "divergences": divergences,
             "reference_s": {k: round(v, 2) for k, v in ref_s.items()}, "records": trials}
@@ -378,8 +381,8 @@ def eval_trials(n: int, seed: int, work: Path, tasks: str = "copa,sciq") -> dict
                     break
             _kill_after(p, delay)
         killed = p.returncode == -signal.SIGKILL
-        torn = None
-        if (out / "results.json").is_file():
+        torn, had = None, (out / "results.json").is_file()
+        if had:
             try:
                 json.loads((out / "results.json").read_text())
             except ValueError:
@@ -387,7 +390,7 @@ def eval_trials(n: int, seed: int, work: Path, tasks: str = "copa,sciq") -> dict
         rerun = _popen(cmd(out))
         _, err = rerun.communicate(timeout=600)
         same = rerun.returncode == 0 and _stable(out / "results.json") == ref
-        rec = {"trial": i, "kill": how, "killed": killed, "ok": same and not torn}
+        rec = {"trial": i, "kill": how, "killed": killed, "results_json_at_kill": had, "ok": same and not torn}
         if rerun.returncode:
             rec["error"] = err[-500:]
         divergences += not rec["ok"]
