@@ -145,10 +145,10 @@ def _finish(p: subprocess.Popen) -> dict:
 def _kill_after(p: subprocess.Popen, delay: float) -> None:
     """SIGKILLs p's whole process group after `delay` seconds unless it ended first; waits for it."""
     try:
-        p.wait(timeout=delay)
+        p.communicate(timeout=delay)  # drains the pipes meanwhile (a full pipe must not stall the child)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-    p.communicate(timeout=600)
+        p.communicate(timeout=600)
 
 
 def _newest_complete(ck: Path) -> int:
