@@ -261,9 +261,17 @@ def _torn_shard_accepted(d: Path) -> str | None:
     return None
 
 
+def _writing(p: subprocess.Popen, out: Path) -> float:
+    """Waits until prep-data p has written its first manifest (start-up is over); returns that moment."""
+    while p.poll() is None and not (out / "manifest.json").is_file():
+        time.sleep(0.002)
+    return time.perf_counter()
+
+
 def prep_trials(n: int, seed: int, work: Path, docs: int = 2000, shard_tokens: int = 20000) -> dict:
     """n kill trials of `tlf prep-data`: workers 0, 1, 2 in turn, jsonl and jsonl.zst in turn, killed inside a
-    token-file write (shard or resume buffer) or at a random time; the rerun must end byte-identical."""
+    token-file write (shard or resume buffer) or at a random time of its writing phase (as long as the reference
+    run's); the rerun must end byte-identical."""
     work.mkdir(parents=True, exist_ok=True)
     inputs = _corpus(work, docs)
 
@@ -274,11 +282,11 @@ def prep_trials(n: int, seed: int, work: Path, docs: int = 2000, shard_tokens: i
 
     refs, ref_s = {}, {}
     for fmt in inputs:
-        t0 = time.perf_counter()
         p = _popen(cmd(fmt, work / f"ref-{fmt}", 0))
+        t0 = _writing(p, work / f"ref-{fmt}")
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-2000:]
-        ref_s[fmt] = time.perf_counter() - t0
+        ref_s[fmt] = time.perf_counter() - t0  # from its first manifest to the end: the writing phase
         refs[fmt] = _prep_files(work / f"ref-{fmt}")
     n_files = sum(1 for f in refs["jsonl"] if f.endswith(".bin"))
     r = random.Random(seed)
@@ -293,8 +301,9 @@ def prep_trials(n: int, seed: int, work: Path, docs: int = 2000, shard_tokens: i
             p.communicate(timeout=600)
         else:
             delay = r.uniform(0.0, ref_s[fmt])
-            how = f"after {delay:.2f} s"
+            how = f"{delay:.2f} s after it started writing"
             p = _popen(cmd(fmt, out, workers))
+            _writing(p, out)
             _kill_after(p, delay)
         killed = p.returncode == -signal.SIGKILL
         on_disk = sum(1 for f in out.glob("*.bin") if not f.name.startswith(".")) if out.exists() else 0
