@@ -7,6 +7,7 @@ import sys
 import click
 import torch
 
+from pipeline.inference.decode import Decoder
 from pipeline.inference.generate import check_lengths, generate as generate_tokens
 
 EOT = 50256
@@ -53,11 +54,13 @@ def _resolve_device(device: str) -> str:
 @click.command("generate")
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--prompt", "-p", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
-@click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(min=1), help="Tokens to generate per prompt.")
+@click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Tokens to generate per prompt.")
 @click.option("--temperature", "-t", default=1.0, show_default=True, help="Softmax temperature (0: greedy).")
 @click.option("--top-k", default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass (1: off).")
-@click.option("--loops", "-M", type=click.IntRange(min=1), default=None, help="Loop budget M <= L (default: the training L).")
+@click.option("--loops", "-M", type=click.IntRange(min=1), default=None,
+              help="Loop budget M <= L (default: the training L).")
 @click.option("--threshold", type=float, default=None, help="Router threshold theta (default: the config's).")
 @click.option("--seed", type=int, default=None, help="Sampling seed (reproducible output).")
 @click.option("--show-depth", is_flag=True, help="Print every generated token with its loop count, as text[m].")
@@ -73,7 +76,6 @@ def generate(checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loo
     except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
     ids = [enc.encode_ordinary(p) or [EOT] for p in prompts]  # an empty prompt starts from <|endoftext|>
-    from pipeline.inference.decode import Decoder
     try:  # checked before any output, so the error is the only line printed
         decoder = Decoder(model, loops=loops, threshold=threshold)
     except ValueError as e:

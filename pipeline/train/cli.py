@@ -46,10 +46,8 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     except ConfigError as e:
         raise click.UsageError(f"config error: {e}") from None
     from data_prep.shards import ShardError
-    from pipeline.train.checkpoint import CheckpointError
+    from pipeline.train.checkpoint import CheckpointError, ensure_dir, run_dir
     from pipeline.train.trainer import NonFiniteError, run
-
-    from pipeline.train.checkpoint import ensure_dir, run_dir
 
     code = 0
     try:
