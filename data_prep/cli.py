@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -9,7 +10,7 @@ from data_prep.configlib import ConfigError
 
 
 def _fail(e: Exception) -> None:
-    click.echo(f"error: {e}", err=True)
+    click.echo(f"Error: {e}", err=True)  # as click prints its own usage errors
     sys.exit(1)
 
 
@@ -52,6 +53,10 @@ def prep_data(overrides, config_file, overwrite, inputs, **opts):
         m = prepare(cfg, overwrite=overwrite)
     except (PrepError, PrepInputError, AssetError) as e:
         _fail(e)
+    except OSError as e:  # a full disk or an unwritable --out: the manifest still describes the last whole shard
+        kept = (Path(cfg.out) / "manifest.json").is_file()
+        _fail(f"{e}" + (f"; {cfg.out} keeps every shard written before it: rerun the same command to resume"
+                        if kept else ""))
     except KeyboardInterrupt:
         click.echo(f"interrupted; rerun the same command to resume from {cfg.out}/manifest.json", err=True)
         sys.exit(130)
@@ -80,7 +85,7 @@ def inspect_cmd(directory, samples, chars, verify):
     from data_prep.shards import ShardError
     try:
         click.echo(inspect(directory, samples, chars, verify))
-    except ShardError as e:
+    except (ShardError, OSError) as e:
         _fail(e)
 
 

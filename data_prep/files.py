@@ -20,6 +20,10 @@ def atomic_write_bytes(path: str | os.PathLike, chunks) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as e:  # a failed write (ENOSPC) names no file by itself: name the one being written
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()

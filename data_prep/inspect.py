@@ -6,15 +6,18 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.files import read_json
-from data_prep.shards import ShardError, ShardReader
-from data_prep.tokenizer import EOT
+from data_prep.shards import EOT, ShardError, ShardReader, manifest_shards, read_manifest
 from data_prep.writer import MANIFEST
+
+
+def _obj(x) -> dict:
+    """x when it is a JSON object, else {} (a field of the wrong shape is shown as missing, not a traceback)."""
+    return x if isinstance(x, dict) else {}
 
 
 def _shard_paths(d: Path, meta: dict | None) -> dict[str, list[Path]]:
     if meta is not None:
-        return {s: [d / sh["name"] for sh in info.get("shards", [])] for s, info in meta.get("splits", {}).items()}
+        return {s: [d / n for n in manifest_shards(meta, s)] for s in meta.get("splits", {})}
     out: dict[str, list[Path]] = {}
     for p in sorted(d.glob("*_*_[0-9][0-9][0-9][0-9][0-9][0-9].bin")):
         out.setdefault(p.stem.split("_")[-2], []).append(p)
@@ -30,17 +33,17 @@ def inspect(directory: str | Path, samples: int = 3, chars: int = 300, verify: b
     meta = None
     lines = [f"directory: {d}"]
     if mpath.is_file():
-        meta = read_json(mpath, ShardError)
-        src = meta.get("source", {})
+        meta = read_manifest(mpath)
+        src = _obj(meta.get("source"))
         what = src.get("source")
-        extra = src.get("inputs") or [r.get("dataset") for r in src.get("resolved", []) if r.get("dataset")]
+        extra = src.get("inputs") or [_obj(r).get("dataset") for r in src.get("resolved") or [] if _obj(r).get("dataset")]
         lines += [f"source: {what}" + (f" {extra}" if extra else ""),
-                  f"tokenizer: {meta.get('tokenizer', {}).get('name')} (tiktoken "
-                  f"{meta.get('tokenizer', {}).get('library_version')})",
+                  f"tokenizer: {_obj(meta.get('tokenizer')).get('name')} (tiktoken "
+                  f"{_obj(meta.get('tokenizer')).get('library_version')})",
                   f"complete: {meta.get('complete')}" + ("" if meta.get("complete") else
                                                          "  (prep-data was interrupted: rerun it to resume)"),
                   f"validation rule: {meta.get('val_rule')}",
-                  f"documents: {json.dumps({k: v for k, v in meta.get('documents', {}).items() if k != 'bad_examples'})}"]
+                  f"documents: {json.dumps({k: v for k, v in _obj(meta.get('documents')).items() if k != 'bad_examples'})}"]
     else:
         lines.append("manifest: none (shards found by name)")
     paths = _shard_paths(d, meta)
@@ -56,8 +59,9 @@ def inspect(directory: str | Path, samples: int = 3, chars: int = 300, verify: b
             from data_prep.assets import sha256_file
             for sh, p in zip(meta["splits"][split]["shards"], ps):
                 got = sha256_file(p)
-                if got != sh.get("sha256"):
-                    raise ShardError(f"{p}: sha256 {got} does not match the manifest's {sh.get('sha256')}")
+                want = _obj(sh).get("sha256")
+                if got != want:
+                    raise ShardError(f"{p}: sha256 {got} does not match the manifest's {want}")
             lines.append(f"  sha256 verified for {len(ps)} shards")
         if samples and readers:
             if enc is None:

@@ -14,7 +14,9 @@ come out byte-identical to an uninterrupted run. Write order: shard, resume buff
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import re
+import socket
 import sys
 from collections import deque
 from pathlib import Path
@@ -23,7 +25,7 @@ import numpy as np
 
 from data_prep.config import OUTPUT_KEYS, PrepConfig
 from data_prep.files import write_json
-from data_prep.shards import ShardError, ShardReader
+from data_prep.shards import ShardError, ShardReader, read_manifest
 from data_prep.sources import make_source
 from data_prep.tokenizer import EOT, MAX_UINT16_VOCAB, TOKENIZER, get_encoding
 from data_prep.worker import PrepInputError, init_worker, tokenize_task
@@ -144,10 +146,16 @@ class _Run:
             self._clean_stale(set())
             return
         try:
-            import json
-            m = json.loads(mpath.read_text())
-        except ValueError as e:
-            raise PrepError(f"{mpath}: unreadable manifest ({e}); pass --overwrite to start again") from None
+            m = read_manifest(mpath)
+        except ShardError as e:
+            raise PrepError(f"unreadable manifest: {e}; pass --overwrite to start again") from None
+        try:
+            self._resume_from(m)
+        except (AttributeError, TypeError, KeyError, ValueError, IndexError) as e:
+            raise PrepError(f"{mpath}: damaged resume state ({type(e).__name__}: {e}); pass --overwrite to start "
+                            "again") from None
+
+    def _resume_from(self, m: dict) -> None:
         old = {k: v for k, v in m.get("source", {}).items() if k != "resolved"}
         diff = sorted(k for k in set(old) | set(self.fingerprint) if old.get(k) != self.fingerprint.get(k))
         if m.get("source", {}).get("resolved") != self.inputs:
@@ -352,10 +360,17 @@ def prepare(cfg: PrepConfig, overwrite: bool = False, log=None) -> dict:
     log = log or (lambda m: print(m, file=sys.stderr))
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "w") as lock:
+    with open(out / ".lock", "a+") as lock:  # the holder writes its pid and host into the lock file
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise PrepError(f"{out}: another prep-data is writing there (it holds {out / '.lock'})") from None
-        run = _Run(cfg, overwrite, log)
-        return run.run(cfg.progress)
+            lock.seek(0)
+            who = lock.read().strip() or "unknown pid"
+            raise PrepError(f"{out}: another prep-data is writing there ({who} holds {out / '.lock'})") from None
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        lock.flush()
+        try:
+            return _Run(cfg, overwrite, log).run(cfg.progress)
+        finally:
+            lock.truncate(0)  # released: an empty lock file (a killed holder's pid stays until the next run)

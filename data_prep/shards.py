@@ -67,6 +67,30 @@ class ShardReader:
         return self.num_tokens
 
 
+def read_manifest(path: str | os.PathLike) -> dict:
+    """A manifest.json as a dict, checked for the shape every reader relies on (a mapping whose `splits` maps a
+    split to {"shards": [{"name": ...} or name, ...]}); anything else is a ShardError naming the file and key."""
+    path = Path(path)
+    meta = read_json(path, ShardError)
+    if not isinstance(meta, dict):
+        raise ShardError(f"{path}: top level must be a JSON object, not {type(meta).__name__}")
+    splits = meta.get("splits", {})
+    if not isinstance(splits, dict):
+        raise ShardError(f"{path}: key 'splits' must be an object of splits, not {type(splits).__name__}")
+    for split, info in splits.items():
+        shards = info.get("shards", []) if isinstance(info, dict) else None
+        if not isinstance(shards, list) or not all(
+                isinstance(s, str) or (isinstance(s, dict) and isinstance(s.get("name"), str)) for s in shards):
+            raise ShardError(f"{path}: key 'splits.{split}.shards' must be a list of shard names or "
+                             "{\"name\": ...} objects")
+    return meta
+
+
+def manifest_shards(meta: dict, split: str) -> list[str]:
+    """The shard file names of `split` in a manifest checked by read_manifest."""
+    return [s["name"] if isinstance(s, dict) else s for s in meta.get("splits", {}).get(split, {}).get("shards", [])]
+
+
 class ShardSet:
     """All shards of one split in a directory, in index order, as one token stream.
 
@@ -78,12 +102,11 @@ class ShardSet:
         self.split = split
         manifest = self.dir / "manifest.json"
         if manifest.is_file():
-            meta = read_json(manifest, ShardError)
+            meta = read_manifest(manifest)
             if meta.get("complete") is False:
                 raise ShardError(f"{manifest}: incomplete (prep-data is still running or was interrupted; "
                                  "rerun the same `tlf prep-data` command to finish it)")
-            names = [s["name"] if isinstance(s, dict) else s for s in meta.get("splits", {}).get(split, {}).get("shards", [])]
-            paths = [self.dir / n for n in names]
+            paths = [self.dir / n for n in manifest_shards(meta, split)]
         else:
             paths = sorted(self.dir.glob(f"*_{split}_*.bin"))
         if not paths:

@@ -50,7 +50,7 @@ def eval_cmd(checkpoint, overrides, loops, tasks, limit, batch_size, source, rac
         ov.append("eval.depth=false")
     try:
         run(checkpoint, ov, loops=loops, config=config, device=device, variant=variant, log=click.echo)
-    except (TaskDataError, FileNotFoundError, ValueError) as e:
+    except (TaskDataError, OSError, ValueError) as e:  # OSError: a missing file, an unwritable --out
         if isinstance(e, ConfigError):
             raise
         raise click.ClickException(str(e)) from None

@@ -1,17 +1,46 @@
-"""The kill-trial tool (bench/faults.py) in reduced form: SIGKILL `tlf train` inside the final export and at a
-seeded random moment; each rerun of the same command resumes from the newest complete checkpoint and ends with
-exactly the uninterrupted run's losses."""
+"""The kill-trial tool (bench/faults.py) in reduced form, for every stage: SIGKILL at seeded moments (inside a
+checkpoint save, the final export, a shard write, a random step or time), rerun the same command, and demand the
+uninterrupted run's output exactly: shard bytes for prep-data, losses for train (1 process and 2 gloo ranks under
+the launcher, process group killed), results.json for eval."""
 from __future__ import annotations
 
 import pytest
 
-from bench.faults import train_trials
+from bench.faults import eval_trials, prep_trials, train_trials
+
+
+def _clean(res: dict, n: int) -> None:
+    assert res["trials"] == n and res["divergences"] == 0, res["records"]
 
 
 @pytest.mark.slow
 def test_train_kill_trials_do_not_diverge(tmp_path):
     res = train_trials(2, seed=0, work=tmp_path, steps=4, interval=2)
-    assert res["trials"] == 2 and res["divergences"] == 0, res["records"]
+    _clean(res, 2)
     final = res["records"][0]
     assert final["killed"] and "final export" in final["kill"]
     assert final["newest_complete"] == 2 and final["resumed_from"] == 2  # the previous checkpoint, loadable
+
+
+@pytest.mark.slow
+def test_two_rank_train_kill_trials_do_not_diverge(tmp_path):
+    res = train_trials(2, seed=0, work=tmp_path, steps=4, interval=2, ranks=2)
+    _clean(res, 2)
+    assert all(t["killed"] for t in res["records"])  # the final export, then a step: both mid-run
+    assert [t["resumed_from"] for t in res["records"]] == [2, 2]
+
+
+@pytest.mark.slow
+def test_prep_data_kill_trials_do_not_diverge(tmp_path):
+    res = prep_trials(3, seed=0, work=tmp_path, docs=600, shard_tokens=8000)
+    _clean(res, 3)
+    recs = res["records"]
+    assert {t["workers"] for t in recs} == {0, 1, 2} and {t["input"] for t in recs} == {"jsonl", "jsonl.zst"}
+    assert recs[0]["killed"] and "token-file write" in recs[0]["kill"]
+
+
+@pytest.mark.slow
+def test_eval_kill_trials_do_not_diverge(tmp_path):
+    res = eval_trials(2, seed=0, work=tmp_path)
+    _clean(res, 2)
+    assert res["killed"] >= 1

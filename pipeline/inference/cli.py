@@ -9,7 +9,8 @@ import click
 from data_prep.tokenizer import EOT
 from pipeline.config import ConfigError
 from pipeline.device import resolve_device
-from pipeline.inference.generate import generate as generate_tokens
+from pipeline.inference.decode import Decoder
+from pipeline.inference.generate import check_lengths, generate as generate_tokens
 
 
 def get_tokenizer():
@@ -47,11 +48,13 @@ class _Stream:
 @click.command("generate")
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--prompt", "-p", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
-@click.option("--max-new-tokens", "-n", default=64, show_default=True, help="Tokens to generate per prompt.")
+@click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Tokens to generate per prompt.")
 @click.option("--temperature", "-t", default=1.0, show_default=True, help="Softmax temperature (0: greedy).")
 @click.option("--top-k", default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass (1: off).")
-@click.option("--loops", "-M", type=int, default=None, help="Loop budget M <= L (default: the training L).")
+@click.option("--loops", "-M", type=click.IntRange(min=1), default=None,
+              help="Loop budget M <= L (default: the training L).")
 @click.option("--threshold", type=float, default=None, help="Router threshold theta (default: the config's).")
 @click.option("--seed", type=int, default=None, help="Sampling seed (reproducible output).")
 @click.option("--show-depth", is_flag=True, help="Print every generated token with its loop count, as text[m].")
@@ -66,10 +69,22 @@ def generate(checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loo
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
     enc = _load_tokenizer()
-    model, _ = load_model(checkpoint, dev)
+    try:
+        model, _ = load_model(checkpoint, dev)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
     ids = [enc.encode_ordinary(p) or [EOT] for p in prompts]  # an empty prompt starts from <|endoftext|>
+    try:  # checked before any output, so the error is the only line printed
+        decoder = Decoder(model, loops=loops, threshold=threshold)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--loops'") from None
+    try:
+        check_lengths([len(i) for i in ids], max_new_tokens, model.cfg.block_size)
+    except ValueError as e:
+        raise click.UsageError(f"--prompt: {e}") from None
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-              loops=loops, threshold=threshold, stop_token=EOT if stop else None, vocab_limit=enc.n_vocab)
+              loops=loops, threshold=threshold, stop_token=EOT if stop else None, vocab_limit=enc.n_vocab,
+              decoder=decoder)
     try:
         if len(prompts) == 1:  # one prompt: stream as it is produced
             click.echo(prompts[0], nl=False)

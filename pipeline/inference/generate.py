@@ -41,6 +41,16 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+def check_lengths(lengths: list[int], max_new_tokens: int, block_size: int) -> None:
+    """ValueError unless every prompt plus max_new_tokens - 1 fits the context (the last token is not fed back)."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    longest = max(lengths)
+    if longest + max_new_tokens - 1 > block_size:
+        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context "
+                         f"model.block_size={block_size}")
+
+
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens: int = 32, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, loops: int | None = None,
@@ -54,15 +64,10 @@ def generate(model, prompts, max_new_tokens: int = 32, temperature: float = 1.0,
     vocab_limit: sample only ids < vocab_limit (e.g. 50257 to skip the padded vocabulary).
     callback(step, tokens, depths): called after every sampled step with per-row lists (None for rows
     that had already stopped): the streaming hook. seed: makes sampling reproducible."""
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
+    check_lengths([len(p) for p in prompts], max_new_tokens, model.cfg.block_size)
     was_training = model.training
     model.eval()
     dec = decoder or Decoder(model, loops=loops, threshold=threshold, router=router)
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens - 1 > model.cfg.block_size:
-        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds block_size "
-                         f"{model.cfg.block_size}")
     dev = model.wte.weight.device
     gen = None
     if seed is not None:

@@ -43,6 +43,15 @@ def run_dir(cfg: Config) -> Path:
     return Path("checkpoints") / (cfg.name or cfg.model.variant).replace("/", "-")
 
 
+def ensure_dir(root: Path) -> None:
+    """Creates the checkpoint root (a no-op when it exists); a CheckpointError naming it when it cannot be made.
+    `tlf train` calls it before training, so a bad checkpoint.dir fails at once, not at the first save."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.dir={root}: cannot create it ({e.strerror or e})") from None
+
+
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """[(step, dir)] of the complete checkpoints under root, oldest first."""
     if not root.is_dir():
@@ -158,7 +167,7 @@ def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: i
     prev = complete_checkpoints(root)
     prev_msg = f"previous checkpoint {prev[-1][1]} is intact" if prev else "no earlier checkpoint exists"
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
+        ensure_dir(root)
         for stale in root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         for stale in root.glob(".trash-*"):

@@ -46,18 +46,20 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     except ConfigError as e:
         raise click.UsageError(f"config error: {e}") from None
     from data_prep.shards import ShardError
-    from pipeline.train.checkpoint import CheckpointError
+    from pipeline.train.checkpoint import CheckpointError, ensure_dir, run_dir
     from pipeline.train.trainer import NonFiniteError, run
 
     code = 0
     try:
+        if int(os.environ.get("RANK", "0")) == 0:  # every run saves at its end: a bad checkpoint.dir fails now
+            ensure_dir(run_dir(cfg))
         res = run(cfg)
         if res.stopped_by and int(os.environ.get("RANK", "0")) == 0:
             click.echo(f"[tlf] stopped by {res.stopped_by} at step {res.step}; checkpoint {res.checkpoint}")
     except ConfigError as e:
         click.echo(f"Error: config error: {e}", err=True)
         code = 2
-    except (ShardError, CheckpointError, NonFiniteError) as e:
+    except (ShardError, CheckpointError, NonFiniteError, OSError) as e:
         click.echo(f"Error: {e}", err=True)
         code = 1
     except KeyboardInterrupt:

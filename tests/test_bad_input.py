@@ -1,0 +1,286 @@
+"""Bad input, everywhere, named (issue 15 item 3): each case runs through the real `tlf` entry point (in process,
+click's CliRunner) and must exit 2 (usage) or 1 (runtime) with a one-line message naming the file, line, row or key
+-- never a traceback. The README's "What happens when..." table lists the same cases."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from click.testing import CliRunner
+
+from data_prep.shards import write_shard
+from helpers import perturbed_tiny
+from pipeline.model.io import save_model
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 20
+TINY = ["model.vocab_size=512", "model.block_size=32", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
+        "model.n_layers=2", "model.loops=3", "model.fourier_dim=16", "train.micro_batch_size=2",
+        "train.global_batch_size=2", "schedule.max_steps=2", "train.eval_interval=0", "checkpoint.interval=0",
+        "logging.mlflow=false", "train.device=cpu"]
+EVAL = ["--tasks", "none", "--no-latency", "--no-mlflow"]
+
+
+@pytest.fixture(scope="module")
+def w(tmp_path_factory) -> Path:
+    """Every bad (and a few good) input file, made once."""
+    d = tmp_path_factory.mktemp("bad")
+    lines = [json.dumps({"text": TEXT})] * 3
+    (d / "malformed.jsonl").write_text("\n".join(lines[:2] + ['{"text": "unclosed'] + lines[2:]) + "\n")
+    for name, rec in (("null", {"text": None}), ("number", {"text": 7}), ("missing", {"body": TEXT})):
+        (d / f"{name}.jsonl").write_text("\n".join([lines[0], json.dumps(rec)]) + "\n")
+    (d / "empty.jsonl").write_text("")
+    whole = zstandard.ZstdCompressor().compress(("\n".join(lines * 50) + "\n").encode())
+    (d / "trunc.jsonl.zst").write_bytes(whole[: len(whole) // 2])
+    (d / "notzstd.jsonl.zst").write_text("\n".join(lines) + "\n")
+    pq.write_table(pa.table({"body": [TEXT, TEXT]}), d / "nocol.parquet")
+    (d / "good.jsonl").write_text("\n".join(lines) + "\n")
+
+    rng = np.random.default_rng(0)
+    for name in ("good", "magic", "trunc", "nosplit", "badmanifest", "schemamanifest"):
+        (d / name).mkdir()
+        write_shard(d / name / "t_train_000000.bin", rng.integers(0, 512, 20 * 32 + 1))
+        write_shard(d / name / "t_val_000000.bin", rng.integers(0, 512, 8 * 32 + 1))
+    for split in ("train", "val"):
+        bad = bytearray((d / "magic" / f"t_{split}_000000.bin").read_bytes())
+        bad[:4] = b"\0\0\0\0"
+        (d / "magic" / f"t_{split}_000000.bin").write_bytes(bytes(bad))
+    for split in ("train", "val"):
+        body = (d / "trunc" / f"t_{split}_000000.bin").read_bytes()
+        (d / "trunc" / f"t_{split}_000000.bin").write_bytes(body[:-100])
+    (d / "nosplit" / "t_train_000000.bin").unlink()
+    (d / "badmanifest" / "manifest.json").write_text('{"complete": true, "splits": ')
+    (d / "schemamanifest" / "manifest.json").write_text('{"complete": true, "splits": {"train": {"shards": 3}}}')
+
+    (d / "unknown.yaml").write_text("train:\n  micro_batch_sise: 2\n")
+    (d / "wrongtype.yaml").write_text("train:\n  micro_batch_size: two\n")
+    (d / "orphan.yaml").write_text("inherit: [no_such_parent.yaml]\n")
+    (d / "self.yaml").write_text("inherit: [self.yaml]\n")
+
+    m, cfg = perturbed_tiny("tiny/t-loopformer")
+    save_model(d / "model", m, cfg)
+    (d / "nomodel").mkdir()
+    shutil.copytree(d / "model", d / "truncmodel")
+    wf = next(f for f in (d / "truncmodel").iterdir() if f.name.startswith("model."))
+    wf.write_bytes(wf.read_bytes()[:200])
+    (d / "truncpt").mkdir()  # the same weights as model.pt, cut short
+    shutil.copy(d / "model" / "config.yaml", d / "truncpt" / "config.yaml")
+    import torch
+    torch.save(m.state_dict(), d / "truncpt" / "model.pt")
+    (d / "truncpt" / "model.pt").write_bytes((d / "truncpt" / "model.pt").read_bytes()[:5000])
+    (d / "emptystore").mkdir()
+    return d
+
+
+def prep(w, src, *extra):
+    return ["prep-data", "--source", "files", "-i", str(w / src), "--out", str(w / f"out_{src}"), "--no-progress",
+            "-j", "0", *extra]
+
+
+def train(w, data, *extra):
+    return ["train", "tiny/t-loopformer", *TINY, f"data.dir={w / data}", f"checkpoint.dir={w / 'ck' / data}", *extra]
+
+
+# id: (argv, exit status, strings the message must hold)
+CASES = {
+    # prep-data inputs
+    "jsonl-malformed-line": (lambda w: prep(w, "malformed.jsonl"), 1, ["malformed.jsonl:3"]),
+    "jsonl-null-text": (lambda w: prep(w, "null.jsonl"), 1, ["null.jsonl:2", "text"]),
+    "jsonl-number-text": (lambda w: prep(w, "number.jsonl"), 1, ["number.jsonl:2", "text"]),
+    "jsonl-missing-text": (lambda w: prep(w, "missing.jsonl"), 1, ["missing.jsonl:2", "text"]),
+    "empty-file": (lambda w: prep(w, "empty.jsonl"), 1, ["empty.jsonl", "no documents"]),
+    "zst-truncated": (lambda w: prep(w, "trunc.jsonl.zst"), 1, ["trunc.jsonl.zst"]),
+    "zst-not-zstd": (lambda w: prep(w, "notzstd.jsonl.zst"), 1, ["notzstd.jsonl.zst"]),
+    "parquet-no-column": (lambda w: prep(w, "nocol.parquet"), 1, ["nocol.parquet", "text"]),
+    "input-missing": (lambda w: prep(w, "nope.jsonl"), 1, ["nope.jsonl"]),
+    "prep-out-not-a-dir": (lambda w: prep(w, "good.jsonl", "--out", str(w / "good.jsonl" / "out")), 1,
+                           ["good.jsonl/out", "Not a directory"]),
+    "prep-unknown-key": (lambda w: prep(w, "good.jsonl", "shard_tokns=5"), 2, ["shard_tokns"]),
+    "prep-wrong-type": (lambda w: prep(w, "good.jsonl", "shard_tokens=many"), 2, ["shard_tokens"]),
+    "prep-bad-manifest": (lambda w: prep(w, "good.jsonl") if (w / "out_good.jsonl").mkdir(exist_ok=True) or
+                          (w / "out_good.jsonl" / "manifest.json").write_text("{") else None, 1,
+                          ["out_good.jsonl/manifest.json"]),
+    # tlf data inspect
+    "inspect-wrong-magic": (lambda w: ["data", "inspect", str(w / "magic")], 1, ["magic/t_train_000000.bin", "magic"]),
+    "inspect-truncated": (lambda w: ["data", "inspect", str(w / "trunc")], 1, ["trunc/t_train_000000.bin", "truncated"]),
+    "inspect-bad-manifest": (lambda w: ["data", "inspect", str(w / "badmanifest")], 1, ["badmanifest/manifest.json"]),
+    "inspect-manifest-schema": (lambda w: ["data", "inspect", str(w / "schemamanifest")], 1,
+                                ["schemamanifest/manifest.json"]),
+    # tlf train
+    "train-wrong-magic": (lambda w: train(w, "magic"), 1, ["magic/t_train_000000.bin", "magic"]),
+    "train-truncated": (lambda w: train(w, "trunc"), 1, ["trunc/t_train_000000.bin", "truncated"]),
+    "train-no-train-split": (lambda w: train(w, "nosplit"), 1, ["nosplit", "'train'"]),
+    "train-bad-manifest": (lambda w: train(w, "badmanifest"), 1, ["badmanifest/manifest.json"]),
+    "train-manifest-schema": (lambda w: train(w, "schemamanifest"), 1, ["schemamanifest/manifest.json"]),
+    "train-unknown-key-cli": (lambda w: train(w, "good", "train.micro_batch_sise=2"), 2, ["train.micro_batch_sise"]),
+    "train-wrong-type-cli": (lambda w: train(w, "good", "train.micro_batch_size=two"), 2, ["train.micro_batch_size"]),
+    "train-unknown-key-yaml": (lambda w: ["train", str(w / "unknown.yaml")], 2, ["unknown.yaml", "micro_batch_sise"]),
+    "train-wrong-type-yaml": (lambda w: ["train", str(w / "wrongtype.yaml")], 2, ["wrongtype.yaml", "micro_batch_size"]),
+    "yaml-inherits-missing": (lambda w: ["train", str(w / "orphan.yaml")], 2, ["no_such_parent.yaml"]),
+    "yaml-inherits-itself": (lambda w: ["train", str(w / "self.yaml")], 2, ["self.yaml", "cycle"]),
+    "train-batch-sizes": (lambda w: train(w, "good", "train.global_batch_size=6"), 2,
+                          ["train.global_batch_size=6", "train.micro_batch_size=2"]),
+    "train-checkpoint-dir-not-a-dir": (lambda w: train(w, "good", f"checkpoint.dir={w / 'good.jsonl' / 'ck'}"), 1,
+                                       ["good.jsonl/ck", "Not a directory"]),
+    "train-missing-data-dir": (lambda w: train(w, "nodata"), 1, ["nodata"]),
+    # tlf eval
+    "eval-missing-path": (lambda w: ["eval", str(w / "nowhere"), *EVAL], 2, ["nowhere", "does not exist"]),
+    "eval-no-model": (lambda w: ["eval", str(w / "nomodel"), *EVAL], 1, ["nomodel", "no model export"]),
+    "eval-truncated-weights": (lambda w: ["eval", str(w / "truncmodel"), *EVAL], 2, ["truncmodel/model.", "unreadable"]),
+    "eval-truncated-model-pt": (lambda w: ["eval", str(w / "truncpt"), *EVAL], 2, ["truncpt/model.pt", "unreadable"]),
+    "eval-truncated-shard": (lambda w: ["eval", str(w / "model"), f"data.dir={w / 'trunc'}", "data.extra_val_dirs=[]",
+                                        "--ppl-tokens", "64", *EVAL], 1, ["trunc/t_val_000000.bin", "truncated"]),
+    "eval-loops-0": (lambda w: ["eval", str(w / "model"), "--loops", "0", "--no-ppl", *EVAL], 2, ["loop budget 0"]),
+    "eval-loops-above-L": (lambda w: ["eval", str(w / "model"), "--loops", "9", "--no-ppl", *EVAL], 2,
+                           ["9", "model.loops=4"]),
+    "eval-wrong-magic": (lambda w: ["eval", str(w / "model"), f"data.dir={w / 'magic'}", "data.extra_val_dirs=[]",
+                                    "--ppl-tokens", "64", *EVAL], 1, ["magic/t_val_000000.bin"]),
+    "eval-out-not-a-dir": (lambda w: ["eval", str(w / "model"), "--no-ppl", *EVAL, "--out", str(w / "good.jsonl" / "o")],
+                           1, ["good.jsonl/o", "Not a directory"]),
+    "eval-unknown-key": (lambda w: ["eval", str(w / "model"), "eval.limt=2", *EVAL], 2, ["eval.limt"]),
+    # tlf generate
+    "generate-missing-path": (lambda w: ["generate", str(w / "nowhere"), "-p", "hi"], 2, ["nowhere"]),
+    "generate-no-model": (lambda w: ["generate", str(w / "nomodel"), "-p", "hi"], 1, ["nomodel", "no model export"]),
+    "generate-prompt-too-long": (lambda w: ["generate", str(w / "model"), "-p", "word " * 300, "-n", "4"], 2,
+                                 ["--prompt", "model.block_size=64"]),
+    "generate-loops-above-L": (lambda w: ["generate", str(w / "model"), "-p", "hi", "-M", "9", "-n", "2"], 2,
+                               ["--loops", "loop budget 9"]),
+    "generate-loops-0": (lambda w: ["generate", str(w / "model"), "-p", "hi", "-M", "0", "-n", "2"], 2, ["--loops"]),
+    # tlf compare
+    "compare-missing-store": (lambda w: ["compare", "--tracking-uri", f"sqlite:///{w / 'nostore' / 'm.db'}",
+                                         "--out", str(w / "cmp")], 2, ["nostore"]),
+    "compare-empty-store": (lambda w: ["compare", "--tracking-uri", f"sqlite:///{w / 'emptystore' / 'm.db'}",
+                                       "--out", str(w / "cmp")], 2, ["emptystore", "tlf"]),
+}
+
+
+# ------------------------------------------------------------------ faults: set up, then check nothing was lost
+def _enospc_open(match: str):
+    """An `open` for data_prep.shards whose writes to a file named like `match` fill the disk half way through."""
+    import builtins
+    import errno
+
+    class Full:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def write(self, b):
+            self.fh.write(bytes(b)[: len(b) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")  # as a real write: no file name
+
+        def __getattr__(self, k):
+            return getattr(self.fh, k)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.fh.close()
+
+    return lambda f, *a, **k: Full(builtins.open(f, *a, **k)) if match in str(f) else builtins.open(f, *a, **k)
+
+
+def prep_full_disk(w, monkeypatch):
+    import data_prep.shards
+    monkeypatch.setattr(data_prep.shards, "open", _enospc_open("_train_000002"), raising=False)
+
+    def after(w):  # the last whole shard is kept and the rerun ends byte-identical to an uninterrupted run
+        monkeypatch.undo()
+        out = w / "out_full"
+        assert sorted(p.name for p in out.glob("*.bin")) == ["data_train_000000.bin", "data_train_000001.bin"]
+        assert not json.loads((out / "manifest.json").read_text())["complete"]
+        cli = _cli(monkeypatch)
+        for argv in (PREP_FULL(w), PREP_FULL(w, "out_clean")):
+            r = CliRunner().invoke(cli, argv)
+            assert r.exit_code == 0, r.output
+        files = sorted(p.name for p in (w / "out_clean").iterdir() if p.name != ".lock")
+        assert files == sorted(p.name for p in out.iterdir() if p.name != ".lock")
+        assert all((out / f).read_bytes() == (w / "out_clean" / f).read_bytes() for f in files)
+    return after
+
+
+def prep_locked(w, monkeypatch):
+    import fcntl
+    (w / "out_lock").mkdir()
+    held = open(w / "out_lock" / ".lock", "w")
+    held.write("pid 4242 on testhost")
+    held.flush()
+    fcntl.flock(held, fcntl.LOCK_EX)
+    return lambda w: held.close()
+
+
+def save_full_disk(w, monkeypatch):
+    import torch
+    real = torch.save
+
+    def full(obj, f, *a, **k):  # DeepSpeed writes through torch.save; the disk fills during step 2's save
+        if "global_step2" in str(f):
+            Path(f).write_bytes(b"\0" * 100)
+            raise OSError(28, "No space left on device")
+        return real(obj, f, *a, **k)
+    monkeypatch.setattr(torch, "save", full)
+
+    def after(w):
+        from pipeline.model.io import load_model
+        ck = w / "ck" / "good"
+        assert sorted(p.name for p in ck.iterdir()) == ["global_step1", "latest"]
+        assert (ck / "latest").read_text() == "global_step1"
+        load_model(ck)
+    return after
+
+
+def PREP_FULL(w, out="out_full"):
+    return ["prep-data", "--source", "files", "-i", str(w / "good.jsonl"), "--out", str(w / out), "--no-progress",
+            "-j", "0", "--shard-tokens", "100", "--val-every", "-1"]
+
+
+FAULTS = {
+    "prep-full-disk": (PREP_FULL, 1, ["data_train_000002.bin", "No space left", "rerun"], prep_full_disk),
+    "prep-two-writers": (lambda w: prep(w, "good.jsonl", "--out", str(w / "out_lock")), 1,
+                         ["out_lock", "another prep-data", "pid 4242 on testhost", ".lock"], prep_locked),
+    "train-full-disk-in-save": (lambda w: train(w, "good", "checkpoint.interval=1"), 1,
+                                ["global_step2 failed", "No space left", "global_step1 is intact"], save_full_disk),
+}
+CASES.update({k: v[:3] for k, v in FAULTS.items()})
+
+
+def _cli(monkeypatch):
+    from pipeline.cli import main
+    from pipeline.train import cli as train_cli
+    monkeypatch.setattr(train_cli, "_exit", lambda code: sys.exit(code))
+    return main
+
+
+@pytest.fixture
+def cli(monkeypatch):
+    """pipeline.cli.main, with `tlf train`'s os._exit turned into sys.exit so it can run in process."""
+    return _cli(monkeypatch)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_named(case, w, cli, monkeypatch):
+    monkeypatch.chdir(w)
+    build, code, names = CASES[case]
+    after = FAULTS[case][3](w, monkeypatch) if case in FAULTS else None
+    r = CliRunner().invoke(cli, build(w), catch_exceptions=True)
+    out = r.output
+    assert "Traceback" not in out and r.exception is None or isinstance(r.exception, SystemExit), (out, r.exception)
+    assert r.exit_code == code, (r.exit_code, out)
+    msg = [ln for ln in out.splitlines() if ln.lower().startswith(("error", "usage"))]
+    line = next((ln for ln in out.splitlines() if all(n in ln for n in names)), None)
+    assert line is not None and msg, out  # one line names the place
+    if after is not None:
+        after(w)
+
+
+def test_empty_prompt_is_not_an_error_it_starts_from_endoftext(w, cli):
+    """The README's table: an empty prompt samples unconditionally (from <|endoftext|>), exit 0."""
+    r = CliRunner().invoke(cli, ["generate", str(w / "model"), "-p", "", "-n", "3", "--seed", "0", "--show-depth"])
+    assert r.exit_code == 0, r.output
+    assert "mean depth" in r.output and "Traceback" not in r.output
