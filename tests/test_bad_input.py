@@ -162,7 +162,7 @@ CASES = {
 
 # ------------------------------------------------------------------ faults: set up, then check nothing was lost
 def _enospc_open(match: str):
-    """An `open` for data_prep.shards whose writes to a file named like `match` fill the disk half way through."""
+    """An `open` for data_prep.files (atomic_write_bytes) whose writes to a file named like `match` fill the disk half way through."""
     import builtins
     import errno
 
@@ -187,8 +187,8 @@ def _enospc_open(match: str):
 
 
 def prep_full_disk(w, monkeypatch):
-    import data_prep.shards
-    monkeypatch.setattr(data_prep.shards, "open", _enospc_open("_train_000002"), raising=False)
+    import data_prep.files
+    monkeypatch.setattr(data_prep.files, "open", _enospc_open("_train_000002"), raising=False)
 
     def after(w):  # the last whole shard is kept and the rerun ends byte-identical to an uninterrupted run
         monkeypatch.undo()
