@@ -15,7 +15,7 @@ from evaluation.scorer import Scorer, task_metrics, task_requests
 from evaluation.tasks import TASKS, TaskData, olmo_rows
 from data_prep.tokenizer import EOT, decode, encode
 from pipeline.config import load_config
-from pipeline.model.looped import LoopedLM
+from tests.helpers import perturbed_tiny
 
 import lm_eval  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
@@ -31,13 +31,7 @@ LOCAL = {  # task -> (raw rows in the hub schema, the harness's own YAML, split)
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = load_config("tiny/t-loopformer")
-    torch.manual_seed(0)
-    m = LoopedLM(cfg.model)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return m.eval()
+    return perturbed_tiny()[0]
 
 
 @pytest.fixture(scope="module")

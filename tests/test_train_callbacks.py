@@ -7,11 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from pipeline.hostsync import count_host_reads
 from pipeline.train.callbacks import Callback
-from test_train import make_shards, tiny_cfg
+from test_train import make_shards, one_thread, tiny_cfg  # noqa: F401 (one_thread: autouse fixture)
 
 TRAIN = Path(__file__).resolve().parent.parent / "pipeline" / "train"
 
@@ -26,14 +25,6 @@ METRICS = {"epoch", "grad_norm", "loss", "loss_L", "loss_S", "loss_align", "loss
 TAGS = {"variant": "t-loopformer", "preset": "tiny/t-loopformer", "scale": "tiny", "world_size": "1", "device": "cpu",
         "precision": "fp32", "zero_stage": "0", "activation_checkpointing": "none", "compile": "False",
         "final_step": "2"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
