@@ -123,6 +123,8 @@ def read_yaml_chain(path: Path, seen: tuple = ()) -> list[tuple[str, dict]]:
         parents = [parents]
     out: list[tuple[str, dict]] = []
     for p in parents:
+        if not isinstance(p, str) or not (path.parent / p).is_file():
+            raise ConfigError(f"{path}: inherit: {p!r} not found (looked for {path.parent / str(p)})")
         out += read_yaml_chain(path.parent / p, seen + (path,))
     out.append((str(path), data))
     return out

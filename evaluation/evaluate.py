@@ -44,7 +44,7 @@ def resolve_budgets(cfg: Config, loops: list[int]) -> list[tuple[int, int]]:
     out = []
     for m in req:
         if m < 1:
-            raise ConfigError(f"loop budget {m} must be >= 1")
+            raise ConfigError(f"--loops / eval.loops: loop budget {m} must be >= 1")
         if L == 1:
             out.append((m, 1))
         elif m > L:

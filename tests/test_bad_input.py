@@ -74,7 +74,9 @@ def w(tmp_path_factory) -> Path:
     import torch
     torch.save(m.state_dict(), d / "truncpt" / "model.pt")
     (d / "truncpt" / "model.pt").write_bytes((d / "truncpt" / "model.pt").read_bytes()[:5000])
-    (d / "emptystore").mkdir()
+    (d / "emptystore").mkdir()  # a store that exists and holds no experiment
+    from pipeline import tracking
+    tracking.client(f"sqlite:///{d / 'emptystore' / 'm.db'}").search_experiments()
     return d
 
 
@@ -122,7 +124,7 @@ CASES = {
     "train-wrong-type-cli": (lambda w: train(w, "good", "train.micro_batch_size=two"), 2, ["train.micro_batch_size"]),
     "train-unknown-key-yaml": (lambda w: ["train", str(w / "unknown.yaml")], 2, ["unknown.yaml", "micro_batch_sise"]),
     "train-wrong-type-yaml": (lambda w: ["train", str(w / "wrongtype.yaml")], 2, ["wrongtype.yaml", "micro_batch_size"]),
-    "yaml-inherits-missing": (lambda w: ["train", str(w / "orphan.yaml")], 2, ["no_such_parent.yaml"]),
+    "yaml-inherits-missing": (lambda w: ["train", str(w / "orphan.yaml")], 2, ["orphan.yaml", "no_such_parent.yaml"]),
     "yaml-inherits-itself": (lambda w: ["train", str(w / "self.yaml")], 2, ["self.yaml", "cycle"]),
     "train-batch-sizes": (lambda w: train(w, "good", "train.global_batch_size=6"), 2,
                           ["train.global_batch_size=6", "train.micro_batch_size=2"]),
@@ -136,7 +138,7 @@ CASES = {
     "eval-truncated-model-pt": (lambda w: ["eval", str(w / "truncpt"), *EVAL], 2, ["truncpt/model.pt", "unreadable"]),
     "eval-truncated-shard": (lambda w: ["eval", str(w / "model"), f"data.dir={w / 'trunc'}", "data.extra_val_dirs=[]",
                                         "--ppl-tokens", "64", *EVAL], 1, ["trunc/t_val_000000.bin", "truncated"]),
-    "eval-loops-0": (lambda w: ["eval", str(w / "model"), "--loops", "0", "--no-ppl", *EVAL], 2, ["loop budget 0"]),
+    "eval-loops-0": (lambda w: ["eval", str(w / "model"), "--loops", "0", "--no-ppl", *EVAL], 2, ["--loops", "loop budget 0"]),
     "eval-loops-above-L": (lambda w: ["eval", str(w / "model"), "--loops", "9", "--no-ppl", *EVAL], 2,
                            ["9", "model.loops=4"]),
     "eval-wrong-magic": (lambda w: ["eval", str(w / "model"), f"data.dir={w / 'magic'}", "data.extra_val_dirs=[]",
@@ -154,7 +156,7 @@ CASES = {
     "generate-loops-0": (lambda w: ["generate", str(w / "model"), "-p", "hi", "-M", "0", "-n", "2"], 2, ["--loops"]),
     # tlf compare
     "compare-missing-store": (lambda w: ["compare", "--tracking-uri", f"sqlite:///{w / 'nostore' / 'm.db'}",
-                                         "--out", str(w / "cmp")], 2, ["nostore"]),
+                                         "--out", str(w / "cmp")], 2, ["no MLflow store", "nostore"]),
     "compare-empty-store": (lambda w: ["compare", "--tracking-uri", f"sqlite:///{w / 'emptystore' / 'm.db'}",
                                        "--out", str(w / "cmp")], 2, ["emptystore", "tlf"]),
 }

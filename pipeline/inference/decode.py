@@ -77,7 +77,7 @@ class Decoder:
     def __init__(self, model, loops: int | None = None, threshold: float | None = None, layout: str = "compact",
                  mask_empty: bool = True, full_depth: bool = False, tables=None, router: bool = True):
         cfg = model.cfg
-        self.model, self.M = model, loops or cfg.loops
+        self.model, self.M = model, cfg.loops if loops is None else int(loops)
         if not 1 <= self.M <= cfg.loops:
             raise ValueError(f"loop budget {self.M} must lie in 1..{cfg.loops}")
         self.theta = cfg.router_threshold if threshold is None else threshold
