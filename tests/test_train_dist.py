@@ -67,6 +67,11 @@ def worker(out: str, data_rep: str, data_many: str, tmp: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- the tests
+def shm_buffers() -> set[str]:
+    """DeepSpeed's CPU all-reduce buffers in /dev/shm (one per rank of a run on one machine)."""
+    return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
+
+
 def test_two_gloo_ranks_zero_1_2_3_learn_and_resume_bit_exact(tmp_path):
     import torch
 
@@ -75,9 +80,11 @@ def test_two_gloo_ranks_zero_1_2_3_learn_and_resume_bit_exact(tmp_path):
     rep = make_shards(tmp_path / "rep", windows=4)  # one global batch, repeated every step
     many = make_shards(tmp_path / "many", windows=14, seed=1)
     out = tmp_path / "out.json"
+    before = shm_buffers()
     p = subprocess.run(_launcher("--no_local_rank", __file__, str(out), str(rep), str(many), str(tmp_path / "ck")),
                        capture_output=True, text=True, timeout=600, env=clean_env(), cwd=tmp_path)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
+    assert shm_buffers() <= before  # DeepSpeed's shared-memory all-reduce buffers do not outlive the run
     r0, r1 = json.loads(out.read_text())
     for stage in (1, 2, 3):
         losses = r0[f"z{stage}"]

@@ -139,6 +139,8 @@ def init_distributed(device: str) -> tuple[int, int, int]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         if "WORLD_SIZE" in os.environ:  # under a launcher: rank, size and rendezvous come from its environment
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+            if device == "cpu":
+                _unlink_shm_buffer()
         else:  # plain `tlf train`: a process group of one, given explicitly rather than through RANK/WORLD_SIZE/
             # MASTER_PORT in os.environ, which child processes (a later `tlf train` started from the same Python)
             # would inherit and try to rendezvous on a port this process still holds. Only LOCAL_RANK, which the
@@ -152,6 +154,21 @@ def init_distributed(device: str) -> tuple[int, int, int]:
         # ranks sharing the CPU: split the cores (oversubscribed OpenMP threads spin against each other)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     return rank, int(os.environ.get("LOCAL_RANK", rank)), ws
+
+
+def _unlink_shm_buffer() -> None:
+    """DeepSpeed's CPU all-reduce (ranks on one machine) gives each rank a shared-memory buffer,
+    /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> (about 69 MB), that nothing
+    removes: every run, and every killed run, left its buffers in RAM until reboot. Once every rank has mapped every
+    buffer (`init_distributed` returns after that; the barrier makes it true for all ranks), each rank removes its
+    own buffer's name: the mappings stay valid, and the memory goes back when the last process exits."""
+    torch.distributed.barrier()
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}")
+    try:
+        os.unlink(Path("/dev/shm") / name)
+    except OSError:  # no shm op (not built, ranks on several machines) or another OS: nothing to remove
+        pass
 
 
 def initialize(model, optimizer, scheduler, ds_config: dict):
