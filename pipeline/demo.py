@@ -75,6 +75,10 @@ def main(argv=None) -> None:
     work.mkdir(parents=True)
     uri = f"sqlite:///{work / 'mlflow.db'}"
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
+    # Table 3 reports peak RSS on CPU: with glibc's moving mmap threshold, t-loopformer's changing compacted sizes
+    # fragment the heap and the RSS shows the allocator, not the tensors (README "Troubleshooting"). A fixed
+    # threshold costs about 4% of step time at the demo's size (29% at d=512: see there).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     log = orchestrate.run(plan(a, work, uri), _announce, _fail)
 
     routed = [v for v in variants_of(a) if (work / "eval" / v / "results.json").is_file()]

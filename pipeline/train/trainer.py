@@ -191,7 +191,6 @@ class Trainer:
         from pipeline.model import LoopedLM
         from pipeline.train import determinism, ds
         from pipeline.train.ac import apply_ac
-        from pipeline.train.allocator import fix_cpu_malloc_threshold
         from pipeline.train.callbacks import default_callbacks
         from pipeline.train.data import TrainLoader, ValLoader
 
@@ -199,8 +198,6 @@ class Trainer:
         precision = ds.resolve_precision(cfg, device_kind)
         rank, _, ws = ds.init_distributed(device_kind)
         determinism.apply(cfg.train.deterministic, device_kind)
-        if device_kind == "cpu":  # glibc heap vs changing compacted sizes (pipeline/train/allocator.py)
-            fix_cpu_malloc_threshold()
         cfg.check_world_size(ws)
         ds_config = ds.build_ds_config(cfg, ws, precision)
         root = ckpt.run_dir(cfg)
