@@ -249,15 +249,16 @@ class LoopedLM(nn.Module):
 
     def final_states(self, h0: torch.Tensor, r: RouterOutput | None, delta: torch.Tensor,
                      counts: np.ndarray | None = None, threshold: float | None = None,
-                     gather_scatter: bool | None = None):
+                     gather_scatter: bool | None = None, hooks=None):
         """One pass with schedule delta (budget M = len(delta)) from h0 (B, T, d): returns the final states
         before the norm (B, T, d) and the per-token depth (B, T) int64 in 1..M (all M without a router).
         counts: `active_counts` of a depth map of budget >= M from the same router output (None: read here).
-        threshold: the router's exit threshold (default `cfg.router_threshold`); gather_scatter as run_loops."""
+        threshold: the router's exit threshold (default `cfg.router_threshold`); gather_scatter and hooks as
+        run_loops."""
         M = delta.numel()
         depth = None if r is None else r.depth(M, self._theta(threshold))
         cont = r.cont if (r is not None and self.cfg.router_ste) else None
-        h = self.run_loops(h0, delta, depth, cont, counts=counts, gather_scatter=gather_scatter)
+        h = self.run_loops(h0, delta, depth, cont, counts=counts, gather_scatter=gather_scatter, hooks=hooks)
         if depth is None:
             depth = torch.full(h0.shape[:2], M, dtype=torch.long, device=h0.device)
         return h, depth
@@ -278,16 +279,8 @@ class LoopedLM(nn.Module):
         router, threshold: as `forward` takes them."""
         M = int(loops)
         h0 = self.embed(idx) if positions is None else self.wte(idx) + self.wpe(positions)  # (B, T, d)
-        r = self.route(h0, router)
-        if mask is None:
-            return self.final_states(h0, r, uniform(M), threshold=threshold)
-        B, T = idx.shape
-        depth = None if r is None else r.depth(M, self._theta(threshold))
-        cont = r.cont if (r is not None and self.cfg.router_ste) else None
-        h = self.run_loops(h0, uniform(M), depth, cont, hooks=_MaskHooks(mask))
-        if depth is None:
-            depth = torch.full((B, T), M, dtype=torch.long, device=idx.device)
-        return h, depth
+        hooks = None if mask is None else _MaskHooks(mask)
+        return self.final_states(h0, self.route(h0, router), uniform(M), threshold=threshold, hooks=hooks)
 
     def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor, counts=None, threshold=None, gather_scatter=None):
         h, depth = self.final_states(h0, r, delta, counts, threshold, gather_scatter)
