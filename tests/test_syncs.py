@@ -82,8 +82,9 @@ def test_step_meter_means_flags_and_padded_histograms(tmp_path):
                              parts={"loss_L": torch.tensor(loss), "loss_router": torch.tensor(0.1 * (k + 1))},
                              stats={"short/depth_hist": torch.tensor(hist), "full/mean_depth": torch.tensor(2.0)})
         m.add(out, k)
+    m.grad_norm = torch.tensor(3.0)
     with count_host_reads() as reads:
-        r = m.read(True, torch.tensor(3.0), 1)
+        r = m.read(True, 1)
     assert len(reads) == 1  # the one read of the step
     assert r["loss"] == pytest.approx(2.0) and r["loss_L"] == pytest.approx(2.0)  # (2 + 4 + dropped NaN) / 3
     assert r["loss_router"] == pytest.approx(0.1) and r["loss_S"] == 0.0  # (0.1 + 0.2 + dropped) / 3

@@ -107,11 +107,12 @@ class StepMeter:
             self.stats[key] = v
         self.n += 1
 
-    def read(self, signal: bool, grad_norm, ws: int) -> dict:
-        """All-reduce + the one host read. grad_norm: a device tensor (read here), a float or None.
+    def read(self, signal: bool, ws: int) -> dict:
+        """All-reduce + the one host read (`grad_norm`: a device tensor, read here, a float or None).
         Returns loss/parts means over micro-batches and ranks, the first non-finite micro-batch (1-based, 0:
         none), whether any rank was signalled, the gradient norm and the `router/...` metrics."""
         sig = torch.tensor([1.0 if signal else 0.0], dtype=torch.float64, device=self.device)
+        grad_norm = self.grad_norm
         gn = grad_norm.detach().double().reshape(1).to(self.device) if isinstance(grad_norm, torch.Tensor) else None
         keys = list(self.stats)
         vec = torch.cat([self.losses, self.bad, sig] + ([gn] if gn is not None else []) + [self.stats[k] for k in keys])
@@ -279,7 +280,7 @@ class Trainer:
     def read(self, meter: StepMeter) -> dict:
         """The step's one host read (all ranks: losses, flags, stop signal, grad norm, router statistics)."""
         signalled = self._signals is not None and self._signals.name is not None
-        return meter.read(signalled, meter.grad_norm, self.ws)
+        return meter.read(signalled, self.ws)
 
     def last_good(self) -> str:
         return self.result.checkpoint or "none (no checkpoint was written)"
