@@ -53,9 +53,9 @@ class Run:
 def collect_runs(tracking_uri: str, experiments: list[str], tags: dict[str, str], run_ids: list[str]) -> list[Run]:
     """Runs by id, or every run of the experiments whose tags match; newest first."""
     uri = tracking.tracking_uri(tracking_uri)
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():  # do not create an empty one
-        raise click.UsageError(f"no MLflow store at {uri[len('sqlite:///'):]} (nothing was tracked there); "
-                               "pass --tracking-uri")
+    db = uri.removeprefix("sqlite:///")
+    if db != uri and not Path(db).is_file():  # a sqlite store that does not exist: do not create an empty one
+        raise click.UsageError(f"no MLflow store at {db} (nothing was tracked there); pass --tracking-uri")
     client = tracking.client(tracking_uri)
     if run_ids:
         raw = [client.get_run(r) for r in run_ids]
