@@ -258,12 +258,11 @@ def task_metrics(td: TaskData, kind: str, metrics: tuple[str, ...], scored: list
         res["perplexity"] = ppl
         res["perplexity_stderr"] = ppl * mean_stderr(-ll)  # delta method on exp(mean NLL)
         return res
-    accs, norms, preds = [], [], []
+    accs, norms = [], []
     for ex, (s, e) in zip(td.examples, spans):
         lls = np.array([scored[i].logprob for i in range(s, e)])
         lens = np.array([float(len(c)) for c in ex.choices])
         pred = int(np.argmax(lls))
-        preds.append(pred)
         accs.append(float(pred == ex.gold))
         norms.append(float(int(np.argmax(lls / lens)) == ex.gold))
     res["acc"], res["acc_stderr"] = float(np.mean(accs)), mean_stderr(accs)
