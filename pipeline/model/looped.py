@@ -16,7 +16,9 @@ Training (`objective=True`, the default in train mode) computes in one call the 
 schedule, CE loss L_L) and, for shortcut variants, a shortcut pass (S ~ U{1..L-1}, integer schedule;
 CE loss L_S) and the alignment MSE of the shortcut pass to the stop-gradient full pass:
 loss = L_L + lambda_short * L_S + lambda_align * L_align (+ the router's own loss, `Router.aux_loss`, under the
-budget router recipe; its statistics join `stats`).
+budget router recipe; its statistics join `stats`). By default (`fused_loss=True`) both passes' heads and losses
+run fused by chunks of tokens in `LMHead` (pipeline/model/head_loss.py): no (B, T, V) logits are materialised or
+kept for backward, and `out.logits` is None; `fused_loss=False` is the plain reference path.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipeline.config import ModelConfig
+from pipeline.model.head_loss import LMHead
 from pipeline.model.layers import FourierEmbedding, Layer, RMSNorm, RowMod, SharedBlock
 from pipeline.model.router import Router, RouterOutput, depth_stats
 from pipeline.model.schedule import sample_shortcut, table_index, time_table, uniform
@@ -81,7 +84,7 @@ class _MaskHooks:
 
 @dataclass
 class LoopedLMOutput:
-    logits: torch.Tensor  # (B, T, V) of the full pass (budget M)
+    logits: torch.Tensor | None  # (B, T, V) of the full pass (budget M); None after a fused training objective
     depth: torch.Tensor  # (B, T) int64 per-token depth of the full pass, 1..M
     loss: torch.Tensor | None = None  # () total objective
     parts: dict[str, torch.Tensor] = field(default_factory=dict)  # loss_L, loss_S, loss_align (detached)
@@ -106,7 +109,7 @@ class LoopedLM(nn.Module):
                              cfg.router_init_std, cfg.router_balance_weight, cfg.router_entropy_weight) \
             if cfg.router else None
         self.norm_f = RMSNorm(d, cfg.norm_eps, affine=True)
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(d, cfg.vocab_size)  # (V, d); also computes the fused objective (head_loss.py)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self._init_weights()
@@ -282,14 +285,18 @@ class LoopedLM(nn.Module):
         hooks = None if mask is None else _MaskHooks(mask)
         return self.final_states(h0, self.route(h0, router), uniform(M), threshold=threshold, hooks=hooks)
 
-    def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor, counts=None, threshold=None, gather_scatter=None):
+    def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor, counts=None, threshold=None, gather_scatter=None,
+              logits: bool = True):
+        """(logits (B, T, V) or None with logits=False, final-normed states hf (B, T, d), depth (B, T))."""
         h, depth = self.final_states(h0, r, delta, counts, threshold, gather_scatter)
-        logits, hf = self.head(h)
-        return logits, hf, depth
+        if not logits:
+            return None, self.norm_f(h), depth
+        return (*self.head(h), depth)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loops: int | None = None,
                 objective: bool | None = None, shortcut: torch.Tensor | None = None, *, router: bool = True,
-                threshold: float | None = None, gather_scatter: bool | None = None) -> LoopedLMOutput:
+                threshold: float | None = None, gather_scatter: bool | None = None,
+                fused_loss: bool = True) -> LoopedLMOutput:
         """idx (B, T) tokens; targets (B, T) next tokens (-1 ignored) or None; loops = budget M <= L
         (default L; elastic inference uses the uniform schedule 1/M and clips router depth at M).
         objective: compute the training objective (full + shortcut pass + alignment); default = training
@@ -297,12 +304,15 @@ class LoopedLM(nn.Module):
         torch's global RNG). The ablations' switches are arguments of the call, never model state:
         router=False runs every token through the whole budget (the router is not consulted); threshold
         overrides `cfg.router_threshold`; gather_scatter overrides `cfg.gather_scatter` (False: the dense
-        masked reference)."""
+        masked reference); fused_loss=False computes the training objective from materialised logits (the
+        reference of the default fused, chunked heads and losses, which leave `out.logits` None). Calls without
+        the objective (validation, perplexity) always return logits."""
         L = self.cfg.loops
         M = loops or L
         assert 1 <= M <= L, f"loop budget {M} must lie in 1..{L}"
         if objective is None:
             objective = self.training and targets is not None and M == L
+        fused = bool(objective and fused_loss and targets is not None)
         h0 = self.embed(idx)
         r = self.route(h0, router)
         # |A_i| of every loop of both passes from one host read: the shortcut pass's depth at budget S is
@@ -311,30 +321,43 @@ class LoopedLM(nn.Module):
         gs = self.cfg.gather_scatter if gather_scatter is None else gather_scatter
         if r is not None and gs:
             counts = active_counts(r.depth(M, self._theta(threshold)), M)
-        logits, hf, depth = self._pass(h0, r, uniform(M), counts, threshold, gs)
+        logits, hf, depth = self._pass(h0, r, uniform(M), counts, threshold, gs, logits=not fused)
         out = LoopedLMOutput(logits=logits, depth=depth)
         out.stats.update({f"full/{k}": v for k, v in depth_stats(depth, M).items()})
         if targets is None:
             return out
-        loss_L = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
-        out.loss = loss_L
-        out.parts["loss_L"] = loss_L.detach()
-        if objective and self.cfg.shortcut:
+        if not fused:
+            loss_L = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+            out.loss = loss_L
+            out.parts["loss_L"] = loss_L.detach()
+        short = objective and self.cfg.shortcut
+        if short:
             if shortcut is None:
                 k = sample_shortcut(L)  # positive, sums to L by construction
             else:
                 k = shortcut
                 assert int(k.sum()) == L and bool((k > 0).all()), f"shortcut schedule {k.tolist()} must be positive, sum {L}"
-            logits_s, hf_s, depth_s = self._pass(h0, r, k.double() / L, counts, threshold, gs)
-            loss_S = F.cross_entropy(logits_s.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
-            if self.cfg.align_target == "logits":
-                align = F.mse_loss(logits_s.float(), logits.detach().float())
-            else:
-                align = F.mse_loss(hf_s.float(), hf.detach().float())
-            out.loss = loss_L + self.cfg.lambda_short * loss_S + self.cfg.lambda_align * align
-            out.parts.update(loss_S=loss_S.detach(), loss_align=align.detach())
+            logits_s, hf_s, depth_s = self._pass(h0, r, k.double() / L, counts, threshold, gs, logits=not fused)
             out.stats.update({f"short/{k_}": v for k_, v in depth_stats(depth_s, k.numel()).items()})
             out.stats["short/loops"] = torch.tensor(float(k.numel()))
+        on_logits = self.cfg.align_target == "logits"
+        if fused:  # both heads, CE losses and the logits alignment in one chunked call through the head module
+            lam_a = self.cfg.lambda_align if on_logits else None
+            out.loss, parts = self.lm_head(hf, targets, hf_s if short else None, self.cfg.lambda_short, lam_a)
+            out.parts["loss_L"] = parts[0]
+            if short:
+                out.parts["loss_S"] = parts[1]
+                if on_logits:
+                    out.parts["loss_align"] = parts[2]
+        elif short:
+            loss_S = F.cross_entropy(logits_s.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+            out.loss = out.loss + self.cfg.lambda_short * loss_S
+            out.parts["loss_S"] = loss_S.detach()
+        if short and not (fused and on_logits):  # the fused call's alignment is inside it; on hf it is cheap here
+            align = F.mse_loss(logits_s.float(), logits.detach().float()) if on_logits \
+                else F.mse_loss(hf_s.float(), hf.detach().float())
+            out.loss = out.loss + self.cfg.lambda_align * align
+            out.parts["loss_align"] = align.detach()
         if objective and r is not None:  # the router's own loss (budget recipe); its stats log as router/<name>
             aux, aux_stats = self.router.aux_loss(r)
             if aux is not None:

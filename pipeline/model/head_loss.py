@@ -1,0 +1,154 @@
+"""The training objective's LM heads and losses in one fused, chunked function (docs/design.md §7).
+
+    loss = CE(hf W^T, y) + lambda_short * CE(hs W^T, y) + lambda_align * mean((hs W^T - sg(hf W^T))^2)
+
+hf, hs (B, T, d): the final-normed states of the full and the shortcut pass; W (V, d) the LM head. The plain path
+materialises both (B, T, V) logits, and autograd keeps them (the MSE's inputs) and both log-softmax outputs for
+backward: four (B, T, V) fp32 tensors. Here the rows (tokens) are taken a chunk at a time: the chunk's logits of
+both passes, the losses and their gradients w.r.t. the logits in closed form
+
+    dCE/dlogits   = (softmax - onehot(y)) / N      N = #{y != -1} over the whole batch (a device tensor)
+    dMSE/dlogits_s = 2 (logits_s - logits_f) / (B T V)        (nothing flows into logits_f: stop-gradient)
+
+then grad_hf = glogits_f W, grad_hs = glogits_s W, grad_W += glogits_f^T hf + glogits_s^T hs. Only grad_hf,
+grad_hs (B, T, d) and grad_W (V, d) are kept for backward, which scales them by the incoming gradient: no
+(B, T, V) tensor outlives a chunk. Chunk rows: `rows_per_chunk`, the chunk's fp32 logits of one pass within
+CHUNK_BYTES (a few such buffers are live at once), at least MIN_ROWS rows.
+
+Precision: matmuls in the autocast dtype under autocast (else the inputs' dtype), softmax and losses in fp32,
+grad_W summed over chunks in fp32; each returned gradient has its input's dtype (fp32 master W under autocast,
+bf16 everywhere in DeepSpeed's bf16 model). ignore_index is -1; a batch with no target gives nan losses, like
+F.cross_entropy. No host read: N stays on the device.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+CHUNK_BYTES = 8 * 2**20  # fp32 logits of one pass for one chunk of rows
+MIN_ROWS = 32  # fewer rows make the head's matmuls too thin to run well
+
+
+def rows_per_chunk(vocab_size: int) -> int:
+    """Rows (tokens) of one chunk: the chunk's fp32 (rows, V) logits within CHUNK_BYTES, at least MIN_ROWS."""
+    return max(MIN_ROWS, CHUNK_BYTES // (4 * vocab_size))
+
+
+class LMHead(nn.Linear):
+    """The LM head W (V, d), no bias. `head(x)` -> logits (..., V); `head(hf, targets, hs, lambda_short,
+    lambda_align)` -> the fused objective (`head_objective`). Both entries run through Module.__call__, so
+    DeepSpeed ZeRO-3's module hooks gather W for either; its tensors go positionally so the hooks see them."""
+
+    def __init__(self, d_model: int, vocab_size: int):
+        super().__init__(d_model, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, x_short: torch.Tensor | None = None,
+                lambda_short: float = 0.0, lambda_align: float | None = None):
+        if targets is None:
+            return F.linear(x, self.weight)  # (..., V)
+        return head_objective(x, self.weight, targets, x_short, lambda_short, lambda_align)
+
+
+def head_objective(hf: torch.Tensor, W: torch.Tensor, targets: torch.Tensor, hs: torch.Tensor | None = None,
+                   lambda_short: float = 0.0, lambda_align: float | None = None,
+                   chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """hf (B, T, d) full-pass states, W (V, d), targets (B, T) (-1 ignored), hs (B, T, d) shortcut-pass states
+    or None (no shortcut pass: loss = CE of hf alone); lambda_align None: no logits alignment (the caller adds
+    its own, e.g. on the hidden states). chunk: rows per chunk (default `rows_per_chunk(V)`). Returns the
+    differentiable loss () and its detached parts (3,) fp32: loss_L, loss_S, loss_align (0 where absent)."""
+    dev = hf.device.type
+    cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hf.dtype
+    chunk = int(chunk or rows_per_chunk(W.shape[0]))
+    return _HeadObjective.apply(hf, W, targets, hs, float(lambda_short),
+                                None if lambda_align is None else float(lambda_align), chunk, cdt)
+
+
+def _ce_grad_(logits: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor):
+    """In place: logits (r, V) fp32 -> scale * (softmax - onehot(y)); y (r, 1) int64 clamped into 0..V-1,
+    scale (r,) (0 on ignored rows). Returns the chunk's summed CE () over rows where valid (r,) is 1 and the
+    gradient (the logits' storage)."""
+    lse = torch.logsumexp(logits, -1)  # (r,)
+    nll = (lse - logits.gather(1, y)[:, 0]).mul_(valid).sum()
+    logits.sub_(lse[:, None]).exp_()  # softmax
+    logits.scatter_add_(1, y, torch.full_like(y, -1, dtype=logits.dtype))
+    return nll, logits.mul_(scale[:, None])
+
+
+def _acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (V, d) fp32 += a @ b, the product in a's dtype."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(a @ b)
+
+
+class _HeadObjective(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hf, W, targets, hs, lam_s, lam_a, chunk, cdt):
+        with torch.autocast(hf.device.type, enabled=False):
+            loss, parts, saved = _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, ctx.needs_input_grad)
+        ctx.save_for_backward(*saved)
+        ctx.mark_non_differentiable(parts)
+        return loss, parts
+
+    @staticmethod
+    def backward(ctx, g, _g_parts):
+        g_hf, g_W, g_hs = ctx.saved_tensors
+        scale = lambda t: None if t is None else t * g  # noqa: E731
+        return scale(g_hf), scale(g_W), None, scale(g_hs), None, None, None, None
+
+
+def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs):
+    """The forward of `_HeadObjective`: (loss, parts, (grad_hf, grad_W, grad_hs)) with None for a gradient
+    not needed."""
+    B, T, d = hf.shape
+    V = W.shape[0]
+    n = B * T
+    x = hf.reshape(n, d)  # (n, d)
+    xs = None if hs is None else hs.reshape(n, d)
+    y = targets.reshape(n)
+    valid = (y != -1).float()  # (n,)
+    count = valid.sum()  # () N, on the device
+    inv = 1.0 / count.clamp_min(1.0)  # all ignored: zero gradients (the loss is nan, as F.cross_entropy gives)
+    Wc = W.to(cdt)  # (V, d)
+    g_x = torch.empty_like(x) if needs[0] else None
+    g_xs = torch.empty_like(xs) if xs is not None and needs[3] else None
+    g_W = torch.zeros(V, d, dtype=torch.float32, device=W.device) if needs[1] else None
+    sums = torch.zeros(3, dtype=torch.float32, device=hf.device)  # CE_f, CE_s, squared logit gap
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        xc, yc, vc = x[a:b].to(cdt), y[a:b].clamp_min(0)[:, None], valid[a:b]  # (r, d), (r, 1), (r,)
+        lf = (xc @ Wc.t()).float()  # (r, V)
+        glf = gls = None
+        if xs is not None:
+            xsc = xs[a:b].to(cdt)
+            ls = (xsc @ Wc.t()).float()  # (r, V)
+            gap = ls - lf if lam_a is not None else None  # (r, V)
+            ce, gls = _ce_grad_(ls, yc, vc * inv * lam_s, vc)
+            sums[1] += ce
+            if gap is not None:
+                sums[2] += torch.dot(gap.view(-1), gap.view(-1))
+                gls.add_(gap, alpha=2.0 * lam_a / (n * V))
+                del gap
+        ce, glf = _ce_grad_(lf, yc, vc * inv, vc)
+        sums[0] += ce
+        glf = glf.to(cdt)
+        if g_x is not None:
+            g_x[a:b] = glf @ Wc
+        if g_W is not None:
+            _acc_(g_W, glf.t(), xc)
+        if gls is not None:
+            gls = gls.to(cdt)
+            if g_xs is not None:
+                g_xs[a:b] = gls @ Wc
+            if g_W is not None:
+                _acc_(g_W, gls.t(), xsc)
+        del lf, glf, gls
+    parts = torch.stack([sums[0] / count, sums[1] / count, sums[2] / (n * V)])  # loss_L, loss_S, loss_align
+    loss = sums[0] / count  # (): not a view of parts (a separate output)
+    if xs is not None:
+        loss = loss + lam_s * parts[1] + (lam_a * parts[2] if lam_a is not None else 0.0)
+    g_W = None if g_W is None else g_W.to(W.dtype)
+    view = lambda t: None if t is None else t.view(B, T, d)  # noqa: E731
+    return loss, parts, (view(g_x), g_W, view(g_xs))
