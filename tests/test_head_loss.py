@@ -1,0 +1,192 @@
+"""The fused, chunked LM-head objective (pipeline/model/head_loss.py, docs/design.md §7) equals the plain path of
+materialised logits + F.cross_entropy + F.mse_loss: loss, parts and every parameter's gradient, over several
+chunks, with ignored targets, under bf16, and keeps no (B, T, V) tensor for backward nor reads the host."""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import spread_router
+from pipeline.config import load_config
+from pipeline.hostsync import count_host_reads
+from pipeline.memory import SavedTensors
+from pipeline.model import LoopedLM, head_loss
+from pipeline.model.head_loss import head_objective, rows_per_chunk
+
+torch.set_num_threads(1)
+V = 50304  # the tiny presets' vocabulary
+# the logits alignment is the mean square of a small gap between two matmuls' outputs: the matmul's blocking
+# (a chunk's rows or all rows) moves it more, relatively, than the losses
+RTOL = {"loss_L": 1e-5, "loss_S": 1e-5, "loss_align": 1e-4}
+CASES = [("t-loopformer", ()), ("loopformer", ()), ("base", ()), ("t-loopformer", ("model.align_target=hidden",))]
+
+
+def _model(variant, *extra, dtype=torch.float32):
+    torch.manual_seed(0)
+    m = LoopedLM(load_config(f"tiny/{variant}", list(extra)).model)
+    with torch.no_grad():  # non-zero modulators: loops differ
+        for n, p in m.named_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    # a spread router (depths 1..3 here) that is not saturated: a saturated softmax's gradient is all rounding
+    return spread_router(m, 0, scale=1.0).to(dtype).train()
+
+
+def _batch(B=2, T=20, ignored=5):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+    y[0, :ignored] = -1
+    return x, y
+
+
+def _run(m, x, y, fused, autocast=False):
+    m.zero_grad()
+    k = torch.tensor([1, 3]) if m.cfg.shortcut else None
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        out = m(x, y, shortcut=k, fused_loss=fused)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+def _close(a, b, rtol, msg=""):
+    """Elementwise within rtol of the reference's scale (gradients near 0 have no relative precision)."""
+    torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=rtol * float(b.float().abs().max()), msg=msg)
+
+
+@pytest.mark.parametrize("variant,extra", CASES)
+def test_fused_objective_equals_the_plain_path_over_several_chunks(variant, extra, monkeypatch):
+    m = _model(variant, *extra)
+    x, y = _batch()
+    calls = []
+    monkeypatch.setattr(head_loss, "rows_per_chunk", lambda V_: calls.append(V_) or 7)  # 40 rows: 6 chunks
+    fused, g_f = _run(m, x, y, True)
+    ref, g_r = _run(m, x, y, False)
+    assert calls == [V] and fused.logits is None and ref.logits.shape == (2, 20, V)
+    assert fused.parts.keys() == ref.parts.keys() == ({"loss_L", "loss_S", "loss_align"} if m.cfg.shortcut else {"loss_L"})
+    torch.testing.assert_close(fused.loss, ref.loss, rtol=1e-5, atol=0)
+    for n in ref.parts:
+        torch.testing.assert_close(fused.parts[n], ref.parts[n], rtol=RTOL[n], atol=0, msg=n)
+        assert not fused.parts[n].requires_grad
+    assert g_f.keys() == g_r.keys() and "wte.weight" in g_r  # the tied head's gradient lands on wte.weight
+    for n in g_r:
+        _close(g_f[n], g_r[n], 1e-5, n)
+    assert torch.equal(fused.depth, ref.depth) and fused.stats.keys() == ref.stats.keys()
+    if m.router is not None:
+        assert len(fused.depth.unique()) >= 3
+
+
+@pytest.mark.parametrize("short,align", [(False, None), (True, None), (True, 0.3)])
+@pytest.mark.parametrize("chunk", [1, 5, 64, None])
+def test_head_objective_equals_autograd_of_the_plain_losses(short, align, chunk):
+    g = torch.Generator().manual_seed(2)
+    B, T, d, Vs = 2, 9, 8, 97
+    hf, hs = (torch.randn(B, T, d, generator=g, requires_grad=True) for _ in range(2))
+    W = torch.randn(Vs, d, generator=g, requires_grad=True)
+    y = torch.randint(0, Vs, (B, T), generator=g)
+    y[1, 3:7] = -1
+    lf, ls = hf @ W.t(), hs @ W.t()
+    want = F.cross_entropy(lf.flatten(0, 1), y.flatten(), ignore_index=-1)
+    parts = [want.detach(), torch.tensor(0.0), torch.tensor(0.0)]
+    if short:
+        ce_s = F.cross_entropy(ls.flatten(0, 1), y.flatten(), ignore_index=-1)
+        want, parts[1] = want + 0.2 * ce_s, ce_s.detach()
+        if align is not None:
+            mse = F.mse_loss(ls, lf.detach())
+            want, parts[2] = want + align * mse, mse.detach()
+    ins = (hf, W, hs) if short else (hf, W)
+    grads = torch.autograd.grad(want, ins)
+    loss, got_parts = head_objective(hf, W, y, hs if short else None, 0.2, align, chunk)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got_parts, torch.stack(parts), rtol=1e-5, atol=1e-7)
+    for a, b in zip(torch.autograd.grad(loss, ins), grads):
+        _close(a, b, 1e-5)
+
+
+def test_chunk_rows_follow_the_byte_budget():
+    assert rows_per_chunk(8192) == head_loss.CHUNK_BYTES // (4 * 8192) == 256  # the d=512 bench: 4 chunks of 1024
+    assert rows_per_chunk(V) * V * 4 <= head_loss.CHUNK_BYTES < (rows_per_chunk(V) + 1) * V * 4
+    assert rows_per_chunk(10**7) == head_loss.MIN_ROWS
+
+
+def test_all_targets_ignored_gives_nan_like_the_plain_path():
+    m = _model("t-loopformer")
+    x, y = _batch(ignored=0)
+    y[:] = -1
+    fused, g_f = _run(m, x, y, True)
+    ref, g_r = _run(m, x, y, False)
+    for out in (fused, ref):
+        assert out.loss.isnan() and out.parts["loss_L"].isnan() and out.parts["loss_S"].isnan()
+    torch.testing.assert_close(fused.parts["loss_align"], ref.parts["loss_align"], rtol=RTOL["loss_align"], atol=0)
+    for n in g_r:  # the alignment still trains the shortcut pass; the CE terms give nothing
+        assert torch.isfinite(g_f[n]).all(), n
+        _close(g_f[n], g_r[n], 1e-5, n)
+
+
+def test_bf16_autocast_and_bf16_model_are_close_to_the_plain_path():
+    m = _model("t-loopformer")
+    x, y = _batch()
+    fp32, _ = _run(m, x, y, False)
+    fused, g_f = _run(m, x, y, True, autocast=True)
+    ref, g_r = _run(m, x, y, False, autocast=True)
+    # the head's matmuls ran in bf16: the fused loss is far closer to the bf16 reference than to fp32's
+    assert (fused.loss - ref.loss).abs() < 0.1 * (ref.loss - fp32.loss).abs()
+    for n in g_r:
+        assert g_f[n].dtype == torch.float32, n  # fp32 master weights
+        _close(g_f[n], g_r[n], 2e-2, n)
+    mb = _model("t-loopformer", dtype=torch.bfloat16)  # DeepSpeed's all-bf16 model
+    fused, g_f = _run(mb, x, y, True)
+    ref, g_r = _run(mb, x, y, False)
+    torch.testing.assert_close(fused.loss, ref.loss, rtol=1e-3, atol=0)
+    for n in g_r:
+        assert g_f[n].dtype == torch.bfloat16, n
+        _close(g_f[n], g_r[n], 5e-2, n)
+
+
+class _Shapes(SavedTensors):
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def _pack(self, t):
+        self.shapes.append(tuple(t.shape))
+        return super()._pack(t)
+
+
+def test_nothing_of_size_tokens_x_vocab_is_kept_for_backward():
+    m = _model("t-loopformer")
+    B, T = 2, 20
+    x, y = _batch(B, T)
+    d = m.cfg.d_model
+    kept = {}
+    for fused in (True, False):
+        acc = _Shapes()
+        with acc:
+            m(x, y, shortcut=torch.tensor([1, 3]), fused_loss=fused)
+        kept[fused] = acc
+    with_v = [s for s in kept[True].shapes if V in s]
+    assert with_v == [(V, d)], with_v  # the weight's gradient, computed in forward; no (B, T, V) tensor
+    assert sum(1 for s in kept[False].shapes if len(s) > 1 and s[-1] == V and s[0] != V) >= 4  # the plain path's
+    # the plain path keeps 4 fp32 (B, T, V): both logits (the MSE's inputs) and both log-softmax outputs; the fused
+    # one keeps instead grad_hf, grad_hs (B, T, d) and grad_W (V, d)
+    assert kept[False].total - kept[True].total >= 4 * (B * T * V * 4) - (2 * B * T * d + V * d) * 4
+
+
+def test_no_extra_host_read():
+    model_files = tuple(str(Path(head_loss.__file__).parent / f) for f in ("looped.py", "layers.py", "router.py",
+                                                                           "schedule.py", "head_loss.py"))
+    for variant, expected in (("t-loopformer", 1), ("loopformer", 0)):
+        m = _model(variant)
+        x, y = _batch()
+        for fused in (True, False):
+            with count_host_reads(model_files) as reads:
+                m(x, y, fused_loss=fused).loss.backward()
+            assert len(reads) == expected, (variant, fused, reads)
+
+
+def test_calls_without_the_objective_keep_their_logits():
+    m = _model("t-loopformer")
+    x, y = _batch()
+    for out in (m(x, y, objective=False), m.eval()(x, y)):
+        assert out.logits.shape == (2, 20, V) and set(out.parts) == {"loss_L"}
+        torch.testing.assert_close(out.loss, F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=-1))
+    assert list(m.state_dict()).count("lm_head.weight") == 1 and m.lm_head.weight is m.wte.weight  # tied, same name
