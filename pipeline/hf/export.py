@@ -15,7 +15,7 @@ from data_prep.tokenizer import EOT
 from pipeline.config import Config
 from pipeline.model.io import state_for_export
 
-MODULES = ["schedule", "router", "layers", "looped"]  # pipeline/model/*.py in dependency order
+MODULES = ["schedule", "router", "layers", "head_loss", "looped"]  # pipeline/model/*.py in dependency order
 MODEL_DIR = Path(__file__).resolve().parent.parent / "model"
 # imports removed from the bundled source: they resolve inside the bundle (ModelConfig: pipeline/hf/remote.py);
 # any other tlf import in the model code makes the export fail loudly instead of writing a broken file
