@@ -3,7 +3,8 @@
 A case's worker builds its model, sends "ready", then answers "step" with the seconds of one timed step and
 "stats" with a dict, until "stop". `run_cases` starts the cases one at a time (warm-up included, so start-up
 stays quiet), then runs `rounds` rounds in which every case does one step, so machine load hits all cases
-alike, and returns each case's median step time with its stats.
+alike, and returns each case's median step time (`time_s`) and every round's time in order (`times_s`: round n of
+every case is the same step when the workers seed per step) with its stats.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def run_cases(worker, specs: dict[str, dict], rounds: int) -> dict[str, dict]:
         r = conn.recv()
         conn.send("stop")
         p.join()
-        results[label] = {"time_s": sorted(times[label])[len(times[label]) // 2], **r}
+        results[label] = {"time_s": sorted(times[label])[len(times[label]) // 2], "times_s": times[label], **r}
     return results
 
 

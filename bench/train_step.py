@@ -90,10 +90,12 @@ def _worker(spec: dict, conn) -> None:
         apply_compile(model)
     cuda = str(dev).startswith("cuda")
     base = region_start(dev)  # the steps' own peak (optimizer state included), not start-up's
-    state = {"n": 0, "loops": [], "heads": 1}
+    state = {"n": 0, "loops": [], "timed": [], "heads": 1}
 
-    def step(shortcut=None):
-        torch.manual_seed(state["n"])
+    def step(shortcut=None, seed=None):
+        # timed round r draws its shortcut schedule from seed 10**6 + r in every case (whatever its warm-up), so
+        # round r is the same step everywhere and time ratios line up with FLOPs ratios round by round
+        torch.manual_seed(state["n"] if seed is None else seed)
         state["n"] += 1
         if shortcut is None:
             meter = trainer.train_step()  # the micro-batches of one optimizer step of `tlf train`
@@ -122,13 +124,16 @@ def _worker(spec: dict, conn) -> None:
         if cmd == "step":
             clock = time.perf_counter if cuda else time.process_time  # CPU: this process's CPU time
             t0 = clock()
-            step()
-            conn.send(clock() - t0)
+            step(seed=10**6 + len(state["timed"]))
+            dt = clock() - t0
+            state["timed"].append(state["loops"][-1])  # this round's loops (the same schedule in every case)
+            conn.send(dt)
         elif cmd == "stats":
-            loops = sum(state["loops"]) / len(state["loops"])
+            loops = sum(state["timed"]) / len(state["timed"])  # over the timed rounds only
             peak = region_peak_mib(dev, base) / 1024
             conn.send({"peak_mem_gb": peak, "alloc_peak_gb": alloc_gb if alloc_gb is not None else peak, "mean_depth": state["depth"], "loops_executed": loops,
                        "flops_per_token": model.flops_per_token(loops, T, state["heads"]),
+                       "round_flops_per_token": [model.flops_per_token(x, T, state["heads"]) for x in state["timed"]],
                        "params": model.num_params(), "tokens_per_step": B * T, **breakdown})
         else:
             return
@@ -201,6 +206,8 @@ def main(argv=None) -> dict:
                     help="spread: router weights set so depths cover 1..L (like a trained router); init: as initialised "
                          "(near-uniform pi, every token about L/2 deep)")
     ap.add_argument("--no-compile", action="store_true", help="leave out the train.compile=true cases")
+    ap.add_argument("--no-ablations", action="store_true", help="only the --variants themselves (no gs=off, "
+                    "checkpointing or compile cases)")
     ap.add_argument("--peak-flops", type=float, default=None, help="for MFU; default: logging.peak_flops")
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "train_step.json"))
     a = ap.parse_args(argv)
@@ -218,6 +225,8 @@ def main(argv=None) -> dict:
                  "loopformer ckpt=loop": ("loopformer", ["train.activation_checkpointing=loop"]),
                  "t-loopformer compile": ("t-loopformer", ["train.compile=true"]),
                  "loopformer compile": ("loopformer", ["train.compile=true"])}
+    if a.no_ablations:
+        ablations = {}
     if a.no_compile:
         ablations = {k: v for k, v in ablations.items() if "compile" not in k}
     for label, (v, extra) in ablations.items():
@@ -254,8 +263,13 @@ def main(argv=None) -> dict:
     targets = {}
     if "t-loopformer" in results and "loopformer" in results:
         t, lf = results["t-loopformer"], results["loopformer"]
-        flops = t["flops_per_token"] / lf["flops_per_token"]
-        time_r = t["time_s"] / lf["time_s"]
+        # time against FLOPs over the same timed rounds (round r is the same shortcut schedule in both cases):
+        # total CPU time of the rounds against total FLOPs of the rounds. (Until 2026-11-23 this divided the
+        # median step's time by the mean FLOPs of all steps, warm-up included: two different sets of steps.)
+        flops = sum(t["round_flops_per_token"]) / sum(lf["round_flops_per_token"])
+        time_r = sum(t["times_s"]) / sum(lf["times_s"])
+        per_round = sorted((a_ / b_) / (fa / fb) for a_, b_, fa, fb in zip(
+            t["times_s"], lf["times_s"], t["round_flops_per_token"], lf["round_flops_per_token"]))
         # the floor: loopformer's peak less its per-token loop bytes for the token-loops t-loopformer skips (rate:
         # the median loop, loop 1 also holds the weights the matmuls save); all else (weights, Adam state, LM heads
         # and losses, embeddings, every token's loop 1) is what both models keep whatever the router does
@@ -269,6 +283,8 @@ def main(argv=None) -> dict:
                    "token-loops ratio": (t["token_loops"] / lf["token_loops"], None),
                    "model FLOPs ratio": (flops, None),
                    "step time ratio / FLOPs ratio": (time_r / flops, 1.10),
+                   "  the same, round by round: lowest": (per_round[0], None),
+                   "  the same, round by round: highest": (per_round[-1], None),
                    "host reads per forward (t-loopformer)": (float(t["host_reads_per_forward"]), 1.0)}
         print()
         for k, (v, tgt) in targets.items():
