@@ -164,6 +164,8 @@ class OptimConfig:
     beta2: float = f(0.95, "AdamW beta2.")
     eps: float = f(1e-8, "AdamW epsilon.")
     grad_clip: float = f(1.0, "Clip the global gradient norm to this (0 disables).")
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = f(
+        "auto", "AdamW kernel: fused (one kernel for all parameters), foreach, for-loop; auto = fused where available.")
 
 
 @dataclass

@@ -119,6 +119,60 @@ def test_param_groups_decay_matrices_only():
         model.get_parameter(n).dim() < 2 for n in plain - {"wte.weight", "wpe.weight"})
 
 
+def test_optimizer_implementation(monkeypatch):
+    """auto takes the fused AdamW kernel where torch has it and the for-loop one where it does not; each named
+    kernel is built as named; a named kernel torch lacks is a config error naming the key. All take equal steps."""
+    from pipeline.model import LoopedLM
+    from pipeline.train.ds import build_optimizer
+
+    def step(impl):
+        torch.manual_seed(0)
+        cfg = load_config("tiny/t-loopformer", TINY + [f"optim.implementation={impl}"])
+        model = LoopedLM(cfg.model)
+        opt, _ = build_optimizer(cfg, model)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        return opt, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    opt, ref = step("auto")
+    assert opt.defaults["fused"] is True
+    for impl, key, val in [("fused", "fused", True), ("foreach", "foreach", True), ("for-loop", "foreach", False)]:
+        opt, w = step(impl)
+        assert opt.defaults[key] is val and torch.allclose(w, ref, rtol=1e-6, atol=1e-7), impl
+    real = torch.optim.AdamW
+
+    def no_fused(*a, **kw):  # a torch or device without the fused kernel
+        if kw.get("fused"):
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", no_fused)
+    opt, w = step("auto")
+    assert not opt.defaults["fused"] and opt.defaults["foreach"] is False and torch.allclose(w, ref, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ConfigError, match="optim.implementation=fused"):
+        step("fused")
+
+
+def test_single_process_skips_the_identity_all_reduce(tmp_path, data):
+    """One process without ZeRO: the engine's all-reduce over a group of one is switched off (ds.initialize), and
+    the weights after two optimizer steps of two micro-batches each are bit-identical to running it."""
+    from pipeline.train.trainer import Trainer
+
+    def weights(allreduce):
+        cfg = tiny_cfg(tmp_path / str(allreduce), data, "train.grad_accum_steps=2", "train.global_batch_size=4",
+                       "train.deterministic=true", "logging.mlflow=false", "checkpoint.interval=0", "train.eval_interval=0")
+        t = Trainer.build(cfg, callbacks=[])
+        assert t.engine.enable_backward_allreduce is False
+        t.engine.enable_backward_allreduce = allreduce
+        for _ in range(2):
+            t.train_step()
+        return [p.detach().clone() for p in t.model.parameters()]
+
+    for a, b in zip(weights(False), weights(True)):
+        assert torch.equal(a, b)
+
+
 def test_loader_is_disjoint_deterministic_and_resumable(tmp_path):
     from pipeline.train.data import TrainLoader
 
