@@ -360,3 +360,22 @@ def test_depth_at_a_smaller_budget_is_the_full_depth_clipped():
     for S in range(1, 7):
         for theta in (0.1, 0.5, 0.9):
             assert torch.equal(out.depth(S, theta), out.depth(6, theta).clamp(max=S))
+
+
+def test_straight_through_matches_the_formula():
+    """_StraightThrough equals autograd on h + (out - h) * (1 + s - sg(s)): value, and the gradients of h, out
+    and s (h's is zero, out's the incoming gradient, s's the projection on out - h)."""
+    from pipeline.model.looped import _StraightThrough
+
+    g = torch.Generator().manual_seed(0)
+    h, out, s, gy = (torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g),
+                     torch.rand(2, 5, 1, generator=g), torch.randn(2, 5, 8, generator=g))
+    res = []
+    for f in (lambda a, b, c: a + (b - a) * (1 + c - c.detach()), _StraightThrough.apply):
+        a, b, c = (t.clone().requires_grad_() for t in (h, out, s))
+        y = f(a, b, c)
+        y.backward(gy)
+        res.append((y.detach(), a.grad if a.grad is not None else torch.zeros_like(a), b.grad, c.grad))
+    for x, y in zip(*res):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+    assert torch.equal(res[1][0], out) and res[1][2].abs().sum() > 0 and res[1][3].abs().sum() > 0

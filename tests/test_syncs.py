@@ -12,7 +12,7 @@ from pipeline.hostsync import count_host_reads
 from pipeline.model import LoopedLM
 
 MODEL = tuple(str(Path(__file__).resolve().parent.parent / "pipeline" / "model" / f)  # the forward's files
-              for f in ("looped.py", "layers.py", "router.py", "schedule.py"))
+              for f in ("looped.py", "layers.py", "router.py", "schedule.py", "head_loss.py"))
 TRAINER = str(Path(__file__).resolve().parent.parent / "pipeline" / "train" / "trainer.py")
 
 

@@ -61,6 +61,25 @@ class _GatherRows(torch.autograd.Function):
         return g.new_zeros(ctx.shape).scatter_(1, gidx, g), None  # (B, T, d), filled in place
 
 
+class _StraightThrough(torch.autograd.Function):
+    """The router's straight-through estimator on a loop's update, h + (out - h) * (1 + s - sg(s)) for the loop's
+    input h (B, Tm, d), its block output out (B, Tm, d) and the tokens' continue probabilities s (B, Tm, 1):
+    the value is out itself, out gets the incoming gradient unchanged, h none through this term, and s the
+    projection sum_d g * (out - h). One subtraction forward and one dot product backward, where autograd on
+    the formula runs about eight passes over (B, Tm, d); it keeps the same (B, Tm, d) difference."""
+
+    @staticmethod
+    def forward(ctx, h, out, s):
+        ctx.save_for_backward(out - h)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        (delta,) = ctx.saved_tensors
+        gs = torch.linalg.vecdot(g, delta)[..., None] if ctx.needs_input_grad[2] else None  # (B, Tm, 1)
+        return None, g, gs
+
+
 class _MaskHooks:
     """run_loops hooks for `LoopedLM.hidden_states` with an explicit (B, T, T) attention mask: each loop's mask
     among its compacted tokens is gathered once by `order` (the tril keeps the tail of pad slots hidden from
@@ -202,10 +221,9 @@ class LoopedLM(nn.Module):
                     hc, dep = _GatherRows.apply(h, gidx), depth.gather(1, order)  # (B, Tm, d), (B, Tm)
                 mods = self.loop_mods(tables, i, M, dep)  # rows by index: no per-token (Tm, 4d) kept for backward
                 out = self.layers(hc, mods, None, self._attends(hooks, i, order, n))  # causal among A_i
-                if cont is not None:
+                if cont is not None and i > 1:  # p(1) is the constant 1: loop 1's estimator is the identity
                     s = cont[..., i - 1] if order is None else cont[..., i - 1].gather(1, order)
-                    s = s.to(out.dtype)[..., None]
-                    out = hc + (out - hc) * (1 + s - s.detach())
+                    out = _StraightThrough.apply(hc, out, s.to(out.dtype)[..., None])
                 if order is None:
                     h = out
                 else:
@@ -219,9 +237,8 @@ class LoopedLM(nn.Module):
                 eye = torch.eye(T, dtype=torch.bool, device=h.device)
                 mask = ((causal[None] & active[:, None, :]) | eye[None])[:, None]  # (B, 1, T, T)
                 out = self.layers(h, self.loop_mods(tables, i, M, depth, by_index=False), mask)
-                if cont is not None:
-                    s = cont[..., i - 1].to(out.dtype)[..., None]
-                    out = h + (out - h) * (1 + s - s.detach())
+                if cont is not None and i > 1:
+                    out = _StraightThrough.apply(h, out, cont[..., i - 1].to(out.dtype)[..., None])
                 h = torch.where(active[..., None], out, h)
         return h
 
