@@ -187,7 +187,7 @@ class TrainConfig:
     activation_checkpointing: Literal["none", "loop", "layer"] = f(
         "none", "Recompute activations per loop application or per layer in backward (non-reentrant).")
     compile: bool = f(False, "torch.compile each layer of the shared block (dynamic shapes: the compacted length "
-                              "does not recompile). Off by default: ~20 s of compilation per process for ~15% per step "
+                              "does not recompile). Off by default: ~20 s of compilation per process for 5-9% per step "
                               "(CPU, d=512), a loss on short runs.")
     log_interval: int = f(10, "Steps between console progress lines and MLflow flushes (metrics are recorded every step).")
     eval_interval: int = f(1000, "Steps between validation-loss evaluations (0 disables).")
