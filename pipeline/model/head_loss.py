@@ -57,11 +57,20 @@ def head_objective(hf: torch.Tensor, W: torch.Tensor, targets: torch.Tensor, hs:
     or None (no shortcut pass: loss = CE of hf alone); lambda_align None: no logits alignment (the caller adds
     its own, e.g. on the hidden states). chunk: rows per chunk (default `rows_per_chunk(V)`). Returns the
     differentiable loss () and its detached parts (3,) fp32: loss_L, loss_S, loss_align (0 where absent)."""
-    dev = hf.device.type
-    cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hf.dtype
+    cdt = _compute_dtype(hf)
     chunk = int(chunk or rows_per_chunk(W.shape[0]))
     return _HeadObjective.apply(hf, W, targets, hs, float(lambda_short),
                                 None if lambda_align is None else float(lambda_align), chunk, cdt)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The matmuls' dtype for t's device: autocast's when autocast is on there, else t's own."""
+    dev = t.device.type
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
+        return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
+    if dev == "cuda":  # torch 2.3 (setup.py allows it)
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else t.dtype
+    return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else t.dtype
 
 
 def _ce_grad_(logits: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor):
