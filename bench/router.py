@@ -279,8 +279,9 @@ def main(argv=None) -> None:
         if cfg.model.router:
             c["recipe"] = cfg.model.router_recipe
             if cfg.model.router_recipe == "budget":
-                c["target_depth"] = cfg.model.target_depth
-                c["final"]["depth_vs_target"] = float(depth.mean() / cfg.model.target_depth - 1)
+                target = round(float((model.router.prior * torch.arange(1, L + 1)).sum()), 4)  # the prior's mean
+                c["target_depth"] = target
+                c["final"]["depth_vs_target"] = float(depth.mean() / target - 1)
             c["final"]["token_dependence"] = token_dependence(ids, depth, counts, L)
             c["depth_over_training"] = depth_history(tr["uri"], tr["run_id"], L, a.steps, a.window, points)
         res["cases"][label] = c
