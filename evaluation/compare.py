@@ -50,13 +50,18 @@ class Run:
         return sorted(self.results["budgets"], key=lambda b: b["loops"]) if self.results else []
 
 
-def collect_runs(tracking_uri: str, experiments: list[str], tags: dict[str, str], run_ids: list[str]) -> list[Run]:
-    """Runs by id, or every run of the experiments whose tags match; newest first."""
+def open_store(tracking_uri: str):
+    """(resolved URI, MLflow client) of the store compare reads; a usage error for a sqlite store that does not
+    exist (the client would create an empty one)."""
     uri = tracking.tracking_uri(tracking_uri)
     db = uri.removeprefix("sqlite:///")
-    if db != uri and not Path(db).is_file():  # a sqlite store that does not exist: do not create an empty one
+    if db != uri and not Path(db).is_file():
         raise click.UsageError(f"no MLflow store at {db} (nothing was tracked there); pass --tracking-uri")
-    client = tracking.client(tracking_uri)
+    return uri, tracking.client(tracking_uri)
+
+
+def collect_runs(client, uri: str, experiments: list[str], tags: dict[str, str], run_ids: list[str]) -> list[Run]:
+    """Runs by id, or every run of the experiments whose tags match; newest first."""
     if run_ids:
         raw = [client.get_run(r) for r in run_ids]
     else:
@@ -64,7 +69,7 @@ def collect_runs(tracking_uri: str, experiments: list[str], tags: dict[str, str]
         for name in experiments:
             exp = client.get_experiment_by_name(name)
             if exp is None:
-                raise click.UsageError(f"MLflow experiment {name!r} not found at {tracking.tracking_uri(tracking_uri)}")
+                raise click.UsageError(f"MLflow experiment {name!r} not found at {uri}")
             ids.append(exp.experiment_id)
         flt = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
         raw = client.search_runs(ids, filter_string=flt, max_results=5000, order_by=["attributes.start_time DESC"])
@@ -83,8 +88,8 @@ class Selection:
         return [v for v in VARIANTS if v in seen] + sorted(seen - set(VARIANTS))
 
 
-def select(runs: list[Run], client=None) -> Selection:
-    """The newest training and evaluation run per variant; with a client, the evaluations' results are loaded."""
+def select(runs: list[Run], client) -> Selection:
+    """The newest training and evaluation run per variant, with the evaluations' results loaded."""
     sel = Selection()
     for r in runs:  # newest first
         if r.has_train:
@@ -188,7 +193,7 @@ def table2(sel: Selection) -> Table:
             lat = b.get("latency") or {}
             keys += [(k, n) for k in ("tpot_ms", "ttft_ms") for n in lat.get(k) or {} if (k, n) not in keys]
     keys.sort(key=lambda kn: (kn[0] == "ttft_ms", int(kn[1])))
-    cols = ["Model (M)"] + [f"{k[:4].upper()} ms {'B' if k == 'tpot_ms' else 'P'}{n}" for k, n in keys] + ["decode depth"]
+    cols = ["Model (M)"] + [f"{k[:4].upper()} ms {R.LATENCY_SIZE[k]}{n}" for k, n in keys] + ["decode depth"]
     rows = []
     for r in runs:
         for b in r.budgets():
@@ -222,9 +227,8 @@ def table3(sel: Selection) -> Table:
 
 
 # ------------------------------------------------------------------------------------------ plots
-def plot_all(sel: Selection, tracking_uri: str, out: Path) -> list[Path]:
+def plot_all(sel: Selection, client, out: Path) -> list[Path]:
     plt = pyplot()
-    client = tracking.client(tracking_uri)
     paths = []
     variants = sel.variants()
 
@@ -296,8 +300,9 @@ class CompareResult:
 def run(tracking_uri: str = "", experiments: tuple[str, ...] = ("tlf",), tags: dict | None = None,
         run_ids: tuple[str, ...] = (), out: str | Path = "compare", metric: str = "acc") -> CompareResult:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one results.json per run: no bars
-    runs = collect_runs(tracking_uri, list(experiments), tags or {}, list(run_ids))
-    sel = select(runs, tracking.client(tracking_uri))
+    uri, client = open_store(tracking_uri)
+    runs = collect_runs(client, uri, list(experiments), tags or {}, list(run_ids))
+    sel = select(runs, client)
     outd = Path(out)
     outd.mkdir(parents=True, exist_ok=True)
     tables = [table1(sel, metric), table2(sel), table3(sel)]
@@ -307,7 +312,7 @@ def run(tracking_uri: str = "", experiments: tuple[str, ...] = ("tlf",), tags: d
         files.append(outd / f"table{i}.csv")
     md = "# tlf compare\n\n" + f"{len(runs)} runs; variants: {', '.join(sel.variants()) or 'none'}\n\n" \
         + "\n".join(t.markdown() for t in tables)
-    plots = plot_all(sel, tracking_uri, outd)
+    plots = plot_all(sel, client, outd)
     md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
     (outd / "compare.md").write_text(md)
     files = [outd / "compare.md"] + files + plots

@@ -20,6 +20,7 @@ from evaluation.tasks import TASK_ORDER, TASKS
 
 TASK_LABELS = {t: TASKS[t].label for t in TASK_ORDER}  # the Table-1 column of each task, in the paper's order
 RESULTS_FILE = "results.json"
+LATENCY_SIZE = {"ttft_ms": "P", "tpot_ms": "B"}  # latency key -> the letter of the size it is measured at
 ARTIFACT_DIR = "eval"  # results.json, table1.md and the depth charts of a run live under this artifact path
 
 
@@ -156,7 +157,7 @@ def flatten(results: Results) -> dict[str, float]:
             out[f"{pre}/depth/mean"] = float(b["depth"]["mean"])
             out.update({f"{pre}/depth/share_{i}": float(s) for i, s in enumerate(b["depth"]["share"], start=1)})
         lat = b.get("latency") or {}
-        for k, size in (("ttft_ms", "P"), ("tpot_ms", "B")):
+        for k, size in LATENCY_SIZE.items():
             out.update({f"{pre}/latency/{k}_{size}{n}": float(v) for n, v in (lat.get(k) or {}).items()})
         if "decode_mean_depth" in lat:
             out[f"{pre}/latency/decode_mean_depth"] = float(lat["decode_mean_depth"])
@@ -164,7 +165,7 @@ def flatten(results: Results) -> dict[str, float]:
 
 
 _KEY = re.compile(r"^eval/M(\d+)/(.+)$")
-_LAT = re.compile(r"^(ttft_ms|tpot_ms)_[PB](\d+)$")
+_LAT = re.compile(r"^(" + "|".join(LATENCY_SIZE) + r")_[" + "".join(LATENCY_SIZE.values()) + r"](\d+)$")
 
 
 def from_metrics(metrics: dict[str, float], variant: str = "", table_metric: str = "acc") -> Results:
@@ -201,7 +202,7 @@ def from_metrics(metrics: dict[str, float], variant: str = "", table_metric: str
         else:  # a task's metric
             b["tasks"].setdefault(head, {})[rest] = v
     for b in budgets.values():  # the writer's order: perplexity sets as first seen, latency sizes ascending
-        for k in ("ttft_ms", "tpot_ms"):
+        for k in LATENCY_SIZE:
             if k in b.get("latency", {}):
                 b["latency"][k] = dict(sorted(b["latency"][k].items(), key=lambda kv: int(kv[0])))
     return {"model": {"variant": variant}, "table_metric": table_metric,
@@ -236,8 +237,8 @@ def has_eval(metrics: dict[str, float]) -> bool:
 
 
 def load_run(client, run_id: str, tags: dict[str, str], metrics: dict[str, float]) -> Results:
-    """A run's results: its `eval/results.json` artifact when it has one (and a client is given), else rebuilt
-    from its metrics. The run's `variant` tag names its rows."""
+    """A run's results: its `eval/results.json` artifact when it has one, else rebuilt from its metrics. The
+    run's `variant` tag names its rows."""
     import tempfile
 
     from mlflow.exceptions import MlflowException
@@ -245,7 +246,7 @@ def load_run(client, run_id: str, tags: dict[str, str], metrics: dict[str, float
     variant = tags.get("variant", "?")
     metric = tags.get("table_metric") or tags.get("eval.table_metric") or "acc"  # eval. when logged into a train run
     want = f"{ARTIFACT_DIR}/{RESULTS_FILE}"
-    if client is None or want not in {a.path for a in client.list_artifacts(run_id, ARTIFACT_DIR)}:
+    if want not in {a.path for a in client.list_artifacts(run_id, ARTIFACT_DIR)}:
         return from_metrics(metrics, variant, metric)
     with tempfile.TemporaryDirectory() as tmp:
         try:
