@@ -23,7 +23,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench.interleave import write_json  # noqa: E402
 from data_prep.shards import write_shard  # noqa: E402
+from pipeline.train.ds import free_port  # noqa: E402
 
 # A model small enough that a step takes milliseconds on CPU.
 TINY = ["model.vocab_size=512", "model.block_size=32", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
@@ -123,15 +123,9 @@ def _start(args: list[str], **extra) -> subprocess.Popen:
     return _popen([sys.executable, "-c", CHILD, *args], **extra)
 
 
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _start_dist(child: Path, args: list[str], **extra) -> subprocess.Popen:
     """CHILD as 2 gloo ranks under the DeepSpeed launcher (as `deepspeed --num_gpus 2 ...`), in one process group."""
-    return _popen([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", _port(),
+    return _popen([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
                    "--no_local_rank", str(child), *args], **extra)
 
 

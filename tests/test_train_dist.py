@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,19 +17,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train import TINY, clean_env, make_shards  # noqa: E402
 
+from pipeline.train.ds import free_port  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 DIST = ["train.micro_batch_size=2", "train.global_batch_size=4"]  # 2 ranks x 2 sequences
 
 
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _launcher(*args: str) -> list[str]:
-    return [PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", _port(), *args]
+    return [PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()), *args]
 
 
 # ------------------------------------------------------------------------------------------ the worker

@@ -113,7 +113,8 @@ def build_optimizer(cfg: Config, model) -> tuple[torch.optim.Optimizer, torch.op
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a rendezvous; the launchers of benches and tests use it too)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -158,7 +159,7 @@ def init_distributed(device: str) -> tuple[int, int, int]:
             # DeepSpeed engine reads, is set.
             os.environ.setdefault("LOCAL_RANK", "0")
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                                       init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+                                       init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
     local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
     if device == "cpu" and local > 1 and "OMP_NUM_THREADS" not in os.environ:
