@@ -279,7 +279,7 @@ def main(argv=None) -> None:
         if cfg.model.router:
             c["recipe"] = cfg.model.router_recipe
             if cfg.model.router_recipe == "budget":
-                target = round(float((model.router.prior * torch.arange(1, L + 1)).sum()), 4)  # the prior's mean
+                target = model.router.target_depth
                 c["target_depth"] = target
                 c["final"]["depth_vs_target"] = float(depth.mean() / target - 1)
             c["final"]["token_dependence"] = token_dependence(ids, depth, counts, L)

@@ -77,7 +77,8 @@ def depth_prior(L: int, mean: float) -> torch.Tensor:
 
 class Router(nn.Module):
     """2-layer MLP d -> hidden -> L on h0 (B, T, d); returns RouterOutput. recipe: 'paper' or 'budget'
-    (module doc); the budget recipe normalises h0 and owns a prior over depths (`prior`, a buffer)."""
+    (module doc); the budget recipe normalises h0 and owns a prior over depths (`prior`, a buffer)
+    whose mean is `target_depth`."""
 
     def __init__(self, d: int, hidden: int, max_loops: int, recipe: str = "paper", target_depth: float = 0.0,
                  init_std: float = 2.0, balance_weight: float = 0.0, entropy_weight: float = 0.0):
@@ -89,8 +90,8 @@ class Router(nn.Module):
         self.balance_weight = balance_weight
         self.entropy_weight = entropy_weight
         if recipe == "budget":
-            target = target_depth or (max_loops + 1) / 2  # 0: the middle of 1..L
-            self.register_buffer("prior", depth_prior(max_loops, target).float(), persistent=False)
+            self.target_depth = target_depth or (max_loops + 1) / 2  # 0: the middle of 1..L
+            self.register_buffer("prior", depth_prior(max_loops, self.target_depth).float(), persistent=False)
 
     def reset_parameters(self) -> None:
         """The budget recipe's defined init (module doc); the paper recipe keeps the model's default init."""
