@@ -19,10 +19,9 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-# The generic machinery lives in data_prep.configlib (the lowest layer; PrepConfig uses it too); its names
-# stay importable from here.
-from data_prep.configlib import (ConfigError, apply_overrides, f, parse_override, read_yaml_chain,  # noqa: F401
-                                 read_yaml_mapping, set_key)
+# The generic machinery lives in data_prep.configlib (the lowest layer; PrepConfig uses it too); ConfigError
+# and apply_overrides stay importable from here.
+from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_chain, set_key
 from data_prep.configlib import field_docs as _field_docs
 
 def _config_dir() -> Path:
