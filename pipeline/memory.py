@@ -14,27 +14,29 @@ import resource
 import torch
 
 
-def _status_kib(field: str) -> int | None:
+def _status_mib(*fields: str) -> list[float]:
+    """The given /proc/self/status memory fields (MiB) from one read; a field it lacks (or no /proc) is the
+    process's peak resident set so far (getrusage)."""
+    found: dict[str, int] = {}
     try:
         with open("/proc/self/status") as fh:
             for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
+                name, _, rest = line.partition(":")
+                if name in fields:
+                    found[name] = int(rest.split()[0])
     except OSError:
-        return None
-    return None
+        pass
+    return [found.get(f, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024.0 for f in fields]
 
 
 def rss_mib() -> float:
     """The process's resident set now (MiB; its peak so far where /proc is missing)."""
-    rss = _status_kib("VmRSS")
-    return (rss if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024.0
+    return _status_mib("VmRSS")[0]
 
 
 def peak_rss_mib() -> float:
     """The process's peak resident set (MiB) since it started or since the last region_start."""
-    hwm = _status_kib("VmHWM")
-    return (hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024.0
+    return _status_mib("VmHWM")[0]
 
 
 def memory_metrics(device: str) -> dict:
@@ -43,7 +45,8 @@ def memory_metrics(device: str) -> dict:
     if device == "cuda":
         return {"mem/cuda_max_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
                 "mem/cuda_max_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
-    return {"mem/peak_rss_gb": peak_rss_mib() / 1024.0, "mem/rss_gb": rss_mib() / 1024.0}
+    peak, rss = _status_mib("VmHWM", "VmRSS")
+    return {"mem/peak_rss_gb": peak / 1024.0, "mem/rss_gb": rss / 1024.0}
 
 
 def region_start(device: torch.device | str = "cpu") -> float:
