@@ -44,6 +44,7 @@ from lm_eval.api.model import TemplateLM  # noqa: E402
 from lm_eval.models.utils import Collator  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from bench.interleave import write_json  # noqa: E402
 from evaluation import assets  # noqa: E402
 from evaluation.harness import TLFLM  # noqa: E402
 from evaluation.scorer import Scorer, task_metrics, task_requests  # noqa: E402
@@ -224,16 +225,13 @@ def main(argv=None):
     print("accuracies agree: " + ", ".join(f"{n}={accs['tlf'][n]:.3f}" for n in names))
     print("token slots run (padding included): " + ", ".join(f"{v} {s['tokens']} in {s['forwards']} forwards"
                                                             for v, s in slots.items()))
-    out = Path(o.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(o), "examples": n_examples, "seconds": med,
-                               "seconds_all": times, "examples_per_s": eps,
-                               "tlf_speedup": {v: med[v] / med["tlf"] for v in variants},
-                               "cpu_seconds": mcpu, "cpu_seconds_all": cpu, "examples_per_cpu_s": eps_cpu,
-                               "tlf_speedup_cpu": {v: mcpu[v] / mcpu["tlf"] for v in variants}, "acc": accs,
-                               "token_slots": slots,
-                               "load_avg": list(__import__("os").getloadavg())}, indent=1))
-    print(f"wrote {out}", file=sys.stderr)
+    write_json(o.json, {"config": vars(o), "examples": n_examples, "seconds": med,
+                        "seconds_all": times, "examples_per_s": eps,
+                        "tlf_speedup": {v: med[v] / med["tlf"] for v in variants},
+                        "cpu_seconds": mcpu, "cpu_seconds_all": cpu, "examples_per_cpu_s": eps_cpu,
+                        "tlf_speedup_cpu": {v: mcpu[v] / mcpu["tlf"] for v in variants}, "acc": accs,
+                        "token_slots": slots,
+                        "load_avg": list(__import__("os").getloadavg())})
     return eps
 
 

@@ -36,10 +36,10 @@ def inspect(directory: str | Path, samples: int = 3, chars: int = 300, verify: b
         meta = read_manifest(mpath)
         src = _obj(meta.get("source"))
         what = src.get("source")
-        extra = src.get("inputs") or [_obj(r).get("dataset") for r in src.get("resolved") or [] if _obj(r).get("dataset")]
+        extra = src.get("inputs") or [d for r in src.get("resolved") or [] if (d := _obj(r).get("dataset"))]
+        tok = _obj(meta.get("tokenizer"))
         lines += [f"source: {what}" + (f" {extra}" if extra else ""),
-                  f"tokenizer: {_obj(meta.get('tokenizer')).get('name')} (tiktoken "
-                  f"{_obj(meta.get('tokenizer')).get('library_version')})",
+                  f"tokenizer: {tok.get('name')} (tiktoken {tok.get('library_version')})",
                   f"complete: {meta.get('complete')}" + ("" if meta.get("complete") else
                                                          "  (prep-data was interrupted: rerun it to resume)"),
                   f"validation rule: {meta.get('val_rule')}",
