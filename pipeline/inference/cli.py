@@ -83,8 +83,7 @@ def generate(checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loo
     except ValueError as e:
         raise click.UsageError(f"--prompt: {e}") from None
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-              loops=loops, threshold=threshold, stop_token=EOT if stop else None, vocab_limit=enc.n_vocab,
-              decoder=decoder)
+              stop_token=EOT if stop else None, vocab_limit=enc.n_vocab, decoder=decoder)  # budget: the decoder's
     try:
         if len(prompts) == 1:  # one prompt: stream as it is produced
             click.echo(prompts[0], nl=False)
@@ -103,6 +102,6 @@ def generate(checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loo
     if show_depth:
         d = [x for row in out.depths for x in row]
         mem = out.cache
-        click.echo(f"mean depth {sum(d) / max(len(d), 1):.2f} of M={loops or model.cfg.loops}; KV cache "
+        click.echo(f"mean depth {sum(d) / max(len(d), 1):.2f} of M={decoder.M}; KV cache "
                    f"{mem['entries']} entries per layer vs {mem['dense_entries']} dense "
                    f"({mem['ratio_to_dense']:.2f})", err=True)
