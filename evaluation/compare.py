@@ -163,10 +163,6 @@ def _ppl_sets(runs: list[Run]) -> list[str]:
     return sets
 
 
-def _ppl(b: R.Budget, s: str) -> float | None:
-    return next((p.get("ppl") for p in b.get("perplexity", []) if R.ppl_key(p["set"]) == s), None)
-
-
 def table1(sel: Selection, metric: str = "acc") -> Table:
     """Perplexities, ten accuracies (x100) and their average, one row per variant and loop budget."""
     runs = [sel.eval[v] for v in sel.variants() if v in sel.eval]
@@ -175,10 +171,9 @@ def table1(sel: Selection, metric: str = "acc") -> Table:
     rows = []
     for r in runs:
         for b in r.budgets():
-            tasks = b.get("tasks", {})
-            accs = [R.table_accuracy(tasks[t], metric) if t in tasks else None for t in R.TASK_LABELS]
+            accs = R.budget_accuracies(b, metric)
             avg = R.budget_average(r.results, b, metric)
-            rows.append([f"{r.variant} (M={b['loops']})"] + [_ppl(b, s) for s in sets]
+            rows.append([f"{r.variant} (M={b['loops']})"] + [R.budget_ppl(b, s) for s in sets]
                         + [None if a is None else 100 * a for a in accs] + [None if avg is None else 100 * avg])
     return Table("Table 1: perplexity and zero-shot accuracy", cols, rows,
                  ["low"] * len(sets) + ["high"] * (len(R.TASK_LABELS) + 1), [".2f"] * (len(cols) - 1))
@@ -255,7 +250,7 @@ def plot_all(sel: Selection, client, out: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
         for ax, s in zip(axes[0], sets):
             for v, r in runs.items():
-                pts = [(b["loops"], _ppl(b, s)) for b in r.budgets()]
+                pts = [(b["loops"], R.budget_ppl(b, s)) for b in r.budgets()]
                 pts = [(M, p) for M, p in pts if p is not None]
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=v)

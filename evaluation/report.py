@@ -6,7 +6,8 @@ import math
 import time
 from pathlib import Path
 
-from evaluation.results import ARTIFACT_DIR, TASK_LABELS, Results, average_accuracy, flatten, table_accuracy
+from evaluation.results import (ARTIFACT_DIR, TASK_LABELS, Results, average_accuracy, budget_accuracies, budget_ppl,
+                                flatten)
 from pipeline import tracking
 
 
@@ -33,11 +34,7 @@ def table1_markdown(result: Results) -> str:
         J = model["n_layers"]
         name = f"{variant_label(model['variant'])} ({J} ⊗ {b['effective_loops']})"
         row = [name, f"{J * b['effective_loops']}x"]
-        for s in sets:
-            p = next((x for x in b.get("perplexity", []) if x["set"] == s), None)
-            row.append(_fmt(p["ppl"], pct=False) if p else "–")
-        for t in TASK_LABELS:
-            row.append(_fmt(table_accuracy(b["tasks"][t], metric)) if t in b.get("tasks", {}) else "–")
+        row += [_fmt(budget_ppl(b, s), pct=False) for s in sets] + [_fmt(a) for a in budget_accuracies(b, metric)]
         avg, n = average_accuracy(b.get("tasks", {}), metric)
         row.append(_fmt(avg) + ("" if n in (0, len(TASK_LABELS)) else f" ({n} tasks)"))
         lines.append("| " + " | ".join(row) + " |")

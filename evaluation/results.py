@@ -101,6 +101,17 @@ def table_accuracy(res: TaskResult, metric: str) -> float | None:
     return res.get("acc")
 
 
+def budget_accuracies(b: Budget, metric: str) -> list[float | None]:
+    """The budget's Table-1 accuracy of every task in the paper's order (TASK_LABELS), None where not run."""
+    tasks = b.get("tasks", {})
+    return [table_accuracy(tasks[t], metric) if t in tasks else None for t in TASK_LABELS]
+
+
+def budget_ppl(b: Budget, name: str) -> float | None:
+    """The budget's perplexity on the set called `name` (compared as `ppl_key`s), None where not measured."""
+    return next((p.get("ppl") for p in b.get("perplexity", []) if ppl_key(p["set"]) == ppl_key(name)), None)
+
+
 def average_accuracy(tasks: dict[str, TaskResult], metric: str) -> tuple[float | None, int]:
     """(mean Table-1 accuracy over the tasks present, how many): what eval stores as avg_acc."""
     vals = [table_accuracy(tasks[t], metric) for t in TASK_ORDER if t in tasks]
