@@ -13,6 +13,7 @@ from pathlib import Path
 from pipeline.config import VARIANTS, Config, ConfigError, load_config, trained_variant
 from pipeline.device import resolve_device
 from pipeline.model.io import find_export, load_model
+from pipeline.train.checkpoint import read_run_record
 
 from evaluation import report, results
 from evaluation.depth import depth_chart
@@ -188,7 +189,7 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
     files = [out_json, md] + files
     results.write(out_json, result)
     if ev.mlflow:
-        rec = results.read_run_record(export)
+        rec = read_run_record(export)
         run_id, step = (rec.mlflow_run_id, rec.step) if rec else (None, 0)
         tags = {"variant": cfg.model.variant, "preset": cfg.name or "", "checkpoint": str(export),
                 "kind": "eval", "run_name": f"eval-{name}", "table_metric": ev.table_metric}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
@@ -218,28 +217,6 @@ def from_metrics(metrics: dict[str, float], variant: str = "", table_metric: str
                 b["latency"][k] = dict(sorted(b["latency"][k].items(), key=lambda kv: int(kv[0])))
     return {"model": {"variant": variant}, "table_metric": table_metric,
             "budgets": [budgets[M] for M in sorted(budgets)]}
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """run.json beside a model export (pipeline/train/checkpoint.py writes it): the training run it came from."""
-    mlflow_run_id: str | None
-    tracking_uri: str
-    step: int
-
-
-def read_run_record(export_dir: Path) -> RunRecord | None:
-    """The export's run.json, or None when the export has none (saved outside training) or it is unreadable."""
-    from pipeline.train.checkpoint import RUN_RECORD
-
-    try:
-        meta = json.loads((Path(export_dir) / RUN_RECORD).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    if not isinstance(meta, dict):
-        return None
-    run_id = meta.get("mlflow_run_id") if isinstance(meta.get("mlflow_run_id"), str) else None
-    return RunRecord(run_id or None, str(meta.get("tracking_uri") or ""), int(meta.get("step") or 0))
 
 
 def has_eval(metrics: dict[str, float]) -> bool:

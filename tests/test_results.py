@@ -77,11 +77,13 @@ def test_the_stored_average_is_used_unless_another_metric_is_asked_for():
 
 
 def test_run_record_and_bad_files(tmp_path):
-    assert R.read_run_record(tmp_path) is None
+    from pipeline.train.checkpoint import RunRecord, read_run_record
+
+    assert read_run_record(tmp_path) is None
     (tmp_path / "run.json").write_text(json.dumps({"mlflow_run_id": "a" * 32, "tracking_uri": "sqlite:///x", "step": 7}))
-    assert R.read_run_record(tmp_path) == R.RunRecord("a" * 32, "sqlite:///x", 7)
+    assert read_run_record(tmp_path) == RunRecord("a" * 32, "sqlite:///x", 7)
     (tmp_path / "run.json").write_text("{not json")
-    assert R.read_run_record(tmp_path) is None
+    assert read_run_record(tmp_path) is None
     (tmp_path / "results.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"results.json: not a tlf results file"):
         R.read(tmp_path / "results.json")

@@ -18,10 +18,12 @@ ZeRO 0-2 (docs/design.md §6), which is why each rank's own state lives in its o
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -144,6 +146,26 @@ def write_run_record(directory: Path, cfg: Config, run_id: str | None, step: int
 
     rec = {"mlflow_run_id": run_id, "tracking_uri": tracking_uri(cfg.logging.tracking_uri), "step": int(step)}
     write_json(directory / RUN_RECORD, rec, indent=1)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """run.json beside a model export (`write_run_record`): the training run it came from."""
+    mlflow_run_id: str | None
+    tracking_uri: str
+    step: int
+
+
+def read_run_record(export_dir: Path) -> RunRecord | None:
+    """The export's run.json, or None when the export has none (saved outside training) or it is unreadable."""
+    try:
+        meta = json.loads((Path(export_dir) / RUN_RECORD).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    run_id = meta.get("mlflow_run_id") if isinstance(meta.get("mlflow_run_id"), str) else None
+    return RunRecord(run_id or None, str(meta.get("tracking_uri") or ""), int(meta.get("step") or 0))
 
 
 def export_model(engine, model, cfg: Config, directory: Path, rank: int) -> None:
