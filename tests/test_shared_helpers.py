@@ -1,5 +1,6 @@
 """The small helpers that exist once (issue 13): config machinery, files, device, launcher argv, memory, Hub probe,
-router spreading. Each is checked where it lives; the layering test checks that nobody else re-implements them."""
+router spreading. Each is checked where it lives (that nobody re-implements them is kept by review and `duplicates`;
+the layering test checks only the direction of imports)."""
 import json
 import os
 import time
