@@ -36,7 +36,7 @@ def inspect(directory: str | Path, samples: int = 3, chars: int = 300, verify: b
         meta = read_manifest(mpath)
         src = _obj(meta.get("source"))
         what = src.get("source")
-        extra = src.get("inputs") or [d for r in src.get("resolved") or [] if (d := _obj(r).get("dataset"))]
+        extra = src.get("inputs") or [name for r in src.get("resolved") or [] if (name := _obj(r).get("dataset"))]
         tok = _obj(meta.get("tokenizer"))
         lines += [f"source: {what}" + (f" {extra}" if extra else ""),
                   f"tokenizer: {tok.get('name')} (tiktoken {tok.get('library_version')})",
