@@ -57,7 +57,7 @@ def resolve_budgets(cfg: Config, loops: list[int]) -> list[tuple[int, int]]:
 
 
 def check_config(cfg: Config, expected: str | None) -> None:
-    """With --config NAME: the checkpoint's model section must equal that preset's."""
+    """With --check-preset NAME (tlf eval): the checkpoint's model section must equal that preset's."""
     if not expected:
         return
     want = load_config(expected).model

@@ -236,7 +236,7 @@ class EvalConfig:
     latency: bool = f(True, "TTFT/TPOT with the inference benchmark's code at each budget.")
     table_metric: Literal["acc", "acc_norm"] = f(
         "acc", "Table-1 accuracy: acc, or acc_norm where the task has it (the average follows).")
-    out_dir: str = f("", "Output directory (empty: out/eval/<checkpoint name>/<timestamp>).")
+    out_dir: str = f("", "Output directory (empty: out/eval/<config name, / as _>/<timestamp>).")
     mlflow: bool = f(True, "Log the results to MLflow (the checkpoint's run if recorded, else a new run).")
 
 
