@@ -238,6 +238,9 @@ class EvalConfig:
         "acc", "Table-1 accuracy: acc, or acc_norm where the task has it (the average follows).")
     out_dir: str = f("", "Output directory (empty: out/eval/<config name, / as _>/<timestamp>).")
     mlflow: bool = f(True, "Log the results to MLflow (the checkpoint's run if recorded, else a new run).")
+    strict: bool = f(False, "A task whose data cannot be reached (offline, no copy) is an error; false: skipped, one "
+                            "warning line, marked in results.json and table1.md.")
+    progress: bool = f(True, "Progress bar with ETA on stderr (tasks x budgets x examples; shown only on a terminal).")
 
 
 @dataclass
