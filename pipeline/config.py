@@ -213,7 +213,8 @@ class LoggingConfig:
     tracking_uri: str = f("", "MLflow tracking URI; empty means sqlite:///<cwd>/mlflow.db.")
     experiment: str = f("tlf", "MLflow experiment name.")
     run_name: str = f("", "MLflow run name; empty derives it from the preset and variant.")
-    peak_flops: float = f(312e12, "Peak FLOP/s per device for MFU (A100 bf16: 312e12).")
+    peak_flops: float = f(0.0, "Peak FLOP/s per device for MFU (0: an A100's bf16 312e12 on CUDA; on CPU no MFU is "
+                               "reported unless set).")
     mlflow: bool = f(True, "Log to MLflow (rank 0); false keeps the console progress only.")
 
 
