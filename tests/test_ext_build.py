@@ -46,7 +46,7 @@ def test_a_multi_rank_build_is_announced_once_with_its_directory(tmp_path, monke
     assert ds._shm_op(2, 0)() == "op"
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{ds.SHM_OP} op into {tmp_path}" in err
-    so = tmp_path / "py311_cpu" / ds.SHM_OP / f"{ds.SHM_OP}.so"
+    so = tmp_path / ds.SHM_OP / f"{ds.SHM_OP}.so"  # as torch lays it out under $TORCH_EXTENSIONS_DIR
     so.parent.mkdir(parents=True)
     so.write_bytes(b"")
     assert ds._shm_op(2, 0)() == "op" and capsys.readouterr().err == ""  # built already: nothing said

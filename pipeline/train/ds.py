@@ -163,7 +163,8 @@ def _shm_op(world_size: int, local_rank: int):
     root = extensions_dir()
 
     def build():
-        if local_rank == 0 and not any(root.glob(f"*/{SHM_OP}/{SHM_OP}*.so")):
+        built = [*root.glob(f"{SHM_OP}/{SHM_OP}*.so"), *root.glob(f"*/{SHM_OP}/{SHM_OP}*.so")]  # torch's layouts
+        if local_rank == 0 and not built:
             print(f"[tlf] building DeepSpeed's {SHM_OP} op into {root} (once per virtualenv; about 30 s, needs "
                   f"g++ and ninja)", file=sys.stderr, flush=True)
         return real()
