@@ -49,7 +49,8 @@ def eval_cmd(checkpoint, overrides, loops, tasks, limit, batch_size, source, rac
         ov.append(f"eval.race_file='{race_file}'")
     if out_dir is not None:
         ov.append(f"eval.out_dir='{out_dir}'")
-    for flag, key in ((no_ppl, "perplexity"), (no_latency, "latency"), (no_mlflow, "mlflow"), (no_progress, "progress")):
+    for flag, key in ((no_ppl, "perplexity"), (no_latency, "latency"), (no_mlflow, "mlflow"),
+                      (no_progress, "progress")):
         if flag:
             ov.append(f"eval.{key}=false")
     if strict:

@@ -32,7 +32,8 @@ def ckpt(tmp_path_factory):
 def ov(root, tasks="[copa,race,sciq]", **kw):
     return [f"eval.tasks={tasks}", "eval.limit=3", "eval.source=offline", f"eval.race_file={root / 'no-race.jsonl'}",
             f"data.dir={root / 'val'}", "data.extra_val_dirs=[]", "eval.ppl_tokens=130", "eval.latency=false",
-            "eval.mlflow=false", "eval.depth=false", f"eval.out_dir={root / 'out'}"] + [f"eval.{k}={v}" for k, v in kw.items()]
+            "eval.mlflow=false", "eval.depth=false", f"eval.out_dir={root / 'out'}",
+            *[f"eval.{k}={v}" for k, v in kw.items()]]
 
 
 def test_an_unreachable_task_is_skipped_with_one_line_and_marked(ckpt):

@@ -20,7 +20,8 @@ def test_export_files_follow_the_umask(tmp_path, umask, mode):
     old = os.umask(umask)
     try:
         for fmt in ("hf", "safetensors"):
-            r = CliRunner().invoke(main, ["export", str(tmp_path / "src"), "--out", str(tmp_path / fmt), "--format", fmt])
+            r = CliRunner().invoke(main, ["export", str(tmp_path / "src"), "--out", str(tmp_path / fmt),
+                                          "--format", fmt])
             assert r.exit_code == 0, r.output
     finally:
         os.umask(old)

@@ -14,7 +14,8 @@ from pipeline.train.callbacks import A100_BF16_FLOPS, Speed
 def _mfu(device_kind: str, *overrides: str) -> dict:
     cfg = load_config("tiny/t-loopformer", list(overrides))
     sp = Speed()
-    sp.trainer = SimpleNamespace(cfg=cfg, model=LoopedLM(cfg.model), tokens_per_step=1000, ws=1, device_kind=device_kind)
+    sp.trainer = SimpleNamespace(cfg=cfg, model=LoopedLM(cfg.model), tokens_per_step=1000, ws=1,
+                                 device_kind=device_kind)
     sp.pre_train()
     metrics: dict = {}
     sp.post_step(1, metrics)
