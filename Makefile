@@ -6,8 +6,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tlf-installed
 export DS_BUILD_OPS := 0
-# DeepSpeed JIT-compiles its shm op once per machine: keep it in one place for the whole session.
-export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+# DeepSpeed JIT-compiles its shm op (multi-rank CPU runs) once per virtualenv, into the venv (as `tlf train`
+# defaults to when TORCH_EXTENSIONS_DIR is unset: pipeline/train/ds.py extensions_dir).
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: demo test setup clean bench assets

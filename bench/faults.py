@@ -1,15 +1,18 @@
 """Kill trials: SIGKILL every stage at seeded random moments, rerun the same command, and check the finished output
-equals an uninterrupted run's.
+equals an uninterrupted run's. Every kill is triggered by an event of the run (a shard written, a step, a save, a
+unit of evaluation), never by elapsed time: each trial is killed mid-run however fast or loaded the machine, and a
+seed names the same kills on every machine.
 
 - `tlf prep-data` (workers 0, 1, 2; jsonl and jsonl.zst input): killed inside a shard write (half the temp file
-  written) or at a random time. Right after the kill every shard file a reader can open is whole and an incomplete
+  written) or right after one. Right after the kill every shard file a reader can open is whole and an incomplete
   directory is refused by readers; the rerun ends with every file byte-identical to an uninterrupted run.
 - `tlf train` in one process, and with 2 gloo ranks under the DeepSpeed launcher (the whole process group is
-  killed): inside a checkpoint save (the first trial in the final export), during a random step, or at a random
-  time. Every run has `train.deterministic=true`, so "equals" is exact float equality of the losses after the
-  resume point, which must be the newest complete checkpoint.
-- `tlf eval`: killed at a random time; results.json is then absent or whole, and the rerun's equals the
-  uninterrupted run's (timings and file paths aside).
+  killed): inside a checkpoint save (the first trial in the final export), during a random step, or right after a
+  complete save. Every run has `train.deterministic=true`, so "equals" is exact float equality of the losses after
+  the resume point, which must be the newest complete checkpoint.
+- `tlf eval`: killed as a unit of work starts (a task at a budget, a perplexity set) or as results.json is about
+  to be written; results.json is then absent or whole, and the rerun's equals the uninterrupted run's (timings
+  and file paths aside).
 
 A trial diverges when a check fails or the rerun fails.
 
@@ -45,7 +48,8 @@ TINY = ["model.vocab_size=512", "model.block_size=32", "model.d_model=32", "mode
 
 # KILL_IN_SAVE=N: SIGKILL inside the save of step N, after DeepSpeed's files and the rank state, before the export
 # (N = max_steps: the final export). KILL_AT_MICRO=k: SIGKILL when the loader hands out global micro-batch k
-# (during step k+1 at batch 2). KILL_GROUP=1: kill the whole process group (the launcher and every rank), not just
+# (during step k+1 at batch 2). KILL_AFTER_SAVE=N: SIGKILL as soon as the save of step N is complete (`latest`
+# written), before the next step. KILL_GROUP=1: kill the whole process group (the launcher and every rank), not just
 # this process. Rank 0 prints, as its last stdout line, the losses, the steps it started from and ended at, and the
 # process's thread count and deterministic-algorithms flag (before and after the run). The tests use it too.
 CHILD = """
@@ -57,6 +61,7 @@ from pipeline.train.trainer import run
 from pipeline.train.data import TrainLoader
 kill = os.environ.get("KILL_IN_SAVE")
 kill_micro = int(os.environ.get("KILL_AT_MICRO", "-1"))
+kill_after = os.environ.get("KILL_AFTER_SAVE")
 def die():
     if os.environ.get("KILL_GROUP") == "1":
         os.killpg(os.getpgid(0), signal.SIGKILL)
@@ -73,6 +78,13 @@ def export(engine, model, cfg, directory, rank):
         die()
     return real(engine, model, cfg, directory, rank)
 checkpoint.export_model = export
+real_save = checkpoint.save
+def save(*a, **kw):
+    path = real_save(*a, **kw)
+    if kill_after and f"global_step{kill_after}" == path.name:
+        die()
+    return path
+checkpoint.save = save
 before = torch.get_num_threads()
 res = run(load_config("tiny/t-loopformer", sys.argv[1:]))
 if int(os.environ.get("RANK", "0")) == 0:
@@ -83,12 +95,14 @@ _exit(0)
 """
 
 # prep-data with KILL_IN_SHARD=k: SIGKILL halfway through writing the temp file of the k-th shard (0-based, either
-# split) the run writes; otherwise `python -m data_prep prep-data ARGS` unchanged.
+# split) the run writes; KILL_AFTER_SHARD=k: SIGKILL right after the k-th shard is whole on disk (between writes);
+# otherwise `python -m data_prep prep-data ARGS` unchanged.
 PREP_CHILD = """
 import os, re, signal, sys
 import data_prep.writer as writer
 from data_prep.__main__ import main
 k = int(os.environ.get("KILL_IN_SHARD", "-1"))
+after = int(os.environ.get("KILL_AFTER_SHARD", "-1"))
 seen = [0]
 real = writer.atomic_write_bytes
 def write(path, chunks):
@@ -100,6 +114,10 @@ def write(path, chunks):
                 fh.write(data[: len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
         seen[0] += 1
+        out = real(path, chunks)
+        if seen[0] - 1 == after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
     return real(path, chunks)
 writer.atomic_write_bytes = write
 main(sys.argv[1:])
@@ -136,15 +154,6 @@ def _finish(p: subprocess.Popen) -> dict:
     return json.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith('{"losses"')))
 
 
-def _kill_after(p: subprocess.Popen, delay: float) -> None:
-    """SIGKILLs p's whole process group after `delay` seconds unless it ended first; waits for it."""
-    try:
-        p.communicate(timeout=delay)  # drains the pipes meanwhile (a full pipe must not stall the child)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate(timeout=600)
-
-
 def _newest_complete(ck: Path) -> int:
     from pipeline.train.checkpoint import complete_checkpoints
 
@@ -154,8 +163,9 @@ def _newest_complete(ck: Path) -> int:
 
 def train_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int = 2, ranks: int = 1) -> dict:
     """n kill trials of `tlf train` (1 process, or 2 gloo ranks under the launcher with the process group killed),
-    in turn: killed inside a save (the first in the final export), during a random step, at a random time after
-    the start (which may fall in start-up, or after the end). Returns counts and per-trial records."""
+    in turn: killed inside a save (the first in the final export), during a random step, right after a random
+    complete save. Every kill is triggered by an event of the run, never by elapsed time, so each trial is killed
+    mid-run however fast or loaded the machine. Returns counts and per-trial records."""
     data = work / "shards"
     data.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -193,10 +203,10 @@ def train_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int = 
             p = start(args, KILL_AT_MICRO=str(micro))
             p.communicate(timeout=600)
         else:
-            delay = r.uniform(0.0, ref_s)
-            how = f"after {delay:.2f} s"
-            p = start(args)
-            _kill_after(p, delay)
+            at = r.choice(range(interval, steps, interval))
+            how = f"right after the save of step {at}"
+            p = start(args, KILL_AFTER_SAVE=str(at))
+            p.communicate(timeout=600)
         killed = p.returncode == -signal.SIGKILL
         newest = _newest_complete(ck)
         rec = {"trial": i, "kill": how, "killed": killed, "newest_complete": newest}
@@ -264,8 +274,8 @@ def _writing(p: subprocess.Popen, out: Path) -> float:
 
 def prep_trials(n: int, seed: int, work: Path, docs: int = 2000, shard_tokens: int = 20000) -> dict:
     """n kill trials of `tlf prep-data`: workers 0, 1, 2 in turn, jsonl and jsonl.zst in turn, killed inside a
-    token-file write (shard or resume buffer) or at a random time of its writing phase (as long as the reference
-    run's); the rerun must end byte-identical."""
+    token-file write or right after one is whole (a seeded-random shard; an event of the run, never elapsed
+    time); the rerun must end byte-identical."""
     work.mkdir(parents=True, exist_ok=True)
     inputs = _corpus(work, docs)
 
@@ -294,11 +304,10 @@ def prep_trials(n: int, seed: int, work: Path, docs: int = 2000, shard_tokens: i
             p = _popen(cmd(fmt, out, workers), KILL_IN_SHARD=str(k))
             p.communicate(timeout=600)
         else:
-            delay = r.uniform(0.0, ref_s[fmt])
-            how = f"{delay:.2f} s after it started writing"
-            p = _popen(cmd(fmt, out, workers))
-            _writing(p, out)
-            _kill_after(p, delay)
+            k = r.randrange(n_files)
+            how = f"right after token-file write {k}"
+            p = _popen(cmd(fmt, out, workers), KILL_AFTER_SHARD=str(k))
+            p.communicate(timeout=600)
         killed = p.returncode == -signal.SIGKILL
         on_disk = sum(1 for f in out.glob("*.bin") if not f.name.startswith(".")) if out.exists() else 0
         torn = _torn_shard_accepted(out) if out.exists() else None
@@ -332,9 +341,35 @@ def _stable(path: Path) -> dict:
     return drop(json.loads(path.read_text().replace(json.dumps(str(path.parent))[1:-1], "<out>")))
 
 
+# eval with KILL_AT_UNIT=k: SIGKILL as the k-th unit of work starts (0-based, in run order: a task scored at a budget,
+# or a perplexity set; k = the number of units: as results.json is about to be written); otherwise `tlf eval ARGS`
+# unchanged. The last stdout line says how many units ran ("units N"), so a reference run tells the trials the range.
+EVAL_CHILD = """
+import os, signal, sys
+import evaluation.evaluate as ev
+from evaluation import results
+from pipeline.cli import main
+k, seen = int(os.environ.get("KILL_AT_UNIT", "-1")), [0]
+def unit(real):
+    def f(*a, **kw):
+        if seen[0] == k:
+            os.kill(os.getpid(), signal.SIGKILL)
+        seen[0] += 1
+        return real(*a, **kw)
+    return f
+ev.Scorer.score, ev.perplexity, results.write = unit(ev.Scorer.score), unit(ev.perplexity), unit(results.write)
+try:
+    main(sys.argv[1:], prog_name="tlf")
+finally:
+    print(f"units {seen[0] - 1}", flush=True)
+"""
+
+
 def eval_trials(n: int, seed: int, work: Path, tasks: str = "copa,sciq") -> dict:
-    """n kill trials of `tlf eval` (a tiny perturbed model, offline tasks, perplexity): killed at a random time;
-    results.json is absent or whole right after, and the rerun's equals the uninterrupted run's."""
+    """n kill trials of `tlf eval` (a tiny perturbed model, offline tasks, perplexity): killed as a seeded-random
+    unit of work starts (a task at a budget, a perplexity set, or the results.json write), so every trial is
+    killed mid-run however fast the machine; results.json is absent or whole right after, and the rerun's equals
+    the uninterrupted run's."""
     import torch
 
     from pipeline.config import load_config
@@ -353,36 +388,25 @@ def eval_trials(n: int, seed: int, work: Path, tasks: str = "copa,sciq") -> dict
     write_shard(work / "data" / "d_val_000000.bin", np.random.default_rng(0).integers(0, 50257, 2000))
 
     def cmd(out):
-        return [sys.executable, "-m", "pipeline.cli", "eval", str(work / "model"), f"data.dir={work / 'data'}",
+        return [sys.executable, "-c", EVAL_CHILD, "eval", str(work / "model"), f"data.dir={work / 'data'}",
                 "data.extra_val_dirs=[]", "--loops", "2,4", "--tasks", tasks, "--limit", "4", "--source", "offline",
                 "--no-latency", "--no-mlflow", "--ppl-tokens", "500", "--out", str(out)]
 
     t0 = time.perf_counter()
     p = _popen(cmd(work / "ref"))
-    for line in p.stdout:
-        if line.startswith("eval:"):  # start-up (imports, model, task data) is over
-            start_s = time.perf_counter() - t0
-            break
-    _, err = p.communicate(timeout=600)
+    out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-2000:]
     ref_s = time.perf_counter() - t0
+    units = int(out.strip().splitlines()[-1].split()[1])  # the results.json write is unit number `units`
     ref = _stable(work / "ref" / "results.json")
     r = random.Random(seed)
     trials, divergences = [], 0
     for i in range(n):
         out = work / f"trial{i}"
-        p = _popen(cmd(out))
-        if i % 2 == 0:  # at any moment from the start (often in start-up) ...
-            delay = r.uniform(0.0, ref_s)
-            how = f"after {delay:.2f} s"
-            _kill_after(p, delay)
-        else:  # ... or once the evaluation itself runs (its first log line is out)
-            delay = r.uniform(0.0, ref_s - start_s)
-            how = f"{delay:.2f} s into the evaluation"
-            for line in p.stdout:
-                if line.startswith("eval:"):
-                    break
-            _kill_after(p, delay)
+        k = units if i == 0 else r.randrange(units)  # the first trial: at the results.json write
+        how = "as results.json is written" if k == units else f"as unit {k + 1}/{units} starts"
+        p = _popen(cmd(out), KILL_AT_UNIT=str(k))
+        p.communicate(timeout=600)
         killed = p.returncode == -signal.SIGKILL
         torn, had = None, (out / "results.json").is_file()
         if had:
@@ -401,7 +425,7 @@ def eval_trials(n: int, seed: int, work: Path, tasks: str = "copa,sciq") -> dict
         print(f"eval trial {i}: killed {how} ({'killed' if killed else 'finished first'}), "
               f"rerun {'same results.json' if rec['ok'] else 'DIVERGES'}", flush=True)
     return {"stage": "eval", "trials": n, "killed": sum(t["killed"] for t in trials), "divergences": divergences,
-            "reference_s": round(ref_s, 2), "records": trials}
+            "units": units, "reference_s": round(ref_s, 2), "records": trials}
 
 
 STAGES = {"prep": prep_trials, "train": train_trials,

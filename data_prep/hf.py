@@ -33,6 +33,25 @@ def offline_var() -> str | None:
     return None
 
 
+def short_error(e: BaseException, limit: int = 240) -> str:
+    """'Type: message' of the error e wraps (requests -> urllib3's retries -> the resolver's or connection's
+    error, which names the host), first line only, shortened at a word boundary with an ellipsis when longer than
+    `limit` (never cut mid-word)."""
+    seen = set()
+    while id(e) not in seen:
+        seen.add(id(e))
+        inner = getattr(e, "reason", None)
+        if not isinstance(inner, BaseException):
+            inner = e.args[0] if e.args and isinstance(e.args[0], BaseException) else None
+        if inner is None:
+            break
+        e = inner
+    text = str(e).splitlines()[0] if str(e).strip() else ""
+    if len(text) > limit:
+        text = text[:limit].rsplit(" ", 1)[0].rstrip(",;:(") + " …"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def hub_problem(timeout: float, dataset: str = "") -> str | None:
     """None when the Hub answers within about `timeout` s (for `dataset`: its dataset info; else a TCP connect to
     the endpoint), otherwise why not. Offline mode answers at once; the question runs in a daemon thread so not
@@ -54,7 +73,7 @@ def hub_problem(timeout: float, dataset: str = "") -> str | None:
                 socket.create_connection((u.hostname or "", port), timeout=timeout).close()
             result["ok"] = True
         except Exception as e:  # any failure: network, 404, auth
-            result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            result["error"] = short_error(e)
 
     t = threading.Thread(target=ask, daemon=True, name="hf-probe")
     t.start()
@@ -97,10 +116,16 @@ class HubSource:
         return [{"dataset": self.dataset, "config": self.config, "split": self.split,
                  "data_files": self.data_files}]
 
+    def check(self) -> None:
+        """Raises HubUnreachable (within about hf_timeout s) unless the Hub answers: prep-data asks before it writes
+        anything or draws a progress bar, so an unreachable Hub leaves nothing behind."""
+        if self.dataset not in PACKAGED and not getattr(self, "_checked", False):
+            probe(self.dataset, self.config, self.timeout)
+            self._checked = True
+
     def _open(self):
         """The streaming dataset; the Hub is probed first (not needed to see that an output is complete)."""
-        if self.dataset not in PACKAGED:
-            probe(self.dataset, self.config, self.timeout)
+        self.check()
         import datasets
         kw = {"data_files": self.data_files} if self.data_files else {}
         try:

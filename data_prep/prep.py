@@ -13,6 +13,7 @@ come out byte-identical to an uninterrupted run. Write order: shard, resume buff
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import re
@@ -230,8 +231,20 @@ class _Run:
             self.log(f"{self.out} is already complete ({self.manifest['total_tokens']:,} tokens); nothing to do")
             return self.manifest
         cfg = self.cfg
-        if self.doc == 0 and self.produced == 0:
+        if hasattr(self.source, "check"):  # a remote source answers before anything is written or drawn
+            self.source.check()
+        fresh = self.doc == 0 and self.produced == 0
+        if fresh:
             write_json(self.out / MANIFEST, self._manifest(False, None), sort_keys=True)
+        try:
+            return self._produce(fresh, progress)
+        except BaseException:
+            if fresh and self.counters["kept"] == 0:  # failed before its first document: no manifest left behind
+                (self.out / MANIFEST).unlink(missing_ok=True)
+            raise
+
+    def _produce(self, fresh: bool, progress: bool) -> dict:
+        cfg = self.cfg
         workers = cfg.resolved_workers()
         pool = make_pool(workers)
         bar = None
@@ -356,10 +369,23 @@ class _Run:
 def prepare(cfg: PrepConfig, overwrite: bool = False, log=None) -> dict:
     """Runs (or resumes, or recognises as complete) prep-data for cfg; returns the final manifest.
     One prep-data at a time per output directory (an exclusive lock on OUT/.lock)."""
-    import fcntl
     log = log or (lambda m: print(m, file=sys.stderr))
     out = Path(cfg.out)
+    created, had_lock = not out.exists(), (out / ".lock").exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _locked(cfg, out, overwrite, log)
+    except BaseException:
+        if not had_lock and {p.name for p in out.iterdir()} <= {".lock"}:  # failed before writing anything:
+            (out / ".lock").unlink(missing_ok=True)  # nothing left behind (nor the directory, if it made it)
+            if created:
+                with contextlib.suppress(OSError):
+                    out.rmdir()
+        raise
+
+
+def _locked(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
+    import fcntl
     with open(out / ".lock", "a+") as lock:  # the holder writes its pid and host into the lock file
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

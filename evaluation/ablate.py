@@ -26,7 +26,7 @@ import torch
 
 from pipeline.inference import timing
 from data_prep.files import write_json
-from pipeline.device import resolve_device
+from pipeline.device import DEVICE_HELP, resolve_device
 from pipeline.memory import region_peak_mib, region_start
 from pipeline.model.io import find_export, load_model
 
@@ -197,10 +197,10 @@ def _plot(res: dict, out: Path) -> list[Path]:
 @click.option("--prompt-lens", default=",".join(map(str, PROMPT_LENS)), show_default=True, help="TTFT prompt lengths.")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed repeats (median) after a warm-up.")
 @click.option("--tpot-steps", type=int, default=16, show_default=True, help="Decode steps timed per TPOT measurement.")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 def ablate(checkpoint, out, loops, ppl_dir, ppl_tokens, thresholds, prompt_lens, repeats, tpot_steps, device):
     """The paper's ablations (Figures 3 and 4) for CHECKPOINT: PNGs plus the numbers in ablate.json."""
     name = Path(checkpoint).resolve().name
     run(checkpoint, out or f"out/ablate/{name}", loops, ppl_dir, ppl_tokens,
         tuple(float(x) for x in thresholds.split(",")), tuple(int(x) for x in prompt_lens.split(",")),
-        tpot_steps=tpot_steps, repeats=repeats, device=device, log=click.echo)
+        tpot_steps=tpot_steps, repeats=repeats, device=resolve_device(device, "--device", indexed=True), log=click.echo)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from pipeline.config import ConfigError
+from pipeline.device import DEVICE_HELP
 
 
 @click.command("eval")
@@ -20,18 +21,23 @@ from pipeline.config import ConfigError
 @click.option("--no-ppl", is_flag=True, help="Skip perplexity and the depth distribution.")
 @click.option("--no-latency", is_flag=True, help="Skip TTFT/TPOT.")
 @click.option("--no-mlflow", is_flag=True, help="Do not log to MLflow.")
+@click.option("--strict", is_flag=True, help="A task whose data cannot be reached is an error (default: skipped, "
+                                              "with one warning line, and marked in results.json and table1.md).")
+@click.option("--no-progress", is_flag=True, help="No progress bar (it is drawn on stderr only on a terminal).")
 @click.option("--out", "out_dir", default=None, help="Output directory.")
-@click.option("--config", "config", default=None, help="Refuse a checkpoint whose model differs from this preset.")
-@click.option("--device", default=None, help="cpu, cuda or auto (default: train.device).")
+@click.option("--check-preset", "config", default=None, metavar="PRESET",
+              help="Refuse a checkpoint whose model section differs from this preset's.")
+@click.option("--config", "config_alias", default=None, hidden=True)  # the former name of --check-preset
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--variant", default=None,
               help="Label the results as this variant of the same trained model (naive-loop-ee: a base-loop checkpoint).")
 def eval_cmd(checkpoint, overrides, loops, tasks, limit, batch_size, source, race_file, ppl_tokens, stride, no_ppl,
-             no_latency, no_mlflow, out_dir, config, device, variant):
+             no_latency, no_mlflow, strict, no_progress, out_dir, config, config_alias, device, variant):
     """Evaluate CHECKPOINT: perplexity, the ten zero-shot tasks, depth distribution and latency per budget."""
     from evaluation.evaluate import run
     from evaluation.tasks import TaskDataError
 
-    ov = list(overrides)
+    ov, config = list(overrides), config or config_alias
     if tasks:
         names = [] if tasks.strip() == "none" else [t.strip() for t in tasks.split(",") if t.strip()]
         ov.append(f"eval.tasks=[{','.join(names)}]")
@@ -43,9 +49,12 @@ def eval_cmd(checkpoint, overrides, loops, tasks, limit, batch_size, source, rac
         ov.append(f"eval.race_file='{race_file}'")
     if out_dir is not None:
         ov.append(f"eval.out_dir='{out_dir}'")
-    for flag, key in ((no_ppl, "perplexity"), (no_latency, "latency"), (no_mlflow, "mlflow")):
+    for flag, key in ((no_ppl, "perplexity"), (no_latency, "latency"), (no_mlflow, "mlflow"),
+                      (no_progress, "progress")):
         if flag:
             ov.append(f"eval.{key}=false")
+    if strict:
+        ov.append("eval.strict=true")
     if no_ppl:
         ov.append("eval.depth=false")
     try:

@@ -17,10 +17,11 @@ from pipeline.train.checkpoint import read_run_record
 
 from evaluation import report, results
 from evaluation.depth import depth_chart
-from evaluation.perplexity import TokenStream, perplexity
+from evaluation.perplexity import TokenStream, make_windows, perplexity
+from evaluation.progress import Progress
 from evaluation.latency import measure_latency
 from evaluation.scorer import Scorer, task_metrics, task_requests
-from evaluation.tasks import TASKS, load_tasks, spec
+from evaluation.tasks import TASKS, TaskUnavailable, load_task, spec
 
 
 def parse_loops(value) -> list[int]:
@@ -57,7 +58,7 @@ def resolve_budgets(cfg: Config, loops: list[int]) -> list[tuple[int, int]]:
 
 
 def check_config(cfg: Config, expected: str | None) -> None:
-    """With --config NAME: the checkpoint's model section must equal that preset's."""
+    """With --check-preset NAME (tlf eval): the checkpoint's model section must equal that preset's."""
     if not expected:
         return
     want = load_config(expected).model
@@ -115,9 +116,17 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
     for n in task_names:
         spec(n)  # unknown task names fail before anything runs
 
-    # ---- load everything once
+    # ---- load everything once; a task whose data cannot be reached is skipped (one line) unless eval.strict
     t0 = time.time()
-    tasks = load_tasks(task_names, ev.source, ev.race_file, ev.limit) if task_names else {}
+    tasks, skipped = {}, {}
+    for n in task_names:
+        try:
+            tasks[n] = load_task(n, ev.source, ev.race_file, ev.limit)
+        except TaskUnavailable as e:
+            if ev.strict:
+                raise
+            skipped[n] = str(e)
+            log(f"eval: warning: skipping {n} (eval.strict=false): {e}")
     requests = {n: task_requests(td) for n, td in tasks.items()}
     streams = [TokenStream(d, cfg.data.val_split, ev.ppl_tokens) for d in ppl_dirs(cfg)] if ev.perplexity else []
     load_s = time.time() - t0
@@ -128,6 +137,11 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
     out_dir = Path(ev.out_dir) if ev.out_dir else Path("out") / "eval" / name.replace("/", "_") / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     scorer = Scorer(model, ev.batch_size, dev)
+    T = min(ev.ppl_context or cfg.model.block_size, cfg.model.block_size)
+    windows = [len(make_windows(st.num_tokens, T, ev.ppl_stride).starts) for st in streams]
+    work = sum(len(td.examples) for td in tasks.values()) + sum(windows)  # per budget
+    bar = Progress(work * len({m for _, m in budgets}), ev.progress)
+    say = bar.say(log)
     files: list[Path] = []
     result: results.Results = {
         "checkpoint": str(Path(checkpoint)), "export": str(export), "config_name": cfg.name,
@@ -136,6 +150,7 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
                   "params": model.num_params(), **({"trained_as": trained_as} if trained_as else {})},
         "device": dev, "limit": ev.limit, "source": ev.source, "table_metric": ev.table_metric,
         "ppl_sets": [s.name for s in streams], "budgets": [],
+        **({"skipped_tasks": skipped} if skipped else {}),
     }
     if cfg.model.loops == 1 and any(m != 1 for m, _ in budgets):
         result["note"] = "base model (model.loops=1) is not looped: every budget runs its single pass"
@@ -152,21 +167,25 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
             t0 = time.time()
             reqs, spans = requests[n]
             sp = TASKS[n]
-            b["tasks"][n] = task_metrics(td, sp.kind, sp.metrics, scorer.score(reqs, m_eff), spans)
+            bar.stage(f"eval M={m_req} {n}")
+            scored = scorer.score(reqs, m_eff, bar.part(len(td.examples), len(reqs)))
+            b["tasks"][n] = task_metrics(td, sp.kind, sp.metrics, scored, spans)
             b["timing_s"][n] = round(time.time() - t0, 3)
             r = b["tasks"][n]
-            log(f"  M={m_req} {n} ({r['split']}): " + ", ".join(f"{k}={v:.4f}" for k, v in r.items()
+            say(f"  M={m_req} {n} ({r['split']}): " + ", ".join(f"{k}={v:.4f}" for k, v in r.items()
                                                                  if isinstance(v, float))
                 + (f"  [{r['note']}]" if r.get("note") else ""))
         avg, n_avg = results.average_accuracy(b["tasks"], ev.table_metric)
         b["avg_acc"], b["avg_acc_tasks"] = avg, n_avg
         for i, st in enumerate(streams):
             t0 = time.time()
-            p = perplexity(model, st, m_eff, ev.ppl_context, ev.ppl_stride, ev.batch_size, dev)
+            bar.stage(f"eval M={m_req} ppl {st.name}")
+            p = perplexity(model, st, m_eff, ev.ppl_context, ev.ppl_stride, ev.batch_size, dev,
+                           progress=bar.part(windows[i], windows[i]))
             b["timing_s"][f"ppl:{st.name}"] = round(time.time() - t0, 3)
             depth = p.pop("depth")
             b["perplexity"].append(p)
-            log(f"  M={m_req} ppl {st.name}: {p['ppl']:.3f} ({p['tokens']} tokens)")
+            say(f"  M={m_req} ppl {st.name}: {p['ppl']:.3f} ({p['tokens']} tokens)")
             if i == 0 and ev.depth:
                 depth = dict(depth, set=st.name, variant=cfg.model.variant, router=cfg.model.router)
                 b["depth"] = depth
@@ -174,13 +193,15 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
                                   f"{report.variant_label(cfg.model.variant)}: depth on {st.name}, M={m_req}")
                 files.append(png)
                 b["depth"]["chart"] = str(png)
-                log(f"  M={m_req} mean depth {depth['mean']:.3f}")
+                say(f"  M={m_req} mean depth {depth['mean']:.3f}")
         if ev.latency:
+            bar.stage(f"eval M={m_req} latency")
             t0 = time.time()
             b["latency"] = measure_latency(model, m_eff, dev)
             b["timing_s"]["latency"] = round(time.time() - t0, 3)
         done[m_eff] = b
         result["budgets"].append(b)
+    bar.close()
     result["wall_s"] = round(time.time() - t_start, 3)
     md = out_dir / "table1.md"
     md.write_text(report.table1_markdown(result))
@@ -197,6 +218,7 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
             tags["train_run_id"], run_id = run_id, None
         first = result["budgets"][0]["tasks"] if result["budgets"] else {}
         tags.update({f"split.{t}": r["split"] for t, r in first.items()})
+        tags.update({f"skipped.{t}": "unavailable" for t in skipped})
         result["mlflow_run_id"] = report.log_mlflow(result, files, cfg.logging.tracking_uri, cfg.logging.experiment,
                                                     run_id, tags, step)
         result["mlflow_run"] = "checkpoint's run" if result["mlflow_run_id"] == run_id else "new run"

@@ -88,9 +88,11 @@ class TokenStream:
 
 @torch.no_grad()
 def perplexity(model, stream: TokenStream, loops: int, context: int = 0, stride: int = 0, batch_size: int = 8,
-               device: str | torch.device = "cpu", router: bool = True, threshold: float | None = None) -> dict:
+               device: str | torch.device = "cpu", router: bool = True, threshold: float | None = None,
+               progress=None) -> dict:
     """Mean NLL, ppl, tokens counted and the depth statistics of `stream` at budget `loops` (router and
-    threshold: the ablations' switches, as `LoopedLM.forward` takes them)."""
+    threshold: the ablations' switches, as `LoopedLM.forward` takes them; progress(n): called after each batch
+    with its number of windows)."""
     T = min(context or model.cfg.block_size, model.cfg.block_size)
     M = int(loops)
     win = make_windows(stream.num_tokens, T, stride)
@@ -121,6 +123,8 @@ def perplexity(model, stream: TokenStream, loops: int, context: int = 0, stride:
         count += nll.size
         np.add.at(d_nll, dep, nll)
         np.add.at(d_cnt, dep, 1)
+        if progress:
+            progress(len(ids))
     mean = nll_sum / count
     share = (d_cnt[1:] / count).tolist()
     per_depth_ppl = [float(math.exp(d_nll[d] / d_cnt[d])) if d_cnt[d] else None for d in range(1, M + 1)]

@@ -28,13 +28,15 @@ def table1_markdown(result: Results) -> str:
     model = result["model"]
     sets = result.get("ppl_sets", [])
     metric = result.get("table_metric", "acc")
+    skipped = result.get("skipped_tasks", {})
     head = ["Model", "FLOPs"] + [f"PPL {s}" for s in sets] + list(TASK_LABELS.values()) + ["Avg Acc"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     for b in result["budgets"]:
         J = model["n_layers"]
         name = f"{variant_label(model['variant'])} ({J} ⊗ {b['effective_loops']})"
         row = [name, f"{J * b['effective_loops']}x"]
-        row += [_fmt(budget_ppl(b, s), pct=False) for s in sets] + [_fmt(a) for a in budget_accuracies(b, metric)]
+        row += [_fmt(budget_ppl(b, s), pct=False) for s in sets]
+        row += ["skipped" if t in skipped else _fmt(a) for t, a in zip(TASK_LABELS, budget_accuracies(b, metric))]
         avg, n = average_accuracy(b.get("tasks", {}), metric)
         row.append(_fmt(avg) + ("" if n in (0, len(TASK_LABELS)) else f" ({n} tasks)"))
         lines.append("| " + " | ".join(row) + " |")
@@ -46,6 +48,8 @@ def table1_markdown(result: Results) -> str:
         if r:
             notes.append(f"{label}: {t}, split {r['split']}, n={r['n']}, source {r['source']}"
                          + (f" — {r['note']}" if r.get("note") else ""))
+        elif t in skipped:
+            notes.append(f"{label}: {t} skipped (unavailable; eval.strict=false) — {skipped[t]}")
     for p in first.get("perplexity", []):
         notes.append(f"PPL {p['set']}: {p['dir']} ({p['split']}), {p['tokens']} tokens, context {p['context']}, "
                      f"{p['protocol']} (stride {p['stride']})")

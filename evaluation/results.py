@@ -90,6 +90,7 @@ class Results(TypedDict, total=False):
     mlflow_run_id: str
     mlflow_run: str
     mlflow_note: str
+    skipped_tasks: dict[str, str]  # task -> why it was not run (its data unreachable; eval.strict=false)
 
 
 # ------------------------------------------------------------------------------------------ accuracy

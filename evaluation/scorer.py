@@ -142,12 +142,15 @@ class Scorer:
         self.tokens = 0  # token slots run through the model, padding included (for benchmarks)
 
     @torch.no_grad()
-    def score(self, requests: list[tuple[list[int], list[int]]], loops: int) -> list[Scored]:
+    def score(self, requests: list[tuple[list[int], list[int]]], loops: int, progress=None) -> list[Scored]:
+        """progress(n): called after each batch with the number of requests it scored (tlf eval's bar)."""
         plan = [window(ctx, cont, self.block_size) for ctx, cont in requests]
         out: list[Scored | None] = [None] * len(plan)
         batches = self._tree_batches(plan) if self.share_context else self._row_batches(plan)
         for b in batches:
             self._run(b, loops, out)
+            if progress:
+                progress(len(b.reads))
         return out  # type: ignore[return-value]
 
     def _row_batches(self, plan):

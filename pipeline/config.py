@@ -213,7 +213,8 @@ class LoggingConfig:
     tracking_uri: str = f("", "MLflow tracking URI; empty means sqlite:///<cwd>/mlflow.db.")
     experiment: str = f("tlf", "MLflow experiment name.")
     run_name: str = f("", "MLflow run name; empty derives it from the preset and variant.")
-    peak_flops: float = f(312e12, "Peak FLOP/s per device for MFU (A100 bf16: 312e12).")
+    peak_flops: float = f(0.0, "Peak FLOP/s per device for MFU (0: an A100's bf16 312e12 on CUDA; on CPU no MFU is "
+                               "reported unless set).")
     mlflow: bool = f(True, "Log to MLflow (rank 0); false keeps the console progress only.")
 
 
@@ -236,8 +237,11 @@ class EvalConfig:
     latency: bool = f(True, "TTFT/TPOT with the inference benchmark's code at each budget.")
     table_metric: Literal["acc", "acc_norm"] = f(
         "acc", "Table-1 accuracy: acc, or acc_norm where the task has it (the average follows).")
-    out_dir: str = f("", "Output directory (empty: out/eval/<checkpoint name>/<timestamp>).")
+    out_dir: str = f("", "Output directory (empty: out/eval/<config name, / as _>/<timestamp>).")
     mlflow: bool = f(True, "Log the results to MLflow (the checkpoint's run if recorded, else a new run).")
+    strict: bool = f(False, "A task whose data cannot be reached (offline, no copy) is an error; false: skipped, one "
+                            "warning line, marked in results.json and table1.md.")
+    progress: bool = f(True, "Progress bar with ETA on stderr (tasks x budgets x examples; shown only on a terminal).")
 
 
 @dataclass

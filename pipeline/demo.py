@@ -74,7 +74,9 @@ def main(argv=None) -> None:
         shutil.rmtree(work)  # the demo's own directory: every number printed is measured in this run
     work.mkdir(parents=True)
     uri = f"sqlite:///{work / 'mlflow.db'}"
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
+    from pipeline.train.ds import extensions_dir
+
+    extensions_dir()  # the demo's ranks inherit it: DeepSpeed's shm op is built once per virtualenv
     # Table 3 reports peak RSS on CPU: with glibc's moving mmap threshold, t-loopformer's changing compacted sizes
     # fragment the heap and the RSS shows the allocator, not the tensors (README "Troubleshooting"). A fixed
     # threshold costs about 4% of step time at the demo's size (29% at d=512: see there).

@@ -8,6 +8,9 @@ import torch
 
 from pipeline.config import ConfigError
 
+# The one --device help text (tlf eval, ablate, generate: the same default and choices everywhere).
+DEVICE_HELP = "auto (cuda when torch sees one, else cpu), cpu, cuda or cuda:N."
+
 
 def resolve_device(device: str | None, key: str = "device", indexed: bool = False) -> str:
     """'auto' (or None/'') -> 'cuda' if available else 'cpu'; 'cpu' and 'cuda' pass ('cuda:N' too when indexed).

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -107,19 +106,14 @@ def _cmd(out: Path, workers: int) -> list[str]:
             "batch_bytes=30000"]
 
 
-def _kill_when(out: Path, proc: subprocess.Popen, shards: int) -> bool:
-    """SIGKILLs proc once its manifest lists at least `shards` shards; False if it finished first."""
-    while proc.poll() is None:
-        try:
-            m = json.loads((out / "manifest.json").read_text())
-        except (FileNotFoundError, ValueError):
-            m = {}
-        if sum(len(s["shards"]) for s in m.get("splits", {}).values()) >= shards:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return True
-        time.sleep(0.005)
-    return False
+def _kill_after_shard(out: Path, k: int, env: dict) -> bool:
+    """prep-data with 2 workers, SIGKILLed by itself right after its k-th shard file is whole (bench/faults.py's
+    PREP_CHILD): the kill is an event of the run, so it lands mid-run however fast the machine. True if killed."""
+    from bench.faults import PREP_CHILD
+
+    p = subprocess.run([sys.executable, "-c", PREP_CHILD, *_cmd(out, 2)[3:]], env={**env, "KILL_AFTER_SHARD": str(k)},
+                       cwd=REPO, capture_output=True)
+    return p.returncode == -signal.SIGKILL
 
 
 def test_sigkill_then_rerun_gives_identical_shards(tmp_path):
@@ -127,11 +121,8 @@ def test_sigkill_then_rerun_gives_identical_shards(tmp_path):
     ref = tmp_path / "ref"
     subprocess.run(_cmd(ref, 0), check=True, env=env, cwd=REPO, capture_output=True)
     out = tmp_path / "out"
-    kills = 0
-    for at in (3, 12):
-        proc = subprocess.Popen(_cmd(out, 2), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        kills += _kill_when(out, proc, at)
-    assert kills >= 1, "prep-data finished before it could be killed"
+    for at in (3, 12):  # the second run resumes the first, then is killed too
+        assert _kill_after_shard(out, at, env), f"prep-data was not killed after shard {at}"
     m = json.loads((out / "manifest.json").read_text())
     assert not m["complete"]
     r = subprocess.run(_cmd(out, 1), env=env, cwd=REPO, capture_output=True, text=True)

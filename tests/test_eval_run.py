@@ -205,7 +205,8 @@ def test_clear_errors(env, tmp_path):
     with pytest.raises(ConfigError, match=r"weights do not match its config.yaml"):
         run(mixed, overrides(env, mlflow="false"), log=lambda *a: None)
     with pytest.raises(TaskDataError, match="race: no offline copy"):
-        run(env / "base", overrides(env, tasks="[race]", mlflow="false") + [f"eval.race_file={tmp_path / 'no.jsonl'}"],
+        run(env / "base", overrides(env, tasks="[race]", mlflow="false", strict="true")
+            + [f"eval.race_file={tmp_path / 'no.jsonl'}"],
             log=lambda *a: None)
 
 

@@ -299,11 +299,11 @@ def test_mlflow_run_holds_params_metrics_and_tags(tmp_path, data):
     hist = client.get_metric_history(res.run_id, "loss")
     assert [m.step for m in sorted(hist, key=lambda m: m.step)] == [1, 2, 3, 4]
     assert [m.value for m in sorted(hist, key=lambda m: m.step)] == res.losses
-    want = {"loss_L", "loss_S", "loss_align", "lr", "grad_norm", "tokens_per_s", "mfu", "mem/peak_rss_gb", "val/loss",
+    want = {"loss_L", "loss_S", "loss_align", "lr", "grad_norm", "tokens_per_s", "mem/peak_rss_gb", "val/loss",
             "router/full/mean_depth", "router/full/depth_share_1", "router/short/mean_depth", "router/full/compute_ratio"}
     assert want <= set(r.data.metrics)
     assert r.data.metrics["lr"] == pytest.approx(3e-4 + 0.5 * (1e-2 - 3e-4) * (1 + np.cos(np.pi * (3 - 2) / (4 - 2))))
-    assert r.data.metrics["tokens_per_s"] > 0 and 0 < r.data.metrics["mfu"] < 1
+    assert r.data.metrics["tokens_per_s"] > 0 and "mfu" not in r.data.metrics  # CPU, no logging.peak_flops
     assert sum(r.data.metrics[f"router/full/depth_share_{i}"] for i in (1, 2, 3)) == pytest.approx(1.0)
     # resuming (a longer schedule) continues the same MLflow run
     res2 = run(tiny_cfg(tmp_path / "ck", data, "logging.mlflow=true", f"logging.tracking_uri={uri}",

@@ -16,7 +16,7 @@ TRAIN = Path(__file__).resolve().parent.parent / "pipeline" / "train"
 
 # What a 2-step tiny t-loopformer run (budget recipe, one extra validation dir "x") logs: the keys of today.
 METRICS = {"epoch", "grad_norm", "loss", "loss_L", "loss_S", "loss_align", "loss_router", "lr", "mem/peak_rss_gb",
-           "mem/rss_gb", "mfu", "router/balance_kl", "router/entropy", "router/full/active_tokens",
+           "mem/rss_gb", "router/balance_kl", "router/entropy", "router/full/active_tokens",
            "router/full/compute_ratio", "router/full/depth_share_1", "router/full/depth_share_2",
            "router/full/depth_share_3", "router/full/mean_depth", "router/short/active_tokens",
            "router/short/compute_ratio", "router/short/depth_share_1", "router/short/depth_share_2",
@@ -49,7 +49,7 @@ class Recorder(Callback):
         self.events.append(("post_step", step))
 
     def log_metrics(self, step, metrics):
-        assert metrics["tokens_per_s"] > 0 and "mfu" in metrics  # filled by the Speed callback before
+        assert metrics["tokens_per_s"] > 0  # filled by the Speed callback before
         self.events.append(("log_metrics", step))
 
     def end_step(self, step):
@@ -135,7 +135,7 @@ def test_mlflow_keys_tags_and_console_lines_are_unchanged(tmp_path, data, capsys
             rf"\[tlf\] tiny/t-loopformer: {num}M params, 1 rank\(s\) on cpu \(fp32, ZeRO-0\), global batch 2 x 32 "
             rf"tokens, checkpoints in {re.escape(str(tmp_path / 'ck'))}",
             *[rf"\[tlf\] step {s}/2 \| loss {num} \(L {num} S {num} align {num}\) \| lr {num} \| gnorm {num} \| "
-              rf"[\d,]+ tok/s \| MFU {num}% \| depth {num} \| 0:00:\d\d elapsed, ETA 0:00:\d\d" for s in (1, 2)],
+              rf"[\d,]+ tok/s \| depth {num} \| 0:00:\d\d elapsed, ETA 0:00:\d\d" for s in (1, 2)],
             rf"\[tlf\] checkpoint {re.escape(str(tmp_path / 'ck' / 'global_step2'))}"]
     want.insert(3, rf"\[tlf\] step 2: val/loss {num}, val/x {num}")
     assert len(lines) == len(want), lines

@@ -10,7 +10,7 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from data_prep.files import write_json
+from data_prep.files import atomic_write_bytes, write_json
 from data_prep.tokenizer import EOT
 from pipeline.config import Config
 from pipeline.model.io import state_for_export
@@ -91,13 +91,14 @@ def model_card(cfg: Config, source: Path) -> str:
 
 
 def export_hf(model, cfg: Config, out: Path, source: Path) -> Path:
-    from safetensors.torch import save_file
+    from safetensors.torch import save as st_save
 
     out.mkdir(parents=True, exist_ok=True)
     state = {f"model.{k}": v for k, v in state_for_export(model).items()}
     if cfg.model.tie_embeddings:  # stored separately (a clone): transformers loads it like any weight
         state["model.lm_head.weight"] = state["model.wte.weight"].clone()
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # as every other file here (safetensors' save_file would create it 0600 whatever the umask)
+    atomic_write_bytes(out / "model.safetensors", [st_save(state, metadata={"format": "pt"})])
     (out / "modeling_tlf.py").write_text(modeling_source())
     write_json(out / "config.json", hf_config(cfg))
     write_json(out / "generation_config.json", {"bos_token_id": EOT, "eos_token_id": EOT, "pad_token_id": EOT,

@@ -8,7 +8,7 @@ import click
 
 from data_prep.tokenizer import EOT
 from pipeline.config import ConfigError
-from pipeline.device import resolve_device
+from pipeline.device import DEVICE_HELP, resolve_device
 from pipeline.inference.decode import Decoder
 from pipeline.inference.generate import check_lengths, generate as generate_tokens
 
@@ -59,7 +59,7 @@ class _Stream:
 @click.option("--seed", type=int, default=None, help="Sampling seed (reproducible output).")
 @click.option("--show-depth", is_flag=True, help="Print every generated token with its loop count, as text[m].")
 @click.option("--stop/--no-stop", default=True, show_default=True, help="Stop a prompt at <|endoftext|>.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 def generate(checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loops, threshold, seed, show_depth,
              stop, device):
     """Generate text from CHECKPOINT (an export dir, a checkpoint dir with model/, or a run dir)."""

@@ -43,6 +43,9 @@ def run_tags(t) -> dict:
             "activation_checkpointing": c.train.activation_checkpointing, "compile": c.train.compile}
 
 
+A100_BF16_FLOPS = 312e12  # logging.peak_flops=0 on CUDA
+
+
 class Speed(Callback):
     """step_time_s (wall clock from the previous step's end: logging, validation and saves included),
     tokens_per_s and MFU over the executed loops (model.flops_per_token; README "MFU")."""
@@ -58,7 +61,9 @@ class Speed(Callback):
         loops = metrics.get("router/full/mean_depth", t.cfg.model.loops) + metrics.get("router/short/mean_depth", 0.0)
         fpt = t.model.flops_per_token(loops_executed=loops, seq_len=t.cfg.model.block_size,
                                       lm_heads=2 if "router/short/loops" in metrics else 1)
-        metrics["mfu"] = metrics["tokens_per_s"] * fpt / (t.cfg.logging.peak_flops * t.ws)
+        peak = t.cfg.logging.peak_flops or (A100_BF16_FLOPS if t.device_kind == "cuda" else 0.0)
+        if peak:  # on CPU no MFU unless logging.peak_flops says what the peak is (an A100's would read 0.00%)
+            metrics["mfu"] = metrics["tokens_per_s"] * fpt / (peak * t.ws)
 
 
 class Memory(Callback):
@@ -136,7 +141,8 @@ class Console(Callback):
         extra = f" (L {m['loss_L']:.3f} S {m['loss_S']:.3f} align {m['loss_align']:.4f})" if c.model.shortcut else ""
         depth = f" | depth {m['router/full/mean_depth']:.2f}" if c.model.router else ""
         gns = f" | gnorm {m['grad_norm']:.3f}" if "grad_norm" in m else ""
-        speed = f" | {m['tokens_per_s']:,.0f} tok/s | MFU {100 * m['mfu']:.2f}%" if "mfu" in m else ""
+        speed = f" | {m['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in m else ""
+        speed += f" | MFU {100 * m['mfu']:.2f}%" if "mfu" in m else ""  # none on CPU without logging.peak_flops
         log.info(f"step {step}/{t.max_steps} | loss {m['loss']:.4f}{extra} | lr {m['lr']:.2e}{gns}{speed}{depth}"
                  f" | {fmt_duration(time.time() - self.t_start)} elapsed, ETA {fmt_duration(self.ema * (t.max_steps - step))}")
 

@@ -37,6 +37,8 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     Single process:     tlf train tiny/t-loopformer data.dir=data/demo
     Launcher, N ranks:  deepspeed --no_local_rank --num_gpus N $(which tlf) train CONFIG [OVERRIDES]
     (module form:       deepspeed --num_gpus N --module pipeline.train CONFIG [OVERRIDES])
+
+    Every key with its type, default and doc: tlf config show PRESET --doc
     """
     try:
         cfg = load_config(config, overrides)

@@ -133,6 +133,44 @@ def strip_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
+SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory all-reduce, JIT-built by torch on first use
+
+
+def extensions_dir() -> Path:
+    """Where JIT-built extensions (DeepSpeed's shm op) go: $TORCH_EXTENSIONS_DIR, set to <venv>/.cache/
+    torch_extensions when unset, so each virtualenv builds against its own torch once and never reuses another
+    venv's build from the shared ~/.cache."""
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / ".cache" / "torch_extensions")
+    return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+
+
+def _ds_torch():
+    """The module deepspeed.comm.torch (an import statement would give the attribute deepspeed.comm.torch, which is
+    torch itself)."""
+    import importlib
+
+    return importlib.import_module("deepspeed.comm.torch")
+
+
+def _shm_op(world_size: int, local_rank: int):
+    """The shm op's builder for DeepSpeed's TorchBackend: none for a process group of one (nothing to all-reduce
+    with; DeepSpeed would JIT-build it for minutes anyway), else DeepSpeed's own, with one line from local rank 0
+    when it is about to build (not yet in extensions_dir())."""
+    real = _ds_torch().build_shm_op
+    if world_size == 1:
+        return lambda: None
+    root = extensions_dir()
+
+    def build():
+        built = [*root.glob(f"{SHM_OP}/{SHM_OP}*.so"), *root.glob(f"*/{SHM_OP}/{SHM_OP}*.so")]  # torch's layouts
+        if local_rank == 0 and not built:
+            print(f"[tlf] building DeepSpeed's {SHM_OP} op into {root} (once per virtualenv; about 30 s, needs "
+                  f"g++ and ninja)", file=sys.stderr, flush=True)
+        return real()
+    return build
+
+
 def init_distributed(device: str) -> tuple[int, int, int]:
     """Joins (or, in a single process without a launcher, creates) the process group: nccl on CUDA, gloo on CPU.
     Returns (rank, local_rank, world_size)."""
@@ -146,26 +184,37 @@ def init_distributed(device: str) -> tuple[int, int, int]:
         raise ConfigError(f"train.device resolves to {device} but DeepSpeed's accelerator is {acc} "
                           f"(set DS_ACCELERATOR={device} before the run)")
     if not torch.distributed.is_initialized():
-        backend = "nccl" if device == "cuda" else "gloo"
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        if "WORLD_SIZE" in os.environ:  # under a launcher: rank, size and rendezvous come from its environment
-            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
-            if device == "cpu":
-                _unlink_shm_buffer()
-        else:  # plain `tlf train`: a process group of one, given explicitly rather than through RANK/WORLD_SIZE/
-            # MASTER_PORT in os.environ, which child processes (a later `tlf train` started from the same Python)
-            # would inherit and try to rendezvous on a port this process still holds. Only LOCAL_RANK, which the
-            # DeepSpeed engine reads, is set.
-            os.environ.setdefault("LOCAL_RANK", "0")
-            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                                       init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        ds_torch = _ds_torch()
+        extensions_dir()
+        real_build, ds_torch.build_shm_op = ds_torch.build_shm_op, _shm_op(
+            int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+        try:
+            _init_group(device, deepspeed)
+        finally:
+            ds_torch.build_shm_op = real_build
     rank, ws = torch.distributed.get_rank(), torch.distributed.get_world_size()
     local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
     if device == "cpu" and local > 1 and "OMP_NUM_THREADS" not in os.environ:
         # ranks sharing the CPU: split the cores (oversubscribed OpenMP threads spin against each other)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     return rank, int(os.environ.get("LOCAL_RANK", rank)), ws
+
+
+def _init_group(device: str, deepspeed) -> None:
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "WORLD_SIZE" in os.environ:  # under a launcher: rank, size and rendezvous come from its environment
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+        if device == "cpu":
+            _unlink_shm_buffer()
+    else:  # plain `tlf train`: a process group of one, given explicitly rather than through RANK/WORLD_SIZE/
+        # MASTER_PORT in os.environ, which child processes (a later `tlf train` started from the same Python)
+        # would inherit and try to rendezvous on a port this process still holds. Only LOCAL_RANK, which the
+        # DeepSpeed engine reads, is set.
+        os.environ.setdefault("LOCAL_RANK", "0")
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                                   init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 def _unlink_shm_buffer() -> None:
