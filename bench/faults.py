@@ -44,7 +44,8 @@ TINY = ["model.vocab_size=512", "model.block_size=32", "model.d_model=32", "mode
         "train.deterministic=true"]
 
 # KILL_IN_SAVE=N: SIGKILL inside the save of step N, after DeepSpeed's files and the rank state, before the export
-# (N = max_steps: the final export). KILL_AT_MICRO=k: SIGKILL when the loader hands out global micro-batch k
+# (N = max_steps: the final export). KILL_AT_LATEST=N: SIGKILL between writing `latest`'s temp file and its rename,
+# after checkpoint N was renamed into place. KILL_AT_MICRO=k: SIGKILL when the loader hands out global micro-batch k
 # (during step k+1 at batch 2). KILL_GROUP=1: kill the whole process group (the launcher and every rank), not just
 # this process. Rank 0 prints, as its last stdout line, the losses, the steps it started from and ended at, and the
 # process's thread count and deterministic-algorithms flag (before and after the run). The tests use it too.
@@ -73,6 +74,15 @@ def export(engine, model, cfg, directory, rank):
         die()
     return real(engine, model, cfg, directory, rank)
 checkpoint.export_model = export
+kill_latest = os.environ.get("KILL_AT_LATEST")
+real_write = checkpoint.atomic_write_bytes
+def write(path, chunks):
+    if kill_latest and os.path.basename(path) == "latest" and b"".join(chunks) == f"global_step{kill_latest}".encode():
+        with open(os.path.join(os.path.dirname(path), f".latest.tmp{os.getpid()}"), "wb") as fh:
+            fh.write(b"".join(chunks))
+        die()
+    return real_write(path, chunks)
+checkpoint.atomic_write_bytes = write
 before = torch.get_num_threads()
 res = run(load_config("tiny/t-loopformer", sys.argv[1:]))
 if int(os.environ.get("RANK", "0")) == 0:

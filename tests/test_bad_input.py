@@ -237,6 +237,24 @@ def save_full_disk(w, monkeypatch):
     return after
 
 
+def ds_save_full_disk(w, monkeypatch):
+    import torch
+    real = torch.save
+
+    def full(obj, f, *a, **k):  # torch's zip writer reports ENOSPC as a multi-line RuntimeError
+        if "global_step2" in str(f) and "mp_rank_00_model_states" in str(f):
+            Path(f).write_bytes(b"\0" * 100)
+            raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0\n"
+                               "PytorchStreamWriter failed writing file data/0: file write failed")
+        return real(obj, f, *a, **k)
+    monkeypatch.setattr(torch, "save", full)
+
+    def after(w):
+        ck = w / "ck" / "dsfull"
+        assert sorted(p.name for p in ck.iterdir()) == ["global_step1", "latest"]  # no .tmp-global_step2 left
+    return after
+
+
 def PREP_FULL(w, out="out_full"):
     return ["prep-data", "--source", "files", "-i", str(w / "good.jsonl"), "--out", str(w / out), "--no-progress",
             "-j", "0", "--shard-tokens", "100", "--val-every", "-1"]
@@ -248,6 +266,9 @@ FAULTS = {
                          ["out_lock", "another prep-data", "pid 4242 on testhost", ".lock"], prep_locked),
     "train-full-disk-in-save": (lambda w: train(w, "good", "checkpoint.interval=1"), 1,
                                 ["global_step2 failed", "No space left", "global_step1 is intact"], save_full_disk),
+    "train-full-disk-in-deepspeed-save": (
+        lambda w: train(w, "good", "checkpoint.interval=1", f"checkpoint.dir={w / 'ck' / 'dsfull'}"), 1,
+        ["global_step2 failed", "file write failed", "disk full?", "global_step1 is intact"], ds_save_full_disk),
 }
 CASES.update({k: v[:3] for k, v in FAULTS.items()})
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -63,11 +64,18 @@ def weights_file(d: Path) -> Path | None:
 
 
 def find_export(path: str | os.PathLike) -> Path:
-    """Accepts an export dir, a checkpoint dir containing `model/`, or a run dir with `latest` checkpoint."""
+    """Accepts an export dir, a checkpoint dir containing `model/`, or a run dir: its newest intact checkpoint
+    (pipeline.train.checkpoint.newest_intact; a damaged newer one is passed over with a warning), which `latest`
+    names unless a kill hit between a checkpoint's rename and `latest`'s."""
+    from pipeline.train.checkpoint import newest_intact
+
     p = Path(path)
     for cand in (p, p / "model"):
         if weights_file(cand) and (cand / "config.yaml").is_file():
             return cand
+    ck = newest_intact(p, lambda m: print(f"[tlf] warning: {m}", file=sys.stderr, flush=True))
+    if ck is not None and weights_file(ck / "model"):
+        return ck / "model"
     latest = p / "latest"
     if latest.is_file():
         return find_export(p / latest.read_text().strip())

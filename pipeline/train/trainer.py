@@ -202,7 +202,8 @@ class Trainer:
         cfg.check_world_size(ws)
         ds_config = ds.build_ds_config(cfg, ws, precision)
         root = ckpt.run_dir(cfg)
-        resume_from = ckpt.find_resume(cfg, root)
+        log.open(rank)  # so a damaged newest checkpoint is reported (once, by rank 0) as it is passed over
+        resume_from = ckpt.find_resume(cfg, root, log.warn)
         T, mb = cfg.model.block_size, cfg.train.micro_batch_size
 
         if loader is None:
