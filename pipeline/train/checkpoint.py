@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from data_prep.files import atomic_write_bytes, write_json
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 
 STEP_DIR = re.compile(r"^global_step(\d+)$")
 
@@ -201,15 +201,21 @@ class RunRecord:
 
 
 def read_run_record(export_dir: Path) -> RunRecord | None:
-    """The export's run.json, or None when the export has none (saved outside training) or it is unreadable."""
+    """The export's run.json, or None when the export has none (saved outside training) or it is not JSON; a
+    field of the wrong type is a ConfigError naming the file and key."""
     try:
         meta = json.loads((Path(export_dir) / RUN_RECORD).read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
+    f = Path(export_dir) / RUN_RECORD
     if not isinstance(meta, dict):
-        return None
-    run_id = meta.get("mlflow_run_id") if isinstance(meta.get("mlflow_run_id"), str) else None
-    return RunRecord(run_id or None, str(meta.get("tracking_uri") or ""), int(meta.get("step") or 0))
+        raise ConfigError(f"{f}: must be a JSON object, not {type(meta).__name__}")
+    for key, kinds in (("mlflow_run_id", (str, type(None))), ("tracking_uri", (str, type(None))), ("step", (int,))):
+        v = meta.get(key, 0 if key == "step" else None)
+        if not isinstance(v, kinds) or isinstance(v, bool):
+            want = "an integer" if key == "step" else "a string or null"
+            raise ConfigError(f"{f}: key '{key}' must be {want}, got {v!r}"[:300])
+    return RunRecord(meta.get("mlflow_run_id") or None, meta.get("tracking_uri") or "", meta.get("step", 0))
 
 
 def export_model(engine, model, cfg: Config, directory: Path, rank: int) -> None:

@@ -73,7 +73,8 @@ class TrainLoader:
     def load_state_dict(self, state: dict) -> None:
         for k in ("seed", "per_micro", "windows"):
             if state[k] != getattr(self, k):
-                raise ShardError(f"checkpointed data position does not fit this run: {k} was {state[k]}, now "
+                raise ShardError(f"checkpointed data position does not fit this run's data.dir={self.shards.dir} "
+                                 f"'{self.shards.split}': {k} was {state[k]}, now "
                                  f"{getattr(self, k)} (same data, train.seed and micro_batch_size x world size needed)")
         self.micro = int(state["micro"])
 
