@@ -82,6 +82,14 @@ def w(tmp_path_factory) -> Path:
     (d / "vocabhigh").mkdir()  # a token id no tokenizer id can be (uint16 allows up to 65535)
     write_shard(d / "vocabhigh" / "t_train_000000.bin", np.array([50256, 60000, 1, 2] * 10))
     (d / "inherit5.yaml").write_text("inherit: 5\n")
+    shutil.copytree(d / "good", d / "flipped")  # prep-data's manifest (sha256 per shard), then one byte flipped
+    from data_prep.assets import sha256_file
+    (d / "flipped" / "manifest.json").write_text(json.dumps({"complete": True, "splits": {s: {"shards": [
+        {"name": f"t_{s}_000000.bin", "sha256": sha256_file(d / "flipped" / f"t_{s}_000000.bin")}]}
+        for s in ("train", "val")}}))
+    body = bytearray((d / "flipped" / "t_train_000000.bin").read_bytes())
+    body[2000] ^= 0x01  # a token id that stays below the vocabulary: only the checksum can tell
+    (d / "flipped" / "t_train_000000.bin").write_bytes(bytes(body))
     (d / "emptypt").mkdir()
     shutil.copy(d / "model" / "config.yaml", d / "emptypt" / "config.yaml")
     (d / "emptypt" / "model.pt").write_bytes(b"")
@@ -179,6 +187,7 @@ CASES = {
     # issue 23: each gave a traceback before
     "inspect-token-above-vocab": (lambda w: ["data", "inspect", str(w / "vocabhigh")], 1,
                                   ["vocabhigh/t_train_000000.bin", "60000", "vocabulary"]),
+    "train-shard-byte-flipped": (lambda w: train(w, "flipped"), 1, ["flipped/t_train_000000.bin", "sha256", "manifest"]),
     "yaml-inherit-not-a-list": (lambda w: ["train", str(w / "inherit5.yaml")], 2, ["inherit5.yaml", "inherit", "5"]),
     "eval-empty-model-pt": (lambda w: ["eval", str(w / "emptypt"), "--no-ppl", *EVAL], 2,
                             ["emptypt/model.pt", "unreadable"]),
