@@ -164,8 +164,9 @@ def _newest_complete(ck: Path) -> int:
 
 def train_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int = 2, ranks: int = 1) -> dict:
     """n kill trials of `tlf train` (1 process, or 2 gloo ranks under the launcher with the process group killed),
-    in turn: killed inside a save (the first in the final export), during a random step, at a random time after
-    the start (which may fall in start-up, or after the end). Returns counts and per-trial records."""
+    in turn: killed inside a save (the first in the final export; every second time at the `latest` rename
+    instead), during a random step, at a random time after the start (which may fall in start-up, or after the
+    end); the rerun and `tlf eval RUN_DIR`'s choice must both be the newest complete checkpoint. Returns counts and per-trial records."""
     data = work / "shards"
     data.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -192,7 +193,12 @@ def train_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int = 
     for i in range(n):
         ck = work / f"trial{i}"
         args = common + [f"checkpoint.dir={ck}"]
-        if i % 3 == 0:
+        if i % 6 == 3:  # between the checkpoint's rename and `latest`'s: eval and the rerun must use it anyway
+            at = r.choice(range(interval, steps, interval))
+            how = f"at the `latest` rename after step {at}"
+            p = start(args, KILL_AT_LATEST=str(at))
+            p.communicate(timeout=600)
+        elif i % 3 == 0:
             at = steps if i == 0 else r.choice(range(interval, steps + 1, interval))
             how = f"in save of step {at}" + (" (final export)" if at == steps else "")
             p = start(args, KILL_IN_SAVE=str(at))
@@ -210,9 +216,13 @@ def train_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int = 
         killed = p.returncode == -signal.SIGKILL
         newest = _newest_complete(ck)
         rec = {"trial": i, "kill": how, "killed": killed, "newest_complete": newest}
+        if newest:  # what `tlf eval RUN_DIR` loads is the newest complete checkpoint, whatever `latest` says
+            from pipeline.model.io import find_export
+            rec["eval_loads"] = find_export(ck).parent.name
         try:
             res = _finish(start(args))
             ok = res["start"] == (newest if newest < steps else steps) and res["losses"] == ref["losses"][res["start"]:]
+            ok = ok and rec.get("eval_loads", f"global_step{newest}") == f"global_step{newest}"
             rec.update(resumed_from=res["start"], ok=ok)
         except RuntimeError as e:
             rec.update(ok=False, error=str(e)[-500:])
