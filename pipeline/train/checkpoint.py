@@ -2,8 +2,9 @@
 
 Layout of `checkpoint.dir` (default `checkpoints/<config name with / replaced by ->`):
 
-    latest                      # names the newest complete checkpoint; written last (atomic rename)
+    latest                      # names the newest complete checkpoint; written last (atomic rename); a hint only
     global_step{N}/             # DeepSpeed's model/optimizer/scheduler files (engine.save_checkpoint)
+        files.json              # every file's size, written by rank 0 before the rename (`damage` checks it)
         rank{r}_state.pt        # this rank's step, data position, RNG states (python, numpy, torch, cuda), config
         model/                  # pipeline.model.io export (model.safetensors + config.yaml): what generate/eval load
 
@@ -12,7 +13,10 @@ rank has written its files, then `latest` is replaced; so a kill or a full disk 
 hidden temp dir (removed by the next save) and the previous checkpoint stays the newest complete one. Before a
 save, the free space is checked against the size of the previous checkpoint (or an estimate from the parameter
 count); too little is an error before anything is written. Old checkpoints beyond `checkpoint.keep_last` are
-renamed to `.trash-*` and then removed. DeepSpeed's `client_state` comes back from rank 0's file only under
+renamed to `.trash-*` and then removed. Readers (the resume, `tlf eval RUN_DIR`) take the newest complete
+checkpoint whose files all have their recorded sizes (`newest_intact`), not what `latest` names: a kill between
+the two renames leaves `latest` one behind (and a `.latest.tmp*`, removed by the next save), and a truncated or
+missing file makes them fall back to the previous checkpoint with a warning naming both. DeepSpeed's `client_state` comes back from rank 0's file only under
 ZeRO 0-2 (docs/design.md §6), which is why each rank's own state lives in its own file.
 """
 from __future__ import annotations
