@@ -113,7 +113,8 @@ class ShardSet:
                 raise ShardError(f"{manifest}: incomplete (prep-data is still running or was interrupted; "
                                  "rerun the same `tlf prep-data` command to finish it)")
             paths = [self.dir / n for n in manifest_shards(meta, split)]
-            sums = [s.get("sha256") if isinstance(s, dict) else None for s in meta["splits"].get(split, {}).get("shards", [])]
+            entries = meta.get("splits", {}).get(split, {}).get("shards", [])
+            sums = [s.get("sha256") if isinstance(s, dict) else None for s in entries]
         else:
             paths = sorted(self.dir.glob(f"*_{split}_*.bin"))
         if not paths:

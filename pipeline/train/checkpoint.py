@@ -16,8 +16,9 @@ count); too little is an error before anything is written. Old checkpoints beyon
 renamed to `.trash-*` and then removed. Readers (the resume, `tlf eval RUN_DIR`) take the newest complete
 checkpoint whose files all have their recorded sizes (`newest_intact`), not what `latest` names: a kill between
 the two renames leaves `latest` one behind (and a `.latest.tmp*`, removed by the next save), and a truncated or
-missing file makes them fall back to the previous checkpoint with a warning naming both. DeepSpeed's `client_state` comes back from rank 0's file only under
-ZeRO 0-2 (docs/design.md §6), which is why each rank's own state lives in its own file.
+missing file makes them fall back to the previous checkpoint with a warning naming both. DeepSpeed's
+`client_state` comes back from rank 0's file only under ZeRO 0-2 (docs/design.md §6), which is why each rank's own
+state lives in its own file.
 """
 from __future__ import annotations
 

@@ -207,8 +207,8 @@ class Trainer:
         T, mb = cfg.model.block_size, cfg.train.micro_batch_size
 
         if loader is None:
-            loader = TrainLoader(cfg.data.dir, cfg.data.train_split, T, mb, rank, ws, cfg.train.seed, cfg.model.vocab_size,
-                                 cfg.data.verify)
+            loader = TrainLoader(cfg.data.dir, cfg.data.train_split, T, mb, rank, ws, cfg.train.seed,
+                                 cfg.model.vocab_size, cfg.data.verify)
         val = []
         if cfg.train.eval_interval > 0:
             val = [(f"val/{Path(d).name or d}", ValLoader(d, cfg.data.val_split, T, mb, rank, ws, cfg.model.vocab_size,
