@@ -47,7 +47,8 @@ TINY = ["model.vocab_size=512", "model.block_size=32", "model.d_model=32", "mode
         "train.deterministic=true"]
 
 # KILL_IN_SAVE=N: SIGKILL inside the save of step N, after DeepSpeed's files and the rank state, before the export
-# (N = max_steps: the final export). KILL_AT_MICRO=k: SIGKILL when the loader hands out global micro-batch k
+# (N = max_steps: the final export). KILL_AT_LATEST=N: SIGKILL between writing `latest`'s temp file and its rename,
+# after checkpoint N was renamed into place. KILL_AT_MICRO=k: SIGKILL when the loader hands out global micro-batch k
 # (during step k+1 at batch 2). KILL_AFTER_SAVE=N: SIGKILL as soon as the save of step N is complete (`latest`
 # written), before the next step. KILL_GROUP=1: kill the whole process group (the launcher and every rank), not just
 # this process. Rank 0 prints, as its last stdout line, the losses, the steps it started from and ended at, and the
@@ -85,6 +86,15 @@ def save(*a, **kw):
         die()
     return path
 checkpoint.save = save
+kill_latest = os.environ.get("KILL_AT_LATEST")
+real_write = checkpoint.atomic_write_bytes
+def write(path, chunks):
+    if kill_latest and os.path.basename(path) == "latest" and b"".join(chunks) == f"global_step{kill_latest}".encode():
+        with open(os.path.join(os.path.dirname(path), f".latest.tmp{os.getpid()}"), "wb") as fh:
+            fh.write(b"".join(chunks))
+        die()
+    return real_write(path, chunks)
+checkpoint.atomic_write_bytes = write
 before = torch.get_num_threads()
 res = run(load_config("tiny/t-loopformer", sys.argv[1:]))
 if int(os.environ.get("RANK", "0")) == 0:
@@ -163,9 +173,10 @@ def _newest_complete(ck: Path) -> int:
 
 def train_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int = 2, ranks: int = 1) -> dict:
     """n kill trials of `tlf train` (1 process, or 2 gloo ranks under the launcher with the process group killed),
-    in turn: killed inside a save (the first in the final export), during a random step, right after a random
-    complete save. Every kill is triggered by an event of the run, never by elapsed time, so each trial is killed
-    mid-run however fast or loaded the machine. Returns counts and per-trial records."""
+    in turn: killed inside a save (the first in the final export; trials 3, 9, … at the `latest` rename instead),
+    during a random step, right after a random complete save. Every kill is triggered by an event of the run, never
+    by elapsed time, so each trial is killed mid-run however fast or loaded the machine; the rerun and `tlf eval
+    RUN_DIR`'s choice must both be the newest complete checkpoint. Returns counts and per-trial records."""
     data = work / "shards"
     data.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -192,7 +203,12 @@ def train_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int = 
     for i in range(n):
         ck = work / f"trial{i}"
         args = common + [f"checkpoint.dir={ck}"]
-        if i % 3 == 0:
+        if i % 6 == 3:  # between the checkpoint's rename and `latest`'s: eval and the rerun must use it anyway
+            at = r.choice(range(interval, steps, interval))
+            how = f"at the `latest` rename after step {at}"
+            p = start(args, KILL_AT_LATEST=str(at))
+            p.communicate(timeout=600)
+        elif i % 3 == 0:
             at = steps if i == 0 else r.choice(range(interval, steps + 1, interval))
             how = f"in save of step {at}" + (" (final export)" if at == steps else "")
             p = start(args, KILL_IN_SAVE=str(at))
@@ -210,9 +226,13 @@ def train_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int = 
         killed = p.returncode == -signal.SIGKILL
         newest = _newest_complete(ck)
         rec = {"trial": i, "kill": how, "killed": killed, "newest_complete": newest}
+        if newest:  # what `tlf eval RUN_DIR` loads is the newest complete checkpoint, whatever `latest` says
+            from pipeline.model.io import find_export
+            rec["eval_loads"] = find_export(ck).parent.name
         try:
             res = _finish(start(args))
             ok = res["start"] == (newest if newest < steps else steps) and res["losses"] == ref["losses"][res["start"]:]
+            ok = ok and rec.get("eval_loads", f"global_step{newest}") == f"global_step{newest}"
             rec.update(resumed_from=res["start"], ok=ok)
         except RuntimeError as e:
             rec.update(ok=False, error=str(e)[-500:])

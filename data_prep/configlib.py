@@ -121,6 +121,8 @@ def read_yaml_chain(path: Path, seen: tuple = ()) -> list[tuple[str, dict]]:
     parents = data.pop("inherit", []) or []
     if isinstance(parents, str):
         parents = [parents]
+    if not isinstance(parents, list):
+        raise ConfigError(f"{path}: inherit: must be a file name or a list of file names, not {parents!r}")
     out: list[tuple[str, dict]] = []
     for p in parents:
         if not isinstance(p, str) or not (path.parent / p).is_file():

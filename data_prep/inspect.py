@@ -68,6 +68,9 @@ def inspect(directory: str | Path, samples: int = 3, chars: int = 300, verify: b
                 from data_prep.tokenizer import get_encoding
                 enc = get_encoding()
             toks = readers[0].tokens[: 1 << 20]
+            if len(toks) and int(toks.max()) >= enc.n_vocab:
+                raise ShardError(f"{readers[0].path}: token id {int(toks.max())} is outside the tokenizer's vocabulary "
+                                 f"({enc.n_vocab} ids); not a shard of this tokenizer, or corrupt")
             starts = np.flatnonzero(toks == EOT)
             for j, s in enumerate(starts[:samples]):
                 end = starts[j + 1] if j + 1 < len(starts) else len(toks)

@@ -174,8 +174,9 @@ class _Run:
                 except ShardError as e:
                     raise PrepError(f"cannot resume: {e}; pass --overwrite to start again") from None
             self.writers[s].shards = shards
-        if self.complete:
+        if self.complete:  # a kill between the final manifest and removing the resume buffers left them
             self.manifest = m
+            self._clean_stale({sh["name"] for w in self.writers.values() for sh in w.shards})
             return
         r = m.get("resume") or {}
         self.doc, self.produced = r.get("doc", 0), r.get("produced", 0)

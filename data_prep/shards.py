@@ -95,11 +95,17 @@ class ShardSet:
     """All shards of one split in a directory, in index order, as one token stream.
 
     Reads `manifest.json` when present (its shard list for the split), else globs `*_<split>_*.bin`.
-    `read(start, n)` returns n tokens from global offset start, spanning shard boundaries."""
+    `read(start, n)` returns n tokens from global offset start, spanning shard boundaries.
 
-    def __init__(self, directory: str | os.PathLike, split: str = "train"):
+    verify=(rank, world_size): the first read touching shard k, on the rank with k % world_size == rank, hashes the
+    whole file and compares it with the sha256 prep-data recorded in the manifest (so each shard is checked once
+    per run, lazily, spread over the ranks); a mismatch is a ShardError. Shards without a recorded sha256 (older
+    manifests, or no manifest) are not checked."""
+
+    def __init__(self, directory: str | os.PathLike, split: str = "train", verify: tuple[int, int] | None = None):
         self.dir = Path(directory)
         self.split = split
+        sums: list = []
         manifest = self.dir / "manifest.json"
         if manifest.is_file():
             meta = read_manifest(manifest)
@@ -107,6 +113,8 @@ class ShardSet:
                 raise ShardError(f"{manifest}: incomplete (prep-data is still running or was interrupted; "
                                  "rerun the same `tlf prep-data` command to finish it)")
             paths = [self.dir / n for n in manifest_shards(meta, split)]
+            entries = meta.get("splits", {}).get(split, {}).get("shards", [])
+            sums = [s.get("sha256") if isinstance(s, dict) else None for s in entries]
         else:
             paths = sorted(self.dir.glob(f"*_{split}_*.bin"))
         if not paths:
@@ -114,6 +122,19 @@ class ShardSet:
         self.shards = [ShardReader(p) for p in paths]
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
         self.num_tokens = int(self.offsets[-1])
+        r, ws = verify or (0, 1)
+        self._unverified = ({k: s for k, s in enumerate(sums) if isinstance(s, str) and k % ws == r}
+                            if verify is not None else {})
+
+    def _verify(self, k: int) -> None:
+        from data_prep.assets import sha256_file
+
+        want, path = self._unverified.pop(k), self.shards[k].path
+        got = sha256_file(path)
+        if got != want:
+            raise ShardError(f"{path}: sha256 {got[:16]}... differs from the manifest's {want[:16]}... (the shard "
+                             "changed after prep-data: a bad copy or disk; restore it or rerun prep-data; "
+                             "data.verify=false skips this check)")
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -126,6 +147,8 @@ class ShardSet:
         k = int(np.searchsorted(self.offsets, start, side="right") - 1)
         pos, filled = start - int(self.offsets[k]), 0
         while filled < n:
+            if k in self._unverified:
+                self._verify(k)
             take = min(n - filled, len(self.shards[k]) - pos)
             out[filled:filled + take] = self.shards[k].tokens[pos:pos + take]
             filled += take

@@ -153,6 +153,8 @@ class DataConfig:
     train_split: str = f("train", "Split name of the training shards.")
     val_split: str = f("val", "Split name of the validation shards.")
     extra_val_dirs: list = f([], "More shard directories evaluated for validation loss (e.g. another domain).")
+    verify: bool = f(True, "Check each shard's sha256 (recorded by prep-data) once per run, at its first read in "
+                           "training, split over the ranks; a corrupt shard stops the run naming the file.")
 
 
 @dataclass

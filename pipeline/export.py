@@ -1,8 +1,15 @@
 """`tlf export CHECKPOINT --out DIR`: re-writes a model export (any checkpoint `tlf generate` accepts) as a
 self-contained directory: config.yaml + model.safetensors (the default, also what training writes), the
-legacy model.pt, or (`hf`) a transformers directory (pipeline.hf.export)."""
+legacy model.pt, or (`hf`) a transformers directory (pipeline.hf.export).
+
+The export is written whole or not at all: into a hidden sibling `.DIR.tmp-export<pid>`, then renamed to DIR. An
+existing export at DIR (ours: config.yaml, or a transformers one: config.json) is replaced as a whole, so no file
+of another format stays beside the new ones; a DIR holding anything else is refused. A kill leaves DIR as it was
+(or, between the two renames, absent) plus hidden temp dirs, which the next export to DIR removes."""
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import click
@@ -10,6 +17,34 @@ import click
 from pipeline.model.io import find_export, load_model, save_model
 
 FORMATS = ("safetensors", "pt", "hf")
+
+
+def _check_out(out: Path) -> None:
+    """--out must be new, empty, or an earlier export (replaced whole); its parent must be creatable."""
+    if out.is_dir() and any(out.iterdir()) and not ((out / "config.yaml").is_file() or (out / "config.json").is_file()):
+        raise click.UsageError(f"--out {out}: exists and is not an export (no config.yaml or config.json); choose a "
+                               "new or empty directory")
+    if out.exists() and not out.is_dir():
+        raise click.ClickException(f"--out {out}: exists and is not a directory")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # mkdir reports a file on the way as "File exists"
+        why = "Not a directory: a file is on its path" if isinstance(e, FileExistsError) else e.strerror or e
+        raise click.ClickException(f"--out {out}: cannot create it ({why})") from None
+
+
+def _temp_dirs(out: Path) -> list[Path]:
+    return list(out.parent.glob(f".{out.name}.tmp-export*")) + list(out.parent.glob(f".{out.name}.trash-export*"))
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Puts the finished tmp dir at out, moving an earlier out aside first (a directory cannot be renamed over a
+    non-empty one)."""
+    trash = out.with_name(f".{out.name}.trash-export{os.getpid()}")
+    if out.exists():
+        os.replace(out, trash)
+    os.replace(tmp, out)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def export(checkpoint: str, out: str, fmt: str = "safetensors") -> Path:
@@ -21,11 +56,22 @@ def export(checkpoint: str, out: str, fmt: str = "safetensors") -> Path:
 
         if not have_safetensors():
             raise click.UsageError(f"--format {fmt} needs the safetensors package (pip install tlf[hf])")
-    if fmt == "hf":
-        from pipeline.hf.export import export_hf
+    dest = Path(out)
+    _check_out(dest)
+    for stale in _temp_dirs(dest):  # left by a killed export
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-export{os.getpid()}")
+    try:
+        if fmt == "hf":
+            from pipeline.hf.export import export_hf
 
-        return export_hf(model, cfg, Path(out), find_export(checkpoint))
-    return save_model(out, model, cfg, fmt)
+            export_hf(model, cfg, tmp, find_export(checkpoint))
+        else:
+            save_model(tmp, model, cfg, fmt)
+        _replace_dir(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
 
 
 @click.command("export")

@@ -77,6 +77,36 @@ def w(tmp_path_factory) -> Path:
     (d / "emptystore").mkdir()  # a store that exists and holds no experiment
     from pipeline import tracking
     tracking.client(f"sqlite:///{d / 'emptystore' / 'm.db'}").search_experiments()
+
+    # issue 23: inputs that gave tracebacks
+    (d / "vocabhigh").mkdir()  # a token id no tokenizer id can be (uint16 allows up to 65535)
+    write_shard(d / "vocabhigh" / "t_train_000000.bin", np.array([50256, 60000, 1, 2] * 10))
+    (d / "inherit5.yaml").write_text("inherit: 5\n")
+    shutil.copytree(d / "good", d / "flipped")  # prep-data's manifest (sha256 per shard), then one byte flipped
+    from data_prep.assets import sha256_file
+    (d / "flipped" / "manifest.json").write_text(json.dumps({"complete": True, "splits": {s: {"shards": [
+        {"name": f"t_{s}_000000.bin", "sha256": sha256_file(d / "flipped" / f"t_{s}_000000.bin")}]}
+        for s in ("train", "val")}}))
+    body = bytearray((d / "flipped" / "t_train_000000.bin").read_bytes())
+    body[2000] ^= 0x01  # a token id that stays below the vocabulary: only the checksum can tell
+    (d / "flipped" / "t_train_000000.bin").write_bytes(bytes(body))
+    (d / "emptypt").mkdir()
+    shutil.copy(d / "model" / "config.yaml", d / "emptypt" / "config.yaml")
+    (d / "emptypt" / "model.pt").write_bytes(b"")
+    shutil.copytree(d / "model", d / "badcfg")
+    (d / "badcfg" / "config.yaml").write_text("model: [unclosed\n")
+    from safetensors.torch import load_file, save_file
+    state = load_file(str(d / "model" / "model.safetensors"))
+    (d / "wrongshape").mkdir()
+    shutil.copy(d / "model" / "config.yaml", d / "wrongshape" / "config.yaml")
+    save_file({**state, "wte.weight": state["wte.weight"][:, :-1].contiguous()}, str(d / "wrongshape" / "model.safetensors"))
+    (d / "nanmodel").mkdir()
+    shutil.copy(d / "model" / "config.yaml", d / "nanmodel" / "config.yaml")
+    save_file({k: torch.full_like(v, float("nan")) for k, v in state.items()}, str(d / "nanmodel" / "model.safetensors"))
+    for name, rec in (("runjson_types", {"mlflow_run_id": ["r1"], "tracking_uri": 5, "step": 1}),
+                      ("runjson_step", {"mlflow_run_id": "r1", "tracking_uri": "sqlite:///x.db", "step": "abc"})):
+        shutil.copytree(d / "model", d / name)
+        (d / name / "run.json").write_text(json.dumps(rec))
     return d
 
 
@@ -154,6 +184,35 @@ CASES = {
     "generate-loops-above-L": (lambda w: ["generate", str(w / "model"), "-p", "hi", "-M", "9", "-n", "2"], 2,
                                ["--loops", "loop budget 9"]),
     "generate-loops-0": (lambda w: ["generate", str(w / "model"), "-p", "hi", "-M", "0", "-n", "2"], 2, ["--loops"]),
+    # issue 23: each gave a traceback before
+    "inspect-token-above-vocab": (lambda w: ["data", "inspect", str(w / "vocabhigh")], 1,
+                                  ["vocabhigh/t_train_000000.bin", "60000", "vocabulary"]),
+    "train-shard-byte-flipped": (lambda w: train(w, "flipped"), 1, ["flipped/t_train_000000.bin", "sha256", "manifest"]),
+    "yaml-inherit-not-a-list": (lambda w: ["train", str(w / "inherit5.yaml")], 2, ["inherit5.yaml", "inherit", "5"]),
+    "eval-empty-model-pt": (lambda w: ["eval", str(w / "emptypt"), "--no-ppl", *EVAL], 2,
+                            ["emptypt/model.pt", "unreadable"]),
+    "eval-corrupt-export-config": (lambda w: ["eval", str(w / "badcfg"), "--no-ppl", *EVAL], 2,
+                                   ["badcfg/config.yaml", "invalid YAML"]),
+    "generate-corrupt-export-config": (lambda w: ["generate", str(w / "badcfg"), "-p", "hi", "-n", "2"], 2,
+                                       ["badcfg/config.yaml", "invalid YAML"]),
+    "export-corrupt-export-config": (lambda w: ["export", str(w / "badcfg"), "--out", str(w / "exp_badcfg")], 2,
+                                     ["badcfg/config.yaml", "invalid YAML"]),
+    "export-out-under-a-file": (lambda w: ["export", str(w / "model"), "--out", str(w / "good.jsonl" / "sub")], 1,
+                                ["good.jsonl/sub", "Not a directory"]),
+    "export-out-not-an-export": (lambda w: ["export", str(w / "model"), "--out", str(w / "good")], 2,
+                                 ["--out", "/good", "not an export"]),
+    "eval-wrong-shape-tensor": (lambda w: ["eval", str(w / "wrongshape"), "--no-ppl", *EVAL], 2,
+                                ["wrongshape/model.safetensors", "wte.weight", "do not match"]),
+    "generate-nan-weights": (lambda w: ["generate", str(w / "nanmodel"), "-p", "hi", "-n", "2"], 2,
+                             ["nanmodel/model.safetensors", "NaN"]),
+    "eval-nan-weights": (lambda w: ["eval", str(w / "nanmodel"), "--no-ppl", *EVAL], 2,
+                         ["nanmodel/model.safetensors", "NaN"]),
+    "eval-run-json-types": (lambda w: ["eval", str(w / "runjson_types"), "--tasks", "none", "--no-latency", "--no-ppl",
+                                       f"logging.tracking_uri=sqlite:///{w / 'rj.db'}"], 2,
+                            ["runjson_types/run.json", "mlflow_run_id"]),
+    "eval-run-json-step": (lambda w: ["eval", str(w / "runjson_step"), "--tasks", "none", "--no-latency", "--no-ppl",
+                                      f"logging.tracking_uri=sqlite:///{w / 'rj.db'}"], 2,
+                           ["runjson_step/run.json", "'step'", "abc"]),
     # tlf compare
     "compare-missing-store": (lambda w: ["compare", "--tracking-uri", f"sqlite:///{w / 'nostore' / 'm.db'}",
                                          "--out", str(w / "cmp")], 2, ["no MLflow store", "nostore"]),
@@ -237,6 +296,34 @@ def save_full_disk(w, monkeypatch):
     return after
 
 
+def ds_save_full_disk(w, monkeypatch):
+    import torch
+    real = torch.save
+
+    def full(obj, f, *a, **k):  # torch's zip writer reports ENOSPC as a multi-line RuntimeError
+        if "global_step2" in str(f) and "mp_rank_00_model_states" in str(f):
+            Path(f).write_bytes(b"\0" * 100)
+            raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0\n"
+                               "PytorchStreamWriter failed writing file data/0: file write failed")
+        return real(obj, f, *a, **k)
+    monkeypatch.setattr(torch, "save", full)
+
+    def after(w):
+        ck = w / "ck" / "dsfull"
+        assert sorted(p.name for p in ck.iterdir()) == ["global_step1", "latest"]  # no .tmp-global_step2 left
+    return after
+
+
+def resume_other_data(w, monkeypatch):
+    """A run of 2 steps on `good` checkpoints into ck/mismatch; the case resumes it on a directory of other size."""
+    (w / "other").mkdir()
+    write_shard(w / "other" / "t_train_000000.bin", np.arange(30 * 32 + 1) % 512)
+    r = CliRunner().invoke(_cli(monkeypatch), train(w, "good", "checkpoint.interval=1",
+                                                    f"checkpoint.dir={w / 'ck' / 'mismatch'}"))
+    assert r.exit_code == 0, r.output
+    return None
+
+
 def PREP_FULL(w, out="out_full"):
     return ["prep-data", "--source", "files", "-i", str(w / "good.jsonl"), "--out", str(w / out), "--no-progress",
             "-j", "0", "--shard-tokens", "100", "--val-every", "-1"]
@@ -248,6 +335,12 @@ FAULTS = {
                          ["out_lock", "another prep-data", "pid 4242 on testhost", ".lock"], prep_locked),
     "train-full-disk-in-save": (lambda w: train(w, "good", "checkpoint.interval=1"), 1,
                                 ["global_step2 failed", "No space left", "global_step1 is intact"], save_full_disk),
+    "train-resume-on-other-data": (
+        lambda w: train(w, "other", f"checkpoint.dir={w / 'ck' / 'mismatch'}", "schedule.max_steps=3"), 1,
+        ["data.dir=", "/other", "windows"], resume_other_data),
+    "train-full-disk-in-deepspeed-save": (
+        lambda w: train(w, "good", "checkpoint.interval=1", f"checkpoint.dir={w / 'ck' / 'dsfull'}"), 1,
+        ["global_step2 failed", "file write failed", "disk full?", "global_step1 is intact"], ds_save_full_disk),
 }
 CASES.update({k: v[:3] for k, v in FAULTS.items()})
 

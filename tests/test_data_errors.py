@@ -209,3 +209,28 @@ def test_one_prep_data_per_output_directory(tmp_path):
         with pytest.raises(PrepError, match="another prep-data is writing there"):
             prep(tmp_path / "o", inputs=[str(f)])
     assert prep(tmp_path / "o", inputs=[str(f)])["complete"]
+
+
+def test_shard_checksum_is_verified_once_lazily_on_its_rank_and_old_manifests_still_load(tmp_path):
+    """data.verify (issue 23): a same-size byte flip is found at the shard's first read, on the rank that owns the
+    shard (k % world size); manifests listing names only, or entries without sha256, are read unchecked."""
+    from data_prep.assets import sha256_file
+    for k in range(2):
+        write_shard(tmp_path / f"t_train_{k:06d}.bin", np.arange(100) + k)
+    sums = [sha256_file(tmp_path / f"t_train_{k:06d}.bin") for k in range(2)]
+    body = bytearray((tmp_path / "t_train_000001.bin").read_bytes())
+    body[HEADER_BYTES + 10] ^= 1  # token 5 of shard 1: 6 -> 7, still a valid id
+    (tmp_path / "t_train_000001.bin").write_bytes(bytes(body))
+
+    def manifest(entries):
+        (tmp_path / "manifest.json").write_text(json.dumps({"complete": True, "splits": {"train": {"shards": entries}}}))
+    manifest([{"name": f"t_train_{k:06d}.bin", "sha256": s} for k, s in enumerate(sums)])
+    ok = ShardSet(tmp_path, "train", verify=(0, 2))  # rank 0 of 2 owns shard 0 only: shard 1 is not its to check
+    assert ok.read(95, 10).tolist() == [95, 96, 97, 98, 99, 1, 2, 3, 4, 5]
+    bad = ShardSet(tmp_path, "train", verify=(0, 1))
+    assert bad.read(0, 10).tolist() == list(range(10))  # shard 0 is fine; shard 1 not read yet, not hashed
+    with pytest.raises(ShardError, match=r"t_train_000001.bin: sha256 .* differs from the manifest"):
+        bad.read(100, 2)
+    for entries in ([f"t_train_{k:06d}.bin" for k in range(2)], [{"name": f"t_train_{k:06d}.bin"} for k in range(2)]):
+        manifest(entries)
+        assert ShardSet(tmp_path, "train", verify=(0, 1)).read(100, 6).tolist() == [1, 2, 3, 4, 5, 7]

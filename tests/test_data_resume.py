@@ -130,3 +130,31 @@ def test_sigkill_then_rerun_gives_identical_shards(tmp_path):
     assert "resuming" in r.stderr
     assert files_of(out) == files_of(ref)
     assert final_manifest(out) == final_manifest(ref)
+
+
+def test_kill_after_the_complete_manifest_leaves_no_resume_buffers(tmp_path, monkeypatch, texts):
+    """A kill after the manifest is marked complete and before the resume buffers are unlinked (issue 23): the
+    rerun through `tlf prep-data` ('nothing to do') removes the `.resume_*` files; the shards stay identical."""
+    from click.testing import CliRunner
+
+    from data_prep import files as files_mod
+    from pipeline.cli import main
+    src = make_inputs(tmp_path, texts)["jsonl-2-files"]["inputs"]
+    argv = ["prep-data", "--source", "files", *sum((["-i", s] for s in src), []), "--shard-tokens", "2500",
+            "--val-every", "4", "-j", "0", "--no-progress", "batch_bytes=9000"]
+    assert CliRunner().invoke(main, argv + ["--out", str(tmp_path / "ref")]).exit_code == 0
+    real = files_mod.write_json
+
+    def killed_after_complete(path, obj, *a, **k):  # the kill lands right after the final manifest is renamed
+        real(path, obj, *a, **k)
+        if isinstance(obj, dict) and obj.get("complete") is True:
+            raise Interrupt
+    monkeypatch.setattr(prep_mod, "write_json", killed_after_complete)
+    out = tmp_path / "out"
+    assert isinstance(CliRunner().invoke(main, argv + ["--out", str(out)]).exception, Interrupt)
+    assert list(out.glob(".resume_*")), "the kill should have left resume buffers"
+    monkeypatch.setattr(prep_mod, "write_json", real)
+    r = CliRunner().invoke(main, argv + ["--out", str(out)])
+    assert r.exit_code == 0 and "nothing to do" in r.output, r.output
+    assert not list(out.glob(".resume_*"))
+    assert files_of(out) == files_of(tmp_path / "ref")

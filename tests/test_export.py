@@ -70,3 +70,45 @@ def test_loading_never_unpickles_objects_and_bad_files_are_one_line_errors(tmp_p
     assert res.exit_code == 2 and "model.safetensors: unreadable weights" in res.output and "Traceback" not in res.output
     with pytest.raises(FileNotFoundError, match="model.safetensors or model.pt"):
         find_export(tmp_path)
+
+
+KILLED_EXPORT = """
+import os, signal, sys
+from data_prep import files
+from pipeline.cli import main
+real = files.atomic_write_bytes
+def write(path, chunks):  # SIGKILL once the weights are written, as config.yaml is about to be
+    if str(path).endswith("config.yaml"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(path, chunks)
+import pipeline.model.io as io
+io.atomic_write_bytes = write
+sys.argv = ["tlf", *sys.argv[1:]]
+main()
+"""
+
+
+def test_export_is_atomic_and_replaces_an_earlier_export_whole(tmp_path):
+    """issue 23: a kill leaves no partial --out and the rerun removes its temp files; `--format hf` over an earlier
+    tlf export leaves none of its files (model.pt, config.yaml) beside the new ones."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model, cfg = perturbed_tiny()
+    src = save_model(tmp_path / "src", model, cfg)
+    out = tmp_path / "out"
+    repo = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-c", KILLED_EXPORT, "export", str(src), "--out", str(out)], cwd=repo,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert not out.exists() and list(tmp_path.glob(".out.tmp-export*"))  # nothing partial under --out
+    assert CliRunner().invoke(main, ["export", str(src), "--out", str(out), "--format", "pt"]).exit_code == 0
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["out", "src"]  # the temp dir is gone
+    assert sorted(x.name for x in out.iterdir()) == ["config.yaml", "model.pt"]
+    res = CliRunner().invoke(main, ["export", str(src), "--out", str(out), "--format", "hf"])
+    assert res.exit_code == 0, res.output
+    names = {x.name for x in out.iterdir()}
+    assert "config.json" in names and "model.safetensors" in names and not names & {"model.pt", "config.yaml"}
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["out", "src"]

@@ -117,16 +117,29 @@ def test_tlf_train_under_the_launcher_sigterm_then_module_resume(tmp_path):
         lines.append(line)
         if "[tlf] step 3/" in line or time.time() > deadline:
             break
-    # as a scheduler or Ctrl-C does: the whole process group (the runner alone does not forward SIGTERM)
+    # as a scheduler's preemption or Ctrl-C does: the whole process group (the runner alone does not forward
+    # SIGTERM); the scheduler SIGKILLs the group after its grace period, here as soon as rank 0 reports its save
     os.killpg(proc.pid, signal.SIGTERM)
+    for line in proc.stdout:
+        lines.append(line)
+        if "stopped by SIGTERM" in line:
+            break
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     rest, _ = proc.communicate(timeout=120)
     text = "".join(lines) + rest
+    # README: the runner dies of the SIGTERM itself (143 in a shell), whatever the ranks do: its status is no sign
+    assert proc.returncode == -signal.SIGTERM, proc.returncode
     assert "[tlf] step 3/" in text, text[-4000:]
     assert "stopped by SIGTERM" in text, text[-4000:]
     ck = tmp_path / "ck"
     stop = int((ck / "latest").read_text().removeprefix("global_step"))
     assert stop >= 3
     assert {p.name for p in (ck / f"global_step{stop}").glob("rank*_state.pt")} == {"rank0_state.pt", "rank1_state.pt"}
+    from pipeline.train.checkpoint import damage, newest_intact
+    assert newest_intact(ck) == ck / f"global_step{stop}" and damage(ck / f"global_step{stop}") is None
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("tlf").experiment_id])
     assert run.info.status == "KILLED" and run.data.tags["world_size"] == "2" and run.data.tags["zero_stage"] == "2"

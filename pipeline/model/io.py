@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 from pathlib import Path
 
 import torch
-import yaml
 
+from data_prep.configlib import read_yaml_mapping
 from data_prep.files import atomic_write_bytes
 from pipeline.config import Config, ConfigError, apply_overrides, config_from_dict, to_yaml
 from pipeline.model.looped import LoopedLM
@@ -63,11 +64,18 @@ def weights_file(d: Path) -> Path | None:
 
 
 def find_export(path: str | os.PathLike) -> Path:
-    """Accepts an export dir, a checkpoint dir containing `model/`, or a run dir with `latest` checkpoint."""
+    """Accepts an export dir, a checkpoint dir containing `model/`, or a run dir: its newest intact checkpoint
+    (pipeline.train.checkpoint.newest_intact; a damaged newer one is passed over with a warning), which `latest`
+    names unless a kill hit between a checkpoint's rename and `latest`'s."""
+    from pipeline.train.checkpoint import newest_intact
+
     p = Path(path)
     for cand in (p, p / "model"):
         if weights_file(cand) and (cand / "config.yaml").is_file():
             return cand
+    ck = newest_intact(p, lambda m: print(f"[tlf] warning: {m}", file=sys.stderr, flush=True))
+    if ck is not None and weights_file(ck / "model"):
+        return ck / "model"
     latest = p / "latest"
     if latest.is_file():
         return find_export(p / latest.read_text().strip())
@@ -88,18 +96,27 @@ def load_state(f: Path) -> dict[str, torch.Tensor]:
     except ConfigError:
         raise
     except Exception as e:  # truncated/corrupt file, or a pickle holding more than tensors
-        raise ConfigError(f"{f}: unreadable weights ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        first = (str(e).strip().splitlines() or [""])[0][:200]  # an empty file's error has no message
+        raise ConfigError(f"{f}: unreadable weights ({type(e).__name__}{': ' + first if first else ''})") from None
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", overrides: list[str] = ()) -> tuple[LoopedLM, Config]:
     d = find_export(path)
-    raw = yaml.safe_load((d / "config.yaml").read_text())
+    raw = read_yaml_mapping(d / "config.yaml")  # bad YAML or another shape: a ConfigError naming the file
     cfg = config_from_dict(raw, source=str(d / "config.yaml"))
     apply_overrides(cfg, overrides)
     model = LoopedLM(cfg.model)
     f = weights_file(d)
     state = load_state(f)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of another shape than config.yaml gives
+        why = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+        raise ConfigError(f"{f}: weights do not match its config.yaml ({why.rstrip('.')})") from None
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ConfigError(f"{f}: {len(bad)} of {len(state)} weight tensors hold NaN or inf (first: {bad[0]}); the "
+                          "run diverged or the file is corrupt: use an earlier checkpoint")
     missing = [k for k in missing if k != "lm_head.weight" or not cfg.model.tie_embeddings]
     if missing or unexpected:
         raise ConfigError(f"{f}: weights do not match its config.yaml (missing {missing[:5]}, unexpected {unexpected[:5]})")

@@ -2,8 +2,9 @@
 
 Layout of `checkpoint.dir` (default `checkpoints/<config name with / replaced by ->`):
 
-    latest                      # names the newest complete checkpoint; written last (atomic rename)
+    latest                      # names the newest complete checkpoint; written last (atomic rename); a hint only
     global_step{N}/             # DeepSpeed's model/optimizer/scheduler files (engine.save_checkpoint)
+        files.json              # every file's size, written by rank 0 before the rename (`damage` checks it)
         rank{r}_state.pt        # this rank's step, data position, RNG states (python, numpy, torch, cuda), config
         model/                  # pipeline.model.io export (model.safetensors + config.yaml): what generate/eval load
 
@@ -12,8 +13,12 @@ rank has written its files, then `latest` is replaced; so a kill or a full disk 
 hidden temp dir (removed by the next save) and the previous checkpoint stays the newest complete one. Before a
 save, the free space is checked against the size of the previous checkpoint (or an estimate from the parameter
 count); too little is an error before anything is written. Old checkpoints beyond `checkpoint.keep_last` are
-renamed to `.trash-*` and then removed. DeepSpeed's `client_state` comes back from rank 0's file only under
-ZeRO 0-2 (docs/design.md §6), which is why each rank's own state lives in its own file.
+renamed to `.trash-*` and then removed. Readers (the resume, `tlf eval RUN_DIR`) take the newest complete
+checkpoint whose files all have their recorded sizes (`newest_intact`), not what `latest` names: a kill between
+the two renames leaves `latest` one behind (and a `.latest.tmp*`, removed by the next save), and a truncated or
+missing file makes them fall back to the previous checkpoint with a warning naming both. DeepSpeed's
+`client_state` comes back from rank 0's file only under ZeRO 0-2 (docs/design.md §6), which is why each rank's own
+state lives in its own file.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ import numpy as np
 import torch
 
 from data_prep.files import atomic_write_bytes, write_json
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 
 STEP_DIR = re.compile(r"^global_step(\d+)$")
 
@@ -66,24 +71,68 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def find_resume(cfg: Config, root: Path) -> Path | None:
-    """The checkpoint dir to resume from: checkpoint.resume = auto (newest complete under root, if any),
-    none, a checkpoint dir, or a run dir (its `latest`, else its newest complete checkpoint)."""
+def find_resume(cfg: Config, root: Path, warn=None) -> Path | None:
+    """The checkpoint dir to resume from: checkpoint.resume = auto (newest intact under root, if any), none, a
+    checkpoint dir, or a run dir (its newest intact checkpoint; `latest` is only a hint for other tools). A damaged
+    newest checkpoint is passed over with `warn(one line naming it and the one used instead)`."""
     r = cfg.checkpoint.resume
     if r == "none":
         return None
     if r == "auto":
-        done = complete_checkpoints(root)
-        return done[-1][1] if done else None
+        return newest_intact(root, warn)
     p = Path(r)
     if (p / "rank0_state.pt").is_file():
+        why = damage(p)
+        if why:
+            raise CheckpointError(f"checkpoint.resume={r}: damaged checkpoint ({why}); resume from another one")
         return p
-    if (p / "latest").is_file() and (p / (p / "latest").read_text().strip() / "rank0_state.pt").is_file():
-        return p / (p / "latest").read_text().strip()
-    done = complete_checkpoints(p)
-    if done:
-        return done[-1][1]
-    raise CheckpointError(f"checkpoint.resume={r}: no complete checkpoint there (expected global_step<N>/rank0_state.pt)")
+    found = newest_intact(p, warn)
+    if found is not None:
+        return found
+    raise CheckpointError(f"checkpoint.resume={r}: no intact checkpoint there (expected global_step<N>/rank0_state.pt)")
+
+
+FILES = "files.json"  # {relative path: size in bytes} of every file of a checkpoint, written by rank 0 before the rename
+
+
+def record_files(ck: Path) -> None:
+    """Writes ck/files.json listing every file of checkpoint dir ck (all ranks have written theirs)."""
+    sizes = {str(f.relative_to(ck)): f.stat().st_size for f in sorted(ck.rglob("*")) if f.is_file()}
+    write_json(ck / FILES, sizes, indent=0)
+
+
+def damage(ck: Path) -> str | None:
+    """Why checkpoint dir ck cannot be resumed from (a file it was written with is missing or has another size),
+    or None. Checkpoints written before files.json existed are trusted."""
+    try:
+        sizes = json.loads((ck / FILES).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        return f"{FILES} unreadable: {e}"
+    if not isinstance(sizes, dict):
+        return f"{FILES} is not an object"
+    for name, size in sizes.items():
+        f = ck / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def newest_intact(root: Path, warn=None) -> Path | None:
+    """The newest complete checkpoint under root whose files are all there (`damage`), or None; each newer damaged
+    one is reported through warn (a callable taking one line) naming it and the one chosen instead."""
+    done = [p for _, p in complete_checkpoints(root)]
+    for i in range(len(done) - 1, -1, -1):
+        why = damage(done[i])
+        if why is None:
+            return done[i]
+        if warn is not None:
+            warn(f"checkpoint {done[i]} is damaged ({why}); "
+                 + (f"falling back to {done[i - 1]}" if i else "no earlier complete checkpoint to fall back to"))
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- RNG
@@ -157,15 +206,21 @@ class RunRecord:
 
 
 def read_run_record(export_dir: Path) -> RunRecord | None:
-    """The export's run.json, or None when the export has none (saved outside training) or it is unreadable."""
+    """The export's run.json, or None when the export has none (saved outside training) or it is not JSON; a
+    field of the wrong type is a ConfigError naming the file and key."""
     try:
         meta = json.loads((Path(export_dir) / RUN_RECORD).read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
+    f = Path(export_dir) / RUN_RECORD
     if not isinstance(meta, dict):
-        return None
-    run_id = meta.get("mlflow_run_id") if isinstance(meta.get("mlflow_run_id"), str) else None
-    return RunRecord(run_id or None, str(meta.get("tracking_uri") or ""), int(meta.get("step") or 0))
+        raise ConfigError(f"{f}: must be a JSON object, not {type(meta).__name__}")
+    for key, kinds in (("mlflow_run_id", (str, type(None))), ("tracking_uri", (str, type(None))), ("step", (int,))):
+        v = meta.get(key, 0 if key == "step" else None)
+        if not isinstance(v, kinds) or isinstance(v, bool):
+            want = "an integer" if key == "step" else "a string or null"
+            raise ConfigError(f"{f}: key '{key}' must be {want}, got {v!r}"[:300])
+    return RunRecord(meta.get("mlflow_run_id") or None, meta.get("tracking_uri") or "", meta.get("step", 0))
 
 
 def export_model(engine, model, cfg: Config, directory: Path, rank: int) -> None:
@@ -186,14 +241,16 @@ def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: i
     """Writes checkpoint global_step{step} (every rank calls this); returns its dir."""
     tag = f"global_step{step}"
     final, tmp = root / tag, root / f".tmp-{tag}"
-    prev = complete_checkpoints(root)
-    prev_msg = f"previous checkpoint {prev[-1][1]} is intact" if prev else "no earlier checkpoint exists"
+    prev = newest_intact(root)
+    prev_msg = f"previous checkpoint {prev} is intact" if prev else "no earlier checkpoint exists"
     if rank == 0:
         ensure_dir(root)
         for stale in root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         for stale in root.glob(".trash-*"):
             shutil.rmtree(stale, ignore_errors=True)
+        for stale in root.glob(".latest.tmp*"):  # a kill during the `latest` rename
+            stale.unlink(missing_ok=True)
         need = int(_estimate_bytes(root, model) * 1.1)
         free = shutil.disk_usage(root).free
         short = free < need
@@ -211,14 +268,15 @@ def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: i
         export_model(engine, model, cfg, tmp / "model", rank)
         if rank == 0:
             write_run_record(tmp / "model", cfg, state.get("mlflow_run_id"), step)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save inside DeepSpeed reports a full disk as a RuntimeError
         # No collective here: a peer may be inside DeepSpeed's own barrier. Single process: clean up and
         # report; under a launcher this rank exits non-zero and the launcher stops the others.
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"saving {final} failed on rank {rank}: {e}; {prev_msg}") from e
+        raise CheckpointError(f"saving {final} failed on rank {rank}: {_one_line(e, root)}; {prev_msg}") from e
     torch.distributed.barrier()
     if rank == 0:
+        record_files(tmp)
         if final.exists():  # a checkpoint of this step from an earlier branch of the run
             _remove_tree(final)
         os.replace(tmp, final)
@@ -228,6 +286,18 @@ def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: i
             _remove_tree(old)
     torch.distributed.barrier()
     return final
+
+
+def _one_line(e: BaseException, where: Path) -> str:
+    """An exception as one line (torch's writer errors span several lines; a failed write gets the free space)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    msg = next((ln for ln in lines if "failed" in ln.lower()), lines[0])
+    if isinstance(e, RuntimeError) and "write" in msg.lower():
+        try:
+            msg += f" (disk full? {shutil.disk_usage(where).free / 2**20:.1f} MiB free on {where})"
+        except OSError:
+            pass
+    return msg
 
 
 def _fsync_dir(p: Path) -> None:

@@ -31,8 +31,8 @@ class TrainLoader:
     """Deterministic, disjoint per-rank micro-batches of (inputs, targets), each (mb, T) int64."""
 
     def __init__(self, directory: str, split: str, seq_len: int, micro_batch: int, rank: int, world_size: int,
-                 seed: int, vocab_size: int):
-        self.shards = ShardSet(directory, split)
+                 seed: int, vocab_size: int, verify: bool = False):
+        self.shards = ShardSet(directory, split, (rank, world_size) if verify else None)
         self.T, self.mb, self.rank, self.ws = seq_len, micro_batch, rank, world_size
         self.seed, self.vocab_size = seed, vocab_size
         self.windows = (self.shards.num_tokens - 1) // seq_len
@@ -73,7 +73,8 @@ class TrainLoader:
     def load_state_dict(self, state: dict) -> None:
         for k in ("seed", "per_micro", "windows"):
             if state[k] != getattr(self, k):
-                raise ShardError(f"checkpointed data position does not fit this run: {k} was {state[k]}, now "
+                raise ShardError(f"checkpointed data position does not fit this run's data.dir={self.shards.dir} "
+                                 f"'{self.shards.split}': {k} was {state[k]}, now "
                                  f"{getattr(self, k)} (same data, train.seed and micro_batch_size x world size needed)")
         self.micro = int(state["micro"])
 
@@ -83,8 +84,8 @@ class ValLoader:
     [(b * ws + r) * mb, ... + mb) of the split in order (wrapping around a small split)."""
 
     def __init__(self, directory: str, split: str, seq_len: int, micro_batch: int, rank: int, world_size: int,
-                 vocab_size: int):
-        self.shards = ShardSet(directory, split)
+                 vocab_size: int, verify: bool = False):
+        self.shards = ShardSet(directory, split, (rank, world_size) if verify else None)
         self.T, self.mb, self.rank, self.ws, self.vocab_size = seq_len, micro_batch, rank, world_size, vocab_size
         self.windows = (self.shards.num_tokens - 1) // seq_len
         if self.windows < 1:

@@ -202,14 +202,17 @@ class Trainer:
         cfg.check_world_size(ws)
         ds_config = ds.build_ds_config(cfg, ws, precision)
         root = ckpt.run_dir(cfg)
-        resume_from = ckpt.find_resume(cfg, root)
+        log.open(rank)  # so a damaged newest checkpoint is reported (once, by rank 0) as it is passed over
+        resume_from = ckpt.find_resume(cfg, root, log.warn)
         T, mb = cfg.model.block_size, cfg.train.micro_batch_size
 
         if loader is None:
-            loader = TrainLoader(cfg.data.dir, cfg.data.train_split, T, mb, rank, ws, cfg.train.seed, cfg.model.vocab_size)
+            loader = TrainLoader(cfg.data.dir, cfg.data.train_split, T, mb, rank, ws, cfg.train.seed,
+                                 cfg.model.vocab_size, cfg.data.verify)
         val = []
         if cfg.train.eval_interval > 0:
-            val = [(f"val/{Path(d).name or d}", ValLoader(d, cfg.data.val_split, T, mb, rank, ws, cfg.model.vocab_size))
+            val = [(f"val/{Path(d).name or d}", ValLoader(d, cfg.data.val_split, T, mb, rank, ws, cfg.model.vocab_size,
+                                                          cfg.data.verify))
                    for d in [cfg.data.dir] + list(cfg.data.extra_val_dirs)]
             val[0] = ("val/loss", val[0][1])
 

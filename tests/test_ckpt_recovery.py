@@ -1,0 +1,77 @@
+"""Which checkpoint is used after a kill or damage (issue 23): a kill at the `latest` rename, a truncated or missing
+newest checkpoint file, and a full disk inside DeepSpeed's own save. Training runs as a real child process
+(bench/faults.py's CHILD, the trainer's real entry), reruns are compared with an uninterrupted run."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.faults import CHILD
+from test_train import TINY, clean_env, make_shards
+
+PY = sys.executable
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return make_shards(tmp_path_factory.mktemp("shards"), windows=10)
+
+
+@pytest.fixture(scope="module")
+def full(data, tmp_path_factory) -> dict:
+    """The uninterrupted 6-step run."""
+    return result(child(tmp_path_factory.mktemp("full"), data, 6))
+
+
+def child(root: Path, data: Path, steps: int, **env) -> subprocess.CompletedProcess:
+    args = TINY + [f"data.dir={data}", f"checkpoint.dir={root}", "checkpoint.interval=2", "checkpoint.keep_last=3",
+                   f"schedule.max_steps={steps}", "train.eval_interval=0", "train.deterministic=true"]
+    return subprocess.run([PY, "-c", CHILD, *args], capture_output=True, text=True, timeout=300, env=clean_env(**env))
+
+
+def result(p: subprocess.CompletedProcess) -> dict:
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_kill_at_the_latest_rename(tmp_path, data, full):
+    """`latest` still names step 2 and its temp file is left; eval/generate and the resume use step 4 anyway, and
+    the next save removes the temp file."""
+    from pipeline.model.io import find_export
+
+    root = tmp_path / "ck"
+    p = child(root, data, 6, KILL_AT_LATEST="4")
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+    assert (root / "latest").read_text() == "global_step2" and list(root.glob(".latest.tmp*"))
+    assert find_export(root) == root / "global_step4" / "model"  # what `tlf eval RUN_DIR` / `tlf generate` load
+    res = result(child(root, data, 6))
+    assert res["start"] == 4 and res["losses"] == full["losses"][4:]
+    assert (root / "latest").read_text() == "global_step6" and not list(root.glob(".latest.tmp*"))
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, data, full):
+    """A missing file (the export) or a truncated one (DeepSpeed's model states) in the newest checkpoint: eval and
+    the resume use the previous one, with one warning line naming both."""
+    from pipeline.model.io import find_export
+    from pipeline.train.checkpoint import damage
+
+    root = tmp_path / "ck"
+    result(child(root, data, 4))
+    (root / "global_step4" / "model" / "model.safetensors").rename(tmp_path / "kept")
+    assert damage(root / "global_step4") == "model/model.safetensors is missing"
+    assert find_export(root) == root / "global_step2" / "model"
+    (tmp_path / "kept").rename(root / "global_step4" / "model" / "model.safetensors")
+    f = root / "global_step4" / "mp_rank_00_model_states.pt"
+    f.write_bytes(f.read_bytes()[:1000])
+    assert find_export(root) == root / "global_step2" / "model"
+    p = child(root, data, 6)
+    warn = [ln for ln in p.stderr.splitlines() if "damaged" in ln]
+    assert len(warn) == 1 and str(root / "global_step4") in warn[0] and str(root / "global_step2") in warn[0], p.stderr
+    assert f.name in warn[0]
+    res = result(p)
+    assert res["start"] == 2 and res["losses"] == full["losses"][2:]
