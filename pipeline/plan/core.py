@@ -1,0 +1,175 @@
+"""`plan(cfg, gpus, gpu)`: per-GPU peak memory (with its parts), FITS / DOES NOT FIT, FLOPs, step time and
+the run's wall clock and GPU-hours, and the largest micro-batch per activation-checkpointing mode, from traces
+of the real training step (pipeline/plan/trace.py) and DeepSpeed's partitioning rules (pipeline/plan/zero.py).
+docs/design.md, "Planning a run", explains the accounting."""
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from pipeline.config import Config, ConfigError
+from pipeline.plan.hardware import GPU
+from pipeline.plan.trace import StepTrace, trace_step
+from pipeline.plan.zero import model_state_bytes
+from pipeline.train.ac import MODES
+
+GiB = 2**30
+
+
+def default_mean_depth(cfg: Config) -> float:
+    """The router's prior mean: model.router_target_depth, or (loops + 1) / 2 when it is 0."""
+    m = cfg.model
+    return m.router_target_depth or (m.loops + 1) / 2
+
+
+def prior_counts(cfg: Config, mean_depth: float | None) -> np.ndarray | None:
+    """(1, L) |A_i| per loop of a row whose T depths follow the router's maximum-entropy prior with this mean
+    (pipeline.model.router.depth_prior); None without a router (every token runs every loop)."""
+    from pipeline.model.router import depth_prior
+
+    m = cfg.model
+    if not m.router:
+        return None
+    mean = default_mean_depth(cfg) if mean_depth is None else mean_depth
+    if not 1.0 < mean < m.loops:
+        raise ConfigError(f"--mean-depth {mean} must lie strictly between 1 and model.loops ({m.loops})")
+    q = depth_prior(m.loops, mean).numpy()
+    at_least = q[::-1].cumsum()[::-1]  # P(depth >= i), i = 1..L
+    return np.maximum(np.rint(m.block_size * at_least), 1).astype(np.int64)[None]
+
+
+def worst_shortcut(L: int) -> torch.Tensor:
+    """S = L - 1, the shortcut pass with the most loops: the step of the largest peak (bench/train_step.py's)."""
+    return torch.tensor([2] + [1] * (L - 2)) if L > 2 else torch.tensor([1] * L)
+
+
+def mean_shortcut(L: int) -> torch.Tensor:
+    """A schedule of S = round(E[S]) = round(L / 2) loops (S ~ U{1..L-1}): the mean step's FLOPs."""
+    S = max(1, min(L - 1, round(L / 2)))
+    return torch.tensor([L - S + 1] + [1] * (S - 1))
+
+
+def with_settings(cfg: Config, **train) -> Config:
+    c = copy.deepcopy(cfg)
+    for k, v in train.items():
+        setattr(c.train, k, v)
+    return c
+
+
+class Planner:
+    """Traces cached by (activation checkpointing, micro-batch, shortcut): ZeRO stage and world size only change
+    the model-state accounting."""
+
+    def __init__(self, cfg: Config, hw: GPU, mean_depth: float | None = None, counts: np.ndarray | None = None):
+        self.cfg, self.hw = cfg, hw
+        p = cfg.train.precision
+        self.bf16 = (p == "bf16") or (p == "auto" and hw.bf16)
+        self.dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self.counts = prior_counts(cfg, mean_depth) if counts is None else counts
+        self._cache: dict = {}
+
+    def trace(self, ac: str, batch: int, worst: bool = True) -> StepTrace:
+        key = (ac, batch, worst)
+        if key not in self._cache:
+            L = self.cfg.model.loops
+            sc = (worst_shortcut(L) if worst else mean_shortcut(L)) if self.cfg.model.shortcut else None
+            self._cache[key] = trace_step(with_settings(self.cfg, activation_checkpointing=ac), batch, self.dtype,
+                                          self.counts, sc)
+        return self._cache[key]
+
+    def memory(self, zero: int, ac: str, batch: int, ranks: int) -> dict:
+        """Per-GPU bytes: parts and peak."""
+        tr = self.trace(ac, batch)
+        st = model_state_bytes(tr.params, zero, ranks, self.bf16, tr.largest_param)
+        share = 1.0 / ranks if zero >= 2 else 1.0  # run-dtype gradients held per rank
+        step_peak = tr.live.peak(share)  # activations, transients and the gradients as they appear in backward
+        held_fp32_grads = st["grads"] - tr.grad_bytes * share  # fp32 gradient buffers (bf16 optimizers) live all step
+        peak = st["params"] + st["optimizer"] + held_fp32_grads + step_peak
+        saved = sum(tr.saved.values())
+        loops = {k: v for k, v in tr.saved.items() if k.startswith(("full/", "short/"))}
+        return {"peak": peak, "params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
+                "activations_loops": sum(loops.values()), "activations_per_loop": loops,
+                "embed_router": tr.saved.get("embed+router", 0), "heads": tr.saved.get("heads+losses", 0),
+                "transient": peak - st["params"] - st["optimizer"] - st["grads"] - saved,
+                "fits": peak <= self.hw.memory, "headroom": self.hw.memory - peak}
+
+    def max_micro_batch(self, zero: int, ac: str, ranks: int) -> int:
+        """The largest micro-batch whose peak fits (activations are linear in it: fitted on 1 and 2, checked by a
+        trace at the answer); 0 if 1 does not fit."""
+        p1, p2 = (self.memory(zero, ac, b, ranks)["peak"] for b in (1, 2))
+        if p1 > self.hw.memory:
+            return 0
+        slope = max(p2 - p1, 1.0)
+        return max(1, int(1 + (self.hw.memory - p1) // slope))
+
+    def flops_per_micro_batch(self, batch: int) -> float:
+        """Model FLOPs of one micro-batch's forward + backward (no recomputation: traced without checkpointing),
+        at the mean shortcut length."""
+        return self.trace("none", batch, worst=False).flops
+
+
+def grad_accum_for(cfg: Config, batch: int, ranks: int) -> int | None:
+    """The grad-accum that keeps train.global_batch_size with this micro-batch on `ranks` (None: it does not divide)."""
+    g = cfg.train.global_batch_size
+    return g // (batch * ranks) if batch > 0 and g % (batch * ranks) == 0 else None
+
+
+def largest_dividing(cfg: Config, cap: int, ranks: int) -> int:
+    """The largest micro-batch <= cap that divides global_batch_size / ranks (0 if none)."""
+    per_rank = cfg.train.global_batch_size // ranks
+    return next((b for b in range(min(cap, per_rank), 0, -1) if per_rank % b == 0), 0)
+
+
+def plan(cfg: Config, ranks: int, hw: GPU, mfu: float = 0.4, mean_depth: float | None = None,
+         counts: np.ndarray | None = None, planner: Planner | None = None) -> dict:
+    """The plan of cfg as configured (train.zero_stage, train.activation_checkpointing, train.micro_batch_size)
+    on `ranks` GPUs `hw`: memory, FLOPs, time, and the largest micro-batch per checkpointing mode."""
+    t = cfg.train
+    accum = grad_accum_for(cfg, t.micro_batch_size, ranks)
+    if accum is None:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+                          f"train.micro_batch_size={t.micro_batch_size} x {ranks} GPUs")
+    t.grad_accum_steps = accum
+    cfg.check_world_size(ranks)
+    pl = planner or Planner(cfg, hw, mean_depth, counts)
+    mem = pl.memory(t.zero_stage, t.activation_checkpointing, t.micro_batch_size, ranks)
+    tokens_mb = t.micro_batch_size * cfg.model.block_size
+    flops_step = pl.flops_per_micro_batch(t.micro_batch_size) * accum  # per GPU per optimizer step
+    roof_s = flops_step / hw.peak_flops
+    step_s = roof_s / mfu
+    steps = cfg.schedule.max_steps
+    tokens = steps * t.global_batch_size * cfg.model.block_size
+    modes = {}
+    for ac in MODES:
+        cap = pl.max_micro_batch(t.zero_stage, ac, ranks)
+        b = largest_dividing(cfg, cap, ranks)
+        modes[ac] = {"max_micro_batch": cap, "micro_batch": b, "grad_accum": grad_accum_for(cfg, b, ranks)}
+    return {"config": cfg.name, "gpu": hw.name, "gpus": ranks, "precision": "bf16" if pl.bf16 else "fp32",
+            "zero_stage": t.zero_stage, "activation_checkpointing": t.activation_checkpointing,
+            "micro_batch": t.micro_batch_size, "grad_accum": accum, "capacity": hw.memory,
+            "mean_depth": None if pl.counts is None else float(pl.counts.sum() / cfg.model.block_size),
+            "memory": mem, "flops_per_step_per_gpu": flops_step,
+            "flops_per_token": flops_step / (tokens_mb * accum), "mfu": mfu,
+            "step_time_s": step_s, "step_time_roofline_s": roof_s,
+            "tokens_per_s": t.global_batch_size * cfg.model.block_size / step_s,
+            "tokens": tokens, "steps": steps, "wall_clock_s": steps * step_s,
+            "wall_clock_roofline_s": steps * roof_s, "gpu_hours": steps * step_s * ranks / 3600,
+            "checkpointing_modes": modes}
+
+
+def sweep(cfg: Config, ranks: int, hw: GPU, grid: dict[str, list], mean_depth: float | None = None) -> list[dict]:
+    """Per-GPU peak for every combination of grid's zero / ac / mb values (other settings as configured)."""
+    pl = Planner(cfg, hw, mean_depth)
+    t = cfg.train
+    rows = []
+    for z in grid.get("zero", [t.zero_stage]):
+        for ac in grid.get("ac", [t.activation_checkpointing]):
+            for mb in grid.get("mb", [t.micro_batch_size]):
+                m = pl.memory(int(z), ac, int(mb), ranks)
+                rows.append({"zero_stage": int(z), "activation_checkpointing": ac, "micro_batch": int(mb),
+                             "peak": m["peak"], "fits": m["fits"], "headroom": m["headroom"],
+                             "max_micro_batch": pl.max_micro_batch(int(z), ac, ranks)})
+    return rows
