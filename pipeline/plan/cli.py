@@ -92,22 +92,24 @@ def plan_cmd(config, overrides, gpus, gpu_name, mfu, mean_depth, sweep_items, js
     tlf plan paper/t-loopformer --gpus 8 --gpu a100-80gb
     tlf plan paper/loopformer --gpus 8 --gpu a100-40gb --sweep zero=1,2,3 --sweep ac=none,loop,layer
     """
-    from pipeline.plan.core import plan, sweep
+    from pipeline.plan.core import PlanError, plan, sweep
     from pipeline.plan.hardware import gpu
 
     try:
         hw = gpu(gpu_name)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--gpu") from None
-    cfg = load_config(config, overrides)
     grid = parse_sweep(sweep_items)
     try:
+        cfg = load_config(config, overrides)
         if grid:
             out = {"config": cfg.name, "gpu": hw.name, "gpus": gpus, "rows": sweep(cfg, gpus, hw, grid, mean_depth)}
         else:
             out = plan(cfg, gpus, hw, mfu, mean_depth)
     except ConfigError as e:
         raise click.UsageError(f"config error: {e}") from None
+    except PlanError as e:
+        raise click.ClickException(str(e)) from None
     if json_out != "-":
         if grid:
             click.echo(f"{cfg.name} on {gpus} x {hw.name}: per-GPU peak (GiB) of {hw.memory / GiB:.1f}")
@@ -125,7 +127,3 @@ def plan_cmd(config, overrides, gpus, gpu_name, mfu, mean_depth, sweep_items, js
         else:
             with open(json_out, "w") as fh:
                 fh.write(text + "\n")
-    if not grid and not any(r["micro_batch"] for r in out["checkpointing_modes"].values()):
-        raise click.ClickException(f"{cfg.name} does not fit on {hw.name} at ZeRO-{cfg.train.zero_stage} with "
-                                   f"micro-batch 1 under any activation-checkpointing mode (try a higher ZeRO stage "
-                                   f"or more memory)")

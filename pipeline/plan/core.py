@@ -19,6 +19,10 @@ from pipeline.train.ac import MODES
 GiB = 2**30
 
 
+class PlanError(ValueError):
+    """The run cannot be planned as asked (it fits nowhere): a one-line message."""
+
+
 def default_mean_depth(cfg: Config) -> float:
     """The router's prior mean: model.router_target_depth, or (loops + 1) / 2 when it is 0."""
     m = cfg.model
@@ -80,12 +84,28 @@ class Planner:
                                           self.counts, sc)
         return self._cache[key]
 
+    def reduce_bucket(self, zero: int, ranks: int) -> int:
+        """zero_optimization.reduce_bucket_size of the run's DeepSpeed config (`ds.build_ds_config`), elements."""
+        from pipeline.train.ds import build_ds_config
+
+        c = with_settings(self.cfg, zero_stage=zero)
+        c.train.grad_accum_steps = c.train.global_batch_size // (c.train.micro_batch_size * ranks) or 1
+        try:
+            ds = build_ds_config(c, ranks, "bf16" if self.bf16 else "fp32")
+        except ConfigError:  # a batch that does not divide: plan() reports it; the bucket is DeepSpeed's default
+            ds = {}
+        return int(ds.get("zero_optimization", {}).get("reduce_bucket_size", 5e8))
+
     def memory(self, zero: int, ac: str, batch: int, ranks: int) -> dict:
         """Per-GPU bytes: parts and peak."""
         tr = self.trace(ac, batch)
         st = model_state_bytes(tr.params, zero, ranks, self.bf16, tr.largest_param)
         share = 1.0 / ranks if zero >= 2 else 1.0  # run-dtype gradients held per rank
-        step_peak = tr.live.peak(share)  # activations, transients and the gradients as they appear in backward
+        # forward + backward: activations, transients and the gradients as they appear; then the reduction, which
+        # flattens the gradients by buckets of reduce_bucket_size elements (DeepSpeed's allreduce_bucket under
+        # ZeRO-0, its ipg buffer under ZeRO-1/2/3) beside the gradients still held
+        bucket = min(tr.params, self.reduce_bucket(zero, ranks)) * (2 if self.bf16 else 4)
+        step_peak = max(tr.live.peak(share), tr.grad_bytes * share + bucket)
         held_fp32_grads = st["grads"] - tr.grad_bytes * share  # fp32 gradient buffers (bf16 optimizers) live all step
         peak = st["params"] + st["optimizer"] + held_fp32_grads + step_peak
         saved = sum(tr.saved.values())
@@ -135,6 +155,15 @@ def plan(cfg: Config, ranks: int, hw: GPU, mfu: float = 0.4, mean_depth: float |
     t.grad_accum_steps = accum
     cfg.check_world_size(ranks)
     pl = planner or Planner(cfg, hw, mean_depth, counts)
+    modes = {}
+    for ac in MODES:
+        cap = pl.max_micro_batch(t.zero_stage, ac, ranks)
+        b = largest_dividing(cfg, cap, ranks)
+        modes[ac] = {"max_micro_batch": cap, "micro_batch": b, "grad_accum": grad_accum_for(cfg, b, ranks)}
+    if not any(r["max_micro_batch"] for r in modes.values()):
+        raise PlanError(f"{cfg.name or 'the model'} does not fit on {hw.name} at ZeRO-{t.zero_stage} on {ranks} GPUs "
+                        f"with micro-batch 1 under any activation-checkpointing mode (try a higher ZeRO stage, more "
+                        f"GPUs or a larger GPU)")
     mem = pl.memory(t.zero_stage, t.activation_checkpointing, t.micro_batch_size, ranks)
     tokens_mb = t.micro_batch_size * cfg.model.block_size
     flops_step = pl.flops_per_micro_batch(t.micro_batch_size) * accum  # per GPU per optimizer step
@@ -142,11 +171,6 @@ def plan(cfg: Config, ranks: int, hw: GPU, mfu: float = 0.4, mean_depth: float |
     step_s = roof_s / mfu
     steps = cfg.schedule.max_steps
     tokens = steps * t.global_batch_size * cfg.model.block_size
-    modes = {}
-    for ac in MODES:
-        cap = pl.max_micro_batch(t.zero_stage, ac, ranks)
-        b = largest_dividing(cfg, cap, ranks)
-        modes[ac] = {"max_micro_batch": cap, "micro_batch": b, "grad_accum": grad_accum_for(cfg, b, ranks)}
     return {"config": cfg.name, "gpu": hw.name, "gpus": ranks, "precision": "bf16" if pl.bf16 else "fp32",
             "zero_stage": t.zero_stage, "activation_checkpointing": t.activation_checkpointing,
             "micro_batch": t.micro_batch_size, "grad_accum": accum, "capacity": hw.memory,

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils import flop_counter as fc
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipeline.memory import SavedTensors
@@ -49,6 +50,12 @@ def build_model(cfg, dtype: torch.dtype):
     return model
 
 
+# Kernels whose CPU/GPU implementation allocates a temporary the dispatcher never sees (a meta kernel only
+# computes shapes): logsumexp's `(x - max).exp()` of its input's size (aten's logsumexp_out_impl), used per
+# chunk by the fused heads
+SCRATCH = {torch.ops.aten.logsumexp.default: lambda x, *a, **k: x.numel() * x.element_size()}
+
+
 class LiveBytes(TorchDispatchMode):
     """Live bytes of the storages created by ops run inside it (once per storage, until freed), sampled as
     (live, grads) after every allocation; `grad_bytes` is kept up to date by the parameters' grad hooks."""
@@ -65,6 +72,8 @@ class LiveBytes(TorchDispatchMode):
         self.live -= n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in SCRATCH:  # a temporary the kernel allocates and frees inside itself
+            self.samples.append((self.live + SCRATCH[func](*args), self.grads))
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (tuple, list)) else [out]):
             if isinstance(t, torch.Tensor):
@@ -84,7 +93,8 @@ class LiveBytes(TorchDispatchMode):
 
 @contextmanager
 def on_meta(counts: np.ndarray | None):
-    """Within it, the model's host read of the depth map returns `counts` ((>=1, L) |A_i| per loop; None: unchanged),
+    """Within it, the model's host read of the depth map returns `counts` ((B, L) |A_i| per row and loop,
+    or (1, L) for every row; None: unchanged),
     causal attention runs the flash kernel (on meta torch would pick the math one, which keeps the (B, H, T, T)
     weights for backward; the GPU's flash/efficient kernels and CPU's flash kernel keep q, k, v, the output and
     its log-sum-exp: this op's meta kernel), and autocast is off for the meta device (torch has no autocast there; `tlf train` runs no autocast:
@@ -93,7 +103,8 @@ def on_meta(counts: np.ndarray | None):
 
     real = looped.active_counts, head_loss._compute_dtype, torch.autocast, F.scaled_dot_product_attention
     if counts is not None:
-        looped.active_counts = lambda depth, M: np.broadcast_to(counts[:1, :M], (depth.shape[0], M)).copy()
+        looped.active_counts = lambda depth, M: (counts[:, :M] if len(counts) == depth.shape[0] else
+                                                 np.broadcast_to(counts[:1, :M], (depth.shape[0], M))).copy()
     head_loss._compute_dtype = lambda t: t.dtype
     torch.autocast = lambda device_type, *a, **k: nullcontext() if device_type == "meta" else real[2](device_type, *a, **k)
     F.scaled_dot_product_attention = lambda q, k, v, attn_mask=None, is_causal=False, **kw: (
@@ -103,6 +114,26 @@ def on_meta(counts: np.ndarray | None):
         yield
     finally:
         looped.active_counts, head_loss._compute_dtype, torch.autocast, F.scaled_dot_product_attention = real
+
+
+def _addmm(acc, a, b, *args, out_shape=None, **kwargs) -> int:  # shapes: (n, p) += (n, k) @ (k, p)
+    return 2 * a[0] * a[1] * b[1]
+
+
+def _flash_cpu(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    return fc.sdpa_flop_count(q, k, v)
+
+
+def _flash_cpu_backward(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+    return fc.sdpa_backward_flop_count(grad_out, q, k, v)
+
+
+# What torch's flop counter leaves out and this model runs: the fused heads' in-place gradient accumulation
+# (addmm_) and the flash attention kernel the plan traces (`on_meta`); attention counted without a causal
+# discount, as torch counts it and as model.flops_per_token does
+EXTRA_FLOPS = {torch.ops.aten.addmm_: _addmm,
+               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu,
+               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_cpu_backward}
 
 
 @dataclass
@@ -142,7 +173,7 @@ def trace_step(cfg, batch: int, dtype: torch.dtype, counts: np.ndarray | None,
 
     hooks += [model.layers[0].register_forward_pre_hook(loop_start), model.norm_f.register_forward_pre_hook(head_start)]
     saved.label = "embed+router"
-    with on_meta(counts), FlopCounterMode(display=False) as fc, live:
+    with on_meta(counts), FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS) as flops, live:
         with saved:
             loss = loss_of(model, x, y, shortcut)
         saved.label = None
@@ -153,4 +184,4 @@ def trace_step(cfg, batch: int, dtype: torch.dtype, counts: np.ndarray | None,
     return StepTrace(params=sum(p.numel() for p in params), largest_param=max(p.numel() for p in params),
                      param_bytes=sum(p.numel() * p.element_size() for p in params),
                      grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-                     live=live, saved=dict(saved.by_label), flops=float(fc.get_total_flops()))
+                     live=live, saved=dict(saved.by_label), flops=float(flops.get_total_flops()))
