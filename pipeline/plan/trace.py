@@ -40,12 +40,17 @@ def build_model(cfg, dtype: torch.dtype):
     """`tlf train`'s model on the meta device: LoopedLM(cfg.model) in train mode, cast to the run's dtype as
     DeepSpeed's bf16 engine casts it, with cfg.train.activation_checkpointing applied by the trainer's own
     `apply_ac`."""
-    from pipeline.model import LoopedLM
+    from pipeline.model import LoopedLM, router
     from pipeline.train.ac import apply_ac
 
-    with torch.device("meta"):
-        model = LoopedLM(cfg.model)
-    model.to(dtype).train()
+    prior = router.depth_prior
+    router.depth_prior = _on_cpu(prior)  # the budget recipe's prior is found by bisection: it needs values
+    try:
+        with torch.device("meta"):
+            model = LoopedLM(cfg.model)
+    finally:
+        router.depth_prior = prior
+    model.to(device="meta", dtype=dtype).train()
     apply_ac(model, cfg.train.activation_checkpointing)
     return model
 
@@ -54,6 +59,13 @@ def build_model(cfg, dtype: torch.dtype):
 # computes shapes): logsumexp's `(x - max).exp()` of its input's size (aten's logsumexp_out_impl), used per
 # chunk by the fused heads
 SCRATCH = {torch.ops.aten.logsumexp.default: lambda x, *a, **k: x.numel() * x.element_size()}
+
+
+def _on_cpu(fn):
+    def run(*args, **kwargs):
+        with torch.device("cpu"):
+            return fn(*args, **kwargs)
+    return run
 
 
 class LiveBytes(TorchDispatchMode):
