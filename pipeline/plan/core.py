@@ -1,7 +1,7 @@
 """`plan(cfg, gpus, gpu)`: per-GPU peak memory (with its parts), FITS / DOES NOT FIT, FLOPs, step time and
 the run's wall clock and GPU-hours, and the largest micro-batch per activation-checkpointing mode, from traces
 of the real training step (pipeline/plan/trace.py) and DeepSpeed's partitioning rules (pipeline/plan/zero.py).
-docs/design.md, "Planning a run", explains the accounting."""
+docs/design.md §8 explains the accounting."""
 from __future__ import annotations
 
 import copy

@@ -12,7 +12,7 @@ and records
 
 Meta tensors have shapes but no values, so the one data-dependent step of the model, the router's depth map
 read on the host (`pipeline.model.looped.active_counts`: |A_i| of each row and loop), is replaced by the plan's
-depth map (`counts`). The rest of the forward runs unchanged.
+depth map (`counts`). The rest of the forward runs unchanged (docs/design.md §8).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Per-rank bytes of the model states (parameters, gradients, optimizer state) under DeepSpeed ZeRO 0-3 with
-AdamW over N data-parallel ranks (docs/design.md, "Planning a run").
+AdamW over N data-parallel ranks (docs/design.md §8).
 
 The rules follow DeepSpeed's own code and estimators:
 - `deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs`: 2P (bf16 weights) + 16P/N
