@@ -76,12 +76,13 @@ class Planner:
         self._cache: dict = {}
 
     def trace(self, ac: str, batch: int, worst: bool = True) -> StepTrace:
+        """worst: the memory trace (the longest shortcut pass); else the FLOPs trace (the mean one)."""
         key = (ac, batch, worst)
         if key not in self._cache:
             L = self.cfg.model.loops
             sc = (worst_shortcut(L) if worst else mean_shortcut(L)) if self.cfg.model.shortcut else None
             self._cache[key] = trace_step(with_settings(self.cfg, activation_checkpointing=ac), batch, self.dtype,
-                                          self.counts, sc)
+                                          self.counts, sc, count_flops=not worst)
         return self._cache[key]
 
     def reduce_bucket(self, zero: int, ranks: int) -> int:

@@ -160,9 +160,11 @@ class StepTrace:
 
 
 def trace_step(cfg, batch: int, dtype: torch.dtype, counts: np.ndarray | None,
-               shortcut: torch.Tensor | None) -> StepTrace:
+               shortcut: torch.Tensor | None, count_flops: bool = False) -> StepTrace:
     """Forward of the objective and backward for a micro-batch of `batch` x block_size tokens on meta tensors.
-    shortcut: the shortcut pass's schedule (None: the model samples one)."""
+    shortcut: the shortcut pass's schedule (None: the model samples one). count_flops: count FLOPs (flops stays 0
+    otherwise); then the bytes are not the step's: the flop counter's module tracker wraps the modules' outputs,
+    which keeps what activation checkpointing frees alive, so memory and FLOPs are traced apart."""
     model = build_model(cfg, dtype)
     T, L = cfg.model.block_size, cfg.model.loops
     x = torch.zeros(batch, T, dtype=torch.long, device="meta")
@@ -185,7 +187,8 @@ def trace_step(cfg, batch: int, dtype: torch.dtype, counts: np.ndarray | None,
 
     hooks += [model.layers[0].register_forward_pre_hook(loop_start), model.norm_f.register_forward_pre_hook(head_start)]
     saved.label = "embed+router"
-    with on_meta(counts), FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS) as flops, live:
+    flops = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS) if count_flops else None
+    with on_meta(counts), flops or nullcontext(), live:
         with saved:
             loss = loss_of(model, x, y, shortcut)
         saved.label = None
@@ -196,4 +199,4 @@ def trace_step(cfg, batch: int, dtype: torch.dtype, counts: np.ndarray | None,
     return StepTrace(params=sum(p.numel() for p in params), largest_param=max(p.numel() for p in params),
                      param_bytes=sum(p.numel() * p.element_size() for p in params),
                      grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-                     live=live, saved=dict(saved.by_label), flops=float(flops.get_total_flops()))
+                     live=live, saved=dict(saved.by_label), flops=float(flops.get_total_flops()) if flops else 0.0)
