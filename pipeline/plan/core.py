@@ -118,13 +118,19 @@ class Planner:
                 "fits": peak <= self.hw.memory, "headroom": self.hw.memory - peak}
 
     def max_micro_batch(self, zero: int, ac: str, ranks: int) -> int:
-        """The largest micro-batch whose peak fits (activations are linear in it: fitted on 1 and 2, checked by a
-        trace at the answer); 0 if 1 does not fit."""
-        p1, p2 = (self.memory(zero, ac, b, ranks)["peak"] for b in (1, 2))
+        """The largest micro-batch whose peak fits; 0 if 1 does not fit. The traced peak of the step is linear in
+        the micro-batch (fitted on traces at 1 and 2); the reduction phase after backward (gradients + bucket)
+        does not grow with it."""
+        share = 1.0 / ranks if zero >= 2 else 1.0
+        p1 = self.memory(zero, ac, 1, ranks)["peak"]
         if p1 > self.hw.memory:
             return 0
-        slope = max(p2 - p1, 1.0)
-        return max(1, int(1 + (self.hw.memory - p1) // slope))
+        t1, t2 = self.trace(ac, 1), self.trace(ac, 2)
+        a1, a2 = t1.live.peak(share), t2.live.peak(share)
+        bucket = min(t1.params, self.reduce_bucket(zero, ranks)) * (2 if self.bf16 else 4)
+        other = p1 - max(a1, t1.grad_bytes * share + bucket)  # the states, whatever the micro-batch
+        slope = max(a2 - a1, 1.0)
+        return max(1, int(1 + (self.hw.memory - other - a1) // slope))
 
     def flops_per_micro_batch(self, batch: int) -> float:
         """Model FLOPs of one micro-batch's forward + backward (no recomputation: traced without checkpointing),
