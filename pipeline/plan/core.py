@@ -129,7 +129,9 @@ class Planner:
         a1, a2 = t1.live.peak(share), t2.live.peak(share)
         bucket = min(t1.params, self.reduce_bucket(zero, ranks)) * (2 if self.bf16 else 4)
         other = p1 - max(a1, t1.grad_bytes * share + bucket)  # the states, whatever the micro-batch
-        slope = max(a2 - a1, 1.0)
+        # where the peak is a moment that does not grow with the batch at 1 and 2 (e.g. the head's weight gradient
+        # late in backward), the bytes kept for backward per sample still do: the slope is at least theirs
+        slope = max(a2 - a1, sum(t2.saved.values()) - sum(t1.saved.values()), 1.0)
         return max(1, int(1 + (self.hw.memory - other - a1) // slope))
 
     def flops_per_micro_batch(self, batch: int) -> float:
