@@ -44,6 +44,7 @@ setup(
             "eval=evaluation.cli:eval_cmd",
             "compare=evaluation.compare:compare",
             "ablate=evaluation.ablate:ablate",
+            "plan=pipeline.plan.cli:plan_cmd",
         ],
     },
 )

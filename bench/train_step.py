@@ -117,6 +117,12 @@ def _worker(spec: dict, conn) -> None:
     if not cuda:  # weights + optimizer state + the peak of live tensors during one (untimed) step
         persistent = sum(t.numel() * t.element_size() for t in _persistent_tensors(engine))
         longest = torch.tensor([2] + [1] * (cfg.model.loops - 2))  # S = L - 1: the step of the largest peak
+        if model.router is not None:  # the depth map of that step, for `tlf plan`'s validation (tests/test_plan.py)
+            from pipeline.model.looped import active_counts
+            with torch.no_grad():
+                m_ = engine.module
+                state["counts"] = active_counts(m_.route(m_.embed(x.to(dev))).depth(cfg.model.loops, m_._theta(None)),
+                                                cfg.model.loops).tolist()
         alloc_gb = (persistent / 2**20 + tensor_peak_mib(lambda: step(longest))) / 1024
     conn.send("ready")
     while True:
@@ -134,7 +140,8 @@ def _worker(spec: dict, conn) -> None:
             conn.send({"peak_mem_gb": peak, "alloc_peak_gb": alloc_gb if alloc_gb is not None else peak, "mean_depth": state["depth"], "loops_executed": loops,
                        "flops_per_token": model.flops_per_token(loops, T, state["heads"]),
                        "round_flops_per_token": [model.flops_per_token(x, T, state["heads"]) for x in state["timed"]],
-                       "params": model.num_params(), "tokens_per_step": B * T, **breakdown})
+                       "params": model.num_params(), "tokens_per_step": B * T, "depth_counts": state.get("counts"),
+                       **breakdown})
         else:
             return
 

@@ -96,7 +96,7 @@ class SavedTensors:
 
     def _pack(self, t: torch.Tensor):
         s = t.untyped_storage()
-        key = (s.data_ptr(), t.device)
+        key = (s._cdata, t.device)  # the storage itself: also for meta tensors (no data pointer)
         if key not in self._seen and s.nbytes() > 0:
             self._seen.add(key)
             self.by_label[self.label] = self.by_label.get(self.label, 0) + s.nbytes()

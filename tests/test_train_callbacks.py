@@ -21,7 +21,7 @@ METRICS = {"epoch", "grad_norm", "loss", "loss_L", "loss_S", "loss_align", "loss
            "router/full/depth_share_3", "router/full/mean_depth", "router/short/active_tokens",
            "router/short/compute_ratio", "router/short/depth_share_1", "router/short/depth_share_2",
            "router/short/loops", "router/short/mean_depth", "router/soft_depth", "step_time_s", "tokens_per_s",
-           "val/loss", "val/x"}
+           "val/loss", "val/x", "plan/predicted_peak_gb", "plan/mfu"}
 TAGS = {"variant": "t-loopformer", "preset": "tiny/t-loopformer", "scale": "tiny", "world_size": "1", "device": "cpu",
         "precision": "fp32", "zero_stage": "0", "activation_checkpointing": "none", "compile": "False",
         "final_step": "2"}
@@ -134,10 +134,12 @@ def test_mlflow_keys_tags_and_console_lines_are_unchanged(tmp_path, data, capsys
     want = [rf"\[tlf\] MLflow run {res.run_id} in experiment 'k' at {re.escape(uri)}",
             rf"\[tlf\] tiny/t-loopformer: {num}M params, 1 rank\(s\) on cpu \(fp32, ZeRO-0\), global batch 2 x 32 "
             rf"tokens, checkpoints in {re.escape(str(tmp_path / 'ck'))}",
+            rf"\[tlf\] plan: predicted peak {num} GiB per GPU \(tlf plan; ZeRO-0, activation checkpointing none, "
+            rf"micro-batch 2\)",
             *[rf"\[tlf\] step {s}/2 \| loss {num} \(L {num} S {num} align {num}\) \| lr {num} \| gnorm {num} \| "
               rf"[\d,]+ tok/s \| depth {num} \| 0:00:\d\d elapsed, ETA 0:00:\d\d" for s in (1, 2)],
             rf"\[tlf\] checkpoint {re.escape(str(tmp_path / 'ck' / 'global_step2'))}"]
-    want.insert(3, rf"\[tlf\] step 2: val/loss {num}, val/x {num}")
+    want.insert(4, rf"\[tlf\] step 2: val/loss {num}, val/x {num}")
     assert len(lines) == len(want), lines
     for pat, line in zip(want, lines):
         assert re.fullmatch(pat, line), (pat, line)

@@ -73,6 +73,47 @@ class Memory(Callback):
         metrics.update(memory_metrics(self.trainer.device_kind))
 
 
+class PlannedMemory(Callback):
+    """`tlf plan`'s predicted per-GPU peak (pipeline/plan/) printed at the start (rank 0), and at the first step
+    logged beside the measured one and the measured MFU: plan/predicted_peak_gb, plan/mfu, and on GPU
+    plan/measured_peak_gb (CUDA max allocated) and plan/peak_ratio (measured / predicted; on CPU the resident set
+    also holds the interpreter and freed memory the allocator keeps, so none is logged). A plan that fails only
+    warns: it never stops training."""
+
+    predicted = None
+
+    def pre_train(self) -> None:
+        t = self.trainer
+        if t.rank != 0:
+            return
+        try:
+            import copy
+
+            from pipeline.plan.core import Planner
+            from pipeline.plan.hardware import gpu
+
+            cfg = copy.deepcopy(t.cfg)
+            cfg.train.precision = t.precision
+            c = cfg.train
+            mem = Planner(cfg, gpu("cpu" if t.device_kind == "cpu" else "a100-80gb")).memory(
+                c.zero_stage, c.activation_checkpointing, c.micro_batch_size, t.ws)
+            self.predicted = mem["peak"] / 2**30
+            log.info(f"plan: predicted peak {self.predicted:.2f} GiB per GPU (tlf plan; ZeRO-{c.zero_stage}, "
+                     f"activation checkpointing {c.activation_checkpointing}, micro-batch {c.micro_batch_size})")
+        except Exception as e:  # noqa: BLE001 - the plan is advice: training goes on without it
+            log.warn(f"plan: no prediction ({type(e).__name__}: {e})")
+
+    def post_step(self, step: int, metrics: dict) -> None:
+        if self.predicted is None or step != self.trainer.result.start_step + 1:
+            return
+        measured = metrics.get("mem/cuda_max_allocated_gb")  # CPU's resident set is no measure of live tensors
+        metrics["plan/predicted_peak_gb"] = self.predicted
+        if measured:
+            metrics.update({"plan/measured_peak_gb": measured, "plan/peak_ratio": measured / self.predicted})
+        if "mfu" in metrics:
+            metrics["plan/mfu"] = metrics["mfu"]
+
+
 class Validation(Callback):
     """Validation loss every train.eval_interval steps and at the last (val/loss, val/<extra dir>)."""
 
@@ -153,4 +194,4 @@ class Console(Callback):
 def default_callbacks() -> list[Callback]:
     """What `tlf train` runs with. Order matters within a hook: MLflow opens its run before the console's first
     line; the metric callbacks fill `metrics` before validation prints."""
-    return [MLflowLogger(), Console(), Speed(), Memory(), Validation(), Checkpointer()]
+    return [MLflowLogger(), Console(), Speed(), Memory(), PlannedMemory(), Validation(), Checkpointer()]

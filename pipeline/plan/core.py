@@ -1,0 +1,208 @@
+"""`plan(cfg, gpus, gpu)`: per-GPU peak memory (with its parts), FITS / DOES NOT FIT, FLOPs, step time and
+the run's wall clock and GPU-hours, and the largest micro-batch per activation-checkpointing mode, from traces
+of the real training step (pipeline/plan/trace.py) and DeepSpeed's partitioning rules (pipeline/plan/zero.py).
+docs/design.md §8 explains the accounting."""
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from pipeline.config import Config, ConfigError
+from pipeline.plan.hardware import GPU
+from pipeline.plan.trace import StepTrace, trace_step
+from pipeline.plan.zero import model_state_bytes
+from pipeline.train.ac import MODES
+
+GiB = 2**30
+
+
+class PlanError(ValueError):
+    """The run cannot be planned as asked (it fits nowhere): a one-line message."""
+
+
+def default_mean_depth(cfg: Config) -> float:
+    """The router's prior mean: model.router_target_depth, or (loops + 1) / 2 when it is 0."""
+    m = cfg.model
+    return m.router_target_depth or (m.loops + 1) / 2
+
+
+def prior_counts(cfg: Config, mean_depth: float | None) -> np.ndarray | None:
+    """(1, L) |A_i| per loop of a row whose T depths follow the router's maximum-entropy prior with this mean
+    (pipeline.model.router.depth_prior); None without a router (every token runs every loop)."""
+    from pipeline.model.router import depth_prior
+
+    m = cfg.model
+    if not m.router:
+        return None
+    mean = default_mean_depth(cfg) if mean_depth is None else mean_depth
+    if not 1.0 < mean < m.loops:
+        raise ConfigError(f"--mean-depth {mean} must lie strictly between 1 and model.loops ({m.loops})")
+    q = depth_prior(m.loops, mean).numpy()
+    at_least = q[::-1].cumsum()[::-1]  # P(depth >= i), i = 1..L
+    return np.maximum(np.rint(m.block_size * at_least), 1).astype(np.int64)[None]
+
+
+def worst_shortcut(L: int) -> torch.Tensor:
+    """S = L - 1, the shortcut pass with the most loops: the step of the largest peak (bench/train_step.py's)."""
+    return torch.tensor([2] + [1] * (L - 2)) if L > 2 else torch.tensor([1] * L)
+
+
+def mean_shortcut(L: int) -> torch.Tensor:
+    """A schedule of S = round(E[S]) = round(L / 2) loops (S ~ U{1..L-1}): the mean step's FLOPs."""
+    S = max(1, min(L - 1, round(L / 2)))
+    return torch.tensor([L - S + 1] + [1] * (S - 1))
+
+
+def with_settings(cfg: Config, **train) -> Config:
+    c = copy.deepcopy(cfg)
+    for k, v in train.items():
+        setattr(c.train, k, v)
+    return c
+
+
+class Planner:
+    """Traces cached by (activation checkpointing, micro-batch, shortcut): ZeRO stage and world size only change
+    the model-state accounting."""
+
+    def __init__(self, cfg: Config, hw: GPU, mean_depth: float | None = None, counts: np.ndarray | None = None):
+        self.cfg, self.hw = cfg, hw
+        p = cfg.train.precision
+        self.bf16 = (p == "bf16") or (p == "auto" and hw.bf16)
+        self.dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self.counts = prior_counts(cfg, mean_depth) if counts is None else counts
+        self._cache: dict = {}
+
+    def trace(self, ac: str, batch: int, worst: bool = True) -> StepTrace:
+        """worst: the memory trace (the longest shortcut pass); else the FLOPs trace (the mean one)."""
+        key = (ac, batch, worst)
+        if key not in self._cache:
+            L = self.cfg.model.loops
+            sc = (worst_shortcut(L) if worst else mean_shortcut(L)) if self.cfg.model.shortcut else None
+            self._cache[key] = trace_step(with_settings(self.cfg, activation_checkpointing=ac), batch, self.dtype,
+                                          self.counts, sc, count_flops=not worst)
+        return self._cache[key]
+
+    def reduce_bucket(self, zero: int, ranks: int) -> int:
+        """zero_optimization.reduce_bucket_size of the run's DeepSpeed config (`ds.build_ds_config`), elements."""
+        from pipeline.train.ds import build_ds_config
+
+        c = with_settings(self.cfg, zero_stage=zero)
+        c.train.grad_accum_steps = c.train.global_batch_size // (c.train.micro_batch_size * ranks) or 1
+        try:
+            ds = build_ds_config(c, ranks, "bf16" if self.bf16 else "fp32")
+        except ConfigError:  # a batch that does not divide: plan() reports it; the bucket is DeepSpeed's default
+            ds = {}
+        return int(ds.get("zero_optimization", {}).get("reduce_bucket_size", 5e8))
+
+    def memory(self, zero: int, ac: str, batch: int, ranks: int) -> dict:
+        """Per-GPU bytes: parts and peak."""
+        tr = self.trace(ac, batch)
+        st = model_state_bytes(tr.params, zero, ranks, self.bf16, tr.largest_param)
+        share = 1.0 / ranks if zero >= 2 else 1.0  # run-dtype gradients held per rank
+        # forward + backward: activations, transients and the gradients as they appear; then the reduction, which
+        # flattens the gradients by buckets of reduce_bucket_size elements (DeepSpeed's allreduce_bucket under
+        # ZeRO-0, its ipg buffer under ZeRO-1/2/3) beside the gradients still held
+        bucket = min(tr.params, self.reduce_bucket(zero, ranks)) * (2 if self.bf16 else 4)
+        step_peak = max(tr.live.peak(share), tr.grad_bytes * share + bucket)
+        held_fp32_grads = st["grads"] - tr.grad_bytes * share  # fp32 gradient buffers (bf16 optimizers) live all step
+        peak = st["params"] + st["optimizer"] + held_fp32_grads + step_peak
+        saved = sum(tr.saved.values())
+        loops = {k: v for k, v in tr.saved.items() if k.startswith(("full/", "short/"))}
+        return {"peak": peak, "params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
+                "activations_loops": sum(loops.values()), "activations_per_loop": loops,
+                "embed_router": tr.saved.get("embed+router", 0), "heads": tr.saved.get("heads+losses", 0),
+                "transient": peak - st["params"] - st["optimizer"] - st["grads"] - saved,
+                "fits": peak <= self.hw.memory, "headroom": self.hw.memory - peak}
+
+    def max_micro_batch(self, zero: int, ac: str, ranks: int) -> int:
+        """The largest micro-batch whose peak fits; 0 if 1 does not fit. The traced peak of the step is linear in
+        the micro-batch (fitted on traces at 1 and 2); the reduction phase after backward (gradients + bucket)
+        does not grow with it."""
+        share = 1.0 / ranks if zero >= 2 else 1.0
+        p1 = self.memory(zero, ac, 1, ranks)["peak"]
+        if p1 > self.hw.memory:
+            return 0
+        t1, t2 = self.trace(ac, 1), self.trace(ac, 2)
+        a1, a2 = t1.live.peak(share), t2.live.peak(share)
+        bucket = min(t1.params, self.reduce_bucket(zero, ranks)) * (2 if self.bf16 else 4)
+        other = p1 - max(a1, t1.grad_bytes * share + bucket)  # the states, whatever the micro-batch
+        # where the peak is a moment that does not grow with the batch at 1 and 2 (e.g. the head's weight gradient
+        # late in backward), the bytes kept for backward per sample still do: the slope is at least theirs
+        slope = max(a2 - a1, sum(t2.saved.values()) - sum(t1.saved.values()), 1.0)
+        return max(1, int(1 + (self.hw.memory - other - a1) // slope))
+
+    def flops_per_micro_batch(self, batch: int) -> float:
+        """Model FLOPs of one micro-batch's forward + backward (no recomputation: traced without checkpointing),
+        at the mean shortcut length."""
+        return self.trace("none", batch, worst=False).flops
+
+
+def grad_accum_for(cfg: Config, batch: int, ranks: int) -> int | None:
+    """The grad-accum that keeps train.global_batch_size with this micro-batch on `ranks` (None: it does not divide)."""
+    g = cfg.train.global_batch_size
+    return g // (batch * ranks) if batch > 0 and g % (batch * ranks) == 0 else None
+
+
+def largest_dividing(cfg: Config, cap: int, ranks: int) -> int:
+    """The largest micro-batch <= cap that divides global_batch_size / ranks (0 if none)."""
+    per_rank = cfg.train.global_batch_size // ranks
+    return next((b for b in range(min(cap, per_rank), 0, -1) if per_rank % b == 0), 0)
+
+
+def plan(cfg: Config, ranks: int, hw: GPU, mfu: float = 0.4, mean_depth: float | None = None,
+         counts: np.ndarray | None = None, planner: Planner | None = None) -> dict:
+    """The plan of cfg as configured (train.zero_stage, train.activation_checkpointing, train.micro_batch_size)
+    on `ranks` GPUs `hw`: memory, FLOPs, time, and the largest micro-batch per checkpointing mode."""
+    t = cfg.train
+    accum = grad_accum_for(cfg, t.micro_batch_size, ranks)
+    if accum is None:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+                          f"train.micro_batch_size={t.micro_batch_size} x {ranks} GPUs")
+    t.grad_accum_steps = accum
+    cfg.check_world_size(ranks)
+    pl = planner or Planner(cfg, hw, mean_depth, counts)
+    modes = {}
+    for ac in MODES:
+        cap = pl.max_micro_batch(t.zero_stage, ac, ranks)
+        b = largest_dividing(cfg, cap, ranks)
+        modes[ac] = {"max_micro_batch": cap, "micro_batch": b, "grad_accum": grad_accum_for(cfg, b, ranks)}
+    if not any(r["max_micro_batch"] for r in modes.values()):
+        raise PlanError(f"{cfg.name or 'the model'} does not fit on {hw.name} at ZeRO-{t.zero_stage} on {ranks} GPUs "
+                        f"with micro-batch 1 under any activation-checkpointing mode (try a higher ZeRO stage, more "
+                        f"GPUs or a larger GPU)")
+    mem = pl.memory(t.zero_stage, t.activation_checkpointing, t.micro_batch_size, ranks)
+    tokens_mb = t.micro_batch_size * cfg.model.block_size
+    flops_step = pl.flops_per_micro_batch(t.micro_batch_size) * accum  # per GPU per optimizer step
+    roof_s = flops_step / hw.peak_flops
+    step_s = roof_s / mfu
+    steps = cfg.schedule.max_steps
+    tokens = steps * t.global_batch_size * cfg.model.block_size
+    return {"config": cfg.name, "gpu": hw.name, "gpus": ranks, "precision": "bf16" if pl.bf16 else "fp32",
+            "zero_stage": t.zero_stage, "activation_checkpointing": t.activation_checkpointing,
+            "micro_batch": t.micro_batch_size, "grad_accum": accum, "capacity": hw.memory,
+            "mean_depth": None if pl.counts is None else float(pl.counts.sum() / cfg.model.block_size),
+            "memory": mem, "flops_per_step_per_gpu": flops_step,
+            "flops_per_token": flops_step / (tokens_mb * accum), "mfu": mfu,
+            "step_time_s": step_s, "step_time_roofline_s": roof_s,
+            "tokens_per_s": t.global_batch_size * cfg.model.block_size / step_s,
+            "tokens": tokens, "steps": steps, "wall_clock_s": steps * step_s,
+            "wall_clock_roofline_s": steps * roof_s, "gpu_hours": steps * step_s * ranks / 3600,
+            "checkpointing_modes": modes}
+
+
+def sweep(cfg: Config, ranks: int, hw: GPU, grid: dict[str, list], mean_depth: float | None = None) -> list[dict]:
+    """Per-GPU peak for every combination of grid's zero / ac / mb values (other settings as configured)."""
+    pl = Planner(cfg, hw, mean_depth)
+    t = cfg.train
+    rows = []
+    for z in grid.get("zero", [t.zero_stage]):
+        for ac in grid.get("ac", [t.activation_checkpointing]):
+            for mb in grid.get("mb", [t.micro_batch_size]):
+                m = pl.memory(int(z), ac, int(mb), ranks)
+                rows.append({"zero_stage": int(z), "activation_checkpointing": ac, "micro_batch": int(mb),
+                             "peak": m["peak"], "fits": m["fits"], "headroom": m["headroom"],
+                             "max_micro_batch": pl.max_micro_batch(int(z), ac, ranks)})
+    return rows

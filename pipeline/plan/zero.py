@@ -1,0 +1,37 @@
+"""Per-rank bytes of the model states (parameters, gradients, optimizer state) under DeepSpeed ZeRO 0-3 with
+AdamW over N data-parallel ranks (docs/design.md §8).
+
+The rules follow DeepSpeed's own code and estimators:
+- `deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs`: 2P (bf16 weights) + 16P/N
+  (fp32 master, Adam moments, fp32 gradient partition) per GPU for ZeRO-1/2;
+- `deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs`: 18P/N (bf16 weights and gradients
+  partitioned too) + the largest layer gathered at once (4 x its parameters in its estimate);
+- what `DeepSpeedZeroOptimizer` holds (stage_1_and_2.py): the flat bf16 (or fp32) weights on every rank, the
+  rank's fp32 partition `single_partition_of_fp32_groups` (a clone, also in fp32 runs), its gradient partition
+  and Adam's exp_avg/exp_avg_sq on that partition; ZeRO-1 keeps full gradients until the step, ZeRO-2
+  partitions them as they are reduced; ZeRO-3 also partitions the weights (stage3.py).
+- ZeRO-0 fp32: the engine calls torch's AdamW directly (full weights, gradients, moments). ZeRO-0 bf16 runs
+  DeepSpeed's `BF16_Optimizer` (bf16_optimizer.py): bf16 weights and gradients, a full fp32 gradient
+  accumulator, and the fp32 master and moments partitioned over the ranks as under ZeRO-1.
+"""
+from __future__ import annotations
+
+
+def model_state_bytes(P: int, stage: int, ranks: int, bf16: bool, largest_param: int = 0) -> dict[str, float]:
+    """{params, grads, optimizer} bytes per rank for P parameters (largest_param: numel of the largest tensor,
+    gathered whole under ZeRO-3)."""
+    N = ranks
+    w = 2 if bf16 else 4  # bytes of a weight/gradient element as the engine runs it
+    adam = 8 * P / N  # exp_avg + exp_avg_sq (fp32) on this rank's partition
+    master = 4 * P / N  # fp32 master partition (stage 1-3 and BF16_Optimizer)
+    if stage == 0 and not bf16:
+        return {"params": 4.0 * P, "grads": 4.0 * P, "optimizer": 8.0 * P}
+    if stage == 0:  # BF16_Optimizer
+        return {"params": 2.0 * P, "grads": 2.0 * P + 4.0 * P, "optimizer": master + adam}
+    if stage == 1:
+        return {"params": float(w * P), "grads": w * P + 4 * P / N * bf16, "optimizer": master + adam}
+    if stage == 2:
+        return {"params": float(w * P), "grads": w * P / N + 4 * P / N * bf16, "optimizer": master + adam}
+    # stage 3: partitioned weights + the largest tensor gathered whole while its layer runs
+    return {"params": w * P / N + w * largest_param, "grads": w * P / N + 4 * P / N * bf16,
+            "optimizer": master + adam}

@@ -1,0 +1,142 @@
+"""`tlf plan` (pipeline/plan/): the meta-device trace against what the real step measures at CPU sizes, its
+FLOPs against model.flops_per_token, and the command's output and one-line errors."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipeline.config import load_config
+from pipeline.memory import SavedTensors, tensor_peak_mib
+from pipeline.model import LoopedLM, spread_router
+from pipeline.model.looped import active_counts
+from pipeline.plan.cli import plan_cmd
+from pipeline.plan.core import Planner
+from pipeline.plan.hardware import gpu
+from pipeline.plan.trace import trace_step
+from pipeline.train.ds import build_optimizer
+
+B = 4
+OVR = ["model.vocab_size=8192", f"train.micro_batch_size={B}", f"train.global_batch_size={B}",
+       "train.grad_accum_steps=1", "train.precision=fp32"]
+
+
+def _measured(cfg):
+    """What bench/train_step.py measures on CPU: weights + AdamW state + the peak growth of live tensors during one
+    optimizer step whose shortcut pass is the longest (S = L - 1), with a router spread over depths 1..L; and the
+    depth map that step ran and the bytes autograd kept for backward."""
+    torch.manual_seed(0)
+    model = spread_router(LoopedLM(cfg.model).train())
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, cfg.model.vocab_size, (B, cfg.model.block_size), generator=g) for _ in range(2))
+    L = cfg.model.loops
+    sc = torch.tensor([2] + [1] * (L - 2))
+    opt, _ = build_optimizer(cfg, model)
+
+    def step():
+        model(x, y, shortcut=sc).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # Adam's state exists, as after the bench's warm-up
+    persistent = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
+    peak = persistent + tensor_peak_mib(step) * 2**20
+    counts = None
+    if model.router is not None:
+        with torch.no_grad():
+            counts = active_counts(model.route(model.embed(x)).depth(L, model._theta(None)), L)
+    saved = SavedTensors()
+    with saved:
+        model(x, y, shortcut=sc)
+    return peak, counts, saved.total
+
+
+@pytest.mark.parametrize("variant", ["loopformer", "t-loopformer"])
+def test_planned_peak_matches_the_measured_step(variant):
+    cfg = load_config(f"tiny/{variant}", OVR)
+    peak, counts, saved = _measured(cfg)
+    pl = Planner(cfg, gpu("cpu"), counts=counts)
+    planned = pl.memory(0, "none", B, 1)
+    assert abs(planned["peak"] / peak - 1) <= 0.05, (planned["peak"], peak)
+    assert sum(pl.trace("none", B).saved.values()) == saved  # the same bytes kept for backward, to the byte
+    assert planned["params"] == 4 * sum(p.numel() for p in LoopedLM(cfg.model).parameters())
+
+
+@pytest.mark.parametrize("variant", ["loopformer", "t-loopformer"])
+def test_traced_flops_match_flops_per_token(variant):
+    cfg = load_config(f"tiny/{variant}")
+    T, L = cfg.model.block_size, cfg.model.loops
+    sc = torch.tensor([2] + [1] * (L - 2))
+    full = np.full((1, L), T)  # every token every loop: the formula's attention over the whole context
+    tr = trace_step(cfg, 2, torch.float32, full, sc, count_flops=True)
+    with torch.device("meta"):
+        model = LoopedLM(cfg.model)
+    ref = model.flops_per_token(L + len(sc), T, 2) * 2 * T
+    assert abs(tr.flops / ref - 1) <= 0.01, tr.flops / ref
+    cfg.train.activation_checkpointing = "loop"  # recomputation is traced: more FLOPs
+    assert trace_step(cfg, 2, torch.float32, full, sc, count_flops=True).flops > tr.flops
+
+
+@pytest.mark.parametrize("ac", ["loop", "layer"])
+def test_planned_peak_under_activation_checkpointing_matches_the_measured_step(ac, monkeypatch):
+    """A size where the loops, not the LM head, hold the memory: checkpointing frees most of it, in the plan too."""
+    from pipeline.model import looped
+    from pipeline.train.ac import apply_ac
+
+    cfg = load_config("small/loopformer", OVR + ["model.vocab_size=256", "model.block_size=256",
+                                                  f"train.activation_checkpointing={ac}"])
+    init = looped.LoopedLM.__init__
+
+    def checkpointed(self, c):  # the model _measured builds, checkpointed as the trainer does
+        init(self, c)
+        apply_ac(self, ac)
+    monkeypatch.setattr(looped.LoopedLM, "__init__", checkpointed)
+    peak, _, _ = _measured(cfg)
+    monkeypatch.undo()
+    pl = Planner(cfg, gpu("cpu"))
+    planned = pl.memory(0, ac, B, 1)["peak"]
+    assert abs(planned / peak - 1) <= 0.05, (planned, peak)
+    assert planned < 0.5 * pl.memory(0, "none", B, 1)["peak"]
+
+
+def test_router_depth_lowers_the_plan():
+    cfg = load_config("tiny/t-loopformer")
+    hw = gpu("cpu")
+    shallow, deep = (Planner(cfg, hw, mean_depth=m).memory(1, "none", 4, 1)["activations_loops"] for m in (1.5, 3.5))
+    assert shallow < deep
+
+
+def test_plan_command_json_and_sweep(tmp_path):
+    out = tmp_path / "plan.json"
+    r = CliRunner().invoke(plan_cmd, ["tiny/t-loopformer", "--gpus", "2", "--gpu", "h100-80gb",
+                                      "train.micro_batch_size=2", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "FITS" in r.output and "GPU-hours" in r.output
+    p = json.loads(out.read_text())
+    assert p["precision"] == "bf16" and p["grad_accum"] == 1 and p["memory"]["fits"]
+    assert set(p["checkpointing_modes"]) == {"none", "loop", "layer"}
+    assert p["memory"]["peak"] > p["memory"]["params"] + p["memory"]["optimizer"]
+    r = CliRunner().invoke(plan_cmd, ["tiny/t-loopformer", "--gpus", "1", "--gpu", "cpu", "--sweep", "zero=0,3",
+                                      "--sweep", "ac=none,layer", "--json", "-"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)["rows"]
+    assert len(rows) == 4
+    by = {(x["zero_stage"], x["activation_checkpointing"]): x["peak"] for x in rows}
+    assert by[(0, "layer")] < by[(0, "none")]
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["tiny/t-loopformer", "--gpu", "v100"], "unknown GPU 'v100'"),
+    (["tiny/t-loopformer", "--gpus", "3", "--gpu", "cpu"], "not a multiple of train.micro_batch_size=4 x 3 GPUs"),
+    (["tiny/t-loopformer", "--sweep", "zero=5"], "zero=5 is not one of"),
+    (["tiny/t-loopformer", "train.nope=1"], "train.nope"),
+    (["tiny/base", "--gpus", "1", "--gpu", "cpu", "train.global_batch_size=1", "train.micro_batch_size=1",
+      "model.d_model=8192", "model.n_heads=64", "model.d_ff=32768"], "does not fit on cpu"),
+])
+def test_bad_input_is_one_line(args, msg):
+    r = CliRunner().invoke(plan_cmd, args)
+    assert r.exit_code != 0 and msg in r.output and "Traceback" not in r.output, r.output
