@@ -21,7 +21,7 @@ METRICS = {"epoch", "grad_norm", "loss", "loss_L", "loss_S", "loss_align", "loss
            "router/full/depth_share_3", "router/full/mean_depth", "router/short/active_tokens",
            "router/short/compute_ratio", "router/short/depth_share_1", "router/short/depth_share_2",
            "router/short/loops", "router/short/mean_depth", "router/soft_depth", "step_time_s", "tokens_per_s",
-           "val/loss", "val/x", "plan/predicted_peak_gb", "plan/mfu"}
+           "val/loss", "val/x", "plan/predicted_peak_gb"}  # no mfu (nor plan/mfu) on CPU
 TAGS = {"variant": "t-loopformer", "preset": "tiny/t-loopformer", "scale": "tiny", "world_size": "1", "device": "cpu",
         "precision": "fp32", "zero_stage": "0", "activation_checkpointing": "none", "compile": "False",
         "final_step": "2"}
