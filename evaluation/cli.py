@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from pipeline.config import ConfigError
+from pipeline.tracking import TrackingError
 
 
 @click.command("eval")
@@ -54,3 +55,5 @@ def eval_cmd(checkpoint, overrides, loops, tasks, limit, batch_size, source, rac
         if isinstance(e, ConfigError):
             raise
         raise click.ClickException(str(e)) from None
+    except TrackingError as e:
+        raise click.ClickException(f"{e} (--no-mlflow evaluates without it)") from None

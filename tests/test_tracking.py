@@ -199,6 +199,13 @@ def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, da
     train(tmp_path, data, "", "schedule.max_steps=4", "checkpoint.interval=0", "logging.mlflow=false").finish()
     assert steps_in(tmp_path / "ck" / "metrics.jsonl") == [1, 2, 3, 4]
     assert not (tmp_path / "mlflow.db").exists()
+    # tlf eval: the dead server (from MLFLOW_TRACKING_URI, the checkpoint's logging.tracking_uri being empty) is
+    # one line before the evaluation starts
+    p = subprocess.run([str(BIN / "tlf"), "eval", str(tmp_path / "ck"), "--tasks", "none", "--no-ppl", "--no-latency",
+                        "--out", str(tmp_path / "e")], capture_output=True, text=True, cwd=tmp_path,
+                       env=clean_env(MLFLOW_TRACKING_URI=dead), timeout=300)
+    assert p.returncode == 1 and dead in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "Traceback" not in p.stderr
     p = subprocess.run([str(BIN / "tlf"), "compare", "--run-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "c")],
                        capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=300)
     assert p.returncode == 0, p.stderr
