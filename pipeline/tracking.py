@@ -12,7 +12,7 @@ METRICS_FILE = "metrics.jsonl"  # one line per step: {"step": S, "time": MS, "<m
 RUN_FILE = "tracking.json"  # {"run_id", "tracking_uri", "name", "tags"}: the MLflow run of the run directory
 # A client that waits minutes on a dead server stalls whoever holds it: short requests, few retries (a user's
 # own MLFLOW_HTTP_REQUEST_* variables win).
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
                  "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 
 

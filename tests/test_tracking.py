@@ -89,28 +89,30 @@ def data(tmp_path_factory):
 
 def test_kills_leave_one_entry_per_step_and_no_run_running(tmp_path, data):
     """Kill 1 before the first checkpoint, kill 2 after one (with steps past it already in MLflow), then a
-    rerun to the end: the first run ends KILLED, the resumed run holds every step's loss exactly once."""
+    rerun to the end: the first run ends KILLED, the resumed run holds every step's loss exactly once. The killed
+    runs have a schedule they cannot finish; the rerun's end is set from where the kill landed."""
     from pipeline.tracking import client
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    n = 60
-    metrics = tmp_path / "ck" / "metrics.jsonl"
-    a = train(tmp_path, data, uri, f"schedule.max_steps={n}", "checkpoint.interval=0")
-    wait_for(lambda: len(steps_in(metrics)) >= 2 and (tmp_path / "ck" / "tracking.json").exists(), "run A", a.p)
-    first = json.loads((tmp_path / "ck" / "tracking.json").read_text())["run_id"]
+    endless = "schedule.max_steps=100000"
+    metrics, record = tmp_path / "ck" / "metrics.jsonl", tmp_path / "ck" / "tracking.json"
+    a = train(tmp_path, data, uri, endless, "checkpoint.interval=0")
+    wait_for(lambda: len(steps_in(metrics)) >= 2 and record.exists(), "run A", a.p)
+    first = json.loads(record.read_text())["run_id"]
     a.kill()
     cl = client(uri)
     assert cl.get_run(first).info.status == "RUNNING"  # what a dead process leaves
 
-    b = train(tmp_path, data, uri, f"schedule.max_steps={n}", "checkpoint.interval=5")
-    wait_for(lambda: (tmp_path / "ck" / "tracking.json").exists()
-             and json.loads((tmp_path / "ck" / "tracking.json").read_text())["run_id"] != first, "run B", b.p)
-    second = json.loads((tmp_path / "ck" / "tracking.json").read_text())["run_id"]
+    b = train(tmp_path, data, uri, endless, "checkpoint.interval=5")
+    wait_for(lambda: record.exists() and json.loads(record.read_text())["run_id"] != first, "run B", b.p)
+    second = json.loads(record.read_text())["run_id"]
     wait_for(lambda: len(loss_steps(cl, second)) >= 7, "7 steps in MLflow", b.p)  # past the step-5 checkpoint
     b.kill()
     assert cl.get_run(first).info.status == "KILLED"
-    assert max(loss_steps(cl, second)) > 5
+    sent = loss_steps(cl, second)
+    assert sent == list(range(1, len(sent) + 1)) and sent[-1] > 5
 
+    n = sent[-1] + 3  # the rerun passes every step the killed process had sent
     out = train(tmp_path, data, uri, f"schedule.max_steps={n}", "checkpoint.interval=5").finish()
     assert "resumed from" in out
     assert loss_steps(cl, second) == list(range(1, n + 1))
@@ -151,7 +153,7 @@ def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data):
 
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
-    server = start_server(tmp_path, port)
+    server, t = start_server(tmp_path, port), None
     try:
         # the shared-server recipe answers a client that names this machine (not localhost) in its Host header
         name = subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
@@ -159,10 +161,8 @@ def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data):
         api = f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1"
         assert _get(api, host=f"{name}:{port}") == 200 and _get(api, host=f"elsewhere:{port}") == 403
 
-        n = 100
         metrics = tmp_path / "ck" / "metrics.jsonl"
-        t = train(tmp_path, data, uri, f"schedule.max_steps={n}", "checkpoint.interval=0",
-                  "logging.mlflow_drain_s=600")
+        t = train(tmp_path, data, uri, "schedule.max_steps=100000", "checkpoint.interval=0")
         run_id = wait_for(lambda: re.search(r"MLflow run (\w+)", t.text()), "the run", t.p).group(1)
         cl = client(uri)
         wait_for(lambda: len(loss_steps(cl, run_id)) >= 3, "3 steps on the server", t.p)
@@ -170,18 +170,22 @@ def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data):
         at_kill = len(steps_in(metrics))
         wait_for(lambda: "MLflow unreachable" in t.text(), "the outage warning", t.p)
         # training goes on while the server is down: more steps reach the local file
-        wait_for(lambda: len(steps_in(metrics)) >= min(at_kill + 10, n), "steps during the outage")
-        during = len(steps_in(metrics))
+        wait_for(lambda: len(steps_in(metrics)) >= at_kill + 10, "10 steps during the outage", t.p)
         server = start_server(tmp_path, port)
+        wait_for(lambda: "MLflow is back" in t.text(), "the replay", t.p)
+        back = len(steps_in(metrics))
+        wait_for(lambda: len(steps_in(metrics)) >= back + 3, "3 steps after the replay", t.p)
+        os.killpg(t.p.pid, signal.SIGTERM)  # a clean stop: the current step ends, a checkpoint, exit 0
         out = t.finish()
-        assert during > at_kill
-        assert out.count("MLflow unreachable") == 1 and "MLflow is back" in out
-        assert "Traceback" not in out
-        assert loss_steps(cl, run_id) == list(range(1, n + 1))
-        assert cl.get_run(run_id).info.status == "FINISHED"
-        assert steps_in(metrics) == list(range(1, n + 1))
+        assert "Traceback" not in out, out[-3000:]
+        steps = steps_in(metrics)
+        assert steps == list(range(1, len(steps) + 1))
+        assert loss_steps(cl, run_id) == steps, out[-3000:] + "\nSERVER:\n" + server.text()[-3000:]
+        assert cl.get_run(run_id).info.status == "KILLED", out[-3000:]
     finally:
         server.kill()
+        if t is not None:
+            t.kill()
 
 
 def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, data):

@@ -48,13 +48,19 @@ class Sender(threading.Thread):
             else:
                 self._wake.wait(self.retry_s)
             self._wake.clear()
-            if self._stopping and deadline is None:
+            stopping = self._stopping  # read before the file: every line is written by then (end() closed it)
+            if stopping and deadline is None:
                 deadline = time.monotonic() + self.drain_s
-            with self._lock:
-                ok = self._send_pending()
-            if self._stopping and (ok or time.monotonic() >= deadline):
+            try:
+                with self._lock:
+                    ok = self._send_pending()
+            except Exception as e:  # a bad line or an MLflow surprise: never a dead thread that sends nothing
+                ok = False
+                self.down_since = self.down_since or time.monotonic()
+                self.say("warn", f"MLflow sender: {tracking.one_line(e)}; retrying")
+            if stopping and (ok or time.monotonic() >= deadline):
                 return
-            if self._stopping:
+            if stopping:
                 time.sleep(min(self.retry_s, max(deadline - time.monotonic(), 0.0)))
                 self._wake.set()
 
