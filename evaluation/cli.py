@@ -5,6 +5,7 @@ import click
 
 from pipeline.config import ConfigError
 from pipeline.device import DEVICE_HELP
+from pipeline.tracking import TrackingError
 
 
 @click.command("eval")
@@ -63,3 +64,5 @@ def eval_cmd(checkpoint, overrides, loops, tasks, limit, batch_size, source, rac
         if isinstance(e, ConfigError):
             raise
         raise click.ClickException(str(e)) from None
+    except TrackingError as e:
+        raise click.ClickException(f"{e} (--no-mlflow evaluates without it)") from None

@@ -4,7 +4,9 @@ Training runs (`tlf train`) log `loss`, `val/loss`, `tokens_per_s`, `mfu`, `mem/
 runs (`tlf eval`, or eval metrics logged into the training run) log `eval/M{M}/...` and the `eval/results.json`
 artifact. Runs are grouped by their `variant` tag; for each variant the newest run that has training metrics
 and the newest that has evaluation metrics are used (one run may be both). An evaluation is read through
-`evaluation/results.py` (the artifact, else the metrics), never by parsing key names here. naive-loop-ee has
+`evaluation/results.py` (the artifact, else the metrics), never by parsing key names here. Without MLflow (off,
+or its server unreachable), `--run-dir` reads the same metric names from a training run's `metrics.jsonl` and an
+evaluation's `results.json` (`local_runs`). naive-loop-ee has
 no training run of its own: `tlf sweep` evaluates the base-loop checkpoint under its name. A metric a run
 lacks is a blank cell, never an error.
 
@@ -37,6 +39,7 @@ class Run:
     tags: dict
     metrics: dict  # last value of every metric
     results: R.Results | None = None  # the evaluation, loaded for the selected evaluation runs
+    history: list[dict] | None = None  # a --run-dir run: its metrics.jsonl lines (MLflow runs: read on demand)
 
     @property
     def has_train(self) -> bool:
@@ -56,8 +59,42 @@ def open_store(tracking_uri: str):
     uri = tracking.tracking_uri(tracking_uri)
     db = uri.removeprefix("sqlite:///")
     if db != uri and not Path(db).is_file():
-        raise click.UsageError(f"no MLflow store at {db} (nothing was tracked there); pass --tracking-uri")
-    return uri, tracking.client(tracking_uri)
+        raise click.UsageError(f"no MLflow store at {db} (nothing was tracked there); pass --tracking-uri or --run-dir")
+    try:
+        return uri, tracking.checked_client(uri)
+    except tracking.TrackingError as e:
+        raise click.ClickException(f"{e} (a run's metrics.jsonl is read without a server: --run-dir)") from None
+
+
+def local_runs(dirs: list[str]) -> list[Run]:
+    """Runs read from directories instead of MLflow: a training run's metrics.jsonl (+ tracking.json's tags) and/or
+    an evaluation's results.json (the same schema MLflow carries flattened)."""
+    runs = []
+    for d in map(Path, dirs):
+        rows = tracking.read_metrics(d / tracking.METRICS_FILE)
+        res_file = d / R.RESULTS_FILE
+        if not rows and not res_file.is_file():
+            raise click.UsageError(f"{d}: holds neither {tracking.METRICS_FILE} nor {R.RESULTS_FILE}")
+        info = tracking.read_run_file(d)
+        tags = {k: str(v) for k, v in (info.get("tags") or {}).items()}
+        metrics: dict = {}
+        for r in rows:
+            metrics.update({k: v for k, v in r.items() if k not in ("step", "time")})
+        results = R.read(res_file) if res_file.is_file() else None
+        if results is not None:
+            metrics.update(R.flatten(results))
+            tags.setdefault("variant", str((results.get("model") or {}).get("variant", "?")))
+        newest = max((f.stat().st_mtime for f in (d / tracking.METRICS_FILE, res_file) if f.is_file()), default=0)
+        runs.append(Run(str(d), tags.get("variant", "?"), str(info.get("name") or d.name), int(newest * 1000), tags,
+                        metrics, results, rows))
+    return sorted(runs, key=lambda r: -r.start_time)
+
+
+def history(client, r: Run, key: str) -> list[tuple[int, float]]:
+    """(step, value) of one metric of a run, by step."""
+    if r.history is not None:
+        return [(x["step"], x[key]) for x in r.history if key in x]
+    return sorted((m.step, m.value) for m in client.get_metric_history(r.run_id, key))
 
 
 def collect_runs(client, uri: str, experiments: list[str], tags: dict[str, str], run_ids: list[str]) -> list[Run]:
@@ -235,9 +272,9 @@ def plot_all(sel: Selection, client, out: Path) -> list[Path]:
                 continue
             # loss_L (the full pass's CE) compares across variants; `loss` adds the shortcut terms
             for ax, key in zip(axes, (_train_loss_key(r), "val/loss")):
-                h = sorted(client.get_metric_history(r.run_id, key), key=lambda m: m.step)
+                h = history(client, r, key)
                 if h:
-                    ax.plot([m.step for m in h], [m.value for m in h], marker="o" if key != "loss" else None,
+                    ax.plot([st for st, _ in h], [x for _, x in h], marker="o" if key != "loss" else None,
                             markersize=3, label=v)
         for ax, t in zip(axes, ("training loss (full pass, L_L)", "validation loss")):
             ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.set_title(t), ax.grid(alpha=0.3)
@@ -293,10 +330,14 @@ class CompareResult:
 
 
 def run(tracking_uri: str = "", experiments: tuple[str, ...] = ("tlf",), tags: dict | None = None,
-        run_ids: tuple[str, ...] = (), out: str | Path = "compare", metric: str = "acc") -> CompareResult:
+        run_ids: tuple[str, ...] = (), out: str | Path = "compare", metric: str = "acc",
+        run_dirs: tuple[str, ...] = ()) -> CompareResult:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one results.json per run: no bars
-    uri, client = open_store(tracking_uri)
-    runs = collect_runs(client, uri, list(experiments), tags or {}, list(run_ids))
+    if run_dirs:  # no MLflow at all
+        client, runs = None, local_runs(list(run_dirs))
+    else:
+        uri, client = open_store(tracking_uri)
+        runs = collect_runs(client, uri, list(experiments), tags or {}, list(run_ids))
     sel = select(runs, client)
     outd = Path(out)
     outd.mkdir(parents=True, exist_ok=True)
@@ -316,15 +357,19 @@ def run(tracking_uri: str = "", experiments: tuple[str, ...] = ("tlf",), tags: d
 
 
 @click.command("compare")
-@click.option("--tracking-uri", default="", help="MLflow tracking URI (default sqlite:///<cwd>/mlflow.db).")
+@click.option("--tracking-uri", default="",
+              help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db).")
 @click.option("--experiment", "experiments", multiple=True, default=("tlf",), show_default=True,
               help="Experiment name(s) to read.")
 @click.option("--tag", "tag_items", multiple=True, help="Only runs with this tag, KEY=VALUE (repeatable).")
 @click.option("--run-id", "run_ids", multiple=True, help="Exactly these runs (repeatable); overrides --experiment.")
+@click.option("--run-dir", "run_dirs", multiple=True,
+              help="Read this run directory's metrics.jsonl (or an eval output's results.json) instead of MLflow "
+                   "(repeatable).")
 @click.option("--out", default="compare", show_default=True, help="Output directory for markdown, CSV and PNG.")
 @click.option("--metric", type=click.Choice(["acc", "acc_norm"]), default="acc", show_default=True,
               help="Accuracy column: acc, or acc_norm where a task has it.")
-def compare(tracking_uri, experiments, tag_items, run_ids, out, metric):
+def compare(tracking_uri, experiments, tag_items, run_ids, run_dirs, out, metric):
     """Side-by-side tables (the paper's Tables 1-3) and plots from MLflow runs of the variants."""
     tags = {}
     for t in tag_items:
@@ -332,6 +377,6 @@ def compare(tracking_uri, experiments, tag_items, run_ids, out, metric):
             raise click.BadParameter(f"{t!r} must look like KEY=VALUE", param_hint="--tag")
         k, _, v = t.partition("=")
         tags[k] = v
-    res = run(tracking_uri, experiments, tags, run_ids, out, metric)
+    res = run(tracking_uri, experiments, tags, run_ids, out, metric, run_dirs)
     click.echo(res.text or "no runs with training or evaluation metrics matched")
     click.echo("files:\n" + "\n".join(f"  {f}" for f in res.files))

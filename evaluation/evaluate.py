@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from pipeline import tracking
 from pipeline.config import VARIANTS, Config, ConfigError, load_config, trained_variant
 from pipeline.device import resolve_device
 from pipeline.model.io import find_export, load_model
@@ -115,6 +116,8 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
     task_names = list(ev.tasks)
     for n in task_names:
         spec(n)  # unknown task names fail before anything runs
+    if ev.mlflow:  # a dead or refusing server: one line now (TrackingError), not after the whole evaluation
+        tracking.checked_client(cfg.logging.tracking_uri)
 
     # ---- load everything once; a task whose data cannot be reached is skipped (one line) unless eval.strict
     t0 = time.time()

@@ -97,7 +97,7 @@ def log_mlflow(result: Results, files: list[Path], tracking_uri: str, experiment
     from mlflow.exceptions import MlflowException
 
     uri = tracking.tracking_uri(tracking_uri)
-    client = tracking.client(uri)
+    client = tracking.checked_client(uri)
     if run_id is not None:
         try:
             client.get_run(run_id)

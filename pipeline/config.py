@@ -212,12 +212,14 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    tracking_uri: str = f("", "MLflow tracking URI; empty means sqlite:///<cwd>/mlflow.db.")
+    tracking_uri: str = f("", "MLflow tracking URI; empty means $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db.")
     experiment: str = f("tlf", "MLflow experiment name.")
     run_name: str = f("", "MLflow run name; empty derives it from the preset and variant.")
     peak_flops: float = f(0.0, "Peak FLOP/s per device for MFU (0: an A100's bf16 312e12 on CUDA; on CPU no MFU is "
                                "reported unless set).")
-    mlflow: bool = f(True, "Log to MLflow (rank 0); false keeps the console progress only.")
+    mlflow: bool = f(True, "Log to MLflow (rank 0, off the training thread); false keeps the console and metrics.jsonl.")
+    mlflow_drain_s: float = f(60.0, "Seconds the end of a run waits for an unreachable MLflow server; then the "
+                                    "unsent steps stay in metrics.jsonl and are replayed on the next start.")
 
 
 @dataclass

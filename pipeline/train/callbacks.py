@@ -143,13 +143,13 @@ class Checkpointer(Callback):
 
 
 class MLflowLogger(Callback):
-    """The MLflow run (rank 0; logging.mlflow=false: none): opened with the config as params and `run_tags`, or
-    the resumed run reopened; metrics buffered every step and sent at log steps; final_step tag; ended with the
-    run's status."""
+    """The run's metrics.jsonl (always) and MLflow run (rank 0; logging.mlflow=false: none): opened with the
+    config as params and `run_tags`, or the resumed run reopened; metrics written every step, sent to MLflow off
+    the training thread (woken at log steps); final_step tag; ended with the run's status."""
 
     def pre_train(self) -> None:
         t = self.trainer
-        t.run_id = t.result.run_id = log.start(t.cfg, run_tags(t), resume_run_id=t.run_id)
+        t.run_id = t.result.run_id = log.start(t.cfg, run_tags(t), resume_run_id=t.run_id, root=t.root, step=t.step)
 
     def log_metrics(self, step: int, metrics: dict) -> None:
         log.metrics(metrics, step)

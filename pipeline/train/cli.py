@@ -38,6 +38,9 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     Launcher, N ranks:  deepspeed --no_local_rank --num_gpus N $(which tlf) train CONFIG [OVERRIDES]
     (module form:       deepspeed --num_gpus N --module pipeline.train CONFIG [OVERRIDES])
 
+    Metrics: every step is a line of <checkpoint dir>/metrics.jsonl; MLflow gets them off the training thread at
+    logging.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db (logging.mlflow=false: none).
+
     Every key with its type, default and doc: tlf config show PRESET --doc
     """
     try:

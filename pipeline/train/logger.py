@@ -1,19 +1,24 @@
-"""The one run logger: console progress and MLflow, rank 0 only.
+"""The one run logger: console progress, the local metrics file and MLflow, rank 0 only.
 
 Use the module-level `log` (`from pipeline.train.logger import log`); nothing is passed around. `open(rank)`
-turns the console on (rank 0; on ranks > 0 every method is a no-op) and `close()` off again; the MLflow run is
-opened by `start` and ended by `end` (the trainer's `MLflowLogger` callback does both). MLflow: tracking URI
-`logging.tracking_uri` (default `sqlite:///<cwd>/mlflow.db`, artifacts in `./mlruns`), experiment
-`logging.experiment`; the resolved config (`cfg.flat()`) is logged as params, the run is tagged with the tags
-the caller passes (pipeline.train.callbacks.run_tags), and metrics are buffered and sent with `log_batch` (at
-most 1000 per call).
+turns the console on (rank 0; on ranks > 0 every method is a no-op) and `close()` off again; the run is opened by
+`start` and ended by `end` (the trainer's `MLflowLogger` callback does both). Every step's metrics are a line of
+`<run dir>/metrics.jsonl` (always, MLflow or not; `tlf compare --run-dir` reads it). MLflow: tracking URI
+`logging.tracking_uri`, else $MLFLOW_TRACKING_URI, else `sqlite:///<cwd>/mlflow.db` (artifacts in `./mlruns`),
+experiment `logging.experiment`; the resolved config (`cfg.flat()`) is logged as params, the run is tagged with
+the tags the caller passes (pipeline.train.callbacks.run_tags), and the metrics go from the file to the server on
+a background thread (pipeline.train.spool: the file is the spool of an outage, replayed on the next start).
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 
+from data_prep.files import write_json
 from pipeline import tracking
+from pipeline.train.spool import Sender
 
 
 class RunLogger:
@@ -21,26 +26,60 @@ class RunLogger:
         self.active = False
         self.client = None
         self.run_id: str | None = None
-        self._buf: list = []
+        self._file = None  # metrics.jsonl, appended by the training thread
+        self._sender: Sender | None = None
+        self.drain_s = 60.0  # logging.mlflow_drain_s, set by start
 
     # ------------------------------------------------------------------------------------- life cycle
     def open(self, rank: int) -> None:
         """Console output on (rank 0 only); no MLflow run yet."""
-        self.active, self.client, self.run_id, self._buf = rank == 0, None, None, []
+        self.active, self.client, self.run_id, self._file, self._sender = rank == 0, None, None, None, None
 
     def close(self) -> None:
         """Turns the console off; an MLflow run nobody ended (a callback failed before it) ends FAILED."""
         self.end("FAILED")
         self.active = False
 
-    def start(self, cfg, tags: dict, resume_run_id: str | None = None) -> str | None:
-        """Opens the MLflow run (a new one, or `resume_run_id` reopened) on rank 0 after `open`; returns its id."""
-        self.client, self.run_id, self._buf = None, None, []
-        if not self.active or not cfg.logging.mlflow:
+    def start(self, cfg, tags: dict, resume_run_id: str | None = None, root: Path | None = None,
+              step: int = 0) -> str | None:
+        """On rank 0 after `open`: the local metrics file `root`/metrics.jsonl (its lines after `step`, the start
+        step, dropped: they are run again) and, with logging.mlflow, the MLflow run (`resume_run_id` reopened, else
+        a new one) with its sender thread; returns the run id (None without MLflow; when the server cannot be reached
+        at the start, the file alone keeps the metrics and a resumed run's id is kept for the next start). A run the previous process left RUNNING
+        (tracking.json) is ended KILLED."""
+        self.client, self.run_id, self._file, self._sender = None, None, None, None
+        self.drain_s = cfg.logging.mlflow_drain_s
+        if not self.active:
             return None
-        uri = tracking.tracking_uri(cfg.logging.tracking_uri)
-        self.client = tracking.client(uri)
-        exp_id = tracking.experiment_id(self.client, cfg.logging.experiment)
+        if root is not None:
+            self._file = _open_metrics(Path(root) / tracking.METRICS_FILE, step)
+        prev = tracking.read_run_file(root) if root is not None else {}
+        uri = tracking.tracking_uri(cfg.logging.tracking_uri) if cfg.logging.mlflow else ""
+        try:
+            if cfg.logging.mlflow:
+                self.client = tracking.checked_client(uri)
+                after = self._open_run(cfg, tags, resume_run_id, uri)
+                self._end_dead_run(prev, uri)
+        except Exception as e:  # the outside service failing never stops training
+            self.warn(f"MLflow at {uri} cannot be used ({tracking.one_line(e)}); this run's metrics are only in "
+                      f"{self._file.name if self._file else 'the console'}")
+            self.client, self.run_id = None, resume_run_id  # kept in checkpoints: the next start reopens and replays
+        if root is not None:
+            write_json(Path(root) / tracking.RUN_FILE, {"run_id": self.run_id, "tracking_uri": uri,
+                                                        "name": self._name(cfg), "tags": tags})
+        if self.client is None:
+            return self.run_id
+        self.info(f"MLflow run {self.run_id} in experiment '{cfg.logging.experiment}' at {uri}")
+        if self._file is not None:
+            self._sender = Sender(Path(self._file.name), self.client, self.run_id, after, self._say)
+            self._sender.start()
+        return self.run_id
+
+    def _name(self, cfg) -> str:
+        return cfg.logging.run_name or cfg.name or cfg.model.variant
+
+    def _open_run(self, cfg, tags: dict, resume_run_id: str | None, uri: str) -> int:
+        """Opens the run; returns the last step its `loss` history already holds (0 for a new run)."""
         if resume_run_id:
             try:
                 run = self.client.get_run(resume_run_id)
@@ -48,25 +87,49 @@ class RunLogger:
                     self.run_id = resume_run_id
                     self.client.update_run(self.run_id, status="RUNNING")
                     self.client.set_tag(self.run_id, "resumed", "true")
+                    return max((m.step for m in self.client.get_metric_history(self.run_id, "loss")), default=0)
             except Exception:  # another tracking store, or the run was deleted: start a new one
                 self.run_id = None
-        if self.run_id is None:
-            from mlflow.entities import Param, RunTag
+        from mlflow.entities import Param, RunTag
 
-            name = cfg.logging.run_name or cfg.name or cfg.model.variant
-            run = self.client.create_run(exp_id, run_name=name, tags={k: str(v) for k, v in tags.items()})
-            self.run_id = run.info.run_id
-            params = [Param(k, str(v)[:6000]) for k, v in cfg.flat().items()]
-            for i in range(0, len(params), 100):
-                self.client.log_batch(self.run_id, params=params[i:i + 100])
-            self.client.log_batch(self.run_id, tags=[RunTag("tracking_uri", uri)])
-        self.info(f"MLflow run {self.run_id} in experiment '{cfg.logging.experiment}' at {uri}")
-        return self.run_id
+        exp_id = tracking.experiment_id(self.client, cfg.logging.experiment)
+        run = self.client.create_run(exp_id, run_name=self._name(cfg), tags={k: str(v) for k, v in tags.items()})
+        self.run_id = run.info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in cfg.flat().items()]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+        self.client.log_batch(self.run_id, tags=[RunTag("tracking_uri", uri)])
+        return 0
+
+    def _end_dead_run(self, prev: dict, uri: str) -> None:
+        """The previous process's run, if it is not the one reopened and is still RUNNING: ended KILLED."""
+        rid = prev.get("run_id")
+        if not rid or rid == self.run_id or prev.get("tracking_uri") != uri:
+            return
+        try:
+            if self.client.get_run(rid).info.status == "RUNNING":
+                self.client.set_terminated(rid, status="KILLED")
+                self.info(f"MLflow run {rid} of a process that died was left RUNNING; marked KILLED")
+        except Exception:
+            pass
 
     def end(self, status: str = "FINISHED") -> None:
+        """Flushes the local file; sends the rest (waiting up to logging.mlflow_drain_s for a server that is
+        down) and ends the run with `status`, or leaves the unsent steps to the next start."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._sender is not None:
+            sender, self._sender = self._sender, None
+            if not sender.stop(self.drain_s):
+                self.warn(f"MLflow still unreachable; the unsent steps stay in {sender.path} and are sent by the "
+                          f"next start of this run")
+                self.client = None
         if self.client is not None and self.run_id:
-            self.flush()
-            self.client.set_terminated(self.run_id, status=status)
+            try:
+                self.client.set_terminated(self.run_id, status=status)
+            except Exception as e:
+                self.warn(f"could not mark MLflow run {self.run_id} {status}: {tracking.one_line(e)}")
         self.client = None
 
     # ------------------------------------------------------------------------------------------ output
@@ -78,27 +141,29 @@ class RunLogger:
         if self.active:
             print(f"[tlf] warning: {msg}", file=sys.stderr, flush=True)
 
-    def metrics(self, values: dict, step: int) -> None:
-        """Buffers {name: float}; sent with the next flush (automatic at 1000 buffered values)."""
-        if self.client is None:
-            return
-        from mlflow.entities import Metric
+    def _say(self, kind: str, msg: str) -> None:
+        (self.warn if kind == "warn" else self.info)(msg)
 
-        ts = int(time.time() * 1000)
-        self._buf += [Metric(k, float(v), ts, int(step)) for k, v in values.items()]
-        if len(self._buf) >= tracking.BATCH:
-            self.flush()
+    def metrics(self, values: dict, step: int) -> None:
+        """Appends {name: float} as the step's line of metrics.jsonl (the sender reads it from there)."""
+        if self._file is None:
+            return
+        rec = {"step": int(step), "time": int(time.time() * 1000)} | {k: float(v) for k, v in values.items()}
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
 
     def flush(self) -> None:
-        if self.client is None or not self._buf:
-            return
-        buf, self._buf = self._buf, []
-        tracking.log_metrics(self.client, self.run_id, buf)
+        """Wakes the sender (log steps): what the file holds goes to MLflow without waiting for the thread."""
+        if self._sender is not None:
+            self._sender.wake()
 
     def set_tags(self, tags: dict) -> None:
         if self.client is not None:
-            for k, v in tags.items():
-                self.client.set_tag(self.run_id, k, str(v))
+            try:
+                for k, v in tags.items():
+                    self.client.set_tag(self.run_id, k, str(v))
+            except Exception as e:
+                self.warn(f"MLflow tags not set: {tracking.one_line(e)}")
 
 
 log = RunLogger()
@@ -109,3 +174,14 @@ def fmt_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}"
+
+
+def _open_metrics(path: Path, start_step: int):
+    """metrics.jsonl opened for appending, after dropping its lines past start_step (and a line cut by a kill)."""
+    keep = [r for r in tracking.read_metrics(path) if isinstance(r.get("step"), int) and r["step"] <= start_step]
+    if path.exists():
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        tmp.replace(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "a")

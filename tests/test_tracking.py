@@ -1,0 +1,217 @@
+"""Tracking that cannot hurt the run, through the real `tlf train`: a real `mlflow server` killed mid-run and
+restarted (started with the README's shared-server command, reached with a non-localhost Host header), kills of
+the trainer before and after its first checkpoint (one MLflow entry per step, no run left RUNNING), the local
+metrics file that `tlf compare --run-dir` reads, and one-line errors for a dead server. Every kill and restart is
+triggered by something the programs report (a line, the metrics file, the store), never by elapsed time."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pipeline.train.ds import free_port
+from tests.test_train import TINY, clean_env, make_shards
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+QUICK = [o for o in TINY if not o.startswith(("logging.mlflow", "schedule.max_steps", "train.log_interval",
+                                                "train.eval_interval", "checkpoint.interval"))]
+QUICK += ["train.log_interval=1", "train.eval_interval=0", "logging.experiment=t"]
+
+
+def wait_for(cond, what: str, proc: subprocess.Popen | None = None, limit: float = 300.0):
+    """Polls cond() until it is truthy; fails if `proc` ends first (the safety limit only guards a hang)."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process ended (exit {proc.returncode}) while waiting for {what}")
+        time.sleep(0.05)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+class Proc:
+    """A child in its own process group whose stdout and stderr are collected by threads as they come."""
+
+    def __init__(self, cmd, **kw) -> None:
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True, **kw)
+        self.out, self.err = [], []
+        for src, dst in ((self.p.stdout, self.out), (self.p.stderr, self.err)):
+            threading.Thread(target=lambda s=src, d=dst: d.extend(iter(s.readline, "")), daemon=True).start()
+
+    def text(self) -> str:
+        return "".join(self.out) + "".join(self.err)
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        self.p.wait(timeout=60)
+
+    def finish(self) -> str:
+        self.p.wait(timeout=600)
+        time.sleep(0.2)  # let the reader threads drain the pipes
+        assert self.p.returncode == 0, self.text()[-3000:]
+        return self.text()
+
+
+def train(tmp: Path, data: Path, uri: str, *extra: str) -> Proc:
+    return Proc([str(BIN / "tlf"), "train", "tiny/t-loopformer", *QUICK, f"data.dir={data}",
+                 f"checkpoint.dir={tmp / 'ck'}", f"logging.tracking_uri={uri}", *extra],
+                cwd=tmp, env=clean_env())
+
+
+def steps_in(path: Path) -> list[int]:
+    from pipeline.tracking import read_metrics
+
+    return [r["step"] for r in read_metrics(path)]
+
+
+def loss_steps(client, run_id: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, "loss"))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_shards(tmp_path_factory.mktemp("data"), 64)
+
+
+def test_kills_leave_one_entry_per_step_and_no_run_running(tmp_path, data):
+    """Kill 1 before the first checkpoint, kill 2 after one (with steps past it already in MLflow), then a
+    rerun to the end: the first run ends KILLED, the resumed run holds every step's loss exactly once. The killed
+    runs have a schedule they cannot finish; the rerun's end is set from where the kill landed."""
+    from pipeline.tracking import client
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    endless = "schedule.max_steps=100000"
+    metrics, record = tmp_path / "ck" / "metrics.jsonl", tmp_path / "ck" / "tracking.json"
+    a = train(tmp_path, data, uri, endless, "checkpoint.interval=0")
+    wait_for(lambda: len(steps_in(metrics)) >= 2 and record.exists(), "run A", a.p)
+    first = json.loads(record.read_text())["run_id"]
+    a.kill()
+    cl = client(uri)
+    assert cl.get_run(first).info.status == "RUNNING"  # what a dead process leaves
+
+    b = train(tmp_path, data, uri, endless, "checkpoint.interval=5")
+    wait_for(lambda: record.exists() and json.loads(record.read_text())["run_id"] != first, "run B", b.p)
+    second = json.loads(record.read_text())["run_id"]
+    wait_for(lambda: len(loss_steps(cl, second)) >= 7, "7 steps in MLflow", b.p)  # past the step-5 checkpoint
+    b.kill()
+    assert cl.get_run(first).info.status == "KILLED"
+    sent = loss_steps(cl, second)
+    assert sent == list(range(1, len(sent) + 1)) and sent[-1] > 5
+
+    n = sent[-1] + 3  # the rerun passes every step the killed process had sent
+    out = train(tmp_path, data, uri, f"schedule.max_steps={n}", "checkpoint.interval=5").finish()
+    assert "resumed from" in out
+    assert loss_steps(cl, second) == list(range(1, n + 1))
+    assert cl.get_run(second).info.status == "FINISHED"
+    assert steps_in(metrics) == list(range(1, n + 1))
+
+
+def readme_server_command() -> str:
+    cmds = [ln for ln in (REPO / "README.md").read_text().splitlines() if ln.startswith("mlflow server ")
+            and "--allowed-hosts" in ln]
+    assert len(cmds) == 1, cmds
+    return cmds[0].split("  #")[0].strip()
+
+
+def start_server(tmp: Path, port: int) -> Proc:
+    """The README's shared-server command, on this test's store and port."""
+    cmd = readme_server_command().replace("sqlite:///mlflow.db", f"sqlite:///{tmp / 'server.db'}")
+    cmd = cmd.replace("--port 5000", f"--port {port}") + " --workers 1"  # one worker: a 2-core test machine
+    assert f"--port {port}" in cmd
+    s = Proc(["bash", "-c", f"exec {cmd}"], cwd=tmp, env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"})
+    wait_for(lambda: _get(f"http://127.0.0.1:{port}/health") == 200, "the MLflow server", s.p)
+    return s
+
+
+def _get(url: str, host: str | None = None) -> int:
+    req = urllib.request.Request(url, headers={"Host": host} if host else {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data):
+    from pipeline.tracking import client
+
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server, t = start_server(tmp_path, port), None
+    try:
+        # the shared-server recipe answers a client that names this machine (not localhost) in its Host header
+        name = subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
+        assert name and name not in ("localhost", "127.0.0.1")
+        api = f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1"
+        assert _get(api, host=f"{name}:{port}") == 200 and _get(api, host=f"elsewhere:{port}") == 403
+
+        metrics = tmp_path / "ck" / "metrics.jsonl"
+        t = train(tmp_path, data, uri, "schedule.max_steps=100000", "checkpoint.interval=0")
+        run_id = wait_for(lambda: re.search(r"MLflow run (\w+)", t.text()), "the run", t.p).group(1)
+        cl = client(uri)
+        wait_for(lambda: len(loss_steps(cl, run_id)) >= 3, "3 steps on the server", t.p)
+        server.kill()
+        at_kill = len(steps_in(metrics))
+        wait_for(lambda: "MLflow unreachable" in t.text(), "the outage warning", t.p)
+        # training goes on while the server is down: more steps reach the local file
+        wait_for(lambda: len(steps_in(metrics)) >= at_kill + 10, "10 steps during the outage", t.p)
+        server = start_server(tmp_path, port)
+        wait_for(lambda: "MLflow is back" in t.text(), "the replay", t.p)
+        back = len(steps_in(metrics))
+        wait_for(lambda: len(steps_in(metrics)) >= back + 3, "3 steps after the replay", t.p)
+        os.killpg(t.p.pid, signal.SIGTERM)  # a clean stop: the current step ends, a checkpoint, exit 0
+        out = t.finish()
+        assert "Traceback" not in out, out[-3000:]
+        steps = steps_in(metrics)
+        assert steps == list(range(1, len(steps) + 1))
+        assert loss_steps(cl, run_id) == steps, out[-3000:] + "\nSERVER:\n" + server.text()[-3000:]
+        assert cl.get_run(run_id).info.status == "KILLED", out[-3000:]
+    finally:
+        server.kill()
+        if t is not None:
+            t.kill()
+
+
+def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, data):
+    dead = f"http://127.0.0.1:{free_port()}"
+    p = subprocess.run([str(BIN / "tlf"), "compare", "--tracking-uri", dead, "--out", str(tmp_path / "c")],
+                       capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=300)
+    assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert dead in p.stderr and "Traceback" not in p.stderr
+    # the same from the environment variable, which a run with no tracking_uri honours too
+    p = subprocess.run([str(BIN / "tlf"), "compare", "--out", str(tmp_path / "c")], capture_output=True, text=True,
+                       cwd=tmp_path, env=clean_env(MLFLOW_TRACKING_URI=dead), timeout=300)
+    assert p.returncode != 0 and dead in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+    # logging.mlflow=false: the metrics file alone, and tlf compare reads it
+    train(tmp_path, data, "", "schedule.max_steps=4", "checkpoint.interval=0", "logging.mlflow=false").finish()
+    assert steps_in(tmp_path / "ck" / "metrics.jsonl") == [1, 2, 3, 4]
+    assert not (tmp_path / "mlflow.db").exists()
+    # tlf eval: the dead server (from MLFLOW_TRACKING_URI, the checkpoint's logging.tracking_uri being empty) is
+    # one line before the evaluation starts
+    p = subprocess.run([str(BIN / "tlf"), "eval", str(tmp_path / "ck"), "--tasks", "none", "--no-ppl", "--no-latency",
+                        "--out", str(tmp_path / "e")], capture_output=True, text=True, cwd=tmp_path,
+                       env=clean_env(MLFLOW_TRACKING_URI=dead), timeout=300)
+    assert p.returncode == 1 and dead in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    p = subprocess.run([str(BIN / "tlf"), "compare", "--run-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "c")],
+                       capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "t-loopformer" in p.stdout and "Table 3" in p.stdout
+    assert (tmp_path / "c" / "loss_curves.png").is_file()
