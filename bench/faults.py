@@ -10,6 +10,9 @@ seed names the same kills on every machine.
   killed): inside a checkpoint save (the first trial in the final export), during a random step, or right after a
   complete save. Every run has `train.deterministic=true`, so "equals" is exact float equality of the losses after
   the resume point, which must be the newest complete checkpoint.
+- `tlf train` resumed on another world size (`resize`): killed during a random step on 2 gloo ranks and resumed
+  in one process, or the reverse, under ZeRO stage 0-3 in turn; the losses after the resume must equal the
+  uninterrupted run at the new world size within fp32 rounding (rtol 1e-5; the maximum is reported).
 - `tlf eval`: killed as a unit of work starts (a task at a budget, a perplexity set) or as results.json is about
   to be written; results.json is then absent or whole, and the rerun's equals the uninterrupted run's (timings
   and file paths aside).
@@ -18,6 +21,7 @@ A trial diverges when a check fails or the rerun fails.
 
     python bench/faults.py --trials 10 --seed 0 --out bench/results/faults.json    # every stage
     python bench/faults.py --stages prep,eval --trials 10                         # some
+    python bench/faults.py --stages resize --trials 8 --out bench/results/faults_resize.json
 """
 from __future__ import annotations
 
@@ -96,7 +100,7 @@ def write(path, chunks):
     return real_write(path, chunks)
 checkpoint.atomic_write_bytes = write
 before = torch.get_num_threads()
-res = run(load_config("tiny/t-loopformer", sys.argv[1:]))
+res = run(load_config(os.environ.get("PRESET", "tiny/t-loopformer"), sys.argv[1:]))
 if int(os.environ.get("RANK", "0")) == 0:
     print(json.dumps({"losses": [float(x) for x in res.losses], "start": res.start_step, "step": res.step,
                       "threads_before": before, "threads": torch.get_num_threads(),
@@ -242,6 +246,61 @@ def train_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int = 
               f"step {newest}, rerun {'matches' if rec['ok'] else 'DIVERGES'}", flush=True)
     return {"stage": stage, "trials": n, "killed": sum(t["killed"] for t in trials),
             "divergences": divergences, "reference_s": round(ref_s, 2), "records": trials}
+
+
+def resize_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int = 2) -> dict:
+    """n trials of a run killed (SIGKILL during a random step, the process group under the launcher) and resumed
+    on the other world size: 2 gloo ranks -> 1 process and 1 -> 2 in turn, under ZeRO stage i % 4, rerun with the
+    same command line (grad-accum adapts). The losses after the resume must equal the uninterrupted run at the new
+    world size (ZeRO-0, the preset's stage) within fp32 reduction-order rounding (rtol 1e-5; the maximum is
+    reported). tiny/base-loop: no random shortcut schedule,
+    whose draws per micro-batch depend on how the global batch is split."""
+    data = work / "shards"
+    data.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    write_shard(data / "t_train_000000.bin", rng.integers(0, 512, 20 * 32 + 1))
+    write_shard(data / "t_val_000000.bin", rng.integers(0, 512, 8 * 32 + 1))
+    child = work / "train_child.py"
+    child.write_text(CHILD)
+    common = TINY + [f"data.dir={data}", f"schedule.max_steps={steps}", f"checkpoint.interval={interval}",
+                     "train.global_batch_size=4"]
+    accum = {1: ["train.grad_accum_steps=2"], 2: ["train.grad_accum_steps=1"]}
+
+    def start(ranks, args, **env):
+        if ranks == 2:
+            return _start_dist(child, args, PRESET="tiny/base-loop", KILL_GROUP="1", **env)
+        return _start(args, PRESET="tiny/base-loop", **env)
+
+    ref = {k: _finish(start(k, common + accum[k] + [f"checkpoint.dir={work / f'ref{k}'}"])) for k in (1, 2)}
+    r = random.Random(seed)
+    trials, divergences, worst = [], 0, 0.0
+    for i in range(n):
+        old, new, stage = (2, 1, i % 4) if i % 2 == 0 else (1, 2, i % 4)
+        ck = work / f"trial{i}"
+        args = common + accum[old] + [f"checkpoint.dir={ck}", f"train.zero_stage={stage}"]
+        step = r.randrange(interval, steps)  # after the first checkpoint
+        p = start(old, args, KILL_AT_MICRO=str(step * 2 // old))  # 2 // old micro-batches per step
+        p.communicate(timeout=600)
+        newest = _newest_complete(ck)
+        rec = {"trial": i, "kill": f"{old} -> {new} ranks, ZeRO-{stage}, during step {step + 1}",
+               "killed": p.returncode == -signal.SIGKILL, "newest_complete": newest}
+        try:
+            res = _finish(start(new, args))  # the same command line on the other world size
+            want = ref[new]["losses"][res["start"]:]
+            rel = max((abs(a - b) / abs(b) for a, b in zip(res["losses"], want)), default=0.0)
+            worst = max(worst, rel)
+            ok = res["start"] == newest and len(res["losses"]) == len(want) and rel <= 1e-5
+            rec.update(resumed_from=res["start"], max_rel_diff=rel, ok=ok)
+        except RuntimeError as e:
+            rec.update(ok=False, error=str(e)[-500:])
+        divergences += not rec["ok"]
+        trials.append(rec)
+        print(f"resize trial {i}: {rec['kill']}, newest complete step {newest}, rerun "
+              f"{'matches' if rec['ok'] else 'DIVERGES'} (max rel diff {rec.get('max_rel_diff', float('nan')):.1e})",
+              flush=True)
+    return {"stage": "train resumed on another world size (2 <-> 1 ranks)", "trials": n,
+            "killed": sum(t["killed"] for t in trials), "divergences": divergences, "max_rel_diff": worst,
+            "records": trials}
 
 
 # ------------------------------------------------------------------------------------------------ prep-data
@@ -449,14 +508,15 @@ def eval_trials(n: int, seed: int, work: Path, tasks: str = "copa,sciq") -> dict
 
 
 STAGES = {"prep": prep_trials, "train": train_trials,
-          "train2": lambda n, seed, work: train_trials(n, seed, work, ranks=2), "eval": eval_trials}
+          "train2": lambda n, seed, work: train_trials(n, seed, work, ranks=2), "eval": eval_trials,
+          "resize": resize_trials}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--stages", default="prep,train,train2,eval", help=f"comma-separated, of {', '.join(STAGES)}")
+    ap.add_argument("--stages", default="prep,train,train2,eval,resize", help=f"comma-separated, of {', '.join(STAGES)}")
     ap.add_argument("--out", default="bench/results/faults.json")
     a = ap.parse_args()
     results = []

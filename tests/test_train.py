@@ -196,7 +196,7 @@ def test_loader_is_disjoint_deterministic_and_resumable(tmp_path):
     c.load_state_dict(state)
     got = [c.next() for _ in range(3)]
     assert all(torch.equal(w[0], g[0]) and torch.equal(w[1], g[1]) for w, g in zip(want, got))
-    with pytest.raises(ValueError, match="per_micro"):
+    with pytest.raises(ValueError, match="global_batch"):
         mk(0, ws=1).load_state_dict(state)
 
 

@@ -312,8 +312,9 @@ def _fsync_dir(p: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ loading
-def read_state(path: Path, rank: int, world_size: int) -> dict:
-    """This rank's state dict of checkpoint dir `path` (step, data position, RNG states, config, MLflow run)."""
+def read_state(path: Path, rank: int, world_size: int | None) -> dict:
+    """This rank's state dict of checkpoint dir `path` (step, data position, RNG states, config, MLflow run);
+    world_size None: whatever world size wrote it."""
     f = path / f"rank{rank}_state.pt"
     if not f.is_file():
         have = sorted(p.name for p in path.glob("rank*_state.pt"))
@@ -325,7 +326,7 @@ def read_state(path: Path, rank: int, world_size: int) -> dict:
         raise CheckpointError(f"{f}: not a readable training state ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}); resume from another checkpoint "
                               f"or set checkpoint.resume=none") from e
-    if state["world_size"] != world_size:
+    if world_size is not None and state["world_size"] != world_size:
         raise CheckpointError(f"{path} was written by {state['world_size']} ranks; this run has {world_size}")
     return state
 

@@ -2,13 +2,14 @@
 
 A split of N tokens is cut into W = (N - 1) // T windows of T + 1 tokens (inputs and next-token targets;
 neighbouring windows share one token). Epoch e visits the windows in the order of a permutation drawn from
-`numpy.random.PCG64([seed, e])`, in *global micro-batches* of world_size x micro_batch_size windows: rank r
-takes windows [r * mb, (r + 1) * mb) of each global micro-batch, so ranks never overlap and together cover
-the epoch. An optimizer step consumes grad_accum_steps global micro-batches (a batch skipped under
-`train.nan_policy=skip` consumes one more). The whole position is one integer, `micro`, the number of global
-micro-batches consumed so far: it is saved in every rank's checkpoint state, and since the order depends only
-on (seed, global micro-batch size) the same data follows a resume. An epoch ends when fewer than one global
-micro-batch of windows is left (the remainder is dropped for that epoch; the next permutation differs).
+`numpy.random.PCG64([seed, e])`: the first (W // G) x G of them, G = train.global_batch_size (the remainder is
+dropped for that epoch; the next permutation differs). The position is global: (epoch, offset), the number of
+windows of the epoch consumed, whatever the world size. Each draw takes the next *global micro-batch* of
+world_size x micro_batch_size windows, of which rank r takes windows [offset + r * mb, offset + (r + 1) * mb); an
+optimizer step draws grad_accum_steps of them, i.e. G windows (a batch skipped under `train.nan_policy=skip`
+draws one more). So the windows of each optimizer step, their order, and the epoch ends depend only on (seed, G,
+W): a checkpoint written by N ranks resumes on M ranks (grad-accum adapting, same G) at the same sequence, none
+skipped or repeated. `micro` counts the draws of this loader (this run's units, for fault hooks and tests).
 """
 from __future__ import annotations
 
@@ -31,18 +32,20 @@ class TrainLoader:
     """Deterministic, disjoint per-rank micro-batches of (inputs, targets), each (mb, T) int64."""
 
     def __init__(self, directory: str, split: str, seq_len: int, micro_batch: int, rank: int, world_size: int,
-                 seed: int, vocab_size: int, verify: bool = False):
+                 seed: int, vocab_size: int, verify: bool = False, global_batch: int | None = None):
         self.shards = ShardSet(directory, split, (rank, world_size) if verify else None)
         self.T, self.mb, self.rank, self.ws = seq_len, micro_batch, rank, world_size
         self.seed, self.vocab_size = seed, vocab_size
         self.windows = (self.shards.num_tokens - 1) // seq_len
         self.per_micro = micro_batch * world_size  # windows per global micro-batch
-        self.micros_per_epoch = self.windows // self.per_micro
+        self.global_batch = global_batch or self.per_micro  # windows per optimizer step (G)
+        self.usable = self.windows // self.global_batch * self.global_batch  # windows visited per epoch
+        self.micros_per_epoch = self.usable // self.per_micro
         if self.micros_per_epoch < 1:
             raise ShardError(
                 f"{directory} '{split}': {self.shards.num_tokens} tokens give {self.windows} sequences of {seq_len}+1 "
                 f"tokens, fewer than one global micro-batch ({micro_batch} x {world_size} ranks = {self.per_micro})")
-        self.micro = 0
+        self.micro, self.epoch_no, self.offset = 0, 0, 0
         self._perm_epoch, self._perm = -1, None
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -58,25 +61,37 @@ class TrainLoader:
         return self._order(epoch)[start:start + self.mb]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = self.window_ids(self.micro)
+        if self.offset + self.per_micro > self.usable:  # this epoch's windows are used up
+            self.epoch_no, self.offset = self.epoch_no + 1, 0
+        start = self.offset + self.rank * self.mb
+        ids = self._order(self.epoch_no)[start:start + self.mb]
         self.micro += 1
+        self.offset += self.per_micro
         rows = [self.shards.read(int(w) * self.T, self.T + 1) for w in ids]
         return _to_batch(rows, self.vocab_size, f"{self.shards.dir} '{self.shards.split}'")
 
     @property
     def epoch(self) -> float:
-        return self.micro / self.micros_per_epoch
+        return self.epoch_no + self.offset / self.usable
 
     def state_dict(self) -> dict:
-        return {"micro": self.micro, "seed": self.seed, "per_micro": self.per_micro, "windows": self.windows}
+        return {"epoch": self.epoch_no, "offset": self.offset, "micro": self.micro, "seed": self.seed,
+                "per_micro": self.per_micro, "global_batch": self.global_batch, "windows": self.windows}
 
     def load_state_dict(self, state: dict) -> None:
-        for k in ("seed", "per_micro", "windows"):
+        """Restores the global position; a state of another world size (per_micro) fits when G is the same."""
+        if "offset" not in state:  # written before the position was global: (micro, per_micro) of that run
+            state = {**state, "global_batch": self.global_batch if state["per_micro"] == self.per_micro else 0,
+                     **dict(zip(("epoch", "offset"), divmod(state["micro"], state["windows"] // state["per_micro"])))}
+            state["offset"] *= state["per_micro"]
+        for k in ("seed", "global_batch", "windows"):
             if state[k] != getattr(self, k):
                 raise ShardError(f"checkpointed data position does not fit this run's data.dir={self.shards.dir} "
                                  f"'{self.shards.split}': {k} was {state[k]}, now "
-                                 f"{getattr(self, k)} (same data, train.seed and micro_batch_size x world size needed)")
-        self.micro = int(state["micro"])
+                                 f"{getattr(self, k)} (same data, train.seed and train.global_batch_size needed)")
+        self.epoch_no, self.offset = int(state["epoch"]), int(state["offset"])
+        same = state["per_micro"] == self.per_micro
+        self.micro = int(state["micro"]) if same else self.epoch_no * self.micros_per_epoch + self.offset // self.per_micro
 
 
 class ValLoader:

@@ -204,6 +204,8 @@ def _init_group(device: str, deepspeed) -> None:
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun: a fresh key space per restart
+        _init_elastic(backend)
     if "WORLD_SIZE" in os.environ:  # under a launcher: rank, size and rendezvous come from its environment
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         if device == "cpu":
@@ -215,6 +217,20 @@ def _init_group(device: str, deepspeed) -> None:
         os.environ.setdefault("LOCAL_RANK", "0")
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                    init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def _init_elastic(backend: str) -> None:
+    """The process group under torchrun, its keys prefixed with the restart count: the agent's store outlives a
+    restart, and gloo ranks of a restarted group would otherwise read the dead attempt's addresses ("Gloo
+    connectFullMesh failed ... Connection refused"). deepspeed.init_distributed then finds the group made."""
+    from datetime import timedelta
+
+    rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts the store, else rank 0
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ws,
+                                       is_master=not agent and rank == 0, timeout=timedelta(minutes=30))
+    store = torch.distributed.PrefixStore(f"tlf/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=ws)
 
 
 def _unlink_shm_buffer() -> None:

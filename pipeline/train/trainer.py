@@ -179,6 +179,7 @@ class Trainer:
         self.last_saved = step if resume_from is not None else -1
         self.consecutive_bad = 0  # nan_policy=skip: non-finite micro-batches in a row
         self._signals: _Signals | None = None
+        self.resume_note = ""  # how a resume on another world size or ZeRO stage adapted (logged by fit)
         self.callbacks = list(callbacks)
         for cb in self.callbacks:
             cb.trainer = self
@@ -199,16 +200,18 @@ class Trainer:
         precision = ds.resolve_precision(cfg, device_kind)
         rank, _, ws = ds.init_distributed(device_kind)
         determinism.apply(cfg.train.deterministic, device_kind)
-        cfg.check_world_size(ws)
-        ds_config = ds.build_ds_config(cfg, ws, precision)
         root = ckpt.run_dir(cfg)
         log.open(rank)  # so a damaged newest checkpoint is reported (once, by rank 0) as it is passed over
         resume_from = ckpt.find_resume(cfg, root, log.warn)
+        saved = ckpt.read_state(resume_from, 0, None) if resume_from is not None else None
+        note = _adapt_to_layout(cfg, saved, ws)  # another world size or ZeRO stage: grad-accum adapts
+        cfg.check_world_size(ws)
+        ds_config = ds.build_ds_config(cfg, ws, precision)
         T, mb = cfg.model.block_size, cfg.train.micro_batch_size
 
         if loader is None:
             loader = TrainLoader(cfg.data.dir, cfg.data.train_split, T, mb, rank, ws, cfg.train.seed,
-                                 cfg.model.vocab_size, cfg.data.verify)
+                                 cfg.model.vocab_size, cfg.data.verify, global_batch=cfg.train.global_batch_size)
         val = []
         if cfg.train.eval_interval > 0:
             val = [(f"val/{Path(d).name or d}", ValLoader(d, cfg.data.val_split, T, mb, rank, ws, cfg.model.vocab_size,
@@ -225,22 +228,34 @@ class Trainer:
         if cfg.train.compile:
             from pipeline.train.compile import apply_compile
             apply_compile(model)
+        full = None
+        if note:  # resharding: the full weights go in before the engine partitions them
+            from pipeline.train import reshard
+            _check_compatible(cfg, saved["config"], resume_from)
+            full = reshard.full_state(resume_from)
+            reshard.load_weights(model, full)
         optimizer, scheduler = ds.build_optimizer(cfg, model)
         engine = ds.initialize(model, optimizer, scheduler, ds_config)
 
         step, run_id = 0, None
         if resume_from is not None:
-            state = ckpt.read_state(resume_from, rank, ws)
+            # another world size: every rank continues from rank 0's state (RNG states are the same on every rank)
+            state = ckpt.read_state(resume_from, rank, ws) if saved["world_size"] == ws else saved
             _check_compatible(cfg, state["config"], resume_from)
-            ckpt.load_engine(engine, resume_from)
+            if full is not None:
+                reshard.load_optimizer(engine, model, full, rank)
+            else:
+                ckpt.load_engine(engine, resume_from)
             loader.load_state_dict(state["loader"])
             ckpt.set_rng_state(state["rng"])
             step, run_id = int(state["step"]), state.get("mlflow_run_id")
             if engine.global_steps != step:
                 raise ckpt.CheckpointError(f"{resume_from}: DeepSpeed is at step {engine.global_steps}, our state at {step}")
-        return cls(cfg, rank=rank, world_size=ws, device_kind=device_kind, precision=precision, root=root,
-                   loader=loader, val=val, model=model, engine=engine, step=step, run_id=run_id,
-                   resume_from=resume_from, callbacks=default_callbacks() if callbacks is None else callbacks)
+        trainer = cls(cfg, rank=rank, world_size=ws, device_kind=device_kind, precision=precision, root=root,
+                      loader=loader, val=val, model=model, engine=engine, step=step, run_id=run_id,
+                      resume_from=resume_from, callbacks=default_callbacks() if callbacks is None else callbacks)
+        trainer.resume_note = note
+        return trainer
 
     # ------------------------------------------------------------------------------------------- one step
     def train_step(self) -> StepMeter:
@@ -305,6 +320,8 @@ class Trainer:
         """Trains to schedule.max_steps (or a stop signal), calling the callbacks; see the class doc."""
         res, status = self.result, "FAILED"
         log.open(self.rank)
+        if self.resume_note:
+            log.info(self.resume_note)
         try:
             with _Signals() as self._signals:
                 self._call("pre_train")
@@ -394,11 +411,29 @@ def _seeded_rng(seed: int) -> dict:
     return ckpt.rng_state()
 
 
+def _adapt_to_layout(cfg: Config, saved: dict | None, ws: int) -> str:
+    """Resuming a checkpoint written by another number of ranks or ZeRO stage: sets train.grad_accum_steps so
+    that the global batch stays train.global_batch_size (when it divides); returns a line saying what changed,
+    "" when nothing did (the checkpoint then loads as DeepSpeed wrote it)."""
+    if saved is None:
+        return ""
+    t = cfg.train
+    was_ws, was_stage = int(saved["world_size"]), int(saved["config"]["train"].get("zero_stage", t.zero_stage))
+    if was_ws == ws and was_stage == t.zero_stage:
+        return ""
+    per = t.micro_batch_size * ws
+    if was_ws != ws and t.global_batch_size % per == 0 and t.micro_batch_size * t.grad_accum_steps * ws != t.global_batch_size:
+        t.grad_accum_steps = t.global_batch_size // per
+    return (f"resuming a checkpoint of {was_ws} ranks under ZeRO-{was_stage} on {ws} ranks under ZeRO-{t.zero_stage}: "
+            f"global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x grad-accum {t.grad_accum_steps} "
+            f"x {ws} ranks; weights, AdamW moments, LR schedule and data position carried over")
+
+
 def _check_compatible(cfg: Config, saved: dict, path: Path) -> None:
     """Resuming needs the same model; other sections (schedule length, logging, ...) may change."""
     now = cfg.to_dict()
     diff = [f"model.{k} ({saved['model'][k]!r} -> {v!r})" for k, v in now["model"].items() if saved["model"].get(k) != v]
-    for k in ("micro_batch_size", "global_batch_size", "seed", "zero_stage"):
+    for k in ("micro_batch_size", "global_batch_size", "seed"):  # world size and ZeRO stage may change
         if saved["train"].get(k) != now["train"][k]:
             diff.append(f"train.{k} ({saved['train'].get(k)!r} -> {now['train'][k]!r})")
     if diff:
