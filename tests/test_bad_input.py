@@ -290,7 +290,7 @@ def save_full_disk(w, monkeypatch):
     def after(w):
         from pipeline.model.io import load_model
         ck = w / "ck" / "good"
-        assert sorted(p.name for p in ck.iterdir()) == ["global_step1", "latest"]
+        assert sorted(p.name for p in ck.iterdir()) == ["global_step1", "latest", "metrics.jsonl", "tracking.json"]
         assert (ck / "latest").read_text() == "global_step1"
         load_model(ck)
     return after
@@ -310,7 +310,7 @@ def ds_save_full_disk(w, monkeypatch):
 
     def after(w):
         ck = w / "ck" / "dsfull"
-        assert sorted(p.name for p in ck.iterdir()) == ["global_step1", "latest"]  # no .tmp-global_step2 left
+        assert sorted(p.name for p in ck.iterdir()) == ["global_step1", "latest", "metrics.jsonl", "tracking.json"]  # no .tmp-global_step2 left
     return after
 
 
