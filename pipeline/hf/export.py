@@ -56,7 +56,7 @@ def hf_config(cfg: Config) -> dict:
         "tlf_model": dataclasses.asdict(m), "loops_budget": m.loops, "loops": m.loops,
         "router_threshold": m.router_threshold, "vocab_size": m.vocab_size, "hidden_size": m.d_model,
         "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "max_position_embeddings": m.block_size,
-        "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": False, "use_cache": False,
+        "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": m.tie_embeddings, "use_cache": False,
         "torch_dtype": "float32",
     }
 
@@ -94,9 +94,7 @@ def export_hf(model, cfg: Config, out: Path, source: Path) -> Path:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    state = {f"model.{k}": v for k, v in state_for_export(model).items()}
-    if cfg.model.tie_embeddings:  # stored separately (a clone): transformers loads it like any weight
-        state["model.lm_head.weight"] = state["model.wte.weight"].clone()
+    state = {f"model.{k}": v for k, v in state_for_export(model).items()}  # the tied lm_head once, as wte
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "modeling_tlf.py").write_text(modeling_source())
     write_json(out / "config.json", hf_config(cfg))
