@@ -81,7 +81,7 @@ class Router(nn.Module):
     whose mean is `target_depth`."""
 
     def __init__(self, d: int, hidden: int, max_loops: int, recipe: str = "paper", target_depth: float = 0.0,
-                 init_std: float = 2.0, balance_weight: float = 0.0, entropy_weight: float = 0.0):
+                 init_std: float = 2.0, balance_weight: float = 1.0, entropy_weight: float = 0.1):
         super().__init__()
         self.fc1 = nn.Linear(d, hidden)
         self.fc2 = nn.Linear(hidden, max_loops)
