@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.interleave import write_json  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.inference import timing  # noqa: E402
-from pipeline.model import LoopedLM, spread_router  # noqa: E402
+from pipeline.model import LoopedLM  # noqa: E402
+from testkit import spread_router  # noqa: E402  (bench/ is the script's own directory)
 
 VARIANTS = ("tlf", "nocache", "fulldepth", "loopformer", "base")
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (one thread: the compute, not the waiting)

@@ -30,7 +30,8 @@ def _worker(args: dict, conn) -> None:
 
     from pipeline.config import load_config
     from pipeline.memory import region_peak_mib, region_start
-    from pipeline.model import LoopedLM, spread_router
+    from pipeline.model import LoopedLM
+    from testkit import spread_router
 
     torch.manual_seed(0)
     torch.set_num_threads(args["threads"])

@@ -121,7 +121,7 @@ def test_bundling_refuses_model_code_importing_other_tlf_modules(tmp_path, monke
     fake.mkdir()
     for m in E.MODULES:
         (fake / f"{m}.py").write_text((E.MODEL_DIR / f"{m}.py").read_text())
-    (fake / "looped.py").write_text("from pipeline.hostsync import count\n" + (fake / "looped.py").read_text())
+    (fake / "looped.py").write_text("from pipeline.memory import SavedTensors\n" + (fake / "looped.py").read_text())
     monkeypatch.setattr(E, "MODEL_DIR", fake)
     with pytest.raises(RuntimeError, match=r"looped\.py:1: a tlf import"):
         E.modeling_source()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from helpers import spread_router
 from pipeline.config import load_config
-from pipeline.hostsync import count_host_reads
+from bench.testkit import count_host_reads
 from pipeline.memory import SavedTensors
 from pipeline.model import LoopedLM, head_loss
 from pipeline.model.head_loss import head_objective, rows_per_chunk

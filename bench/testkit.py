@@ -1,4 +1,8 @@
-"""Counting host reads of tensors: the checkable stand-in for device -> host synchronisations on a CPU machine.
+"""Test and benchmark utilities (no product code imports this file): `count_host_reads`, counting host reads of
+tensors, and `spread_router`, a router that acts like a trained one. Tests import `bench.testkit`, bench scripts
+`testkit` (bench/ is their own directory).
+
+Counting host reads: the checkable stand-in for device -> host synchronisations on a CPU machine.
 
 On a GPU, `.item()`, `.cpu()`, `.tolist()`, `float(t)`, `int(t)`, `bool(t)` of a device tensor wait for the
 device's queue to drain. On a CPU machine nothing waits, so tests count the calls instead: inside
@@ -14,6 +18,7 @@ that would synchronise on a GPU.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from pathlib import Path
 
@@ -47,3 +52,24 @@ def count_host_reads(roots: tuple[str, ...] = DEFAULT_ROOTS):
     finally:
         for m, orig in saved.items():
             setattr(torch.Tensor, m, orig)
+
+
+def spread_router(model, seed: int = 0, scale: float = 1.0):
+    """Gives `model.router` weights that act like a
+    trained router's, peaky exit distributions with token depths spread over 1..L, where the initialisation
+    sends nearly every token to the same depth. fc1 is scaled to its input (h0 at the model's init std, or unit
+    RMS under the budget recipe) so its pre-activations have std ~5*scale; fc2 ~ N(0, scale); fc2's bias falls
+    linearly from 1 to -1 over the depths. Draws from its own generator (seed), not the global RNG. A model
+    without a router is returned unchanged; returns the model."""
+    r = model.router
+    if r is None:
+        return model
+    in_std = 1.0 if r.recipe == "budget" else model.cfg.init_std
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(r.fc1.weight.shape, generator=g) * (5.0 * scale / (math.sqrt(r.fc1.in_features) * in_std))
+    w2 = torch.randn(r.fc2.weight.shape, generator=g) * scale
+    with torch.no_grad():
+        r.fc1.weight.copy_(w1)
+        r.fc2.weight.copy_(w2)
+        r.fc2.bias.copy_(torch.linspace(1.0, -1.0, r.fc2.out_features))
+    return model
