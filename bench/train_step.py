@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from interleave import run_cases, write_json  # noqa: E402  (bench/ is the script's own directory)
+from interleave import run_cases, write_json  # bench/ is the script's own directory
 
 
 class _FixedBatch:

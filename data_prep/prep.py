@@ -217,7 +217,7 @@ class _Run:
                   "bad_examples": self.bad_examples[:], "partials": partials}
         write_json(self.out / MANIFEST, self._manifest(False, resume), sort_keys=True)
         self.partials = {s: p["file"] for s, p in partials.items()}
-        for s, f in old.items():
+        for f in old.values():
             if f not in self.partials.values():
                 (self.out / f).unlink(missing_ok=True)
 

@@ -196,7 +196,7 @@ class Scorer:
 
     def _run(self, b: _Batch, loops: int, out: list) -> None:
         dev = self.device
-        to = (lambda x: None if x is None else x.to(dev))  # noqa: E731
+        to = (lambda x: None if x is None else x.to(dev))
         h, _ = hidden_states(self.model, b.idx.to(dev), loops, to(b.positions), to(b.mask))  # (B, P, d)
         self.forwards += 1
         self.tokens += b.idx.numel()

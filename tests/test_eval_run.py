@@ -178,7 +178,7 @@ def test_latency_in_the_run_outputs(env, tmp_path, monkeypatch):
     the JSON, the markdown and MLflow (the keys `tlf compare` reads)."""
     import evaluation.evaluate as E
     from evaluation.latency import measure_latency
-    quick = lambda m, M, d: measure_latency(m, M, d, repeats=1, steps=2, batches=(1, 2))  # noqa: E731
+    quick = lambda m, M, d: measure_latency(m, M, d, repeats=1, steps=2, batches=(1, 2))
     monkeypatch.setattr(E, "measure_latency", quick)
     res = run(env / "t-loopformer", overrides(env, tasks="[]", perplexity="false", latency="true",
                                               out_dir=str(tmp_path / "o")), loops="1,4", log=lambda *a: None)

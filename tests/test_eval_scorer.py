@@ -57,7 +57,7 @@ def brute(model, ctx, cont, M):
 def test_batched_scores_equal_brute_force(tlf):
     m, cfg = tlf
     g = torch.Generator().manual_seed(3)
-    r = lambda n: torch.randint(0, 50257, (n,), generator=g).tolist()  # noqa: E731
+    r = lambda n: torch.randint(0, 50257, (n,), generator=g).tolist()
     shared = r(12)
     reqs = [(shared, r(1)), (shared, r(1)), (shared, r(3)), (r(5), r(2)), (r(30), r(7)), ([EOT], r(4)),
             (r(80), r(5)),  # longer than block_size (64): left-truncated

@@ -26,7 +26,7 @@ def _model(variant, *extra, dtype=torch.float32):
     torch.manual_seed(0)
     m = LoopedLM(load_config(f"tiny/{variant}", list(extra)).model)
     with torch.no_grad():  # non-zero modulators: loops differ
-        for n, p in m.named_parameters():
+        for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     # a spread router (depths 1..3 here) that is not saturated: a saturated softmax's gradient is all rounding
     return spread_router(m, 0, scale=1.0).to(dtype).train()

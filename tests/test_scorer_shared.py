@@ -25,7 +25,7 @@ def requests(seed: int = 3) -> list[tuple[list[int], list[int]]]:
     ones whose continuations have equal lengths (one shared truncated prefix) and different lengths (no
     sharing), and a context with more branch tokens than block_size (two rows)."""
     g = torch.Generator().manual_seed(seed)
-    r = lambda n: torch.randint(0, 50257, (n,), generator=g).tolist()  # noqa: E731
+    r = lambda n: torch.randint(0, 50257, (n,), generator=g).tolist()
     c1, c2, c3, long1, long2 = r(12), r(30), r(5), r(80), r(60)
     one = r(1)
     reqs = [(c1, one), (c1, r(3)), (c1, r(7)), (c1, r(1)), (c1, one), (c2, r(2)), (c2, r(5)), (c2, r(11)),

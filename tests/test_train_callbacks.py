@@ -80,7 +80,7 @@ def test_callbacks_see_the_hooks_in_order_and_one_read_per_step(tmp_path, data):
     with count_host_reads(files) as reads:
         res = trainer.fit()
     assert len(reads) == 3, reads  # the step's one read; no callback reads the device
-    per_step = lambda s: [("pre_step", s), ("post_step", s), ("log_metrics", s)]  # noqa: E731
+    per_step = lambda s: [("pre_step", s), ("post_step", s), ("log_metrics", s)]
     assert rec.events == [("pre_train",), *per_step(1), ("end_step", 1),
                           *per_step(2), ("post_checkpoint_saved", 2), ("end_step", 2),  # Checkpointer runs first
                           *per_step(3), ("end_step", 3), ("post_checkpoint_saved", 3), ("post_train",),

@@ -36,7 +36,7 @@ def _strip_tlf_imports(path: Path) -> str:
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
             if any(n.split(".")[0] == "pipeline" for n in names):
                 raise RuntimeError(f"{path}:{node.lineno}: a tlf import inside the model code cannot be bundled")
-    return "".join(l for i, l in enumerate(lines) if i not in drop)
+    return "".join(line for i, line in enumerate(lines) if i not in drop)
 
 
 def modeling_source() -> str:

@@ -104,7 +104,7 @@ class _HeadObjective(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, _g_parts):
         g_hf, g_W, g_hs = ctx.saved_tensors
-        scale = lambda t: None if t is None else t * g  # noqa: E731
+        scale = lambda t: None if t is None else t * g
         return scale(g_hf), scale(g_W), None, scale(g_hs), None, None, None, None
 
 
@@ -161,5 +161,5 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs):
     if xs is not None:
         loss = loss + lam_s * parts[1] + (lam_a * parts[2] if lam_a is not None else 0.0)
     g_W = None if g_W is None else g_W.to(W.dtype)
-    view = lambda t: None if t is None else t.view(B, T, d)  # noqa: E731
+    view = lambda t: None if t is None else t.view(B, T, d)
     return loss, parts, (view(g_x), g_W, view(g_xs))

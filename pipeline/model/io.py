@@ -87,7 +87,7 @@ def load_state(f: Path) -> dict[str, torch.Tensor]:
         return torch.load(f, map_location="cpu", weights_only=True)
     except ConfigError:
         raise
-    except Exception as e:  # truncated/corrupt file, or a pickle holding more than tensors
+    except Exception as e:  # noqa: BLE001 - truncated/corrupt file, or a pickle holding more than tensors
         raise ConfigError(f"{f}: unreadable weights ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
 
 

@@ -65,7 +65,7 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     except KeyboardInterrupt:
         click.echo("Error: interrupted", err=True)
         code = 130
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - anything else: print it, then exit through _exit like every path
         import traceback
 
         traceback.print_exc()

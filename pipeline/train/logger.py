@@ -48,7 +48,7 @@ class RunLogger:
                     self.run_id = resume_run_id
                     self.client.update_run(self.run_id, status="RUNNING")
                     self.client.set_tag(self.run_id, "resumed", "true")
-            except Exception:  # another tracking store, or the run was deleted: start a new one
+            except Exception:  # noqa: BLE001 - another tracking store, or the run was deleted: start a new one
                 self.run_id = None
         if self.run_id is None:
             from mlflow.entities import Param, RunTag
