@@ -25,7 +25,7 @@ WEIGHT_FILES = ("model.safetensors", "model.pt")  # in order of preference when 
 
 def have_safetensors() -> bool:
     try:
-        import safetensors.torch  # noqa: F401
+        import safetensors.torch  # noqa: F401  (only whether it imports)
     except ModuleNotFoundError:
         return False
     return True
