@@ -45,6 +45,7 @@ from lm_eval.models.utils import Collator
 from lm_eval.tasks import TaskManager
 
 from bench.interleave import write_json
+from bench.testkit import count_forwards
 from evaluation import assets
 from evaluation.harness import TLFLM
 from evaluation.scorer import Scorer, task_metrics, task_requests
@@ -173,12 +174,13 @@ def main(argv=None):
         def f():
             out = {}
             sc = Scorer(model, o.batch_size, share_context=share)
-            for n in names:
-                sp = TASKS[n]
-                td = TaskData(n, [sp.from_row(r, i) for i, r in enumerate(rows[n])], "bench", "local rows")
-                reqs, spans = task_requests(td)
-                out[n] = task_metrics(td, sp.kind, sp.metrics, sc.score(reqs, M), spans)["acc"]
-            slots["tlf" if share else "tlf-unshared"] = {"tokens": sc.tokens, "forwards": sc.forwards}
+            with count_forwards(model) as runs:
+                for n in names:
+                    sp = TASKS[n]
+                    td = TaskData(n, [sp.from_row(r, i) for i, r in enumerate(rows[n])], "bench", "local rows")
+                    reqs, spans = task_requests(td)
+                    out[n] = task_metrics(td, sp.kind, sp.metrics, sc.score(reqs, M), spans)["acc"]
+            slots["tlf" if share else "tlf-unshared"] = dict(runs)  # token slots and forwards
             return out
         return f
 

@@ -73,3 +73,20 @@ def spread_router(model, seed: int = 0, scale: float = 1.0):
         r.fc2.weight.copy_(w2)
         r.fc2.bias.copy_(torch.linspace(1.0, -1.0, r.fc2.out_features))
     return model
+
+
+@contextlib.contextmanager
+def count_forwards(model):
+    """Yields {"forwards": n, "tokens": t}: the model runs (calls of its token embedding `wte`, once per
+    forward or hidden_states) and the token slots they took (padding included) while the block runs."""
+    seen = {"forwards": 0, "tokens": 0}
+
+    def hook(_mod, args):
+        seen["forwards"] += 1
+        seen["tokens"] += args[0].numel()
+
+    handle = model.wte.register_forward_pre_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()

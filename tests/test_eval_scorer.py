@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.testkit import count_forwards
 from evaluation.forward import hidden_states, logits_at
 from evaluation.scorer import Scored, Scorer, encode_pair, mean_stderr, task_metrics
 from evaluation.tasks import Example, TaskData
@@ -73,9 +74,9 @@ def test_batched_scores_equal_brute_force(tlf):
     # unshared: requests with one-token continuations after the same context share one input (6 distinct
     # inputs); shared: every request after `shared` joins one row (5 rows)
     for share, rows in ((False, 6), (True, 5)):
-        sc2 = Scorer(m, batch_size=1, share_context=share)
-        sc2.score(reqs, 2)
-        assert sc2.forwards == rows
+        with count_forwards(m) as n:
+            Scorer(m, batch_size=1, share_context=share).score(reqs, 2)
+        assert n["forwards"] == rows
 
 
 def test_budget_changes_scores_of_looped_models_only(tlf):

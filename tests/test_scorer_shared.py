@@ -8,6 +8,8 @@ from evaluation.forward import hidden_states
 from evaluation.scorer import Scorer, encode_pair
 from helpers import perturbed_tiny, spread_router
 
+from bench.testkit import count_forwards
+
 CASES = [("tiny/t-loopformer", True), ("tiny/t-loopformer", False), ("tiny/loopformer", True),
          ("tiny/loopformer", False), ("tiny/base", True)]
 
@@ -55,16 +57,16 @@ def test_shared_scores_equal_unshared(name, gs):
     # slots in one row instead of 12 + 14 + 18 in three
     three = reqs[:3]
     for share, tokens, rows in ((False, 44, 3), (True, 20, 1)):
-        sc = Scorer(m, batch_size=1, share_context=share)
-        sc.score(three, 1)
-        assert (sc.tokens, sc.forwards) == (tokens, rows)
+        with count_forwards(m) as n:
+            Scorer(m, batch_size=1, share_context=share).score(three, 1)
+        assert (n["tokens"], n["forwards"]) == (tokens, rows)
     # branches that share leading tokens share trie nodes: (5,6,7), (5,8,7) and (5,6,7) again are 5 nodes
     ctx = reqs[0][0]
     tri = [(ctx, [5, 6, 7, 9]), (ctx, [5, 8, 7, 9]), (ctx, [5, 6, 7, 2])]
     for share, tokens, rows in ((False, 30, 2), (True, 17, 1)):
-        sc = Scorer(m, batch_size=1, share_context=share)
-        sc.score(tri, 1)
-        assert (sc.tokens, sc.forwards) == (tokens, rows)
+        with count_forwards(m) as n:
+            Scorer(m, batch_size=1, share_context=share).score(tri, 1)
+        assert (n["tokens"], n["forwards"]) == (tokens, rows)
 
 
 def test_greedy_flags_vary():
