@@ -1,12 +1,13 @@
 """`tlf train CONFIG [OVERRIDES]` (also `python -m pipeline.train CONFIG [OVERRIDES]`): a thin wrapper over run()."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 import click
 
-from pipeline.config import ConfigError, apply_overrides, load_config
+from pipeline.config import ConfigError, load_config
 
 
 def _exit(code: int) -> None:
@@ -39,9 +40,8 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     (module form:       deepspeed --num_gpus N --module pipeline.train CONFIG [OVERRIDES])
     """
     try:
-        cfg = load_config(config, overrides)
-        if resume is not None:
-            apply_overrides(cfg, [f"checkpoint.resume={resume}"])
+        resume_ov = [] if resume is None else [f"checkpoint.resume={json.dumps(resume)}"]  # quotes survive
+        cfg = load_config(config, [*overrides, *resume_ov])  # validated once, --resume included
         cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))  # fail fast, before the heavy imports
     except ConfigError as e:
         raise click.UsageError(f"config error: {e}") from None
