@@ -11,7 +11,7 @@ export DS_BUILD_OPS := 0
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test setup clean bench assets
+.PHONY: demo test setup clean bench assets lint
 
 $(STAMP): setup.py requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ setup: $(STAMP)
 assets: $(STAMP)
 	$(PY) -m data_prep.assets
 	$(PY) -m evaluation.assets
+
+# ruff.toml: the rule set the whole tree passes (`.ci/run` runs this before `make test`)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 test: $(STAMP) assets
 	$(PY) -m pytest -q tests

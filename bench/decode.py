@@ -30,10 +30,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.interleave import write_json  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.inference import timing  # noqa: E402
-from pipeline.model import LoopedLM, spread_router  # noqa: E402
+from bench.interleave import write_json
+from pipeline.config import load_config
+from pipeline.inference import timing
+from pipeline.model import LoopedLM
+from testkit import spread_router  # bench/ is the script's own directory
 
 VARIANTS = ("tlf", "nocache", "fulldepth", "loopformer", "base")
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (one thread: the compute, not the waiting)
@@ -58,7 +59,7 @@ def flops_ratio(models, o, mean_depth, kind, P):
     """Expected tlf/(c) forward FLOPs per token at the executed mean depth, LM head included for TPOT
     (TTFT computes the head for one token only, so it is left out there)."""
     ctx, heads = (P, 0) if kind == "TTFT" else (P + o.steps, 1)
-    f = lambda m, loops: m.flops_per_token(loops, ctx, lm_heads=heads, backward=False)  # noqa: E731
+    f = lambda m, loops: m.flops_per_token(loops, ctx, lm_heads=heads, backward=False)
     return f(models["tlf"], mean_depth) / f(models["lf"], o.M)
 
 
@@ -118,7 +119,7 @@ def main(argv=None):
     dev = torch.device(o.device)
     models = build(o)
     g = torch.Generator().manual_seed(1)
-    rand = lambda *s: torch.randint(0, min(o.vocab, 50257), s, generator=g).to(dev)  # noqa: E731
+    rand = lambda *s: torch.randint(0, min(o.vocab, 50257), s, generator=g).to(dev)
     cases = [("TTFT", P, 1) for P in o.prompt_lens] + [("TPOT", o.tpot_prompt, B) for B in o.batches]
     inputs = {c: (rand(c[2], c[1]), rand(c[2], o.steps)) for c in cases}
     times = {c: {v: [] for v in VARIANTS} for c in cases}

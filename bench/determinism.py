@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.interleave import write_json  # noqa: E402
-from data_prep.shards import write_shard  # noqa: E402
+from bench.interleave import write_json
+from data_prep.shards import write_shard
 
 CHILD = """
 import json, sys, time

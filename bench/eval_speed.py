@@ -39,19 +39,20 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import lm_eval  # noqa: E402
-from lm_eval.api.model import TemplateLM  # noqa: E402
-from lm_eval.models.utils import Collator  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
+import lm_eval
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import Collator
+from lm_eval.tasks import TaskManager
 
-from bench.interleave import write_json  # noqa: E402
-from evaluation import assets  # noqa: E402
-from evaluation.harness import TLFLM  # noqa: E402
-from evaluation.scorer import Scorer, task_metrics, task_requests  # noqa: E402
-from evaluation.tasks import TASKS, TaskData, olmo_rows  # noqa: E402
-from data_prep.tokenizer import EOT, encode  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.model.looped import LoopedLM  # noqa: E402
+from bench.interleave import write_json
+from bench.testkit import count_forwards
+from evaluation import assets
+from evaluation.harness import TLFLM
+from evaluation.scorer import Scorer, task_metrics, task_requests
+from evaluation.tasks import TASKS, TaskData, olmo_rows
+from data_prep.tokenizer import EOT, encode
+from pipeline.config import load_config
+from pipeline.model.looped import LoopedLM
 
 LOCAL = {"piqa": ("piqa/plain_text", "piqa/piqa.yaml", "validation"),
          "copa": ("super_glue/copa", "super_glue/copa/default.yaml", "validation"),
@@ -106,7 +107,8 @@ class HFStyleLM(TemplateLM):
             for (req_str, ctx_toks, _), logits, inplen, cont_toks in zip(chunk, multi, inplens, conts):
                 logits = logits[inplen - len(cont_toks):inplen].unsqueeze(0)
                 greedy = logits.argmax(-1)
-                for req_str, cont_toks, logits in re_ord.get_cache(req_str=req_str, cxt_toks=ctx_toks,
+                # lm-eval's HFLM._loglikelihood_tokens loop, names and rebinding kept as there (the same work timed)
+                for req_str, cont_toks, logits in re_ord.get_cache(req_str=req_str, cxt_toks=ctx_toks,  # noqa: B007, B020
                                                                    cont_toks=cont_toks, logits=logits):
                     ct = torch.tensor(cont_toks, dtype=torch.long).unsqueeze(0)
                     eq = bool((greedy[:, -ct.shape[1]:] == ct).all())
@@ -172,12 +174,13 @@ def main(argv=None):
         def f():
             out = {}
             sc = Scorer(model, o.batch_size, share_context=share)
-            for n in names:
-                sp = TASKS[n]
-                td = TaskData(n, [sp.from_row(r, i) for i, r in enumerate(rows[n])], "bench", "local rows")
-                reqs, spans = task_requests(td)
-                out[n] = task_metrics(td, sp.kind, sp.metrics, sc.score(reqs, M), spans)["acc"]
-            slots["tlf" if share else "tlf-unshared"] = {"tokens": sc.tokens, "forwards": sc.forwards}
+            with count_forwards(model) as runs:
+                for n in names:
+                    sp = TASKS[n]
+                    td = TaskData(n, [sp.from_row(r, i) for i, r in enumerate(rows[n])], "bench", "local rows")
+                    reqs, spans = task_requests(td)
+                    out[n] = task_metrics(td, sp.kind, sp.metrics, sc.score(reqs, M), spans)["acc"]
+            slots["tlf" if share else "tlf-unshared"] = dict(runs)  # token slots and forwards
             return out
         return f
 

@@ -40,9 +40,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.interleave import write_json  # noqa: E402
-from data_prep.shards import write_shard  # noqa: E402
-from pipeline.train.ds import free_port  # noqa: E402
+from bench.interleave import write_json  # noqa: E402  (after the sys.path line above, which needs REPO)
+from data_prep.shards import write_shard  # noqa: E402  (as above)
+from pipeline.train.ds import free_port  # noqa: E402  (as above)
 
 # A model small enough that a step takes milliseconds on CPU.
 TINY = ["model.vocab_size=512", "model.block_size=32", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",

@@ -17,11 +17,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.config import load_config  # noqa: E402
-from pipeline.export import export  # noqa: E402
-from pipeline.inference import generate  # noqa: E402
-from pipeline.model.io import save_model  # noqa: E402
-from pipeline.model.looped import LoopedLM  # noqa: E402
+from pipeline.config import load_config
+from pipeline.export import export
+from pipeline.inference import generate
+from pipeline.model.io import save_model
+from pipeline.model.looped import LoopedLM
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from interleave import run_cases, write_json  # noqa: E402  (bench/ is the script's own directory)
+from interleave import run_cases, write_json  # bench/ is the script's own directory
 
 
 def _worker(args: dict, conn) -> None:
@@ -30,7 +30,8 @@ def _worker(args: dict, conn) -> None:
 
     from pipeline.config import load_config
     from pipeline.memory import region_peak_mib, region_start
-    from pipeline.model import LoopedLM, spread_router
+    from pipeline.model import LoopedLM
+    from testkit import spread_router
 
     torch.manual_seed(0)
     torch.set_num_threads(args["threads"])

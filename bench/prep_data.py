@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.interleave import write_json  # noqa: E402
+from bench.interleave import write_json
 
 
 def main() -> None:

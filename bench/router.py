@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from interleave import write_json  # noqa: E402
+from interleave import write_json
 
 BASE = ["schedule.warmup_steps=50", "checkpoint.resume=none", "checkpoint.interval=0", "train.eval_interval=0",
         "train.device=cpu", "logging.experiment=router"]

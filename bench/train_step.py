@@ -19,7 +19,7 @@ CPU time (robust to other load on the machine; one thread per case), on CUDA by 
 Memory breakdown (`pipeline.memory.SavedTensors`): one forward of the objective per case counts the bytes autograd
 keeps for backward, once per storage (weights saved by the matmuls included, in loop 1), per loop application (full pass loops 1..L, shortcut loops 1..S) with the
 tokens that ran it, and the rest (embedding + router, the LM heads with their losses). Host reads per forward
-are counted with `pipeline.hostsync`. The summary prints issue 12's three targets: t-loopformer's peak memory
+are counted with `bench/testkit.py`. The summary prints issue 12's three targets: t-loopformer's peak memory
 <= 0.80x loopformer's; step-time ratio <= 1.10x the ratio of their model FLOPs per token (mean executed loops of
 both passes); <= 1 host read per forward. On CPU the peak compared is that of live tensors (weights + optimizer
 state + the peak during one untimed step whose shortcut pass has the most loops, S = L - 1, so the largest;
@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from interleave import run_cases, write_json  # noqa: E402  (bench/ is the script's own directory)
+from interleave import run_cases, write_json  # bench/ is the script's own directory
 
 
 class _FixedBatch:
@@ -60,7 +60,8 @@ def _worker(spec: dict, conn) -> None:
 
     from pipeline.config import load_config
     from pipeline.memory import region_peak_mib, region_start, tensor_peak_mib
-    from pipeline.model import LoopedLM, spread_router
+    from pipeline.model import LoopedLM
+    from testkit import spread_router
     from pipeline.train.compile import apply_compile
     from pipeline.train.trainer import Trainer
 
@@ -165,7 +166,7 @@ def _saved_breakdown(model, x, y, L: int) -> dict:
     (embedding + router, LM heads + losses), and the host reads the model made."""
     import torch
 
-    from pipeline.hostsync import count_host_reads
+    from testkit import count_host_reads
     from pipeline.memory import SavedTensors
 
     acc, calls, tokens = SavedTensors(), [0], {}

@@ -1,4 +1,5 @@
-"""`tlf prep-data` and `tlf data {inspect,fetch-assets}` (registered by pipeline.cli)."""
+"""`tlf prep-data` and `tlf data {inspect,fetch-assets}` (`tlf.commands` entry points in setup.py, which
+pipeline/cli.py loads)."""
 from __future__ import annotations
 
 import sys

@@ -72,7 +72,7 @@ def hub_problem(timeout: float, dataset: str = "") -> str | None:
                 port = u.port or (443 if u.scheme == "https" else 80)
                 socket.create_connection((u.hostname or "", port), timeout=timeout).close()
             result["ok"] = True
-        except Exception as e:  # any failure: network, 404, auth
+        except Exception as e:  # noqa: BLE001 - any failure: network, 404, auth
             result["error"] = short_error(e)
 
     t = threading.Thread(target=ask, daemon=True, name="hf-probe")
@@ -130,7 +130,7 @@ class HubSource:
         kw = {"data_files": self.data_files} if self.data_files else {}
         try:
             return datasets.load_dataset(self.dataset, self.config or None, split=self.split, streaming=True, **kw)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever datasets raises, one line naming the dataset
             raise HubUnreachable(f"cannot open dataset '{self.dataset}' split '{self.split}': "
                                  f"{type(e).__name__}: {e}. {_local_hint(self.dataset)}") from None
 

@@ -219,7 +219,7 @@ class _Run:
                   "bad_examples": self.bad_examples[:], "partials": partials}
         write_json(self.out / MANIFEST, self._manifest(False, resume), sort_keys=True)
         self.partials = {s: p["file"] for s, p in partials.items()}
-        for s, f in old.items():
+        for f in old.values():
             if f not in self.partials.values():
                 (self.out / f).unlink(missing_ok=True)
 
@@ -231,7 +231,6 @@ class _Run:
         if self.complete:
             self.log(f"{self.out} is already complete ({self.manifest['total_tokens']:,} tokens); nothing to do")
             return self.manifest
-        cfg = self.cfg
         if hasattr(self.source, "check"):  # a remote source answers before anything is written or drawn
             self.source.check()
         fresh = self.doc == 0 and self.produced == 0

@@ -120,7 +120,7 @@ def iter_articles(path: str | Path):
     with fh:
         title = ns = None
         redirect = False
-        for event, el in ET.iterparse(fh, events=("end",)):
+        for _event, el in ET.iterparse(fh, events=("end",)):
             tag = el.tag.rsplit("}", 1)[-1]
             if tag == "title":
                 title = el.text

@@ -1,6 +1,8 @@
 """`tlf eval CHECKPOINT [section.key=value ...]`: a thin wrapper over `evaluation.evaluate.run`."""
 from __future__ import annotations
 
+import json
+
 import click
 
 from pipeline.config import ConfigError
@@ -47,9 +49,9 @@ def eval_cmd(checkpoint, overrides, loops, tasks, limit, batch_size, source, rac
         if val is not None:
             ov.append(f"eval.{key}={val}")
     if race_file is not None:
-        ov.append(f"eval.race_file='{race_file}'")
+        ov.append(f"eval.race_file={json.dumps(race_file)}")  # a JSON string is a YAML scalar: any quote survives
     if out_dir is not None:
-        ov.append(f"eval.out_dir='{out_dir}'")
+        ov.append(f"eval.out_dir={json.dumps(out_dir)}")
     for flag, key in ((no_ppl, "perplexity"), (no_latency, "latency"), (no_mlflow, "mlflow"),
                       (no_progress, "progress")):
         if flag:

@@ -1,8 +1,8 @@
 """`run()`: the whole evaluation of one checkpoint (what `tlf eval` calls; the tests call it directly).
 
 For every loop budget M (data and tokenised requests are loaded once and reused): the zero-shot tasks,
-perplexity on each validation set, the depth distribution (+ PNG) on the first set, and latency when the
-inference package is present. Writes `results.json` and `table1.md` (+ `depth_M{M}.png`) into the output
+perplexity on each validation set, the depth distribution (+ PNG) on the first set, and latency when
+`eval.latency` is on. Writes `results.json` and `table1.md` (+ `depth_M{M}.png`) into the output
 directory and logs everything to MLflow.
 """
 from __future__ import annotations

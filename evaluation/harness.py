@@ -35,7 +35,7 @@ class TLFLM(LM):
             model, _cfg = load_model(checkpoint, "cpu")
         if str(device or "").startswith("cuda") and not torch.cuda.is_available():  # lm_eval's CLI default is cuda
             import warnings
-            warnings.warn(f"tlf: device {device!r} requested but CUDA is not available; using cpu")
+            warnings.warn(f"tlf: device {device!r} requested but CUDA is not available; using cpu", stacklevel=2)
             device = "cpu"
         dev = resolve_device(device, "device", indexed=True)
         self.model = model.to(dev).eval()

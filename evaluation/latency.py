@@ -31,7 +31,7 @@ def measure_latency(model, loops: int, device: str | torch.device = "cpu", repea
     tpot_prompt = min(128, T - steps - 1)
     vocab = min(model.cfg.vocab_size, 50257)
     g = torch.Generator().manual_seed(seed)
-    rand = lambda *s: torch.randint(0, vocab, s, generator=g).to(dev)  # noqa: E731
+    rand = lambda *s: torch.randint(0, vocab, s, generator=g).to(dev)
     ttft_in = {P: rand(1, P) for P in lens}
     tpot_in = {B: (rand(B, tpot_prompt), rand(B, steps)) for B in batches}
     tt = {P: [] for P in lens}

@@ -138,8 +138,6 @@ class Scorer:
         self.device = torch.device(device)
         self.block_size = model.cfg.block_size
         self.share_context = share_context
-        self.forwards = 0  # model calls made (for benchmarks)
-        self.tokens = 0  # token slots run through the model, padding included (for benchmarks)
 
     @torch.no_grad()
     def score(self, requests: list[tuple[list[int], list[int]]], loops: int, progress=None) -> list[Scored]:
@@ -199,10 +197,8 @@ class Scorer:
 
     def _run(self, b: _Batch, loops: int, out: list) -> None:
         dev = self.device
-        to = (lambda x: None if x is None else x.to(dev))  # noqa: E731
+        to = (lambda x: None if x is None else x.to(dev))
         h, _ = hidden_states(self.model, b.idx.to(dev), loops, to(b.positions), to(b.mask))  # (B, P, d)
-        self.forwards += 1
-        self.tokens += b.idx.numel()
         at: dict[tuple[int, int], int] = {}  # distinct (row, pos) -> row of the logits
         for _r, rp, _tg in b.reads:
             for x in rp:

@@ -38,7 +38,7 @@ def plan(a: argparse.Namespace, work: Path, uri: str) -> list[orchestrate.Stage]
                               ["prep-data", "--source", "demo", "--out", "data/demo", "--no-progress"]),
             orchestrate.Stage("data: enwiki sample -> second-domain validation shards",
                               ["prep-data", "--source", "demo-enwiki", "--out", "data/demo-enwiki", "--no-progress"])]
-    train = lambda v: [f"schedule.max_steps={a.steps}", "checkpoint.resume=none",  # noqa: E731
+    train = lambda v: [f"schedule.max_steps={a.steps}", "checkpoint.resume=none",
                        f"checkpoint.interval={a.steps}", "data.extra_val_dirs=[data/demo-enwiki]",
                        "train.eval_interval=50", *VARIANT_OVERRIDES.get(v, []), *common]
     ev = ["--loops", a.loops, "--limit", str(a.limit), "--tasks", ",".join(DEMO_TASKS), "--ppl-tokens",

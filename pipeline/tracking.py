@@ -56,7 +56,7 @@ def checked_client(uri: str = ""):
     if resolved.startswith(("http://", "https://")):
         try:
             cl.search_experiments(max_results=1)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure of the server (connection, HTTP, auth) is one line
             raise TrackingError(f"MLflow server at {resolved} cannot be used: {one_line(e)}") from None
     return cl
 

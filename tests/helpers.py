@@ -1,8 +1,8 @@
 """Helpers shared by several test files (imported as `from helpers import ...`; pytest puts tests/ on sys.path)."""
 import torch
 
+from bench.testkit import spread_router as _spread_router
 from pipeline.config import load_config
-from pipeline.model import spread_router as _spread_router
 from pipeline.model.looped import LoopedLM
 
 
@@ -21,6 +21,6 @@ def perturbed_tiny(name: str = "tiny/t-loopformer", seed: int = 0, overrides: tu
 
 
 def spread_router(model, seed: int = 0, scale: float = 3.0):
-    """The tests' one router-spreading fixture: pipeline.model.spread_router (the benchmarks' recipe) at a
+    """The tests' one router-spreading fixture: bench.testkit.spread_router (the benchmarks' recipe) at a
     peakier scale, so that the few tokens of a tiny test already cover every depth 1..L; returns the model."""
     return _spread_router(model, seed, scale)

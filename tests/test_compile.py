@@ -52,7 +52,7 @@ def test_train_compile_switch_compiles_the_layers(tmp_path, monkeypatch, data):
     monkeypatch.setattr(tc, "apply_compile", eager_backend)
     torch._dynamo.reset()
     res = run(tiny_cfg(tmp_path, data, "train.compile=true", "schedule.max_steps=4", "train.eval_interval=0"))
-    assert len(calls) == 1 and res.step == 4 and all(l == l for l in res.losses)
+    assert len(calls) == 1 and res.step == 4 and all(x == x for x in res.losses)
     assert compile_count() > 0
 
 

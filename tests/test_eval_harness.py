@@ -17,8 +17,8 @@ from data_prep.tokenizer import EOT, decode, encode
 from pipeline.config import load_config
 from tests.helpers import perturbed_tiny
 
-import lm_eval  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
+import lm_eval
+from lm_eval.tasks import TaskManager
 
 N = 3
 LOCAL = {  # task -> (raw rows in the hub schema, the harness's own YAML, split)
@@ -128,7 +128,7 @@ def test_generate_until_uses_the_inference_generate(model):
 
 def test_harness_hf_model_on_the_export_agrees_with_tlf_model(model, harness_run, tmp_path):
     """lm_eval's own `hf` model on `tlf export --format hf` (trust_remote_code) gives the `tlf` model's acc."""
-    import lm_eval.models.huggingface  # noqa: F401  registers `hf` (the registry holds only `tlf` so far)
+    import lm_eval.models.huggingface  # registers `hf` (the registry holds only `tlf` so far)
     from pipeline.hf.export import export_hf
 
     res_tlf, rows = harness_run

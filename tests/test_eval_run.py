@@ -178,7 +178,7 @@ def test_latency_in_the_run_outputs(env, tmp_path, monkeypatch):
     the JSON, the markdown and MLflow (the keys `tlf compare` reads)."""
     import evaluation.evaluate as E
     from evaluation.latency import measure_latency
-    quick = lambda m, M, d: measure_latency(m, M, d, repeats=1, steps=2, batches=(1, 2))  # noqa: E731
+    quick = lambda m, M, d: measure_latency(m, M, d, repeats=1, steps=2, batches=(1, 2))
     monkeypatch.setattr(E, "measure_latency", quick)
     res = run(env / "t-loopformer", overrides(env, tasks="[]", perplexity="false", latency="true",
                                               out_dir=str(tmp_path / "o")), loops="1,4", log=lambda *a: None)
@@ -220,3 +220,18 @@ def test_cli(env, tmp_path):
     assert r.exit_code != 0 and "unknown task 'nope'" in r.output
     r = CliRunner().invoke(main, ["eval", str(env / "base"), "--variant", "naive-loop-ee", "--no-mlflow"])
     assert r.exit_code != 0 and "evaluates a base-loop checkpoint, this one is base" in r.output
+
+
+def test_cli_paths_with_quotes(env, tmp_path):
+    """--race-file and --out values reach the config verbatim, quotes included."""
+    from pipeline.cli import main
+    race = tmp_path / "it's \"q\"" / "race.jsonl"
+    race.parent.mkdir()
+    shutil.copy(env / "race.jsonl", race)
+    out = tmp_path / "o'ut"
+    r = CliRunner().invoke(main, ["eval", str(env / "base"), "--tasks", "race", "--limit", "1", "--no-ppl",
+                                  "--no-latency", "--no-mlflow", "--source", "offline", "--race-file", str(race),
+                                  "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())
+    assert "race" in res["budgets"][0]["tasks"]  # read from the quoted path

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.testkit import count_forwards
 from evaluation.forward import hidden_states, logits_at
 from evaluation.scorer import Scored, Scorer, encode_pair, mean_stderr, task_metrics
 from evaluation.tasks import Example, TaskData
@@ -57,7 +58,7 @@ def brute(model, ctx, cont, M):
 def test_batched_scores_equal_brute_force(tlf):
     m, cfg = tlf
     g = torch.Generator().manual_seed(3)
-    r = lambda n: torch.randint(0, 50257, (n,), generator=g).tolist()  # noqa: E731
+    r = lambda n: torch.randint(0, 50257, (n,), generator=g).tolist()
     shared = r(12)
     reqs = [(shared, r(1)), (shared, r(1)), (shared, r(3)), (r(5), r(2)), (r(30), r(7)), ([EOT], r(4)),
             (r(80), r(5)),  # longer than block_size (64): left-truncated
@@ -73,9 +74,9 @@ def test_batched_scores_equal_brute_force(tlf):
     # unshared: requests with one-token continuations after the same context share one input (6 distinct
     # inputs); shared: every request after `shared` joins one row (5 rows)
     for share, rows in ((False, 6), (True, 5)):
-        sc2 = Scorer(m, batch_size=1, share_context=share)
-        sc2.score(reqs, 2)
-        assert sc2.forwards == rows
+        with count_forwards(m) as n:
+            Scorer(m, batch_size=1, share_context=share).score(reqs, 2)
+        assert n["forwards"] == rows
 
 
 def test_budget_changes_scores_of_looped_models_only(tlf):

@@ -121,7 +121,49 @@ def test_bundling_refuses_model_code_importing_other_tlf_modules(tmp_path, monke
     fake.mkdir()
     for m in E.MODULES:
         (fake / f"{m}.py").write_text((E.MODEL_DIR / f"{m}.py").read_text())
-    (fake / "looped.py").write_text("from pipeline.hostsync import count\n" + (fake / "looped.py").read_text())
+    (fake / "looped.py").write_text("from pipeline.memory import SavedTensors\n" + (fake / "looped.py").read_text())
     monkeypatch.setattr(E, "MODEL_DIR", fake)
     with pytest.raises(RuntimeError, match=r"looped\.py:1: a tlf import"):
         E.modeling_source()
+
+
+def test_fine_tuning_keeps_the_head_tied_and_one_step_equals_tlfs(tmp_path):
+    """The tied matrix is stored once and tied again after from_pretrained: the parameter count is tlf's, and one
+    SGD step on the same batch gives the same logits in transformers and in tlf."""
+    from safetensors import safe_open
+
+    model, cfg, d = export_hf(tmp_path)
+    assert cfg.model.tie_embeddings
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        assert "model.lm_head.weight" not in f.keys() and "model.wte.weight" in f.keys()
+    hf = load_hf(d)
+    assert hf.model.lm_head.weight is hf.model.wte.weight
+    assert hf.num_parameters() == sum(p.numel() for p in model.parameters())  # tied: counted once by both
+    idx = torch.randint(0, 50257, (2, 12), generator=torch.Generator().manual_seed(3))
+    for m, logits in ((hf, lambda: hf(idx, loops=2).logits), (model, lambda: model(idx, loops=2).logits)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        out = logits()
+        torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), idx[:, 1:].flatten()).backward()
+        opt.step()
+    with torch.no_grad():
+        got, want = hf(idx, loops=2).logits, model(idx, loops=2).logits
+    assert torch.allclose(got, want, atol=ATOL, rtol=0), (got - want).abs().max()
+
+
+@torch.no_grad()
+def test_loops_from_pretrained_is_the_budget_and_a_bad_one_is_refused(tmp_path):
+    model, cfg, d = export_hf(tmp_path)
+    idx = torch.randint(0, 50257, (2, 9), generator=torch.Generator().manual_seed(4))
+    for kw in ({"loops": 2}, {"loops_budget": 2}, {"loops": "2"}):  # lm-eval's --model_args ...,loops=2
+        hf = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True, **kw).eval()
+        assert hf.config.loops == hf.config.loops_budget == 2
+        assert torch.allclose(hf(idx).logits, model(idx, loops=2).logits, atol=ATOL, rtol=0), kw
+    L = cfg.model.loops
+    for bad in (0, L + 1, "two"):
+        with pytest.raises(ValueError, match=rf"loops={bad!r}: the loop budget must be an integer in 1\.\.{L}"):
+            AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True, loops=bad)
+    conf = json.loads((d / "config.json").read_text())
+    conf["loops_budget"] = 2  # an edited config.json: its budget, not `loops` L, is the default
+    (d / "config.json").write_text(json.dumps(conf))
+    hf = load_hf(d)
+    assert hf.config.loops_budget == 2 and torch.allclose(hf(idx).logits, model(idx, loops=2).logits, atol=ATOL, rtol=0)

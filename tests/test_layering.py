@@ -96,3 +96,31 @@ def test_every_package_registers_its_own_tlf_commands():
     assert set(eps) <= set(main.commands)
     for name, ep in eps.items():
         assert ep.value.split(".")[0] in LAYERS and main.commands[name] is ep.load(), name
+
+
+def test_training_modules_do_not_import_each_other_in_a_cycle():
+    """Within pipeline/train/ the imports (module level or inside a function) form no cycle: the callbacks use
+    the trainer object they are given, never import trainer.py."""
+    mods = {p.stem: p for p in (ROOT / "pipeline" / "train").glob("*.py")}
+    graph = {}
+    for name, path in mods.items():
+        src = path.read_text()
+        deps = set()
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipeline.train."):
+                deps.add(node.module.split(".")[2])
+            elif isinstance(node, ast.ImportFrom) and node.module == "pipeline.train":
+                deps.update(a.name for a in node.names)
+        graph[name] = deps & mods.keys()
+
+    def cycle_from(n, path):
+        for d in graph[n]:
+            if d in path:
+                return path[path.index(d):] + [d]
+            found = cycle_from(d, path + [d])
+            if found:
+                return found
+        return None
+
+    for n in graph:
+        assert cycle_from(n, [n]) is None, " -> ".join(cycle_from(n, [n]))

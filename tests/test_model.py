@@ -379,3 +379,14 @@ def test_straight_through_matches_the_formula():
     for x, y in zip(*res):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
     assert torch.equal(res[1][0], out) and res[1][2].abs().sum() > 0 and res[1][3].abs().sum() > 0
+
+
+def test_router_defaults_agree_with_model_config():
+    import inspect
+
+    from pipeline.config import ModelConfig
+    from pipeline.model.router import Router
+    defaults = {k: p.default for k, p in inspect.signature(Router).parameters.items() if p.default is not p.empty}
+    mc = ModelConfig()
+    for k, v in defaults.items():
+        assert getattr(mc, f"router_{k}") == v, k

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from pipeline.config import load_config
 from pipeline.memory import SavedTensors, tensor_peak_mib
-from pipeline.model import LoopedLM, spread_router
+from helpers import spread_router
+from pipeline.model import LoopedLM
 from pipeline.model.looped import active_counts
 from pipeline.plan.cli import plan_cmd
 from pipeline.plan.core import Planner

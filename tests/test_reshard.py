@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train import TINY, clean_env, make_shards  # noqa: E402
-from test_train_dist import _launcher  # noqa: E402
+from test_train import TINY, clean_env, make_shards
+from test_train_dist import _launcher
 
 STAGES = (0, 1, 2, 3)
 CHANGE = {1: 3, 3: 0}  # a stage change each way: 1 rank ZeRO-1 -> 2 ranks ZeRO-3; 2 ranks ZeRO-3 -> 1 rank ZeRO-0

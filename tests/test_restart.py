@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train import TINY, clean_env, make_shards  # noqa: E402
+from test_train import TINY, clean_env, make_shards
 
 STEPS, KILL_MICRO = 8, 5  # 2 ranks x micro-batch 2 = the global batch: micro-batch k is step k + 1
 

@@ -8,6 +8,8 @@ from evaluation.forward import hidden_states
 from evaluation.scorer import Scorer, encode_pair
 from helpers import perturbed_tiny, spread_router
 
+from bench.testkit import count_forwards
+
 CASES = [("tiny/t-loopformer", True), ("tiny/t-loopformer", False), ("tiny/loopformer", True),
          ("tiny/loopformer", False), ("tiny/base", True)]
 
@@ -25,7 +27,7 @@ def requests(seed: int = 3) -> list[tuple[list[int], list[int]]]:
     ones whose continuations have equal lengths (one shared truncated prefix) and different lengths (no
     sharing), and a context with more branch tokens than block_size (two rows)."""
     g = torch.Generator().manual_seed(seed)
-    r = lambda n: torch.randint(0, 50257, (n,), generator=g).tolist()  # noqa: E731
+    r = lambda n: torch.randint(0, 50257, (n,), generator=g).tolist()
     c1, c2, c3, long1, long2 = r(12), r(30), r(5), r(80), r(60)
     one = r(1)
     reqs = [(c1, one), (c1, r(3)), (c1, r(7)), (c1, r(1)), (c1, one), (c2, r(2)), (c2, r(5)), (c2, r(11)),
@@ -55,16 +57,16 @@ def test_shared_scores_equal_unshared(name, gs):
     # slots in one row instead of 12 + 14 + 18 in three
     three = reqs[:3]
     for share, tokens, rows in ((False, 44, 3), (True, 20, 1)):
-        sc = Scorer(m, batch_size=1, share_context=share)
-        sc.score(three, 1)
-        assert (sc.tokens, sc.forwards) == (tokens, rows)
+        with count_forwards(m) as n:
+            Scorer(m, batch_size=1, share_context=share).score(three, 1)
+        assert (n["tokens"], n["forwards"]) == (tokens, rows)
     # branches that share leading tokens share trie nodes: (5,6,7), (5,8,7) and (5,6,7) again are 5 nodes
     ctx = reqs[0][0]
     tri = [(ctx, [5, 6, 7, 9]), (ctx, [5, 8, 7, 9]), (ctx, [5, 6, 7, 2])]
     for share, tokens, rows in ((False, 30, 2), (True, 17, 1)):
-        sc = Scorer(m, batch_size=1, share_context=share)
-        sc.score(tri, 1)
-        assert (sc.tokens, sc.forwards) == (tokens, rows)
+        with count_forwards(m) as n:
+            Scorer(m, batch_size=1, share_context=share).score(tri, 1)
+        assert (n["tokens"], n["forwards"]) == (tokens, rows)
 
 
 def test_greedy_flags_vary():

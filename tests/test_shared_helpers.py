@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import spread_router as helpers_spread
 
+from bench.testkit import spread_router
 from data_prep import configlib
 from data_prep.config import load_prep_config
 from data_prep.files import read_json, write_json
@@ -18,7 +19,7 @@ from pipeline import config as pconfig
 from pipeline.config import load_config
 from pipeline.device import resolve_device
 from pipeline.memory import memory_metrics
-from pipeline.model import LoopedLM, spread_router
+from pipeline.model import LoopedLM
 from pipeline.train.ds import strip_local_rank
 
 

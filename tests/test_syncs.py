@@ -1,6 +1,6 @@
 """Host syncs (issue: the router's savings in training): at most one device -> host read per forward pass inside
 the model (all |A_i| of a pass from one read) and one per optimizer step in the training loop. Counted with
-`pipeline.hostsync.count_host_reads`, which records `.item()/.cpu()/.tolist()/float()/int()/bool()` calls made
+`bench.testkit.count_host_reads`, which records `.item()/.cpu()/.tolist()/float()/int()/bool()` calls made
 from tlf's own files: on a GPU each of those waits for the device's queue."""
 from pathlib import Path
 
@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from pipeline.config import load_config
-from pipeline.hostsync import count_host_reads
+from bench.testkit import count_host_reads
 from pipeline.model import LoopedLM
 
 MODEL = tuple(str(Path(__file__).resolve().parent.parent / "pipeline" / "model" / f)  # the forward's files
               for f in ("looped.py", "layers.py", "router.py", "schedule.py", "head_loss.py"))
-TRAINER = str(Path(__file__).resolve().parent.parent / "pipeline" / "train" / "trainer.py")
+# the loop's files: trainer.py and validation.py (its sum_over_ranks is where the step's read happens)
+TRAINER = tuple(str(Path(__file__).resolve().parent.parent / "pipeline" / "train" / f)
+                for f in ("trainer.py", "validation.py"))
 
 
 def _tiny(variant: str, *extra: str) -> LoopedLM:
@@ -54,7 +56,7 @@ def test_training_loop_reads_once_per_optimizer_step(tmp_path, data):
     steps, accum = 3, 2
     cfg = tiny_cfg(tmp_path, data, f"schedule.max_steps={steps}", "train.eval_interval=0", "checkpoint.interval=0",
                    f"train.grad_accum_steps={accum}", f"train.global_batch_size={2 * accum}")
-    with count_host_reads((TRAINER,)) as loop_reads, count_host_reads(MODEL) as model_reads:
+    with count_host_reads(TRAINER) as loop_reads, count_host_reads(MODEL) as model_reads:
         res = run(cfg)
     assert res.step == steps and len(res.losses) == steps
     assert len(loop_reads) == steps, loop_reads  # StepMeter.read: one per optimizer step

@@ -95,7 +95,7 @@ def test_lr_schedule_warmup_then_cosine():
 
     cfg = load_config("paper/t-loopformer")
     f = lr_multiplier(cfg)
-    lr = lambda s: cfg.optim.lr * f(s)  # noqa: E731
+    lr = lambda s: cfg.optim.lr * f(s)
     assert lr(0) == pytest.approx(6e-4 / 4000) and lr(3999) == pytest.approx(6e-4)
     assert lr(4000) == pytest.approx(6e-4)
     assert lr(4000 + (250000 - 4000) // 2) == pytest.approx((6e-4 + 6e-5) / 2)
@@ -177,7 +177,7 @@ def test_loader_is_disjoint_deterministic_and_resumable(tmp_path):
     from pipeline.train.data import TrainLoader
 
     d = make_shards(tmp_path, windows=23, seq_len=8)
-    mk = lambda r, ws=2: TrainLoader(str(d), "train", 8, 3, r, ws, seed=7, vocab_size=512)  # noqa: E731
+    mk = lambda r, ws=2: TrainLoader(str(d), "train", 8, 3, r, ws, seed=7, vocab_size=512)
     a, b = mk(0), mk(1)
     assert a.micros_per_epoch == 3  # 23 windows // (3 x 2): remainder dropped per epoch
     for micro in range(6):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.hostsync import count_host_reads
+from bench.testkit import count_host_reads
 from pipeline.train.callbacks import Callback
 from test_train import make_shards, one_thread, tiny_cfg  # noqa: F401 (one_thread: autouse fixture)
 
@@ -76,11 +76,11 @@ def test_callbacks_see_the_hooks_in_order_and_one_read_per_step(tmp_path, data):
     rec = Recorder()
     cfg = tiny_cfg(tmp_path, data, "schedule.max_steps=3", "checkpoint.interval=2", "train.eval_interval=0")
     trainer = Trainer.build(cfg, default_callbacks() + [rec])
-    files = tuple(str(TRAIN / f) for f in ("trainer.py", "callbacks.py", "logger.py"))
+    files = tuple(str(TRAIN / f) for f in ("trainer.py", "validation.py", "callbacks.py", "logger.py"))
     with count_host_reads(files) as reads:
         res = trainer.fit()
     assert len(reads) == 3, reads  # the step's one read; no callback reads the device
-    per_step = lambda s: [("pre_step", s), ("post_step", s), ("log_metrics", s)]  # noqa: E731
+    per_step = lambda s: [("pre_step", s), ("post_step", s), ("log_metrics", s)]
     assert rec.events == [("pre_train",), *per_step(1), ("end_step", 1),
                           *per_step(2), ("post_checkpoint_saved", 2), ("end_step", 2),  # Checkpointer runs first
                           *per_step(3), ("end_step", 3), ("post_checkpoint_saved", 3), ("post_train",),

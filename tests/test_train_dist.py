@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train import TINY, clean_env, make_shards  # noqa: E402
+from test_train import TINY, clean_env, make_shards
 
-from pipeline.train.ds import free_port  # noqa: E402
+from pipeline.train.ds import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable

@@ -36,7 +36,7 @@ def _strip_tlf_imports(path: Path) -> str:
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
             if any(n.split(".")[0] == "pipeline" for n in names):
                 raise RuntimeError(f"{path}:{node.lineno}: a tlf import inside the model code cannot be bundled")
-    return "".join(l for i, l in enumerate(lines) if i not in drop)
+    return "".join(line for i, line in enumerate(lines) if i not in drop)
 
 
 def modeling_source() -> str:
@@ -56,7 +56,7 @@ def hf_config(cfg: Config) -> dict:
         "tlf_model": dataclasses.asdict(m), "loops_budget": m.loops, "loops": m.loops,
         "router_threshold": m.router_threshold, "vocab_size": m.vocab_size, "hidden_size": m.d_model,
         "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "max_position_embeddings": m.block_size,
-        "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": False, "use_cache": False,
+        "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": m.tie_embeddings, "use_cache": False,
         "torch_dtype": "float32",
     }
 
@@ -94,9 +94,7 @@ def export_hf(model, cfg: Config, out: Path, source: Path) -> Path:
     from safetensors.torch import save as st_save
 
     out.mkdir(parents=True, exist_ok=True)
-    state = {f"model.{k}": v for k, v in state_for_export(model).items()}
-    if cfg.model.tie_embeddings:  # stored separately (a clone): transformers loads it like any weight
-        state["model.lm_head.weight"] = state["model.wte.weight"].clone()
+    state = {f"model.{k}": v for k, v in state_for_export(model).items()}  # the tied lm_head once, as wte
     # as every other file here (safetensors' save_file would create it 0600 whatever the umask)
     atomic_write_bytes(out / "model.safetensors", [st_save(state, metadata={"format": "pt"})])
     (out / "modeling_tlf.py").write_text(modeling_source())

@@ -21,14 +21,37 @@ class TLFConfig(PretrainedConfig):
 
     def __init__(self, tlf_model: dict | None = None, loops_budget: int | None = None, **kw):
         self.tlf_model = dict(tlf_model or {})  # every tlf ModelConfig field (loops L, router_threshold, ...)
-        self.loops_budget = loops_budget  # default budget M (None: M = L)
-        kw.setdefault("tie_word_embeddings", False)  # tlf ties inside the module; transformers must not re-tie
+        loops = kw.pop("loops", None)  # config.json's `loops` is L; its `loops_budget` M wins when both are there
+        self.loops_budget = loops_budget if loops_budget is not None else loops  # default budget M (None: M = L)
+        # tied: lm_head.weight is not in the file and transformers ties it to wte after loading (post_init,
+        # from_pretrained), so fine-tuning trains one matrix, as tlf does. Exports before this stored a copy (False).
+        kw.setdefault("tie_word_embeddings", bool(self.tlf_model.get("tie_embeddings", False)))
         super().__init__(**kw)
+
+    def __setattr__(self, key, value):
+        # `loops` and `loops_budget` are one setting, the default budget M: from_pretrained(..., loops=2) (and so
+        # lm-eval's --model_args ...,loops=2) sets it after __init__, under either name
+        if key in ("loops", "loops_budget"):
+            value = self._budget(key, value)
+            super().__setattr__("loops", value)
+            key = "loops_budget"
+        super().__setattr__(key, value)
+
+    def _budget(self, key, value):
+        L = getattr(self, "tlf_model", {}).get("loops")
+        if value is None:
+            return L
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (L is not None and value > L):
+            raise ValueError(f"{key}={value!r}: the loop budget must be an integer in 1..{L} (the model's loops L)")
+        return value
 
 
 class TLFPreTrainedModel(PreTrainedModel):
     config_class = TLFConfig
     base_model_prefix = "model"
+    _tied_weights_keys = ["model.lm_head.weight"]  # with tie_word_embeddings: wte's matrix, not in the file
     _supports_cache_class = False
 
     def _init_weights(self, module):

@@ -72,10 +72,10 @@ class _PrefillHooks:
 
 class Decoder:
     """One batch's generation state: the cache and the modulation tables of its budget M (built here, from the
-    model's current weights; pass `tables` only to share them between decoders of the same unchanged model)."""
+    model's current weights)."""
 
     def __init__(self, model, loops: int | None = None, threshold: float | None = None, layout: str = "compact",
-                 mask_empty: bool = True, full_depth: bool = False, tables=None, router: bool = True):
+                 mask_empty: bool = True, full_depth: bool = False, router: bool = True):
         cfg = model.cfg
         self.model, self.M = model, cfg.loops if loops is None else int(loops)
         if not 1 <= self.M <= cfg.loops:
@@ -83,7 +83,7 @@ class Decoder:
         self.theta = cfg.router_threshold if threshold is None else threshold
         self.router = router  # False: every token runs the whole budget (the router is not consulted)
         self.layout, self.mask_empty, self.full_depth = layout, mask_empty, full_depth
-        self.tables = modulation_tables(model, self.M) if tables is None else tables  # per layer (K, 4d) or None
+        self.tables = modulation_tables(model, self.M)  # per layer (K, 4d) or None
         self.cache: RecursionKVCache | None = None
 
     # ----------------------------------------------------------------------------------- helpers

@@ -1,4 +1,4 @@
 from pipeline.model.looped import LoopedLM, LoopedLMOutput
-from pipeline.model.router import Router, RouterOutput, depth_stats, spread_router
+from pipeline.model.router import Router, RouterOutput, depth_stats
 
-__all__ = ["LoopedLM", "LoopedLMOutput", "Router", "RouterOutput", "depth_stats", "spread_router"]
+__all__ = ["LoopedLM", "LoopedLMOutput", "Router", "RouterOutput", "depth_stats"]

@@ -15,10 +15,10 @@ grad_hs (B, T, d) and grad_W (V, d) are kept for backward, which scales them by 
 (B, T, V) tensor outlives a chunk. Chunk rows: `rows_per_chunk`, the chunk's fp32 logits of one pass within
 CHUNK_BYTES (a few such buffers are live at once), at least MIN_ROWS rows.
 
-Precision: matmuls in the autocast dtype under autocast (else the inputs' dtype), softmax and losses in fp32,
-grad_W summed over chunks in fp32; each returned gradient has its input's dtype (fp32 master W under autocast,
-bf16 everywhere in DeepSpeed's bf16 model). ignore_index is -1; a batch with no target gives nan losses, like
-F.cross_entropy. No host read: N stays on the device.
+Precision: matmuls in the autocast dtype under autocast (else the inputs' dtype), softmax and losses in fp32
+(the alignment's sum of squares in fp64), grad_W summed over chunks in fp32; each returned gradient has its
+input's dtype (fp32 master W under autocast, bf16 everywhere in DeepSpeed's bf16 model). ignore_index is -1;
+a batch with no target gives nan losses, like F.cross_entropy. No host read: N stays on the device.
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ class _HeadObjective(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, _g_parts):
         g_hf, g_W, g_hs = ctx.saved_tensors
-        scale = lambda t: None if t is None else t * g  # noqa: E731
+        scale = lambda t: None if t is None else t * g
         return scale(g_hf), scale(g_W), None, scale(g_hs), None, None, None, None
 
 
@@ -124,7 +124,9 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs):
     g_x = torch.empty_like(x) if needs[0] else None
     g_xs = torch.empty_like(xs) if xs is not None and needs[3] else None
     g_W = torch.zeros(V, d, dtype=torch.float32, device=W.device) if needs[1] else None
-    sums = torch.zeros(3, dtype=torch.float32, device=hf.device)  # CE_f, CE_s, squared logit gap
+    sums = torch.zeros(2, dtype=torch.float32, device=hf.device)  # CE_f, CE_s
+    # the squared logit gap summed in fp64: an fp32 sum over millions of logits per chunk drifts ~1e-5 relative
+    gap2 = torch.zeros((), dtype=torch.float64, device=hf.device)
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
         xc, yc, vc = x[a:b].to(cdt), y[a:b].clamp_min(0)[:, None], valid[a:b]  # (r, d), (r, 1), (r,)
@@ -137,7 +139,7 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs):
             ce, gls = _ce_grad_(ls, yc, vc * inv * lam_s, vc)
             sums[1] += ce
             if gap is not None:
-                sums[2] += torch.dot(gap.view(-1), gap.view(-1))
+                gap2 += gap.square().sum(-1, dtype=torch.float64).sum()
                 gls.add_(gap, alpha=2.0 * lam_a / (n * V))
                 del gap
         ce, glf = _ce_grad_(lf, yc, vc * inv, vc)
@@ -154,10 +156,10 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs):
             if g_W is not None:
                 _acc_(g_W, gls.t(), xsc)
         del lf, glf, gls
-    parts = torch.stack([sums[0] / count, sums[1] / count, sums[2] / (n * V)])  # loss_L, loss_S, loss_align
+    parts = torch.stack([sums[0] / count, sums[1] / count, (gap2 / (n * V)).float()])  # loss_L, loss_S, loss_align
     loss = sums[0] / count  # (): not a view of parts (a separate output)
     if xs is not None:
         loss = loss + lam_s * parts[1] + (lam_a * parts[2] if lam_a is not None else 0.0)
     g_W = None if g_W is None else g_W.to(W.dtype)
-    view = lambda t: None if t is None else t.view(B, T, d)  # noqa: E731
+    view = lambda t: None if t is None else t.view(B, T, d)
     return loss, parts, (view(g_x), g_W, view(g_xs))

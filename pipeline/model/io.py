@@ -26,7 +26,7 @@ WEIGHT_FILES = ("model.safetensors", "model.pt")  # in order of preference when 
 
 def have_safetensors() -> bool:
     try:
-        import safetensors.torch  # noqa: F401
+        import safetensors.torch  # noqa: F401  (only whether it imports)
     except ModuleNotFoundError:
         return False
     return True
@@ -95,7 +95,7 @@ def load_state(f: Path) -> dict[str, torch.Tensor]:
         return torch.load(f, map_location="cpu", weights_only=True)
     except ConfigError:
         raise
-    except Exception as e:  # truncated/corrupt file, or a pickle holding more than tensors
+    except Exception as e:  # noqa: BLE001 - truncated/corrupt file, or a pickle holding more than tensors
         first = (str(e).strip().splitlines() or [""])[0][:200]  # an empty file's error has no message
         raise ConfigError(f"{f}: unreadable weights ({type(e).__name__}{': ' + first if first else ''})") from None
 

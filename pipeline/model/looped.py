@@ -316,9 +316,9 @@ class LoopedLM(nn.Module):
                 fused_loss: bool = True) -> LoopedLMOutput:
         """idx (B, T) tokens; targets (B, T) next tokens (-1 ignored) or None; loops = budget M <= L
         (default L; elastic inference uses the uniform schedule 1/M and clips router depth at M).
-        objective: compute the training objective (full + shortcut pass + alignment); default = training
-        mode with targets and M = L. shortcut: (S,) positive ints summing to L (default: sampled from
-        torch's global RNG). The ablations' switches are arguments of the call, never model state:
+        objective: compute the training objective (full + shortcut pass + alignment + the router's
+        auxiliary loss); default = training mode with targets and M = L. shortcut: (S,) positive ints
+        summing to L (default: sampled from torch's global RNG). The ablations' switches are arguments of the call, never model state:
         router=False runs every token through the whole budget (the router is not consulted); threshold
         overrides `cfg.router_threshold`; gather_scatter overrides `cfg.gather_scatter` (False: the dense
         masked reference); fused_loss=False computes the training objective from materialised logits (the

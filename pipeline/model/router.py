@@ -81,7 +81,7 @@ class Router(nn.Module):
     whose mean is `target_depth`."""
 
     def __init__(self, d: int, hidden: int, max_loops: int, recipe: str = "paper", target_depth: float = 0.0,
-                 init_std: float = 2.0, balance_weight: float = 0.0, entropy_weight: float = 0.0):
+                 init_std: float = 2.0, balance_weight: float = 1.0, entropy_weight: float = 0.1):
         super().__init__()
         self.fc1 = nn.Linear(d, hidden)
         self.fc2 = nn.Linear(hidden, max_loops)
@@ -130,24 +130,3 @@ class Router(nn.Module):
         loss = self.balance_weight * kl + self.entropy_weight * ent
         stats = {"balance_kl": kl.detach(), "entropy": ent.detach(), "soft_depth": r.cont.detach().sum(-1).mean()}
         return loss, stats
-
-
-def spread_router(model, seed: int = 0, scale: float = 1.0):
-    """Benchmark and test utility (no training code calls it): gives `model.router` weights that act like a
-    trained router's, peaky exit distributions with token depths spread over 1..L, where the initialisation
-    sends nearly every token to the same depth. fc1 is scaled to its input (h0 at the model's init std, or unit
-    RMS under the budget recipe) so its pre-activations have std ~5*scale; fc2 ~ N(0, scale); fc2's bias falls
-    linearly from 1 to -1 over the depths. Draws from its own generator (seed), not the global RNG. A model
-    without a router is returned unchanged; returns the model."""
-    r = model.router
-    if r is None:
-        return model
-    in_std = 1.0 if r.recipe == "budget" else model.cfg.init_std
-    g = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(r.fc1.weight.shape, generator=g) * (5.0 * scale / (math.sqrt(r.fc1.in_features) * in_std))
-    w2 = torch.randn(r.fc2.weight.shape, generator=g) * scale
-    with torch.no_grad():
-        r.fc1.weight.copy_(w1)
-        r.fc2.weight.copy_(w2)
-        r.fc2.bias.copy_(torch.linspace(1.0, -1.0, r.fc2.out_features))
-    return model

@@ -5,7 +5,6 @@ docs/design.md §8 explains the accounting."""
 from __future__ import annotations
 
 import copy
-from functools import lru_cache
 
 import numpy as np
 import torch

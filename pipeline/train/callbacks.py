@@ -13,6 +13,7 @@ import time
 
 from pipeline.memory import memory_metrics
 from pipeline.train.logger import fmt_duration, log
+from pipeline.train.validation import evaluate
 
 
 class Callback:
@@ -118,8 +119,6 @@ class Validation(Callback):
     """Validation loss every train.eval_interval steps and at the last (val/loss, val/<extra dir>)."""
 
     def post_step(self, step: int, metrics: dict) -> None:
-        from pipeline.train.trainer import evaluate
-
         t = self.trainer
         n = t.cfg.train.eval_interval
         if n > 0 and (step % n == 0 or step == t.max_steps):

@@ -322,7 +322,7 @@ def read_state(path: Path, rank: int, world_size: int | None) -> dict:
                               f"resume with the world size that wrote it")
     try:
         state = torch.load(f, map_location="cpu", weights_only=True)  # never unpickles arbitrary objects
-    except Exception as e:  # noqa: BLE001 - truncated, foreign or tampered file: name it
+    except Exception as e:  # truncated, foreign or tampered file: name it
         raise CheckpointError(f"{f}: not a readable training state ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}); resume from another checkpoint "
                               f"or set checkpoint.resume=none") from e

@@ -1,12 +1,13 @@
 """`tlf train CONFIG [OVERRIDES]` (also `python -m pipeline.train CONFIG [OVERRIDES]`): a thin wrapper over run()."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 import click
 
-from pipeline.config import ConfigError, apply_overrides, load_config
+from pipeline.config import ConfigError, load_config
 
 
 def _exit(code: int) -> None:
@@ -44,9 +45,8 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     Every key with its type, default and doc: tlf config show PRESET --doc
     """
     try:
-        cfg = load_config(config, overrides)
-        if resume is not None:
-            apply_overrides(cfg, [f"checkpoint.resume={resume}"])
+        resume_ov = [] if resume is None else [f"checkpoint.resume={json.dumps(resume)}"]  # quotes survive
+        cfg = load_config(config, [*overrides, *resume_ov])  # validated once, --resume included
         cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))  # fail fast, before the heavy imports
     except ConfigError as e:
         raise click.UsageError(f"config error: {e}") from None
@@ -70,7 +70,7 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     except KeyboardInterrupt:
         click.echo("Error: interrupted", err=True)
         code = 130
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - anything else: print it, then exit through _exit like every path
         import traceback
 
         traceback.print_exc()

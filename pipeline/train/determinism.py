@@ -19,7 +19,7 @@ CUBLAS_WORKSPACE = ":4096:8"
 
 
 def apply(on: bool, device_kind: str) -> dict:
-    """Applies the contract when `on`; returns what it set (for the run's log/tags), {} when off."""
+    """Applies the contract when `on`; returns what it set (name -> value), {} when off."""
     if not on:
         return {}
     set_ = {}

@@ -60,7 +60,7 @@ class RunLogger:
                 self.client = tracking.checked_client(uri)
                 after = self._open_run(cfg, tags, resume_run_id, uri)
                 self._end_dead_run(prev, uri)
-        except Exception as e:  # the outside service failing never stops training
+        except Exception as e:  # noqa: BLE001 - the outside service failing never stops training
             self.warn(f"MLflow at {uri} cannot be used ({tracking.one_line(e)}); this run's metrics are only in "
                       f"{self._file.name if self._file else 'the console'}")
             self.client, self.run_id = None, resume_run_id  # kept in checkpoints: the next start reopens and replays
@@ -88,7 +88,7 @@ class RunLogger:
                     self.client.update_run(self.run_id, status="RUNNING")
                     self.client.set_tag(self.run_id, "resumed", "true")
                     return max((m.step for m in self.client.get_metric_history(self.run_id, "loss")), default=0)
-            except Exception:  # another tracking store, or the run was deleted: start a new one
+            except Exception:  # noqa: BLE001 - another tracking store, or the run was deleted: start a new one
                 self.run_id = None
         from mlflow.entities import Param, RunTag
 
@@ -110,7 +110,7 @@ class RunLogger:
             if self.client.get_run(rid).info.status == "RUNNING":
                 self.client.set_terminated(rid, status="KILLED")
                 self.info(f"MLflow run {rid} of a process that died was left RUNNING; marked KILLED")
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort: the dead run stays as it was, training goes on
             pass
 
     def end(self, status: str = "FINISHED") -> None:
@@ -128,7 +128,7 @@ class RunLogger:
         if self.client is not None and self.run_id:
             try:
                 self.client.set_terminated(self.run_id, status=status)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a server down at the end: warn, the run is ended next start
                 self.warn(f"could not mark MLflow run {self.run_id} {status}: {tracking.one_line(e)}")
         self.client = None
 
@@ -162,7 +162,7 @@ class RunLogger:
             try:
                 for k, v in tags.items():
                     self.client.set_tag(self.run_id, k, str(v))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - tags are advice: never stop training
                 self.warn(f"MLflow tags not set: {tracking.one_line(e)}")
 
 

@@ -54,7 +54,7 @@ class Sender(threading.Thread):
             try:
                 with self._lock:
                     ok = self._send_pending()
-            except Exception as e:  # a bad line or an MLflow surprise: never a dead thread that sends nothing
+            except Exception as e:  # noqa: BLE001 - a bad line or an MLflow surprise: never a dead thread that sends nothing
                 ok = False
                 self.down_since = self.down_since or time.monotonic()
                 self.say("warn", f"MLflow sender: {tracking.one_line(e)}; retrying")
@@ -107,7 +107,7 @@ class Sender(threading.Thread):
         try:
             self.client.log_batch(self.run_id, metrics=batch)
             return True
-        except Exception as e:  # any failure of the outside service: spool, never raise into training
+        except Exception as e:  # noqa: BLE001 - any failure of the outside service: spool, never raise into training
             if self.down_since is None:
                 self.down_since = time.monotonic()
                 self.say("warn", f"MLflow unreachable ({tracking.one_line(e)}); training goes on, metrics are "

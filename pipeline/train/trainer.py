@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from pipeline.config import Config, ConfigError
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.logger import log
+from pipeline.train.validation import sum_over_ranks
 
 
 class NonFiniteError(RuntimeError):
@@ -71,12 +72,6 @@ class _Signals:
             signal.signal(sig, old)
 
 
-def _sum_over_ranks(t: torch.Tensor) -> list[float]:
-    """All-reduces a small float64 vector and reads it: the host sync of whoever calls it."""
-    torch.distributed.all_reduce(t)
-    return t.tolist()
-
-
 class StepMeter:
     """One optimizer step's losses, non-finite flags and router statistics, accumulated on the device; `read`
     sums them over ranks in one all-reduce and reads them with the step's one host sync."""
@@ -116,7 +111,7 @@ class StepMeter:
         gn = grad_norm.detach().double().reshape(1).to(self.device) if isinstance(grad_norm, torch.Tensor) else None
         keys = list(self.stats)
         vec = torch.cat([self.losses, self.bad, sig] + ([gn] if gn is not None else []) + [self.stats[k] for k in keys])
-        v = _sum_over_ranks(vec)  # the optimizer step's one device -> host sync
+        v = sum_over_ranks(vec)  # the optimizer step's one device -> host sync
         a = len(self.bad)
         n = max(self.n, 1)
         n_loss = 1 + len(self.PARTS)
@@ -138,22 +133,6 @@ class StepMeter:
                     metrics[f"router/{key.replace('depth_hist', 'depth_share')}_{i}"] = x / ws / n
         out["router"] = metrics
         return out
-
-
-def evaluate(engine, loaders, n_batches: int, device) -> dict[str, float]:
-    """Mean validation loss (the full pass at M = L) over n_batches micro-batches per rank, for each loader."""
-    out = {}
-    engine.eval()
-    with torch.no_grad():
-        for name, loader in loaders:
-            tot, cnt = torch.zeros((), dtype=torch.float64, device=device), 0
-            for x, y in loader.batches(n_batches):
-                tot += engine(x.to(device), y.to(device)).loss.detach().double()
-                cnt += 1
-            s, c = _sum_over_ranks(torch.stack([tot, torch.tensor(float(cnt), dtype=torch.float64, device=device)]))
-            out[name] = s / c
-    engine.train()
-    return out
 
 
 class Trainer:
@@ -283,7 +262,7 @@ class Trainer:
 
     def _skip(self, loss: torch.Tensor, done: int) -> bool:
         """nan_policy=skip: whether micro-batch done+1 is non-finite on any rank (one read, before its backward)."""
-        if _sum_over_ranks((~torch.isfinite(loss.detach())).double().reshape(1))[0] == 0:
+        if sum_over_ranks((~torch.isfinite(loss.detach())).double().reshape(1))[0] == 0:
             self.consecutive_bad = 0
             return False
         msg = f"non-finite loss at step {self.step + 1} (micro-batch {done + 1}/{self.accum})"
