@@ -125,7 +125,8 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs):
     g_xs = torch.empty_like(xs) if xs is not None and needs[3] else None
     g_W = torch.zeros(V, d, dtype=torch.float32, device=W.device) if needs[1] else None
     sums = torch.zeros(2, dtype=torch.float32, device=hf.device)  # CE_f, CE_s
-    # the squared logit gap summed in fp64: an fp32 sum over millions of logits per chunk drifts ~1e-5 relative
+    # the squared logit gap: per-row norms (fp32 tree reductions over V, no temporary), summed over rows in fp64;
+    # one fp32 dot over millions of logits per chunk drifted ~1e-5 relative
     gap2 = torch.zeros((), dtype=torch.float64, device=hf.device)
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
@@ -139,7 +140,7 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs):
             ce, gls = _ce_grad_(ls, yc, vc * inv * lam_s, vc)
             sums[1] += ce
             if gap is not None:
-                gap2 += gap.square().sum(-1, dtype=torch.float64).sum()
+                gap2 += torch.linalg.vector_norm(gap, dim=-1).double().square().sum()  # (r,): no (r, V) temporary
                 gls.add_(gap, alpha=2.0 * lam_a / (n * V))
                 del gap
         ce, glf = _ce_grad_(lf, yc, vc * inv, vc)

@@ -60,19 +60,20 @@ def depth_prior(L: int, mean: float) -> torch.Tensor:
     """The maximum-entropy distribution over depths 1..L with the given mean (1 < mean < L):
     q_l = exp(beta * l) / Z, beta found by bisection (the mean is increasing in beta). (L,) float64."""
     assert 1.0 < mean < L, f"target depth {mean} must lie strictly between 1 and {L}"
-    depths = torch.arange(1, L + 1, dtype=torch.float64)
+    depths = range(1, L + 1)
 
-    def q_of(beta: float) -> torch.Tensor:
-        return torch.softmax(beta * depths, 0)
+    def mean_of(beta: float) -> float:  # in Python floats: a constant of the config, no tensor is read
+        w = [math.exp(beta * (l - L)) for l in depths]  # shifted by L: no overflow at beta = 50
+        return sum(l * x for l, x in zip(depths, w)) / sum(w)
 
     lo, hi = -50.0, 50.0
     for _ in range(200):
         mid = 0.5 * (lo + hi)
-        if float((q_of(mid) * depths).sum()) < mean:
+        if mean_of(mid) < mean:
             lo = mid
         else:
             hi = mid
-    return q_of(0.5 * (lo + hi))
+    return torch.softmax(0.5 * (lo + hi) * torch.arange(1, L + 1, dtype=torch.float64), 0)
 
 
 class Router(nn.Module):
