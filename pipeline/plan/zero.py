@@ -8,7 +8,8 @@ The rules follow DeepSpeed's own code and estimators:
   partitioned too) + the largest layer gathered at once (4 x its parameters in its estimate);
 - what `DeepSpeedZeroOptimizer` holds (stage_1_and_2.py): the flat bf16 (or fp32) weights on every rank, the
   rank's fp32 partition `single_partition_of_fp32_groups` (a clone, also in fp32 runs), its gradient partition
-  and Adam's exp_avg/exp_avg_sq on that partition; ZeRO-1 keeps full gradients until the step, ZeRO-2
+  and Adam's exp_avg/exp_avg_sq on that partition; ZeRO-1 keeps full gradients until it reduces them at the
+  end of the accumulation's last backward (then only its partition; tests/test_plan_zero.py), ZeRO-2
   partitions them as they are reduced; ZeRO-3 also partitions the weights (stage3.py), except that a parameter
   of at most `stage3_param_persistence_threshold` elements (DeepSpeed's default and ds_configs/zero3.json: 1e5)
   is "persistent": gathered once and kept whole on every rank beside its partition
