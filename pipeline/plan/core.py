@@ -12,7 +12,7 @@ import torch
 from pipeline.config import Config, ConfigError
 from pipeline.plan.hardware import GPU
 from pipeline.plan.trace import StepTrace, trace_step
-from pipeline.plan.zero import model_state_bytes
+from pipeline.plan.zero import model_state_bytes, persistent_numel
 from pipeline.train.ac import MODES
 
 GiB = 2**30
@@ -84,8 +84,8 @@ class Planner:
                                           self.counts, sc, count_flops=not worst)
         return self._cache[key]
 
-    def reduce_bucket(self, zero: int, ranks: int) -> int:
-        """zero_optimization.reduce_bucket_size of the run's DeepSpeed config (`ds.build_ds_config`), elements."""
+    def reduce_bucket(self, zero: int, ranks: int, key: str = "reduce_bucket_size", default: float = 5e8) -> int:
+        """zero_optimization.<key> of the run's DeepSpeed config (`ds.build_ds_config`), elements."""
         from pipeline.train.ds import build_ds_config
 
         c = with_settings(self.cfg, zero_stage=zero)
@@ -94,12 +94,14 @@ class Planner:
             ds = build_ds_config(c, ranks, "bf16" if self.bf16 else "fp32")
         except ConfigError:  # a batch that does not divide: plan() reports it; the bucket is DeepSpeed's default
             ds = {}
-        return int(ds.get("zero_optimization", {}).get("reduce_bucket_size", 5e8))
+        return int(ds.get("zero_optimization", {}).get(key, default))
 
     def memory(self, zero: int, ac: str, batch: int, ranks: int) -> dict:
         """Per-GPU bytes: parts and peak."""
         tr = self.trace(ac, batch)
-        st = model_state_bytes(tr.params, zero, ranks, self.bf16, tr.largest_param)
+        keep, gather = persistent_numel(tr.sizes, self.reduce_bucket(zero, ranks, "stage3_param_persistence_threshold",
+                                                                    1e5))
+        st = model_state_bytes(tr.params, zero, ranks, self.bf16, gather, keep)
         share = 1.0 / ranks if zero >= 2 else 1.0  # run-dtype gradients held per rank
         # forward + backward: activations, transients and the gradients as they appear; then the reduction, which
         # flattens the gradients by buckets of reduce_bucket_size elements (DeepSpeed's allreduce_bucket under

@@ -157,6 +157,7 @@ class StepTrace:
     live: LiveBytes
     saved: dict = field(default_factory=dict)  # label -> bytes kept for backward
     flops: float = 0.0  # the step's forward + backward FLOPs (recomputation included)
+    sizes: tuple = ()  # numel of every parameter tensor (ZeRO-3 keeps the small ones whole: zero.py)
 
 
 def trace_step(cfg, batch: int, dtype: torch.dtype, counts: np.ndarray | None,
@@ -197,6 +198,7 @@ def trace_step(cfg, batch: int, dtype: torch.dtype, counts: np.ndarray | None,
     for h in hooks:
         h.remove()
     return StepTrace(params=sum(p.numel() for p in params), largest_param=max(p.numel() for p in params),
+                     sizes=tuple(p.numel() for p in params),
                      param_bytes=sum(p.numel() * p.element_size() for p in params),
                      grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
                      live=live, saved=dict(saved.by_label), flops=float(flops.get_total_flops()) if flops else 0.0)

@@ -8,8 +8,12 @@ The rules follow DeepSpeed's own code and estimators:
   partitioned too) + the largest layer gathered at once (4 x its parameters in its estimate);
 - what `DeepSpeedZeroOptimizer` holds (stage_1_and_2.py): the flat bf16 (or fp32) weights on every rank, the
   rank's fp32 partition `single_partition_of_fp32_groups` (a clone, also in fp32 runs), its gradient partition
-  and Adam's exp_avg/exp_avg_sq on that partition; ZeRO-1 keeps full gradients until the step, ZeRO-2
-  partitions them as they are reduced; ZeRO-3 also partitions the weights (stage3.py).
+  and Adam's exp_avg/exp_avg_sq on that partition; ZeRO-1 keeps full gradients until it reduces them at the
+  end of the accumulation's last backward (then only its partition; tests/test_plan_zero.py), ZeRO-2
+  partitions them as they are reduced; ZeRO-3 also partitions the weights (stage3.py), except that a parameter
+  of at most `stage3_param_persistence_threshold` elements (DeepSpeed's default and ds_configs/zero3.json: 1e5)
+  is "persistent": gathered once and kept whole on every rank beside its partition
+  (parameter_offload.py `mark_persistent_parameters`); only the others are gathered per layer.
 - ZeRO-0 fp32: the engine calls torch's AdamW directly (full weights, gradients, moments). ZeRO-0 bf16 runs
   DeepSpeed's `BF16_Optimizer` (bf16_optimizer.py): bf16 weights and gradients, a full fp32 gradient
   accumulator, and the fp32 master and moments partitioned over the ranks as under ZeRO-1.
@@ -17,9 +21,11 @@ The rules follow DeepSpeed's own code and estimators:
 from __future__ import annotations
 
 
-def model_state_bytes(P: int, stage: int, ranks: int, bf16: bool, largest_param: int = 0) -> dict[str, float]:
-    """{params, grads, optimizer} bytes per rank for P parameters (largest_param: numel of the largest tensor,
-    gathered whole under ZeRO-3)."""
+def model_state_bytes(P: int, stage: int, ranks: int, bf16: bool, largest_param: int = 0,
+                      persistent: int = 0) -> dict[str, float]:
+    """{params, grads, optimizer} bytes per rank for P parameters. ZeRO-3: largest_param, the numel of the largest
+    non-persistent tensor (gathered whole while its layer runs); persistent, the numel of the persistent ones
+    (`persistent_numel`)."""
     N = ranks
     w = 2 if bf16 else 4  # bytes of a weight/gradient element as the engine runs it
     adam = 8 * P / N  # exp_avg + exp_avg_sq (fp32) on this rank's partition
@@ -32,6 +38,12 @@ def model_state_bytes(P: int, stage: int, ranks: int, bf16: bool, largest_param:
         return {"params": float(w * P), "grads": w * P + 4 * P / N * bf16, "optimizer": master + adam}
     if stage == 2:
         return {"params": float(w * P), "grads": w * P / N + 4 * P / N * bf16, "optimizer": master + adam}
-    # stage 3: partitioned weights + the largest tensor gathered whole while its layer runs
-    return {"params": w * P / N + w * largest_param, "grads": w * P / N + 4 * P / N * bf16,
+    # stage 3: partitioned weights + the persistent ones whole + the largest other tensor gathered while it runs
+    return {"params": w * P / N + w * persistent + w * largest_param, "grads": w * P / N + 4 * P / N * bf16,
             "optimizer": master + adam}
+
+
+def persistent_numel(sizes, threshold: int) -> tuple[int, int]:
+    """ZeRO-3: (numel of the persistent parameters, numel of the largest other one) for tensors of these sizes
+    and `stage3_param_persistence_threshold` (model_persistence_threshold left at DeepSpeed's unlimited default)."""
+    return sum(n for n in sizes if n <= threshold), max([n for n in sizes if n > threshold], default=0)
