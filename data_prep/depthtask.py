@@ -64,6 +64,13 @@ def levels_at(tokens: np.ndarray, max_level: int = MAX_LEVELS) -> np.ndarray:
     return np.where((k >= 1) & (k <= max_level), k, 0)
 
 
+def task_of(directory) -> dict | None:
+    """The `depth_task` entry of DIRECTORY's manifest (None for any other source or no manifest)."""
+    from data_prep.shards import read_manifest
+    m = Path(directory) / "manifest.json"
+    return read_manifest(m).get("depth_task") if m.is_file() else None
+
+
 def fingerprint(cfg) -> dict:
     """The options that decide the bytes, resolved (manifest `source`; a rerun with the same is a no-op)."""
     from data_prep.config import OUTPUT_KEYS

@@ -91,3 +91,21 @@ def test_prep_data_cli_writes_shards_and_manifest(tmp_path):
     assert r3.returncode != 0 and "--overwrite" in r3.stderr and "Traceback" not in r3.stderr
     bad = subprocess.run(cmd[:-3] + ["depth_queries=2"], capture_output=True, text=True)
     assert bad.returncode != 0 and "depth_queries" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_loader_scores_only_the_answers(tmp_path):
+    """Shards stay plain tokens; the loader derives the loss mask from the markers (ignore index -1)."""
+    from data_prep.config import load_prep_config
+    from data_prep.prep import prepare
+    from pipeline.train.data import TrainLoader, ValLoader
+    cfg = load_prep_config(None, {"source": "depth-hops", "out": str(tmp_path / "d"), "progress": False},
+                           ["depth_docs=40", "depth_levels=3", "depth_queries=5", "depth_symbols=6"])
+    prepare(cfg, log=lambda m: None)
+    for loader in (TrainLoader(str(tmp_path / "d"), "train", 32, 4, 0, 1, 0, 50304),
+                   next(ValLoader(str(tmp_path / "d"), "val", 32, 2, 0, 1, 50304).batches(1))):
+        x, y = loader.next() if hasattr(loader, "next") else loader
+        lev = levels_at(x.numpy())
+        assert ((y != -1).numpy() == (lev > 0)).all() and (lev > 0).any()
+        assert (y[y != -1] >= SYM_BASE).all() and (y[y != -1] < SYM_BASE + 6).all()
+        # unmasked targets are the plain next tokens
+        assert (x[:, 1:][y[:, :-1] != -1] == y[:, :-1][y[:, :-1] != -1]).all()
