@@ -39,3 +39,14 @@ def test_level_scores_match_a_direct_recount(tmp_path):
     assert len({i for row in r["level_depth"] for i, c in enumerate(row) if c}) > 1  # the router spreads depths
     off = level_scores(model, d, 3, max_windows=6, router=False)
     assert all(c == 0 for row in off["level_depth"] for c in row[:2]) and off["spearman"] is None
+
+
+def test_levels_travel_through_the_results_schema(tmp_path):
+    from evaluation import results
+    d = _data(tmp_path)
+    model, _ = perturbed_tiny("tiny/t-loopformer")
+    lv = level_scores(spread_router(model), d, 4, max_windows=4)
+    flat = results.flatten({"budgets": [{"loops": 4, "levels": lv}]})
+    assert flat["eval/M4/levels/accuracy"] == lv["accuracy"] and "eval/M4/levels/acc_L3" in flat
+    back = results.from_metrics(flat)["budgets"][0]["levels"]
+    assert back["accuracy_by_level"] == lv["accuracy_by_level"] and back["targets"] == lv["targets"]
