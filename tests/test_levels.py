@@ -50,3 +50,13 @@ def test_levels_travel_through_the_results_schema(tmp_path):
     assert flat["eval/M4/levels/accuracy"] == lv["accuracy"] and "eval/M4/levels/acc_L3" in flat
     back = results.from_metrics(flat)["budgets"][0]["levels"]
     assert back["accuracy_by_level"] == lv["accuracy_by_level"] and back["targets"] == lv["targets"]
+
+
+def test_compare_plots_accuracy_against_loop_work(tmp_path):
+    from evaluation.compare import Run, Selection, plot_all
+    lv = lambda d, a: {"levels": {"mean_depth": d, "accuracy": a}}  # noqa: E731
+    res = {"budgets": [{"loops": 1, **lv(1.0, 0.3)}, {"loops": 4, **lv(2.5, 0.9)}]}
+    sel = Selection(eval={"t-loopformer": Run("r1", "t-loopformer", "n", 0, {}, {}, res),
+                          "loopformer": Run("r2", "loopformer", "n", 0, {}, {}, {"budgets": []})})
+    paths = plot_all(sel, None, tmp_path)
+    assert [p.name for p in paths] == ["accuracy_vs_work.png"] and paths[0].stat().st_size > 0
