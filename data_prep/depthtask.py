@@ -107,5 +107,6 @@ def generate(cfg, out: Path, tokenizer: dict, log) -> dict:
                  val_rule=rule, shard_tokens=cfg.shard_tokens)
     m["depth_task"] = task
     write_json(out / MANIFEST, m)
-    log(f"depth-hops: {docs} documents of {doc_length(n, Q)} tokens, levels 1..{L}, seed {cfg.seed}")
+    log(f"depth-hops: {docs} documents of {doc_length(n, Q)} tokens, levels 1..{L}, seed {cfg.seed}; train with "
+        f"model.block_size={doc_length(n, Q)} so that each window is one whole document")
     return m
