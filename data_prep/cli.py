@@ -18,8 +18,9 @@ def _fail(e: Exception) -> None:
 @click.command("prep-data", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("overrides", nargs=-1)
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of prep-data options.")
-@click.option("--source", type=click.Choice(["files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext"]),
-              help="files | demo | demo-enwiki | hf | fineweb-edu | openwebtext (default files).")
+@click.option("--source", type=click.Choice(["files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext",
+                                             "depth-hops"]),
+              help="files | demo | demo-enwiki | hf | fineweb-edu | openwebtext | depth-hops (default files).")
 @click.option("--input", "-i", "inputs", multiple=True, help="Input file, glob or directory (repeatable).")
 @click.option("--out", "-o", help="Output directory.")
 @click.option("--text-field", help="JSON key / column holding the text (default text).")

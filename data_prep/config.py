@@ -13,7 +13,7 @@ from pathlib import Path
 
 from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_mapping, set_key
 
-SOURCES = ("files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext")
+SOURCES = ("files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext", "depth-hops")
 # Named Hugging Face sources: (dataset, default config, split)
 HF_ALIASES = {"fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train"),
               "openwebtext": ("Skylion007/openwebtext", "", "train")}
@@ -24,7 +24,8 @@ DEFAULT_VAL_EVERY = 1000
 @dataclass
 class PrepConfig:
     source: str = f("files", "Where documents come from: files (local), demo (State of the Union + Moby-Dick), "
-                             "demo-enwiki (gensim's enwiki sample), hf (any Hub dataset), fineweb-edu, openwebtext.")
+                             "demo-enwiki (gensim's enwiki sample), hf (any Hub dataset), fineweb-edu, openwebtext, "
+                             "depth-hops (synthetic pointer chasing with a known depth need per target).")
     inputs: list = f([], "Local inputs (source=files): files, globs or directories of .jsonl, .jsonl.zst, "
                          ".parquet or .txt; directories are searched recursively; order is sorted by path.")
     text_field: str = f("text", "Field (jsonl key / parquet column / Hub column) holding a document's text.")
@@ -47,6 +48,11 @@ class PrepConfig:
     batch_bytes: int = f(1 << 20, "Text per task sent to a worker (bytes, approximate).")
     skip_bad: bool = f(False, "Skip (count and report) malformed lines and records without text instead of failing.")
     progress: bool = f(True, "Show a tqdm progress bar (tokens, tokens/s, ETA) on stderr.")
+    seed: int = f(0, "source=depth-hops: seed of the generated documents (same seed and options: same bytes).")
+    depth_symbols: int = f(16, "source=depth-hops: symbols n of each document's random permutation.")
+    depth_levels: int = f(4, "source=depth-hops: levels 1..L (a level-k answer is f^k(x)); every document has each.")
+    depth_queries: int = f(16, "source=depth-hops: queries per document (x, level marker, answer).")
+    depth_docs: int = f(20000, "source=depth-hops: documents generated (max_tokens, if set, may cut it).")
 
     def validate(self) -> None:
         if self.source not in SOURCES:
@@ -77,6 +83,17 @@ class PrepConfig:
             raise ConfigError(f"batch_bytes: must be >= 1, got {self.batch_bytes}")
         if self.hf_timeout <= 0:
             raise ConfigError(f"hf_timeout: must be > 0, got {self.hf_timeout}")
+        if self.source == "depth-hops":
+            from data_prep.depthtask import MAX_LEVELS, MAX_SYMBOLS
+            if not 2 <= self.depth_symbols <= MAX_SYMBOLS:
+                raise ConfigError(f"depth_symbols: must lie in 2..{MAX_SYMBOLS}, got {self.depth_symbols}")
+            if not 1 <= self.depth_levels <= MAX_LEVELS:
+                raise ConfigError(f"depth_levels: must lie in 1..{MAX_LEVELS}, got {self.depth_levels}")
+            if self.depth_queries < self.depth_levels:
+                raise ConfigError(f"depth_queries: must be >= depth_levels ({self.depth_levels}) so every "
+                                  f"document holds every level, got {self.depth_queries}")
+            if self.depth_docs < 1:
+                raise ConfigError(f"depth_docs: must be >= 1, got {self.depth_docs}")
         if self.name and ("/" in self.name or "_" in self.name):
             raise ConfigError(f"name: {self.name!r} must not contain '/' or '_' (shards are <name>_<split>_<index>.bin)")
 
@@ -86,7 +103,7 @@ class PrepConfig:
             return self.val_every
         if self.source == "demo-enwiki":
             return 1  # a held-out perplexity set of another domain: all of it is val
-        return DEMO_VAL_EVERY if self.source == "demo" else DEFAULT_VAL_EVERY
+        return DEMO_VAL_EVERY if self.source in ("demo", "depth-hops") else DEFAULT_VAL_EVERY
 
     def resolved_name(self) -> str:
         if self.name:
@@ -114,7 +131,8 @@ class PrepConfig:
 # Options that change the bytes written; the rest (workers, progress, ...) may differ on resume.
 OUTPUT_KEYS = ("source", "inputs", "text_field", "txt_mode", "hf_dataset", "hf_config", "hf_split", "hf_data_files",
                "name",
-               "shard_tokens", "val_every", "max_tokens")
+               "shard_tokens", "val_every", "max_tokens", "seed", "depth_symbols", "depth_levels", "depth_queries",
+               "depth_docs")
 
 
 def load_prep_config(yaml_file: str | None = None, values: dict | None = None,

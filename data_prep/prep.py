@@ -95,17 +95,41 @@ def ordered_results(tasks, pool, workers: int, text_field: str, skip_bad: bool):
 # ---------------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------------
+def tokenizer_info() -> dict:
+    """The manifest's tokenizer entry; places the BPE files and sets TIKTOKEN_CACHE_DIR before workers start."""
+    enc = get_encoding(TOKENIZER)
+    if enc.n_vocab > MAX_UINT16_VOCAB:
+        raise PrepError(f"tokenizer {enc.name} has {enc.n_vocab} ids; uint16 shards hold at most 65536")
+    import tiktoken
+    return {"name": enc.name, "library": "tiktoken", "library_version": tiktoken.__version__,
+            "n_vocab": enc.n_vocab, "eot": EOT}
+
+
+def _generate_depth(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
+    """source=depth-hops: written in one pass (seconds); an existing manifest is kept only if it matches."""
+    from data_prep.depthtask import fingerprint, generate
+    old = out / MANIFEST
+    if old.is_file() and not overwrite:
+        try:
+            m = read_manifest(old)
+        except ShardError as e:
+            raise PrepError(f"{e}; use --overwrite to start again") from None
+        want = fingerprint(cfg)
+        if m.get("complete") and all(m["source"].get(k) == v for k, v in want.items()):
+            log(f"{out} is already complete ({m['total_tokens']:,} tokens); nothing to do")
+            return m
+        raise PrepError(f"{out}: holds shards of other options ({old}); use --overwrite or another --out")
+    for f in out.glob("*.bin"):
+        f.unlink()
+    return generate(cfg, out, tokenizer_info(), log)
+
+
 class _Run:
     def __init__(self, cfg: PrepConfig, overwrite: bool, log):
         self.cfg, self.log = cfg, log
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        enc = get_encoding(TOKENIZER)  # places the BPE files and sets TIKTOKEN_CACHE_DIR before workers start
-        if enc.n_vocab > MAX_UINT16_VOCAB:
-            raise PrepError(f"tokenizer {enc.name} has {enc.n_vocab} ids; uint16 shards hold at most 65536")
-        import tiktoken
-        self.tokenizer = {"name": enc.name, "library": "tiktoken", "library_version": tiktoken.__version__,
-                          "n_vocab": enc.n_vocab, "eot": EOT}
+        self.tokenizer = tokenizer_info()
         self.name = cfg.resolved_name()
         self.val_every = cfg.resolved_val_every()
         self.source = make_source(cfg)
@@ -397,6 +421,8 @@ def _locked(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
         lock.flush()
         try:
+            if cfg.source == "depth-hops":
+                return _generate_depth(cfg, out, overwrite, log)
             return _Run(cfg, overwrite, log).run(cfg.progress)
         finally:
             lock.truncate(0)  # released: an empty lock file (a killed holder's pid stays until the next run)

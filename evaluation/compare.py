@@ -11,7 +11,8 @@ no training run of its own: `tlf sweep` evaluates the base-loop checkpoint under
 lacks is a blank cell, never an error.
 
 Outputs, in `--out`: `compare.md` (all tables), `table1.csv`, `table2.csv`, `table3.csv`, and PNG plots
-`loss_curves.png`, `ppl_vs_loops.png`, `depth_distribution.png`, `throughput.png`.
+`loss_curves.png`, `ppl_vs_loops.png`, `depth_distribution.png`, `throughput.png`, and for evaluations on
+depth-hops data `accuracy_vs_work.png`.
 """
 from __future__ import annotations
 
@@ -308,6 +309,17 @@ def plot_all(sel: Selection, client, out: Path) -> list[Path]:
         ax.set_xlabel("loops per token"), ax.set_ylabel("share of tokens (%)"), ax.set_title("depth distribution")
         ax.legend(fontsize=7)
         paths.append(save(fig, out / "depth_distribution.png"))
+
+    work = {v: pts for v, r in runs.items()
+            if (pts := [(b["levels"]["mean_depth"], b["levels"]["accuracy"]) for b in r.budgets()
+                        if (b.get("levels") or {}).get("mean_depth") is not None])}
+    if work:  # depth-hops: answer accuracy vs executed loop work (mean loops per answer), one line per run
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for v, pts in work.items():
+            ax.plot(*zip(*sorted(pts)), marker="o", label=v)
+        ax.set_xlabel("executed loop work (mean loops per answer)"), ax.set_ylabel("answer accuracy")
+        ax.set_title("depth-hops: accuracy vs loop work"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
+        paths.append(save(fig, out / "accuracy_vs_work.png"))
 
     thr = [(v, sel.train[v].metrics.get("tokens_per_s")) for v in variants if v in sel.train]
     thr = [(v, t) for v, t in thr if t is not None]

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from pipeline import tracking
+from data_prep.depthtask import task_of
 from pipeline.config import VARIANTS, Config, ConfigError, load_config, trained_variant
 from pipeline.device import resolve_device
 from pipeline.model.io import find_export, load_model
@@ -21,6 +22,7 @@ from evaluation.depth import depth_chart
 from evaluation.perplexity import TokenStream, make_windows, perplexity
 from evaluation.progress import Progress
 from evaluation.latency import measure_latency
+from evaluation.levels import level_scores
 from evaluation.scorer import Scorer, task_metrics, task_requests
 from evaluation.tasks import TASKS, TaskUnavailable, load_task, spec
 
@@ -157,12 +159,13 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
     }
     if cfg.model.loops == 1 and any(m != 1 for m, _ in budgets):
         result["note"] = "base model (model.loops=1) is not looped: every budget runs its single pass"
+    level_dir = cfg.data.dir if task_of(cfg.data.dir) else ""  # a depth-hops directory: accuracy by level
     done: dict[int, dict] = {}
     for m_req, m_eff in budgets:
         b = {"loops": m_req, "effective_loops": m_eff, "tasks": {}, "perplexity": [], "timing_s": {}}
         if m_eff in done:  # the base model: the same pass again would give the same numbers
             prev = done[m_eff]
-            b.update({k: prev[k] for k in ("tasks", "perplexity", "depth", "avg_acc", "latency") if k in prev})
+            b.update({k: prev[k] for k in ("tasks", "perplexity", "depth", "avg_acc", "latency", "levels") if k in prev})
             b["timing_s"] = {"reused_from_loops": prev["loops"]}
             result["budgets"].append(b)
             continue
@@ -197,6 +200,14 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
                 files.append(png)
                 b["depth"]["chart"] = str(png)
                 say(f"  M={m_req} mean depth {depth['mean']:.3f}")
+        if level_dir:
+            t0 = time.time()
+            b["levels"] = level_scores(model, level_dir, m_eff, cfg.data.val_split, device=dev)
+            b["timing_s"]["levels"] = round(time.time() - t0, 3)
+            lv = b["levels"]
+            say(f"  M={m_req} depth-hops accuracy {lv['accuracy']:.4f}; by level "
+                + ", ".join(f"L{k} {a:.3f}" for k, a in lv["accuracy_by_level"].items() if a is not None)
+                + (f"; rho {lv['spearman']:.3f}" if lv["spearman"] is not None else ""))
         if ev.latency:
             bar.stage(f"eval M={m_req} latency")
             t0 = time.time()

@@ -61,6 +61,17 @@ class Latency(TypedDict, total=False):
     protocol: str
 
 
+class Levels(TypedDict, total=False):  # evaluation/levels.py on a depth-hops data.dir
+    accuracy: float  # over all scored targets
+    accuracy_by_level: dict  # level k -> accuracy
+    level_depth: list  # [level-1][depth-1] counts of executed depth
+    depth_ge_level: dict  # level k -> share of level-k targets run at depth >= k
+    mean_depth: float
+    spearman: float | None  # rho(executed depth, level); None when either is constant
+    targets: int
+    loops: int
+
+
 class Budget(TypedDict, total=False):
     loops: int  # the requested budget M
     effective_loops: int  # what ran (1 for the non-looped base model)
@@ -70,6 +81,7 @@ class Budget(TypedDict, total=False):
     perplexity: list[Perplexity]
     depth: Depth
     latency: Latency
+    levels: Levels
     timing_s: dict
 
 
@@ -167,6 +179,11 @@ def flatten(results: Results) -> dict[str, float]:
         if b.get("depth"):
             out[f"{pre}/depth/mean"] = float(b["depth"]["mean"])
             out.update({f"{pre}/depth/share_{i}": float(s) for i, s in enumerate(b["depth"]["share"], start=1)})
+        lv = b.get("levels") or {}
+        out.update({f"{pre}/levels/{k}": float(lv[k]) for k in ("accuracy", "mean_depth", "spearman", "targets")
+                    if _number(lv.get(k))})
+        out.update({f"{pre}/levels/acc_L{k}": float(v) for k, v in (lv.get("accuracy_by_level") or {}).items()
+                    if _number(v)})
         lat = b.get("latency") or {}
         for k, size in LATENCY_SIZE.items():
             out.update({f"{pre}/latency/{k}_{size}{n}": float(v) for n, v in (lat.get(k) or {}).items()})
@@ -204,6 +221,12 @@ def from_metrics(metrics: dict[str, float], variant: str = "", table_metric: str
                 i = int(rest.removeprefix("share_"))
                 d["share"] += [0.0] * (i - len(d["share"]))
                 d["share"][i - 1] = v
+        elif head == "levels":
+            lv = b.setdefault("levels", {})
+            if rest.startswith("acc_L"):
+                lv.setdefault("accuracy_by_level", {})[int(rest[5:])] = v
+            else:
+                lv[rest] = int(v) if rest == "targets" else v
         elif head == "latency":
             lat = b.setdefault("latency", {})
             if rest == "decode_mean_depth":

@@ -63,8 +63,8 @@ def depth_prior(L: int, mean: float) -> torch.Tensor:
     depths = range(1, L + 1)
 
     def mean_of(beta: float) -> float:  # in Python floats: a constant of the config, no tensor is read
-        w = [math.exp(beta * (l - L)) for l in depths]  # shifted by L: no overflow at beta = 50
-        return sum(l * x for l, x in zip(depths, w)) / sum(w)
+        w = [math.exp(beta * (k - L)) for k in depths]  # shifted by L: no overflow at beta = 50
+        return sum(k * x for k, x in zip(depths, w)) / sum(w)
 
     lo, hi = -50.0, 50.0
     for _ in range(200):

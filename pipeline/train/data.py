@@ -16,16 +16,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from data_prep.depthtask import levels_at, task_of
 from data_prep.shards import ShardError, ShardSet
 
 
-def _to_batch(rows: list[np.ndarray], vocab_size: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _to_batch(rows: list[np.ndarray], vocab_size: int, where: str, task: dict | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), each (mb, T) int64. For a depth-hops directory (`task`, from its manifest) only the
+    answers are scored: a target whose input is not a level marker becomes the ignore index -1."""
     arr = np.stack(rows).astype(np.int64)
     top = int(arr.max())
     if top >= vocab_size:
         raise ShardError(f"{where}: token id {top} >= model.vocab_size ({vocab_size})")
     t = torch.from_numpy(arr)
-    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+    x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+    if task is not None:
+        y[torch.from_numpy(levels_at(arr[:, :-1], task["levels"]) == 0)] = -1
+    return x, y
 
 
 class TrainLoader:
@@ -34,6 +41,7 @@ class TrainLoader:
     def __init__(self, directory: str, split: str, seq_len: int, micro_batch: int, rank: int, world_size: int,
                  seed: int, vocab_size: int, verify: bool = False, global_batch: int | None = None):
         self.shards = ShardSet(directory, split, (rank, world_size) if verify else None)
+        self.task = task_of(directory)
         self.T, self.mb, self.rank, self.ws = seq_len, micro_batch, rank, world_size
         self.seed, self.vocab_size = seed, vocab_size
         self.windows = (self.shards.num_tokens - 1) // seq_len
@@ -68,7 +76,7 @@ class TrainLoader:
         self.micro += 1
         self.offset += self.per_micro
         rows = [self.shards.read(int(w) * self.T, self.T + 1) for w in ids]
-        return _to_batch(rows, self.vocab_size, f"{self.shards.dir} '{self.shards.split}'")
+        return _to_batch(rows, self.vocab_size, f"{self.shards.dir} '{self.shards.split}'", self.task)
 
     @property
     def epoch(self) -> float:
@@ -101,6 +109,7 @@ class ValLoader:
     def __init__(self, directory: str, split: str, seq_len: int, micro_batch: int, rank: int, world_size: int,
                  vocab_size: int, verify: bool = False):
         self.shards = ShardSet(directory, split, (rank, world_size) if verify else None)
+        self.task = task_of(directory)
         self.T, self.mb, self.rank, self.ws, self.vocab_size = seq_len, micro_batch, rank, world_size, vocab_size
         self.windows = (self.shards.num_tokens - 1) // seq_len
         if self.windows < 1:
@@ -111,4 +120,4 @@ class ValLoader:
         for b in range(n):
             first = (b * self.ws + self.rank) * self.mb
             rows = [self.shards.read(((first + i) % self.windows) * self.T, self.T + 1) for i in range(self.mb)]
-            yield _to_batch(rows, self.vocab_size, f"{self.shards.dir} '{self.shards.split}'")
+            yield _to_batch(rows, self.vocab_size, f"{self.shards.dir} '{self.shards.split}'", self.task)

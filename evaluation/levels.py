@@ -1,0 +1,53 @@
+"""Accuracy by depth level on a depth-hops shard directory (data_prep/depthtask.py).
+
+`level_scores(model, directory, loops)`: at loop budget M, next-token accuracy (argmax) of every scored target
+(the token after a level marker) by its level d* = k and overall, the executed depth of the predicting position
+by level (a level x depth count table: the router's choice, or M for every token without a router) and the
+Spearman rho between executed depth and d* (None when either is constant). Windows are the split cut into
+non-overlapping rows of `block_size` + 1 tokens, as the training loader cuts them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from data_prep.depthtask import levels_at, task_of
+from data_prep.shards import ShardError, ShardSet
+from evaluation.forward import hidden_states, logits_at
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float | None:
+    from scipy.stats import spearmanr
+    if a.size < 2 or np.all(a == a[0]) or np.all(b == b[0]):
+        return None
+    return float(spearmanr(a, b).statistic)
+
+
+def level_scores(model, directory: str, loops: int, split: str = "val", max_windows: int = 256,
+                 batch_size: int = 16, device: str | torch.device = "cpu", router: bool = True) -> dict:
+    task = task_of(directory)
+    if task is None:
+        raise ShardError(f"{directory}/manifest.json: not a depth-hops directory (no depth_task entry)")
+    L, M = int(task["levels"]), int(loops)
+    shards = ShardSet(directory, split)
+    T = model.cfg.block_size
+    n_win = min((shards.num_tokens - 1) // T, max_windows)
+    lev_all, dep_all, ok_all = [], [], []
+    for b0 in range(0, n_win, batch_size):
+        rows = np.stack([shards.read(w * T, T + 1) for w in range(b0, min(b0 + batch_size, n_win))]).astype(np.int64)
+        x, y = torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])  # (B, T) each
+        lev = torch.from_numpy(levels_at(rows[:, :-1], L))  # (B, T), 0: not scored
+        r, p = torch.nonzero(lev, as_tuple=True)
+        h, depth = hidden_states(model, x.to(device), M, router=router)
+        pred = logits_at(model, h[r, p]).argmax(-1).cpu()  # (P,)
+        lev_all.append(lev[r, p].numpy())
+        dep_all.append(depth[r, p].cpu().numpy())
+        ok_all.append((pred == y[r, p]).numpy())
+    lev, dep, ok = (np.concatenate(a) for a in (lev_all, dep_all, ok_all))
+    table = np.zeros((L, M), dtype=np.int64)  # [level-1, depth-1]
+    np.add.at(table, (lev - 1, dep - 1), 1)
+    acc = {int(k): (float(ok[lev == k].mean()) if (lev == k).any() else None) for k in range(1, L + 1)}
+    return {"loops": M, "targets": int(ok.size), "accuracy": float(ok.mean()), "accuracy_by_level": acc,
+            "level_depth": table.tolist(), "mean_depth": float(dep.mean()),
+            "depth_ge_level": {int(k): float((dep[lev == k] >= k).mean()) for k in range(1, L + 1) if (lev == k).any()},
+            "spearman": spearman(dep.astype(float), lev.astype(float))}

@@ -1,0 +1,62 @@
+"""Per-level scoring on a depth-hops directory: counts, accuracy and depths recomputed independently."""
+import numpy as np
+import torch
+from helpers import perturbed_tiny, spread_router
+
+from data_prep.config import load_prep_config
+from data_prep.depthtask import MARK_BASE
+from data_prep.prep import prepare
+from data_prep.shards import ShardSet
+from evaluation.levels import level_scores
+
+
+def _data(tmp_path):
+    cfg = load_prep_config(None, {"source": "depth-hops", "out": str(tmp_path / "d"), "progress": False},
+                           ["depth_docs=100", "depth_symbols=6", "depth_queries=6", "val_every=2"])
+    prepare(cfg, log=lambda m: None)
+    return str(tmp_path / "d")
+
+
+def test_level_scores_match_a_direct_recount(tmp_path):
+    d = _data(tmp_path)
+    model, cfg = perturbed_tiny("tiny/t-loopformer")
+    spread_router(model)
+    T = cfg.model.block_size
+    r = level_scores(model, d, 4, max_windows=6, batch_size=4)
+    rows = np.stack([ShardSet(d, "val").read(w * T, T + 1) for w in range(6)]).astype(np.int64)
+    x = torch.from_numpy(rows[:, :-1])
+    with torch.no_grad():
+        logits = model(x, loops=4).logits  # (B, T, V)
+    k = rows[:, :-1] - MARK_BASE
+    scored = (k >= 1) & (k <= 4)
+    pred = logits.argmax(-1).numpy()
+    ok = pred[scored] == rows[:, 1:][scored]
+    assert r["targets"] == scored.sum() == np.sum(r["level_depth"])
+    assert abs(r["accuracy"] - ok.mean()) < 1e-9
+    for lev in range(1, 5):
+        assert sum(r["level_depth"][lev - 1]) == (k[scored] == lev).sum()
+        assert abs(r["accuracy_by_level"][lev] - ok[k[scored] == lev].mean()) < 1e-9
+    assert len({i for row in r["level_depth"] for i, c in enumerate(row) if c}) > 1  # the router spreads depths
+    off = level_scores(model, d, 3, max_windows=6, router=False)
+    assert all(c == 0 for row in off["level_depth"] for c in row[:2]) and off["spearman"] is None
+
+
+def test_levels_travel_through_the_results_schema(tmp_path):
+    from evaluation import results
+    d = _data(tmp_path)
+    model, _ = perturbed_tiny("tiny/t-loopformer")
+    lv = level_scores(spread_router(model), d, 4, max_windows=4)
+    flat = results.flatten({"budgets": [{"loops": 4, "levels": lv}]})
+    assert flat["eval/M4/levels/accuracy"] == lv["accuracy"] and "eval/M4/levels/acc_L3" in flat
+    back = results.from_metrics(flat)["budgets"][0]["levels"]
+    assert back["accuracy_by_level"] == lv["accuracy_by_level"] and back["targets"] == lv["targets"]
+
+
+def test_compare_plots_accuracy_against_loop_work(tmp_path):
+    from evaluation.compare import Run, Selection, plot_all
+    lv = lambda d, a: {"levels": {"mean_depth": d, "accuracy": a}}
+    res = {"budgets": [{"loops": 1, **lv(1.0, 0.3)}, {"loops": 4, **lv(2.5, 0.9)}]}
+    sel = Selection(eval={"t-loopformer": Run("r1", "t-loopformer", "n", 0, {}, {}, res),
+                          "loopformer": Run("r2", "loopformer", "n", 0, {}, {}, {"budgets": []})})
+    paths = plot_all(sel, None, tmp_path)
+    assert [p.name for p in paths] == ["accuracy_vs_work.png"] and paths[0].stat().st_size > 0
