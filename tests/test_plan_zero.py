@@ -146,6 +146,10 @@ def test_planned_model_states_equal_what_deepspeed_holds_on_two_ranks(tmp_path):
             for part, planned in want.items():
                 assert 0 <= r[part] - planned <= pad, (stage, rank, part, r[part], planned, pad)
             assert r["partition"] == r["optimizer"] // 3  # the reduced gradients fill the rank's fp32 partition
+            # the reduction buffers ZeRO-1/2/3 allocate whole (reduce_bucket_size elements, two with overlap_comm):
+            # ZeRO-1/2 during backward (released after the reduction), ZeRO-3 from its construction on
+            bucket = max(r["bucket"], r["bucket_before"] or 0)
+            assert bucket == plan["reduce_buffers"], (stage, rank, r["bucket"], r["bucket_before"], plan["reduce_buffers"])
             print(f"ZeRO-{stage} rank {rank}: " + ", ".join(f"{k} {r[k]} (planned {v:.0f})" for k, v in want.items())
                   + f"; reduction bucket {r['bucket_before']}")
 

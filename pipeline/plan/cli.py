@@ -46,6 +46,7 @@ def print_plan(p: dict) -> None:
                f"{p['grad_accum']})" + (f", router mean depth {p['mean_depth']:.2f}" if p["mean_depth"] else ""))
     click.echo("per-GPU memory (GiB):")
     for label, key in [("parameters", "params"), ("gradients", "grads"), ("optimizer state", "optimizer"),
+                       ("ZeRO gradient reduction buffers", "reduce_buffers"),
                        ("activations kept for backward, loops", "activations_loops"),
                        ("  embeddings + router", "embed_router"), ("  fused LM heads + losses", "heads"),
                        ("transient (peak - the above)", "transient")]:

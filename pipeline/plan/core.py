@@ -86,15 +86,37 @@ class Planner:
 
     def reduce_bucket(self, zero: int, ranks: int, key: str = "reduce_bucket_size", default: float = 5e8) -> int:
         """zero_optimization.<key> of the run's DeepSpeed config (`ds.build_ds_config`), elements."""
+        return int(self._zero_key(zero, ranks, key, default))
+
+    def _zero_key(self, zero: int, ranks: int, key: str, default):
+        """zero_optimization.<key> of the run's DeepSpeed config, any type."""
         from pipeline.train.ds import build_ds_config
 
         c = with_settings(self.cfg, zero_stage=zero)
         c.train.grad_accum_steps = c.train.global_batch_size // (c.train.micro_batch_size * ranks) or 1
         try:
-            ds = build_ds_config(c, ranks, "bf16" if self.bf16 else "fp32")
-        except ConfigError:  # a batch that does not divide: plan() reports it; the bucket is DeepSpeed's default
-            ds = {}
-        return int(ds.get("zero_optimization", {}).get(key, default))
+            return build_ds_config(c, ranks, "bf16" if self.bf16 else "fp32").get("zero_optimization", {}).get(key, default)
+        except ConfigError:  # a batch that does not divide: plan() reports it; the value is DeepSpeed's default
+            return default
+
+    def _zero0_bucket(self, zero: int, ranks: int, params: int) -> int:
+        """ZeRO-0's reduction: gradients flattened by buckets of at most reduce_bucket_size elements, transient."""
+        return min(params, self.reduce_bucket(zero, ranks)) * (2 if self.bf16 else 4) if zero == 0 else 0
+
+    def reduce_buffers(self, zero: int, ranks: int) -> int:
+        """Bytes of the gradient reduction buffers ZeRO-1/2/3 allocate whole, whatever the model's size
+        (DeepSpeed's contiguous_gradients, on by default): ZeRO-1/2 `setup_buckets` (stage_1_and_2.py, at each
+        backward, released after the reduction) one buffer of reduce_bucket_size elements, a second with
+        overlap_comm, in fp32 under ZeRO-1 (it stages the fp32 accumulator) and the run's dtype under ZeRO-2;
+        ZeRO-3 one of its reduce_bucket_size in the run's dtype (stage3.py, built with the optimizer, kept).
+        Equal to what a 2-rank fp32 engine allocates (tests/test_plan_zero.py); the bf16 dtypes are read from
+        DeepSpeed's source, not measured."""
+        if zero == 0:
+            return 0
+        n = self.reduce_bucket(zero, ranks)
+        overlap = zero == 2 and self._zero_key(zero, ranks, "overlap_comm", False)
+        size = 4 if zero == 1 or not self.bf16 else 2
+        return int(n) * size * (2 if overlap else 1)
 
     def memory(self, zero: int, ac: str, batch: int, ranks: int) -> dict:
         """Per-GPU bytes: parts and peak."""
@@ -103,19 +125,22 @@ class Planner:
                                                                     1e5))
         st = model_state_bytes(tr.params, zero, ranks, self.bf16, gather, keep)
         share = 1.0 / ranks if zero >= 2 else 1.0  # run-dtype gradients held per rank
-        # forward + backward: activations, transients and the gradients as they appear; then the reduction, which
-        # flattens the gradients by buckets of reduce_bucket_size elements (DeepSpeed's allreduce_bucket under
-        # ZeRO-0, its ipg buffer under ZeRO-1/2/3) beside the gradients still held
-        bucket = min(tr.params, self.reduce_bucket(zero, ranks)) * (2 if self.bf16 else 4)
-        step_peak = max(tr.live.peak(share), tr.grad_bytes * share + bucket)
+        # ZeRO-1/2 allocate their reduction buffers at backward's first gradient, when forward's activations are
+        # all still held (released after the reduction); ZeRO-3 holds its buffer from construction: either way
+        # they add to the step's peak
+        ipg = self.reduce_buffers(zero, ranks)
+        # forward + backward: activations, transients and the gradients as they appear; then ZeRO-0's reduction
+        # flattens the gradients by buckets of reduce_bucket_size elements (allreduce_bucket) beside them
+        step_peak = max(tr.live.peak(share), tr.grad_bytes * share + self._zero0_bucket(zero, ranks, tr.params))
         held_fp32_grads = st["grads"] - tr.grad_bytes * share  # fp32 gradient buffers (bf16 optimizers) live all step
-        peak = st["params"] + st["optimizer"] + held_fp32_grads + step_peak
+        peak = st["params"] + st["optimizer"] + held_fp32_grads + ipg + step_peak
         saved = sum(tr.saved.values())
         loops = {k: v for k, v in tr.saved.items() if k.startswith(("full/", "short/"))}
         return {"peak": peak, "params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
+                "reduce_buffers": ipg,
                 "activations_loops": sum(loops.values()), "activations_per_loop": loops,
                 "embed_router": tr.saved.get("embed+router", 0), "heads": tr.saved.get("heads+losses", 0),
-                "transient": peak - st["params"] - st["optimizer"] - st["grads"] - saved,
+                "transient": peak - st["params"] - st["optimizer"] - st["grads"] - ipg - saved,
                 "fits": peak <= self.hw.memory, "headroom": self.hw.memory - peak}
 
     def max_micro_batch(self, zero: int, ac: str, ranks: int) -> int:
@@ -128,8 +153,7 @@ class Planner:
             return 0
         t1, t2 = self.trace(ac, 1), self.trace(ac, 2)
         a1, a2 = t1.live.peak(share), t2.live.peak(share)
-        bucket = min(t1.params, self.reduce_bucket(zero, ranks)) * (2 if self.bf16 else 4)
-        other = p1 - max(a1, t1.grad_bytes * share + bucket)  # the states, whatever the micro-batch
+        other = p1 - max(a1, t1.grad_bytes * share + self._zero0_bucket(zero, ranks, t1.params))  # the states
         # where the peak is a moment that does not grow with the batch at 1 and 2 (e.g. the head's weight gradient
         # late in backward), the bytes kept for backward per sample still do: the slope is at least theirs
         slope = max(a2 - a1, sum(t2.saved.values()) - sum(t1.saved.values()), 1.0)
