@@ -134,7 +134,7 @@ def legacy_damage(ck: Path) -> str | None:
     try:
         st = torch.load(ck / "rank0_state.pt", map_location="cpu", weights_only=True)
         ws, stage = int(st["world_size"]), int(st["config"]["train"].get("zero_stage", 0))
-    except Exception as e:  # a foreign or tampered state file: name it
+    except Exception as e:  # noqa: BLE001 - a foreign or tampered state file: name it
         return f"rank0_state.pt unreadable ({type(e).__name__})"
     need = [f"rank{r}_state.pt" for r in range(ws)] + ["mp_rank_00_model_states.pt"]
     if stage >= 1:
