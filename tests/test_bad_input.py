@@ -324,6 +324,20 @@ def resume_other_data(w, monkeypatch):
     return None
 
 
+def resume_on_three_ranks(w, monkeypatch):
+    """A 1-rank run of global batch 4 = 2 x 2 checkpoints into ck/resize; the case resumes it as rank 0 of 3 (the
+    launcher's WORLD_SIZE) with the command line of 4 ranks (grad-accum 1): 4 is not a multiple of micro-batch 2
+    x 3 ranks, so grad-accum cannot adapt (the README's row, word for word)."""
+    r = CliRunner().invoke(_cli(monkeypatch), train(w, "good", *RESIZE, "train.grad_accum_steps=2",
+                                                    "schedule.max_steps=1", f"checkpoint.dir={w / 'ck' / 'resize'}"))
+    assert r.exit_code == 0, r.output
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    return None
+
+
+RESIZE = ["train.global_batch_size=4", "checkpoint.interval=1"]
+
+
 def PREP_FULL(w, out="out_full"):
     return ["prep-data", "--source", "files", "-i", str(w / "good.jsonl"), "--out", str(w / out), "--no-progress",
             "-j", "0", "--shard-tokens", "100", "--val-every", "-1"]
@@ -338,6 +352,10 @@ FAULTS = {
     "train-resume-on-other-data": (
         lambda w: train(w, "other", f"checkpoint.dir={w / 'ck' / 'mismatch'}", "schedule.max_steps=3"), 1,
         ["data.dir=", "/other", "windows"], resume_other_data),
+    "train-resumed-on-a-world-size-that-does-not-divide-the-global-batch": (
+        lambda w: train(w, "good", *RESIZE, "train.grad_accum_steps=1", f"checkpoint.dir={w / 'ck' / 'resize'}"), 2,
+        ["config error: train.global_batch_size=4 but train.micro_batch_size=2 x train.grad_accum_steps=1 x "
+         "world_size=3 = 6"], resume_on_three_ranks),
     "train-full-disk-in-deepspeed-save": (
         lambda w: train(w, "good", "checkpoint.interval=1", f"checkpoint.dir={w / 'ck' / 'dsfull'}"), 1,
         ["global_step2 failed", "file write failed", "disk full?", "global_step1 is intact"], ds_save_full_disk),

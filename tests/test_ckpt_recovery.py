@@ -75,3 +75,30 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, data, fu
     assert f.name in warn[0]
     res = result(p)
     assert res["start"] == 2 and res["losses"] == full["losses"][2:]
+
+
+@pytest.mark.parametrize("hurt", ["truncated", "missing"])
+def test_legacy_checkpoint_damaged_newest_falls_back_through_tlf_train(tmp_path, data, full, hurt):
+    """A checkpoint written before files.json existed (none in either checkpoint dir) whose newest DeepSpeed file is
+    cut short or gone: `tlf train` falls back to the previous one with one warning line naming both (it raised a
+    traceback from DeepSpeed's load), and the resumed run's losses are the uninterrupted run's."""
+    from pipeline.tracking import read_metrics
+
+    root = tmp_path / "ck"
+    result(child(root, data, 4))
+    for f in root.glob("global_step*/files.json"):
+        f.unlink()
+    f = root / "global_step4" / "mp_rank_00_model_states.pt"
+    f.write_bytes(f.read_bytes()[:-200]) if hurt == "truncated" else f.unlink()
+    args = TINY + [f"data.dir={data}", f"checkpoint.dir={root}", "checkpoint.interval=2", "checkpoint.keep_last=3",
+                   "schedule.max_steps=6", "train.eval_interval=0", "train.deterministic=true", "train.log_interval=1"]
+    p = subprocess.run([str(Path(PY).with_name("tlf")), "train", "tiny/t-loopformer", *args], capture_output=True,
+                       text=True, timeout=300, env=clean_env())
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "Traceback" not in out, out[-3000:]
+    warn = [ln for ln in out.splitlines() if "is damaged (" in ln]
+    assert len(warn) == 1 and str(root / "global_step4") in warn[0] and str(root / "global_step2") in warn[0], out
+    assert f.name in warn[0] and ("cut short" in warn[0] if hurt == "truncated" else "missing" in warn[0]), warn
+    assert f"resumed from {root / 'global_step2'}" in out, out[-3000:]
+    got = {m["step"]: m["loss"] for m in read_metrics(root / "metrics.jsonl") if "loss" in m}
+    assert [got[s] for s in (3, 4, 5, 6)] == pytest.approx(full["losses"][2:], rel=0, abs=0), got

@@ -1,7 +1,10 @@
 """Resume on another world size and ZeRO stage (pipeline/train/reshard.py): a checkpoint of 1 rank resumes on 2
-gloo ranks under the real DeepSpeed launcher and one of 2 ranks on 1, for ZeRO 0/1/2/3 and with a stage change;
-the losses after the resume equal an uninterrupted run at the new world size within fp32 reduction-order
-rounding, and the data position is the same. Global batch 4 = 2 x 2 on two ranks, 2 x 2 accumulated on one (the
+gloo ranks under the real DeepSpeed launcher and one of 2 ranks on 1, each with a stage change, so that every
+ZeRO stage 0/1/2/3 is once read and once loaded: 1 rank ZeRO-0 -> 2 ranks ZeRO-3 and back, 1 rank ZeRO-1 -> 2
+ranks ZeRO-2 and back (the uninterrupted runs are the other direction's sources: 8 runs, 4 of them on 2 ranks).
+The losses after the resume equal an uninterrupted run at the new world size and stage within fp32
+reduction-order rounding, and the data position is the same. Then `tlf train` itself resumes a 2-rank checkpoint
+on 1 rank from the 2-rank command line (grad-accum adapts). Global batch 4 = 2 x 2 on two ranks, 2 x 2 accumulated on one (the
 resumed run's grad-accum adapts). The model has no random shortcut schedule (tiny/base-loop), so the runs differ
 only by the order of fp32 sums.
 
@@ -19,18 +22,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train import TINY, clean_env, make_shards
 from test_train_dist import _launcher
 
-STAGES = (0, 1, 2, 3)
-CHANGE = {1: 3, 3: 0}  # a stage change each way: 1 rank ZeRO-1 -> 2 ranks ZeRO-3; 2 ranks ZeRO-3 -> 1 rank ZeRO-0
+PAIRS = {0: 3, 1: 2}  # 1 rank ZeRO-s <-> 2 ranks ZeRO-PAIRS[s]: a world-size and a stage change in each resume
+STAGES = {"one": tuple(PAIRS), "two": tuple(PAIRS.values())}  # the uninterrupted runs' stages per world size
 RTOL = 1e-5  # fp32 reduction order (measured: see docs/design.md)
+
+
+def _args(tmp: str, d: str, data: str, stage: int, *extra: str) -> list[str]:
+    return TINY + [
+        "train.micro_batch_size=2", "train.global_batch_size=4", f"data.dir={data}", f"checkpoint.dir={tmp}/{d}",
+        f"train.zero_stage={stage}", "schedule.max_steps=4", "checkpoint.interval=2", "checkpoint.keep_last=3",
+        "train.eval_interval=0", "train.deterministic=true", *extra]
 
 
 def _cfg(tmp: str, d: str, data: str, stage: int, *extra: str):
     from pipeline.config import load_config
 
-    return load_config("tiny/base-loop", TINY + [
-        "train.micro_batch_size=2", "train.global_batch_size=4", f"data.dir={data}", f"checkpoint.dir={tmp}/{d}",
-        f"train.zero_stage={stage}", "schedule.max_steps=4", "checkpoint.interval=2", "checkpoint.keep_last=3",
-        "train.eval_interval=0", "train.deterministic=true", *extra])
+    return load_config("tiny/base-loop", _args(tmp, d, data, stage, *extra))
 
 
 def _position(tmp: str, d: str) -> list:
@@ -42,16 +49,17 @@ def _position(tmp: str, d: str) -> list:
 
 def _runs(tmp: str, data: str, world: str, fresh: int | None, resume: int | None) -> dict:
     """Uninterrupted runs <world><stage> of this world size with grad-accum `fresh`, then resumes from the other
-    world size's checkpoints at step 2 (same stage, and the CHANGE pairs) on a command line with grad-accum
-    `resume` (the other world size's: it adapts). None: skip. Returns losses and data positions."""
+    world size's checkpoints at step 2 (onto the paired stage) on a command line with grad-accum `resume` (the
+    other world size's: it adapts). None: skip. Returns losses and data positions."""
     from pipeline.train.trainer import run
 
     other = "one" if world == "two" else "two"
     out = {}
-    for s in STAGES if fresh else ():
+    for s in STAGES[world] if fresh else ():
         out[f"{world}{s}"] = {"loss": run(_cfg(tmp, f"{world}{s}", data, s, f"train.grad_accum_steps={fresh}")).losses,
                               "pos": _position(tmp, f"{world}{s}")}
-    for s, t in [(s, s) for s in STAGES] + list(CHANGE.items()) if resume else ():
+    pairs = {s: t for a, b in PAIRS.items() for s, t in ((a, b), (b, a)) if s in STAGES[other]}
+    for s, t in pairs.items() if resume else ():
         src = f"{tmp}/{other}{s}/global_step2"
         d = f"from_{other}{s}_to_{world}{t}"
         res = run(_cfg(tmp, d, data, t, f"train.grad_accum_steps={resume}", f"checkpoint.resume={src}"))
@@ -82,7 +90,7 @@ def _check(res: dict) -> float:
     return worst
 
 
-def test_resume_one_rank_on_two_and_two_on_one_zero_0_1_2_3_and_stage_change(tmp_path):
+def test_resume_one_rank_on_two_and_two_on_one_zero_0_1_2_3_with_stage_changes(tmp_path, monkeypatch):
     import torch
 
     torch.set_num_threads(1)
@@ -96,9 +104,23 @@ def test_resume_one_rank_on_two_and_two_on_one_zero_0_1_2_3_and_stage_change(tmp
     two = json.loads(out.read_text())
     back = _runs(tmp, str(data), "one", None, 1)  # on the 2-rank command line (accum 1): it adapts to 2
     one.update(back)
-    assert sum(k.startswith("from_") for k in two) == sum(k.startswith("from_") for k in one) == 6
-    for s in STAGES:  # the uninterrupted runs of one and two ranks agree too (the same data, the same sums)
-        assert one[f"one{s}"]["pos"] == two[f"two{s}"]["pos"]
+    assert sum(k.startswith("from_") for k in two) == sum(k.startswith("from_") for k in one) == 2
+    for s, t in PAIRS.items():  # the uninterrupted runs of one and two ranks agree too (the same data, the same sums)
+        assert one[f"one{s}"]["pos"] == two[f"two{t}"]["pos"]
+    # `tlf train` itself, on the 2-rank command line (grad-accum 1) on 1 rank: its early batch check lets the
+    # resume through (it refused 2 x 1 x 1 != 4 before the checkpoint was read), and grad-accum adapts to 2
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+    from pipeline.train import cli
+
+    monkeypatch.setattr(cli, "_exit", lambda code: sys.exit(code))
+    r = CliRunner().invoke(main, ["train", "tiny/base-loop", *_args(tmp, "cli", str(data), 1, "train.grad_accum_steps=1",
+                                                                     "schedule.max_steps=3",
+                                                                     f"checkpoint.resume={tmp}/two2/global_step2")])
+    assert r.exit_code == 0, r.output
+    assert "resuming a checkpoint of 2 ranks under ZeRO-2 on 1 ranks under ZeRO-1: global batch 4 = micro-batch 2 x " \
+           "grad-accum 2 x 1 ranks" in r.output, r.output
     worst = max(_check(one), _check(two))
     print(f"max relative loss difference after a resume on another world size/stage: {worst:.2e}")
 

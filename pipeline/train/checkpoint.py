@@ -16,7 +16,8 @@ count); too little is an error before anything is written. Old checkpoints beyon
 renamed to `.trash-*` and then removed. Readers (the resume, `tlf eval RUN_DIR`) take the newest complete
 checkpoint whose files all have their recorded sizes (`newest_intact`), not what `latest` names: a kill between
 the two renames leaves `latest` one behind (and a `.latest.tmp*`, removed by the next save), and a truncated or
-missing file makes them fall back to the previous checkpoint with a warning naming both. DeepSpeed's
+missing file makes them fall back to the previous checkpoint with a warning naming both (also in a checkpoint
+written before files.json existed: `legacy_damage` checks the files the resume needs and each file's end). DeepSpeed's
 `client_state` comes back from rank 0's file only under ZeRO 0-2 (docs/design.md §6), which is why each rank's own
 state lives in its own file.
 """
@@ -103,11 +104,11 @@ def record_files(ck: Path) -> None:
 
 def damage(ck: Path) -> str | None:
     """Why checkpoint dir ck cannot be resumed from (a file it was written with is missing or has another size),
-    or None. Checkpoints written before files.json existed are trusted."""
+    or None. A checkpoint written before files.json existed: `legacy_damage`."""
     try:
         sizes = json.loads((ck / FILES).read_text())
     except FileNotFoundError:
-        return None
+        return legacy_damage(ck)
     except (OSError, ValueError) as e:
         return f"{FILES} unreadable: {e}"
     if not isinstance(sizes, dict):
@@ -119,6 +120,55 @@ def damage(ck: Path) -> str | None:
         if f.stat().st_size != size:
             return f"{name} has {f.stat().st_size} bytes, {size} were written"
     return None
+
+
+def legacy_damage(ck: Path) -> str | None:
+    """Why checkpoint dir ck without files.json cannot be resumed from, or None: a file the resume needs is missing
+    (each rank's state file, DeepSpeed's model states and, under ZeRO 1-3, each rank's optimizer partition; ZeRO-3
+    also each rank's model partition), or a .pt / .safetensors file is cut short (its zip directory or header
+    does not fit its size). Reads only rank0_state.pt and each file's directory or header."""
+    for f in sorted(ck.rglob("*.pt")) + sorted(ck.rglob("*.safetensors")):
+        why = _cut_short(f)
+        if why:
+            return f"{f.relative_to(ck)} {why}"
+    try:
+        st = torch.load(ck / "rank0_state.pt", map_location="cpu", weights_only=True)
+        ws, stage = int(st["world_size"]), int(st["config"]["train"].get("zero_stage", 0))
+    except Exception as e:  # noqa: BLE001 - a foreign or tampered state file: name it
+        return f"rank0_state.pt unreadable ({type(e).__name__})"
+    need = [f"rank{r}_state.pt" for r in range(ws)] + ["mp_rank_00_model_states.pt"]
+    if stage >= 1:
+        need += [f"{'bf16_' if (ck / 'bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt').is_file() else ''}"
+                 f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(ws)]
+    if stage == 3:
+        need = [n for n in need if n != "mp_rank_00_model_states.pt"]
+        need += [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(ws)]
+    missing = [n for n in need if not (ck / n).is_file()]
+    return f"{missing[0]} is missing" if missing else None
+
+
+def _cut_short(f: Path) -> str | None:
+    """Why file f (torch's zip format or safetensors) is incomplete, or None; a cheap look at its end or header."""
+    import struct
+    import zipfile
+
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if f.suffix == ".safetensors":
+                n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+                meta = json.loads(fh.read(n)) if 0 < n < size else None
+                if not isinstance(meta, dict):
+                    return f"is cut short ({size} bytes, no complete header)"
+                end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
+                return None if 8 + n + end == size else f"is cut short ({size} bytes, {8 + n + end} expected)"
+        if not head.startswith(b"PK"):
+            return f"is cut short ({size} bytes)" if size == 0 else None  # torch's old pickle format: not checked
+        with zipfile.ZipFile(f):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error, zipfile.BadZipFile) as e:
+        return f"is cut short or unreadable ({type(e).__name__})"
 
 
 def newest_intact(root: Path, warn=None) -> Path | None:

@@ -10,6 +10,18 @@ import click
 from pipeline.config import ConfigError, load_config
 
 
+def _check_batch(cfg, ws: int) -> None:
+    """cfg.check_world_size(ws), except when a checkpoint is to be resumed and ws divides the global batch into
+    micro-batches: grad-accum may then adapt to another world size (the trainer checks after reading it)."""
+    t = cfg.train
+    if cfg.checkpoint.resume != "none" and t.global_batch_size % (t.micro_batch_size * ws) == 0:
+        from pipeline.train.checkpoint import complete_checkpoints, run_dir
+
+        if cfg.checkpoint.resume != "auto" or complete_checkpoints(run_dir(cfg)):
+            return
+    cfg.check_world_size(ws)
+
+
 def _exit(code: int) -> None:
     """Leaves the process without running C++ static destructors: with gloo/DeepSpeed threads still alive those
     can abort with "terminate called without an active exception" (exit 250) after all results are written.
@@ -47,7 +59,7 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     try:
         resume_ov = [] if resume is None else [f"checkpoint.resume={json.dumps(resume)}"]  # quotes survive
         cfg = load_config(config, [*overrides, *resume_ov])  # validated once, --resume included
-        cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))  # fail fast, before the heavy imports
+        _check_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # fail fast, before the heavy imports
     except ConfigError as e:
         raise click.UsageError(f"config error: {e}") from None
     from data_prep.shards import ShardError
