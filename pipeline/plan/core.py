@@ -100,8 +100,11 @@ class Planner:
             return default
 
     def _zero0_bucket(self, zero: int, ranks: int, params: int) -> int:
-        """ZeRO-0's reduction: gradients flattened by buckets of at most reduce_bucket_size elements, transient."""
-        return min(params, self.reduce_bucket(zero, ranks)) * (2 if self.bf16 else 4) if zero == 0 else 0
+        """ZeRO-0's reduction: gradients flattened by buckets of at most reduce_bucket_size elements, transient;
+        none in one process, where the trainer skips the all-reduce over a group of one (ds.py)."""
+        if zero != 0 or ranks == 1:
+            return 0
+        return min(params, self.reduce_bucket(zero, ranks)) * (2 if self.bf16 else 4)
 
     def reduce_buffers(self, zero: int, ranks: int) -> int:
         """Bytes of the gradient reduction buffers ZeRO-1/2/3 allocate whole, whatever the model's size
