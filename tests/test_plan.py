@@ -60,12 +60,7 @@ def _measured(cfg):
 D512 = ["model.d_model=512", "model.n_heads=8", "model.d_ff=1280", "model.block_size=256"]
 
 
-# d512: the plan is 6.6% (loopformer) / 8.4% (t-loopformer) above the measured peak (44 MiB more live in the
-# fused heads' chunks than the real step holds; the bytes kept for backward agree to the byte): issue 22 is open
-D512_GAP = pytest.mark.xfail(strict=True, reason="planned peak 6.6-8.4% above the measured one at d=512")
-
-
-@pytest.mark.parametrize("size", ["tiny", pytest.param("d512", marks=D512_GAP)])
+@pytest.mark.parametrize("size", ["tiny", "d512"])
 @pytest.mark.parametrize("variant", ["loopformer", "t-loopformer"])
 def test_planned_peak_matches_the_measured_step(variant, size):
     cfg = load_config(f"tiny/{variant}", OVR) if size == "tiny" else load_config(f"small/{variant}", OVR + D512)

@@ -172,6 +172,9 @@ def trace_step(cfg, batch: int, dtype: torch.dtype, counts: np.ndarray | None,
     y = torch.zeros(batch, T, dtype=torch.long, device="meta")
     live, saved = LiveBytes(), SavedTensors()
     params = list(model.parameters())
+    # the weights and buffers are counted as model states, not here: a view of one (a Linear's `W.t()`, kept for
+    # backward) shares its storage and must not count as a new allocation
+    live._seen.update(t.untyped_storage()._cdata for t in [*params, *model.buffers()])
 
     def on_grad(p):
         live.grads += p.grad.untyped_storage().nbytes() if p.grad is not None else 0
