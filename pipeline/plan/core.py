@@ -73,6 +73,7 @@ class Planner:
         self.dtype = torch.bfloat16 if self.bf16 else torch.float32
         self.counts = prior_counts(cfg, mean_depth) if counts is None else counts
         self._cache: dict = {}
+        self._zero_cfg: dict = {}  # (stage, ranks) -> zero_optimization of the run's DeepSpeed config
 
     def trace(self, ac: str, batch: int, worst: bool = True) -> StepTrace:
         """worst: the memory trace (the longest shortcut pass); else the FLOPs trace (the mean one)."""
@@ -89,15 +90,18 @@ class Planner:
         return int(self._zero_key(zero, ranks, key, default))
 
     def _zero_key(self, zero: int, ranks: int, key: str, default):
-        """zero_optimization.<key> of the run's DeepSpeed config, any type."""
+        """zero_optimization.<key> of the run's DeepSpeed config (built once per stage and world size), any type."""
         from pipeline.train.ds import build_ds_config
 
-        c = with_settings(self.cfg, zero_stage=zero)
-        c.train.grad_accum_steps = c.train.global_batch_size // (c.train.micro_batch_size * ranks) or 1
-        try:
-            return build_ds_config(c, ranks, "bf16" if self.bf16 else "fp32").get("zero_optimization", {}).get(key, default)
-        except ConfigError:  # a batch that does not divide: plan() reports it; the value is DeepSpeed's default
-            return default
+        if (zero, ranks) not in self._zero_cfg:
+            c = with_settings(self.cfg, zero_stage=zero)
+            c.train.grad_accum_steps = c.train.global_batch_size // (c.train.micro_batch_size * ranks) or 1
+            try:
+                zc = build_ds_config(c, ranks, "bf16" if self.bf16 else "fp32").get("zero_optimization", {})
+            except ConfigError:  # a batch that does not divide: plan() reports it; the values are DeepSpeed's defaults
+                zc = {}
+            self._zero_cfg[zero, ranks] = zc
+        return self._zero_cfg[zero, ranks].get(key, default)
 
     def _zero0_bucket(self, zero: int, ranks: int, params: int) -> int:
         """ZeRO-0's reduction: gradients flattened by buckets of at most reduce_bucket_size elements, transient;
