@@ -221,10 +221,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "train_step.json"))
     a = ap.parse_args(argv)
     from pipeline.config import VARIANTS, load_config
-    from pipeline.train.callbacks import A100_BF16_FLOPS
+    from pipeline.plan.hardware import gpu
 
     overrides = a.overrides if a.overrides is not None else ["model.vocab_size=8192"]
-    peak = a.peak_flops or load_config(f"{a.scale}/t-loopformer").logging.peak_flops or A100_BF16_FLOPS
+    peak = a.peak_flops or load_config(f"{a.scale}/t-loopformer").logging.peak_flops or gpu("a100-80gb").peak_flops
     variants = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
     common = {"scale": a.scale, "device": a.device, "bf16": a.bf16, "batch": a.batch, "overrides": overrides,
               "warmup": a.warmup, "threads": a.threads, "router": a.router}

@@ -8,7 +8,8 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.model.looped import LoopedLM
-from pipeline.train.callbacks import A100_BF16_FLOPS, Speed
+from pipeline.plan.hardware import gpu
+from pipeline.train.callbacks import Speed
 
 
 def _mfu(device_kind: str, *overrides: str) -> dict:
@@ -26,4 +27,4 @@ def test_no_mfu_on_cpu_unless_a_peak_is_given():
     assert "mfu" not in _mfu("cpu") and _mfu("cpu")["tokens_per_s"] > 0
     given, cuda = _mfu("cpu", "logging.peak_flops=1e9"), _mfu("cuda")  # the default peak on CUDA: an A100's
     per_token = [m["mfu"] / m["tokens_per_s"] for m in (given, cuda)]  # = flops per token / peak (no timing)
-    assert per_token[0] > 0 and per_token[0] == pytest.approx(per_token[1] * A100_BF16_FLOPS / 1e9)
+    assert per_token[0] > 0 and per_token[0] == pytest.approx(per_token[1] * gpu("a100-80gb").peak_flops / 1e9)

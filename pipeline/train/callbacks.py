@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from pipeline.memory import memory_metrics
+from pipeline.plan.hardware import gpu  # logging.peak_flops=0 on CUDA: an A100's bf16 peak, from the one GPU table
 from pipeline.train.logger import fmt_duration, log
 from pipeline.train.validation import evaluate
 
@@ -44,9 +45,6 @@ def run_tags(t) -> dict:
             "activation_checkpointing": c.train.activation_checkpointing, "compile": c.train.compile}
 
 
-A100_BF16_FLOPS = 312e12  # logging.peak_flops=0 on CUDA
-
-
 class Speed(Callback):
     """step_time_s (wall clock from the previous step's end: logging, validation and saves included),
     tokens_per_s and MFU over the executed loops (model.flops_per_token; README "MFU")."""
@@ -62,7 +60,7 @@ class Speed(Callback):
         loops = metrics.get("router/full/mean_depth", t.cfg.model.loops) + metrics.get("router/short/mean_depth", 0.0)
         fpt = t.model.flops_per_token(loops_executed=loops, seq_len=t.cfg.model.block_size,
                                       lm_heads=2 if "router/short/loops" in metrics else 1)
-        peak = t.cfg.logging.peak_flops or (A100_BF16_FLOPS if t.device_kind == "cuda" else 0.0)
+        peak = t.cfg.logging.peak_flops or (gpu("a100-80gb").peak_flops if t.device_kind == "cuda" else 0.0)
         if peak:  # on CPU no MFU unless logging.peak_flops says what the peak is (an A100's would read 0.00%)
             metrics["mfu"] = metrics["tokens_per_s"] * fpt / (peak * t.ws)
 
