@@ -25,7 +25,7 @@ DEFAULT_VAL_EVERY = 1000
 class PrepConfig:
     source: str = f("files", "Where documents come from: files (local), demo (State of the Union + Moby-Dick), "
                              "demo-enwiki (gensim's enwiki sample), hf (any Hub dataset), fineweb-edu, openwebtext, "
-                             "depth-hops (synthetic pointer chasing with a known depth need per target).")
+                             "depth-hops (synthetic root finding by pointer chasing, a known depth need per target).")
     inputs: list = f([], "Local inputs (source=files): files, globs or directories of .jsonl, .jsonl.zst, "
                          ".parquet or .txt; directories are searched recursively; order is sorted by path.")
     text_field: str = f("text", "Field (jsonl key / parquet column / Hub column) holding a document's text.")
@@ -49,9 +49,9 @@ class PrepConfig:
     skip_bad: bool = f(False, "Skip (count and report) malformed lines and records without text instead of failing.")
     progress: bool = f(True, "Show a tqdm progress bar (tokens, tokens/s, ETA) on stderr.")
     seed: int = f(0, "source=depth-hops: seed of the generated documents (same seed and options: same bytes).")
-    depth_symbols: int = f(16, "source=depth-hops: symbols n of each document's random permutation.")
-    depth_levels: int = f(4, "source=depth-hops: levels 1..L (a level-k answer is f^k(x)); every document has each.")
-    depth_queries: int = f(16, "source=depth-hops: queries per document (x, level marker, answer).")
+    depth_chains: int = f(6, "source=depth-hops: chains R per document (R (L + 1) symbols, drawn afresh per document).")
+    depth_levels: int = f(4, "source=depth-hops: levels 1..L (a level-k query starts k steps from its root).")
+    depth_queries: int = f(4, "source=depth-hops: queries per document, each on its own chain (<= depth_chains).")
     depth_docs: int = f(20000, "source=depth-hops: documents generated (max_tokens, if set, may cut it).")
 
     def validate(self) -> None:
@@ -84,14 +84,14 @@ class PrepConfig:
         if self.hf_timeout <= 0:
             raise ConfigError(f"hf_timeout: must be > 0, got {self.hf_timeout}")
         if self.source == "depth-hops":
-            from data_prep.depthtask import MAX_LEVELS, MAX_SYMBOLS
-            if not 2 <= self.depth_symbols <= MAX_SYMBOLS:
-                raise ConfigError(f"depth_symbols: must lie in 2..{MAX_SYMBOLS}, got {self.depth_symbols}")
+            from data_prep.depthtask import MAX_CHAINS, MAX_LEVELS
+            if not 2 <= self.depth_chains <= MAX_CHAINS:
+                raise ConfigError(f"depth_chains: must lie in 2..{MAX_CHAINS}, got {self.depth_chains}")
             if not 1 <= self.depth_levels <= MAX_LEVELS:
                 raise ConfigError(f"depth_levels: must lie in 1..{MAX_LEVELS}, got {self.depth_levels}")
-            if self.depth_queries < self.depth_levels:
-                raise ConfigError(f"depth_queries: must be >= depth_levels ({self.depth_levels}) so every "
-                                  f"document holds every level, got {self.depth_queries}")
+            if not 1 <= self.depth_queries <= self.depth_chains:
+                raise ConfigError(f"depth_queries: must lie in 1..depth_chains ({self.depth_chains}): each query "
+                                  f"asks about its own chain, got {self.depth_queries}")
             if self.depth_docs < 1:
                 raise ConfigError(f"depth_docs: must be >= 1, got {self.depth_docs}")
         if self.name and ("/" in self.name or "_" in self.name):
@@ -131,7 +131,7 @@ class PrepConfig:
 # Options that change the bytes written; the rest (workers, progress, ...) may differ on resume.
 OUTPUT_KEYS = ("source", "inputs", "text_field", "txt_mode", "hf_dataset", "hf_config", "hf_split", "hf_data_files",
                "name",
-               "shard_tokens", "val_every", "max_tokens", "seed", "depth_symbols", "depth_levels", "depth_queries",
+               "shard_tokens", "val_every", "max_tokens", "seed", "depth_chains", "depth_levels", "depth_queries",
                "depth_docs")
 
 

@@ -1,20 +1,37 @@
-"""`tlf prep-data --source depth-hops`: a synthetic task whose every scored target needs a known number of steps.
+"""`tlf prep-data --source depth-hops`: a synthetic task whose every scored target needs a known number of loops.
 
-Pointer chasing over a random permutation f of n symbols (Saunshi et al. 2025 train looped models on its
-cousin, p-hop induction). One document (one sequence) is
-    EOT, a1 f(a1), a2 f(a2), ..., an f(an),  x1 M_k1 y1,  x2 M_k2 y2, ...
-the n pairs in random order (the context), then Q queries: a start symbol x, a marker M_k naming the level
-k, and the answer y = f^k(x). Levels 1..L are mixed in every document (each at least once, the rest drawn
-uniformly, in random order). Answering level k takes k sequential look-ups, so d* = k.
+Root finding by pointer chasing (a cousin of the p-hop induction Saunshi et al. 2025 train looped models on).
+Each document draws R random chains of L + 1 symbols
+    v_L -> v_(L-1) -> ... -> v_1 -> v_0 (the root, which points to itself)
+over n = R (L + 1) symbols and is one sequence of tokens
+    BOS, S(f(0)), S(f(1)), ..., S(f(n-1)),  then Q queries "ASK S(x) S(root(x))"
+- the context is the parent array: the token at position 1 + a is the symbol of a's parent f(a). One step along
+  a chain is one attention look-up (attend to the entry of the current symbol, read the parent written there),
+  so a model with one layer per loop needs d* = k loops for a query whose start is k steps from its root;
+  levels are k = 1..L;
+- symbols are numbered by distance, farthest first (distance-L nodes get labels 0..R-1 in random order,
+  distance L-1 the next R, ..., the roots the last R), so under causal attention no entry sees its parent's
+  entry: no token can shortcut a chain by pointer doubling. Which node of the next distance is a node's parent
+  is drawn afresh per document, so the chains exist only in the context;
+- a query is ASK then the start symbol S(x); the answer is the root's symbol. S(x) is the predicting position
+  and its label group names the level, so a router that reads only h0 (token identity + position) sees d*.
+  The start is the same token, hence the same embedding, that the array uses for x and that the tied head
+  maps to x's output: a hop's result lands in the space the next hop queries with;
+- Q <= R queries, each on a different chain (a later query cannot reuse an earlier answer), levels 1..L mixed in
+  every document (each level once per block of L queries, in random order);
+- a root is its own parent, so a model that runs more loops than a query needs still answers it (no counting);
+  one that runs fewer can only guess among the roots not yet answered (at best 1 / (R - Q + 1)).
 
-The loss mask is carried by the tokens: the target at position t+1 is scored iff token t is a marker, and
-its level is the marker's k (`levels_at`). The marker sits at the predicting position, so a router that
-reads only h0 (token identity + position) sees the level. Context tokens (pairs, x, markers, y as input)
-are not scored: a loader passes the ignore index for them (the fused head objective already skips it).
+Scored targets: the target of position t is scored iff token t - 1 is ASK (`levels_at`); every other target
+gets the ignore index -1 from the loader, which the fused head objective skips exactly. What each token needs,
+for a router's budget (`need_at`, the manifest's `mean_need`): a level-k query k loops; the array entry of a
+node at distance j >= 1, L - j + 1 loops (a level-L query reads it in loop L - j + 1, and only tokens still
+looping are visible to a loop's attention); everything else (BOS, the roots' entries, ASK, answers) 1.
 
-Token ids: symbols SYM_BASE..SYM_BASE+n-1, markers MARK_BASE+1..MARK_BASE+L (GPT-2 ids, any fit uint16).
-Deterministic in `seed`: document i is drawn from numpy's default_rng((seed, i)), so any document can be
-regenerated alone and the shards are byte-identical for the same options.
+Token ids are small, so a task model can use a small vocabulary: BOS 1, ASK 2, S(s) = SYM_BASE + s;
+`layout(R, L)["vocab_needed"]` is one past the largest. Deterministic in `seed`: document i is drawn from
+numpy's default_rng((seed, i)), so any document can be regenerated alone and the shards are byte-identical for
+the same options.
 """
 from __future__ import annotations
 
@@ -22,46 +39,73 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.tokenizer import EOT
-
-SYM_BASE = 1000  # symbol j is token SYM_BASE + j
-MARK_BASE = 2000  # the level-k marker is token MARK_BASE + k
-MAX_SYMBOLS = MARK_BASE - SYM_BASE
-MAX_LEVELS = 64
-
-
-def doc_length(n: int, queries: int) -> int:
-    """Tokens in one document, its EOT included."""
-    return 1 + 2 * n + 3 * queries
+BOS = 1
+ASK = 2
+SYM_BASE = 16  # symbol s (an answer) is token SYM_BASE + s
+MAX_LEVELS = 16
+MAX_CHAINS = 64
 
 
-def make_document(seed: int, index: int, n: int, levels: int, queries: int) -> np.ndarray:
+def layout(R: int, L: int) -> dict:
+    """The task's token ranges for R chains and L levels (stored in the manifest as `depth_task`)."""
+    n = R * (L + 1)
+    return {"chains": R, "levels": L, "symbols": n, "bos": BOS, "ask": ASK, "sym_base": SYM_BASE,
+            "vocab_needed": SYM_BASE + n}
+
+
+def doc_length(R: int, L: int, queries: int) -> int:
+    """Tokens in one document, its BOS included."""
+    return 1 + R * (L + 1) + 3 * queries
+
+
+def make_document(seed: int, index: int, R: int, L: int, queries: int) -> np.ndarray:
     """Document `index` of the stream for `seed`: (doc_length,) int64 tokens."""
-    rng = np.random.default_rng((seed, index))
-    perm = rng.permutation(n)  # f(a) = perm[a]
-    order = rng.permutation(n)
-    ks = np.concatenate([np.arange(1, levels + 1), rng.integers(1, levels + 1, queries - levels)])
-    ks = rng.permutation(ks)
-    xs = rng.integers(0, n, queries)
-    out = np.empty(doc_length(n, queries), dtype=np.int64)
-    out[0] = EOT
-    out[1:1 + 2 * n:2] = SYM_BASE + order
-    out[2:2 + 2 * n:2] = SYM_BASE + perm[order]
-    q = out[1 + 2 * n:].reshape(queries, 3)  # (Q, 3): x, M_k, y
-    for i, (x, k) in enumerate(zip(xs, ks)):
-        y = x
-        for _ in range(k):
-            y = perm[y]
-        q[i] = (SYM_BASE + x, MARK_BASE + k, SYM_BASE + y)
+    rng, n = np.random.default_rng((seed, index)), R * (L + 1)
+    # chain[c, j]: the symbol at distance j from chain c's root; distance j holds labels (L - j) R .. (L - j + 1) R - 1
+    chain = np.stack([(L - j) * R + rng.permutation(R) for j in range(L + 1)], axis=1)  # (R, L + 1)
+    parent = np.empty(n, dtype=np.int64)
+    parent[chain[:, 1:]] = chain[:, :-1]
+    parent[chain[:, 0]] = chain[:, 0]
+    out = np.empty(doc_length(R, L, queries), dtype=np.int64)
+    out[0] = BOS
+    out[1:1 + n] = SYM_BASE + parent  # the parent array, farthest-from-the-root labels first
+    ks = np.concatenate([rng.permutation(L) + 1 for _ in range(-(-queries // L))])[:queries]
+    cs = rng.permutation(R)[:queries]  # one chain per query
+    q = out[1 + n:].reshape(queries, 3)  # (Q, 3): ASK, S(x), S(root)
+    q[:, 0] = ASK
+    q[:, 1] = SYM_BASE + chain[cs, ks]  # level k: k steps from the root
+    q[:, 2] = SYM_BASE + chain[cs, 0]
     return out
 
 
-def levels_at(tokens: np.ndarray, max_level: int = MAX_LEVELS) -> np.ndarray:
-    """Level of the target each position predicts: (T,) int, k where token t is marker M_k (its target,
-    token t+1, is scored with d* = k), 0 elsewhere (not scored). Works on any window of the stream."""
+def levels_at(tokens: np.ndarray, task: dict) -> np.ndarray:
+    """Level of the target each position predicts: (..., T) int, k where token t - 1 is ASK and token t the
+    start S(x) of a level-k query (its target, token t+1, is scored with d* = k), 0 elsewhere (not scored).
+    Works on any window of the stream (the first position of a window is never scored)."""
+    t, R, L = np.asarray(tokens).astype(np.int64), int(task["chains"]), int(task["levels"])
+    sym = t - int(task["sym_base"])
+    asked = np.zeros(t.shape, dtype=bool)
+    asked[..., 1:] = t[..., :-1] == int(task["ask"])
+    return np.where(asked & (sym >= 0) & (sym < R * (L + 1)), L - sym // R, 0)  # labels g R.. hold distance L - g
+
+
+def need_at(tokens: np.ndarray, task: dict) -> np.ndarray:
+    """Loops each position needs (..., T) int >= 1, as the module docstring says. Takes whole documents
+    (..., doc_length): an entry's distance is read from its position (labels are numbered by distance)."""
     t = np.asarray(tokens).astype(np.int64)
-    k = t - MARK_BASE
-    return np.where((k >= 1) & (k <= max_level), k, 0)
+    R, L = int(task["chains"]), int(task["levels"])
+    need = np.maximum(levels_at(t, task), 1)
+    dist = np.repeat(np.arange(L, -1, -1), R)  # distance of symbol a = the entry at document offset 1 + a
+    need[..., 1:1 + R * (L + 1)] = np.where(dist >= 1, L - dist + 1, 1)
+    return need
+
+
+def mean_need(R: int, L: int, queries: int) -> float:
+    """Mean loops a token needs over a document (the budget target that matches the task)."""
+    levels = (queries // L) * L * (L + 1) / 2 + (queries % L) * (L + 1) / 2  # expected sum of the query levels
+    entries = R * sum(L - j + 1 for j in range(1, L + 1)) + R  # the roots' entries at 1
+    ones = 1 + 2 * queries  # BOS, ASK and answers
+    return float((entries + ones + levels) / doc_length(R, L, queries))
 
 
 def task_of(directory) -> dict | None:
@@ -85,28 +129,30 @@ def generate(cfg, out: Path, tokenizer: dict, log) -> dict:
     from data_prep.writer import MANIFEST, SplitWriter, manifest
     name, val_every = cfg.resolved_name(), cfg.resolved_val_every()
     writers = {s: SplitWriter(out, name, s, cfg.shard_tokens) for s in ("train", "val")}
-    n, L, Q = cfg.depth_symbols, cfg.depth_levels, cfg.depth_queries
+    R, L, Q = cfg.depth_chains, cfg.depth_levels, cfg.depth_queries
+    T = doc_length(R, L, Q)
     docs = cfg.depth_docs
     if cfg.max_tokens:
-        docs = min(docs, cfg.max_tokens // doc_length(n, Q)) if docs else cfg.max_tokens // doc_length(n, Q)
+        docs = min(docs, cfg.max_tokens // T)
     counts = {"train": 0, "val": 0}
     for i in range(docs):
         split = "val" if val_every > 0 and i % val_every == 0 else "train"
-        writers[split].add(make_document(cfg.seed, i, n, L, Q).astype(np.uint16), lambda _: None)
+        writers[split].add(make_document(cfg.seed, i, R, L, Q).astype(np.uint16), lambda _: None)
         counts[split] += 1
     for w in writers.values():
         w.commit()
     rule = ("no val split" if val_every < 0 else
             f"document i (0-based, generated in order) goes to val when i % {val_every} == 0")
-    task = {"task": "pointer chasing (f^k(x) over a random permutation per document)", "symbols": n,
-            "levels": L, "queries_per_doc": Q, "doc_tokens": doc_length(n, Q), "seed": cfg.seed,
-            "sym_base": SYM_BASE, "mark_base": MARK_BASE,
-            "scored": "target t+1 is scored iff token t is a marker MARK_BASE+k; its level d* is k"}
+    task = {"task": "root finding by pointer chasing (R chains of L+1 symbols, fresh chains per document)",
+            **layout(R, L), "queries_per_doc": Q, "doc_tokens": T, "seed": cfg.seed,
+            "mean_need": round(mean_need(R, L, Q), 4),
+            "scored": "target t+1 is scored iff token t-1 is ASK; its level d* is the distance of token t's symbol from its root"}
     m = manifest(fingerprint=fingerprint(cfg), inputs=[task], writers=writers,
                  counters={"kept": docs, **counts}, complete=True, resume=None, tokenizer=tokenizer,
                  val_rule=rule, shard_tokens=cfg.shard_tokens)
     m["depth_task"] = task
     write_json(out / MANIFEST, m)
-    log(f"depth-hops: {docs} documents of {doc_length(n, Q)} tokens, levels 1..{L}, seed {cfg.seed}; train with "
-        f"model.block_size={doc_length(n, Q)} so that each window is one whole document")
+    log(f"depth-hops: {docs} documents of {T} tokens, {R} chains, levels 1..{L}, seed {cfg.seed}; train with "
+        f"model.block_size={T} (one window is one document) and model.vocab_size >= {layout(R, L)['vocab_needed']}; "
+        f"mean need {mean_need(R, L, Q):.3f} loops per token")
     return m

@@ -311,13 +311,13 @@ def plot_all(sel: Selection, client, out: Path) -> list[Path]:
         paths.append(save(fig, out / "depth_distribution.png"))
 
     work = {v: pts for v, r in runs.items()
-            if (pts := [(b["levels"]["mean_depth"], b["levels"]["accuracy"]) for b in r.budgets()
-                        if (b.get("levels") or {}).get("mean_depth") is not None])}
-    if work:  # depth-hops: answer accuracy vs executed loop work (mean loops per answer), one line per run
+            if (pts := [(b["levels"]["work"], b["levels"]["accuracy"]) for b in r.budgets()
+                        if (b.get("levels") or {}).get("work") is not None])}
+    if work:  # depth-hops: answer accuracy vs executed loop work (mean loops per token), one line per run
         fig, ax = plt.subplots(figsize=(6, 4))
         for v, pts in work.items():
             ax.plot(*zip(*sorted(pts)), marker="o", label=v)
-        ax.set_xlabel("executed loop work (mean loops per answer)"), ax.set_ylabel("answer accuracy")
+        ax.set_xlabel("executed loop work (mean loops per token)"), ax.set_ylabel("answer accuracy")
         ax.set_title("depth-hops: accuracy vs loop work"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
         paths.append(save(fig, out / "accuracy_vs_work.png"))
 

@@ -3,7 +3,9 @@
 `level_scores(model, directory, loops)`: at loop budget M, next-token accuracy (argmax) of every scored target
 (the token after a level marker) by its level d* = k and overall, the executed depth of the predicting position
 by level (a level x depth count table: the router's choice, or M for every token without a router) and the
-Spearman rho between executed depth and d* (None when either is constant). Windows are the split cut into
+Spearman rho between executed depth and d* (None when either is constant), and `work`: the executed loops per
+token over EVERY token of the windows (the compute; context tokens a query reads must keep looping too), the
+x-axis on which runs are compared at equal work. Windows are the split cut into
 non-overlapping rows of `block_size` + 1 tokens, as the training loader cuts them.
 """
 from __future__ import annotations
@@ -32,13 +34,14 @@ def level_scores(model, directory: str, loops: int, split: str = "val", max_wind
     shards = ShardSet(directory, split)
     T = model.cfg.block_size
     n_win = min((shards.num_tokens - 1) // T, max_windows)
-    lev_all, dep_all, ok_all = [], [], []
+    lev_all, dep_all, ok_all, work = [], [], [], 0.0
     for b0 in range(0, n_win, batch_size):
         rows = np.stack([shards.read(w * T, T + 1) for w in range(b0, min(b0 + batch_size, n_win))]).astype(np.int64)
         x, y = torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])  # (B, T) each
-        lev = torch.from_numpy(levels_at(rows[:, :-1], L))  # (B, T), 0: not scored
+        lev = torch.from_numpy(levels_at(rows[:, :-1], task))  # (B, T), 0: not scored
         r, p = torch.nonzero(lev, as_tuple=True)
-        h, depth = hidden_states(model, x.to(device), M, router=router)
+        h, depth = hidden_states(model, x.to(device), M, router=router)  # depth (B, T)
+        work += float(depth.sum())
         pred = logits_at(model, h[r, p]).argmax(-1).cpu()  # (P,)
         lev_all.append(lev[r, p].numpy())
         dep_all.append(depth[r, p].cpu().numpy())
@@ -48,6 +51,6 @@ def level_scores(model, directory: str, loops: int, split: str = "val", max_wind
     np.add.at(table, (lev - 1, dep - 1), 1)
     acc = {int(k): (float(ok[lev == k].mean()) if (lev == k).any() else None) for k in range(1, L + 1)}
     return {"loops": M, "targets": int(ok.size), "accuracy": float(ok.mean()), "accuracy_by_level": acc,
-            "level_depth": table.tolist(), "mean_depth": float(dep.mean()),
+            "level_depth": table.tolist(), "mean_depth": float(dep.mean()), "work": work / (n_win * T),
             "depth_ge_level": {int(k): float((dep[lev == k] >= k).mean()) for k in range(1, L + 1) if (lev == k).any()},
             "spearman": spearman(dep.astype(float), lev.astype(float))}

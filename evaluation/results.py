@@ -66,7 +66,8 @@ class Levels(TypedDict, total=False):  # evaluation/levels.py on a depth-hops da
     accuracy_by_level: dict  # level k -> accuracy
     level_depth: list  # [level-1][depth-1] counts of executed depth
     depth_ge_level: dict  # level k -> share of level-k targets run at depth >= k
-    mean_depth: float
+    mean_depth: float  # executed loops of the scored (predicting) positions
+    work: float  # executed loops per token over every token (the compute)
     spearman: float | None  # rho(executed depth, level); None when either is constant
     targets: int
     loops: int
@@ -180,7 +181,7 @@ def flatten(results: Results) -> dict[str, float]:
             out[f"{pre}/depth/mean"] = float(b["depth"]["mean"])
             out.update({f"{pre}/depth/share_{i}": float(s) for i, s in enumerate(b["depth"]["share"], start=1)})
         lv = b.get("levels") or {}
-        out.update({f"{pre}/levels/{k}": float(lv[k]) for k in ("accuracy", "mean_depth", "spearman", "targets")
+        out.update({f"{pre}/levels/{k}": float(lv[k]) for k in ("accuracy", "mean_depth", "work", "spearman", "targets")
                     if _number(lv.get(k))})
         out.update({f"{pre}/levels/acc_L{k}": float(v) for k, v in (lv.get("accuracy_by_level") or {}).items()
                     if _number(v)})

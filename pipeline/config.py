@@ -35,7 +35,7 @@ def _config_dir() -> Path:
 
 
 CONFIG_DIR = _config_dir()
-SCALES = ("tiny", "small", "paper")
+SCALES = ("tiny", "small", "paper", "depth")
 
 
 # --------------------------------------------------------------------------------------------------

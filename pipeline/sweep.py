@@ -50,7 +50,7 @@ def _fail(stage: orchestrate.Stage, code: int) -> None:
 @click.option("--eval-args", default="", help='Extra `tlf eval` arguments, e.g. "--loops 2,4,8 --limit 500".')
 @click.option("--print", "print_only", is_flag=True, help="Print the commands (one per line) instead of running them.")
 def sweep(scale, overrides, variants, out, experiment, tracking_uri, launcher, eval_args, print_only):
-    """Train and evaluate every variant at SCALE (tiny, small, paper), then compare them."""
+    """Train and evaluate every variant at SCALE (tiny, small, paper, depth), then compare them."""
     names = list(VARIANTS) if variants == "all" else [v.strip() for v in variants.split(",") if v.strip()]
     for v in names:
         if v not in VARIANTS:

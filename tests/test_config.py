@@ -11,7 +11,7 @@ from pipeline.config import (CONFIG_DIR, SCALES, VARIANTS, Config, ConfigError, 
 
 def test_every_shipped_config_loads():
     presets = list_presets()
-    assert len(presets) == len(SCALES) * len(VARIANTS) == 24
+    assert len(presets) == len(SCALES) * len(VARIANTS) == 32
     for name in presets:
         cfg = load_config(name)
         scale, variant = name.split("/")

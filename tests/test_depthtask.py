@@ -1,5 +1,5 @@
-"""source=depth-hops: determinism in the seed, the level marker at the predicting position, every label
-recomputed by an independent solver from the document's own context, and the real `tlf prep-data` CLI."""
+"""source=depth-hops: determinism in the seed, the level at the predicting position, every label recomputed by
+an independent solver from the document's own context, the need of every token, and the real `tlf prep-data` CLI."""
 import json
 import subprocess
 import sys
@@ -7,70 +7,82 @@ import sys
 import numpy as np
 import pytest
 
-from data_prep.depthtask import MARK_BASE, SYM_BASE, doc_length, levels_at, make_document
+from data_prep.depthtask import ASK, BOS, doc_length, layout, levels_at, make_document, mean_need, need_at
 from data_prep.shards import ShardReader
-from data_prep.tokenizer import EOT
 
 
-def solve(doc):
-    """Independent solver: reads the pairs as a dict from the tokens, follows the pointer k times for each
-    marker; returns [(marker position, k, answer)]."""
+def solve(doc, R, L):
+    """Independent solver from the raw token ids: reads the parent array, walks from each query's start until a
+    node is its own parent and counts the steps; returns [(query position, steps, answer token)]."""
     doc = [int(t) for t in doc]
-    assert doc[0] == EOT
-    f, i = {}, 1
-    while doc[i + 1] - MARK_BASE not in range(1, 65):  # pairs until the first query (x, marker, y)
-        assert doc[i] not in f
-        f[doc[i]] = doc[i + 1]
-        i += 2
+    n = R * (L + 1)
+    assert doc[0] == BOS
+    parent = [t - 16 for t in doc[1:1 + n]]  # symbol s is token 16 + s
     out = []
-    for p in range(i, len(doc)):
-        k = doc[p] - MARK_BASE
-        if 1 <= k <= 64:
-            y = doc[p - 1]
-            for _ in range(k):
-                y = f[y]
-            out.append((p, k, y))
+    for p in range(2 + n, len(doc), 3):
+        assert doc[p - 1] == ASK
+        steps, y = 0, doc[p] - 16
+        while parent[y] != y:
+            y, steps = parent[y], steps + 1
+        out.append((p, steps, 16 + y))
     return out
 
 
 def test_deterministic_in_seed():
-    a, b = make_document(3, 5, 12, 4, 10), make_document(3, 5, 12, 4, 10)
+    a, b = make_document(3, 5, 8, 4, 4), make_document(3, 5, 8, 4, 4)
     assert np.array_equal(a, b)
-    assert not np.array_equal(a, make_document(4, 5, 12, 4, 10))
-    assert not np.array_equal(a, make_document(3, 6, 12, 4, 10))
+    assert not np.array_equal(a, make_document(4, 5, 8, 4, 4))
+    assert not np.array_equal(a, make_document(3, 6, 8, 4, 4))
 
 
-@pytest.mark.parametrize("n,L,Q", [(16, 4, 16), (8, 6, 6), (30, 3, 20)])
-def test_every_label_recomputed_and_marker_at_predicting_position(n, L, Q):
+@pytest.mark.parametrize("R,L,Q", [(6, 4, 4), (5, 6, 5), (12, 3, 7)])
+def test_every_label_recomputed_and_level_at_predicting_position(R, L, Q):
+    lay = layout(R, L)
     for i in range(50):
-        doc = make_document(11, i, n, L, Q)
-        assert doc.size == doc_length(n, Q)
-        sol = solve(doc)
+        doc = make_document(11, i, R, L, Q)
+        assert doc.size == doc_length(R, L, Q) and doc.max() < lay["vocab_needed"]
+        sol = solve(doc, R, L)
         assert len(sol) == Q
-        assert {k for _, k, _ in sol} == set(range(1, L + 1))  # every level in every document
-        lev = levels_at(doc)
+        ks = [k for _, k, _ in sol]
+        assert len(set(ks[:L])) == min(Q, L) and set(ks) <= set(range(1, L + 1))  # each block of L: distinct levels
+        lev = levels_at(doc, lay)
         assert np.count_nonzero(lev) == Q  # scored targets: exactly the answers
         for p, k, y in sol:
-            assert lev[p] == k  # the position predicting the answer holds the marker naming the level
-            assert int(doc[p + 1]) == y  # the label is f^k(x) as the solver computes it
-            assert SYM_BASE <= y < SYM_BASE + n
+            assert lev[p] == k  # the start's label names the level, and the level is the steps to the root
+            assert int(doc[p + 1]) == y  # the label is the root, as the solver walks to it
+        assert len({y for *_, y in sol}) == Q  # one query per chain: no answer repeats
 
 
-def test_level_k_needs_k_steps():
-    """An answer at level k differs from f^j(x) for some j < k in most queries (levels are not shortcuts)."""
-    same = total = 0
-    for i in range(40):
-        doc = make_document(1, i, 16, 4, 16)
-        f = {int(doc[j]): int(doc[j + 1]) for j in range(1, 33, 2)}
-        for p, k, y in solve(doc):
-            if k > 1:
-                x = int(doc[p - 1])
-                ys = [x]
-                for _ in range(k - 1):
-                    ys.append(f[ys[-1]])
-                same += y in ys
-                total += 1
-    assert same / total < 0.3
+def test_no_entry_sees_its_parents_entry():
+    """No pointer doubling under causal attention: every non-root entry comes before its parent's entry."""
+    for i in range(30):
+        doc = make_document(2, i, 8, 4, 4)
+        parent = doc[1:41] - 16
+        for a, b in enumerate(parent):
+            assert b == a or b > a
+
+
+def test_chains_are_drawn_per_document():
+    """Which node is whose parent changes from document to document (the chains exist only in the context)."""
+    arrays = {tuple(make_document(0, i, 8, 4, 4)[1:41]) for i in range(20)}
+    assert len(arrays) == 20
+
+
+def test_need_and_mean_need():
+    R, L, Q = 8, 4, 4
+    lay = layout(R, L)
+    docs = np.stack([make_document(5, i, R, L, Q) for i in range(10)])
+    need = need_at(docs, lay)
+    for doc, nd in zip(docs, need):
+        parent = doc[1:41] - 16
+        for a in range(40):  # an entry is needed until the loop in which a level-L query reads it
+            d, y = 0, a
+            while parent[y] != y:
+                y, d = parent[y], d + 1
+            assert nd[1 + a] == (L - d + 1 if d >= 1 else 1)
+        for p, k, _ in solve(doc, R, L):
+            assert nd[p] == k and nd[p - 1] == 1 and nd[p + 1] == 1
+    assert abs(need.mean() - mean_need(R, L, Q)) < 1e-9  # every level once per document here
 
 
 def test_prep_data_cli_writes_shards_and_manifest(tmp_path):
@@ -82,14 +94,14 @@ def test_prep_data_cli_writes_shards_and_manifest(tmp_path):
     assert m["complete"] and m["depth_task"]["levels"] == 4
     toks = np.concatenate([np.asarray(ShardReader(tmp_path / "d" / s["name"]).tokens)
                            for s in m["splits"]["train"]["shards"]]).astype(np.int64)
-    docs = [d for d in np.split(toks, np.flatnonzero(toks == EOT)[1:])]
-    assert len(docs) == m["splits"]["train"]["docs"] == 57  # docs 0, 20, 40 go to val
-    assert np.array_equal(docs[0], make_document(2, 1, 16, 4, 16))
+    docs = toks.reshape(-1, doc_length(6, 4, 4))
+    assert len(docs) == 57  # docs 0, 20, 40 go to val
+    assert np.array_equal(docs[0], make_document(2, 1, 6, 4, 4))
     r2 = subprocess.run(cmd, capture_output=True, text=True)  # rerun: complete, nothing to do
     assert r2.returncode == 0 and "nothing to do" in r2.stderr
     r3 = subprocess.run(cmd[:-3] + ["depth_docs=61"], capture_output=True, text=True)
     assert r3.returncode != 0 and "--overwrite" in r3.stderr and "Traceback" not in r3.stderr
-    bad = subprocess.run(cmd[:-3] + ["depth_queries=2"], capture_output=True, text=True)
+    bad = subprocess.run(cmd[:-3] + ["depth_queries=9"], capture_output=True, text=True)
     assert bad.returncode != 0 and "depth_queries" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -99,13 +111,13 @@ def test_loader_scores_only_the_answers(tmp_path):
     from data_prep.prep import prepare
     from pipeline.train.data import TrainLoader, ValLoader
     cfg = load_prep_config(None, {"source": "depth-hops", "out": str(tmp_path / "d"), "progress": False},
-                           ["depth_docs=40", "depth_levels=3", "depth_queries=5", "depth_symbols=6"])
+                           ["depth_docs=40", "depth_levels=3", "depth_queries=3", "depth_chains=4"])
     prepare(cfg, log=lambda m: None)
     for loader in (TrainLoader(str(tmp_path / "d"), "train", 32, 4, 0, 1, 0, 50304),
                    next(ValLoader(str(tmp_path / "d"), "val", 32, 2, 0, 1, 50304).batches(1))):
         x, y = loader.next() if hasattr(loader, "next") else loader
-        lev = levels_at(x.numpy())
+        lev = levels_at(x.numpy(), layout(4, 3))
         assert ((y != -1).numpy() == (lev > 0)).all() and (lev > 0).any()
-        assert (y[y != -1] >= SYM_BASE).all() and (y[y != -1] < SYM_BASE + 6).all()
+        assert (y[y != -1] >= 16).all() and (y[y != -1] < 16 + 16).all()  # answers are symbols
         # unmasked targets are the plain next tokens
         assert (x[:, 1:][y[:, :-1] != -1] == y[:, :-1][y[:, :-1] != -1]).all()

@@ -4,7 +4,7 @@ import torch
 from helpers import perturbed_tiny, spread_router
 
 from data_prep.config import load_prep_config
-from data_prep.depthtask import MARK_BASE
+from data_prep.depthtask import levels_at, task_of
 from data_prep.prep import prepare
 from data_prep.shards import ShardSet
 from evaluation.levels import level_scores
@@ -12,7 +12,7 @@ from evaluation.levels import level_scores
 
 def _data(tmp_path):
     cfg = load_prep_config(None, {"source": "depth-hops", "out": str(tmp_path / "d"), "progress": False},
-                           ["depth_docs=100", "depth_symbols=6", "depth_queries=6", "val_every=2"])
+                           ["depth_docs=100", "depth_chains=6", "depth_queries=6", "val_every=2"])
     prepare(cfg, log=lambda m: None)
     return str(tmp_path / "d")
 
@@ -27,12 +27,14 @@ def test_level_scores_match_a_direct_recount(tmp_path):
     x = torch.from_numpy(rows[:, :-1])
     with torch.no_grad():
         logits = model(x, loops=4).logits  # (B, T, V)
-    k = rows[:, :-1] - MARK_BASE
-    scored = (k >= 1) & (k <= 4)
+    k = levels_at(rows[:, :-1], task_of(d))
+    scored = k > 0
     pred = logits.argmax(-1).numpy()
     ok = pred[scored] == rows[:, 1:][scored]
     assert r["targets"] == scored.sum() == np.sum(r["level_depth"])
     assert abs(r["accuracy"] - ok.mean()) < 1e-9
+    _, depth = model.hidden_states(x, 4)
+    assert abs(r["work"] - depth.float().mean().item()) < 1e-6  # over every token, not only the answers
     for lev in range(1, 5):
         assert sum(r["level_depth"][lev - 1]) == (k[scored] == lev).sum()
         assert abs(r["accuracy_by_level"][lev] - ok[k[scored] == lev].mean()) < 1e-9
@@ -54,7 +56,7 @@ def test_levels_travel_through_the_results_schema(tmp_path):
 
 def test_compare_plots_accuracy_against_loop_work(tmp_path):
     from evaluation.compare import Run, Selection, plot_all
-    lv = lambda d, a: {"levels": {"mean_depth": d, "accuracy": a}}
+    lv = lambda d, a: {"levels": {"work": d, "accuracy": a}}
     res = {"budgets": [{"loops": 1, **lv(1.0, 0.3)}, {"loops": 4, **lv(2.5, 0.9)}]}
     sel = Selection(eval={"t-loopformer": Run("r1", "t-loopformer", "n", 0, {}, {}, res),
                           "loopformer": Run("r2", "loopformer", "n", 0, {}, {}, {"budgets": []})})

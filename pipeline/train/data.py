@@ -31,7 +31,7 @@ def _to_batch(rows: list[np.ndarray], vocab_size: int, where: str, task: dict | 
     t = torch.from_numpy(arr)
     x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
     if task is not None:
-        y[torch.from_numpy(levels_at(arr[:, :-1], task["levels"]) == 0)] = -1
+        y[torch.from_numpy(levels_at(arr[:, :-1], task) == 0)] = -1
     return x, y
 
 

@@ -1,0 +1,283 @@
+"""Depth-need study: on a task where every scored token needs a known number of loops, does the router earn its compute?
+
+Data: `tlf prep-data --source depth-hops` (data_prep/depthtask.py; README "The depth-hops task"), made once.
+Cases, each trained with the project's trainer (`pipeline.train.trainer.run`, one process per case, `--jobs` at a
+time, one thread each) for `--steps` steps at every seed of `--seeds`, paired by seed (the same seed gives every
+case the same data order, and the same initial weights for the parts the architectures share):
+- base: depth/base, the non-looped model with J L = 4 distinct layers (one pass);
+- loopformer: depth/loopformer, evaluated elastically at M = 1..L (its accuracy-vs-work curve);
+- t-loopformer budget <t>: depth/t-loopformer with the budget recipe at each `--targets` mean depth (`need` is
+  the task's mean need per token, the manifest's `mean_need`);
+- t-loopformer paper: the paper's router recipe.
+Measured on the first `--windows` validation documents (evaluation/levels.py, the code `tlf eval` runs): answer
+accuracy overall and by level at every budget M, executed work (layers per token over every token: loops x
+layers per loop, so base's one pass of 4 layers counts 4), the
+level x depth table, the share of level-k answers run at depth >= k, and Spearman's rho(executed depth, level).
+The value question: t-loopformer's accuracy at its executed work against loopformer's elastic curve
+interpolated at the same work, per seed (paired), mean +- std.
+
+    python bench/depth_need.py                              # 3 seeds x 5 cases
+    python bench/depth_need.py --seeds 0 --cases loopformer,"t-loopformer budget need"   # what make demo runs
+
+Writes `<out>/depth_need.json`, `<out>/depth_need_accuracy_vs_work.png`, `<out>/depth_need_level_depth.png`
+(out: bench/results/depth_need).
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from interleave import write_json  # noqa: E402  (after the sys.path lines above)
+
+BASE = ["checkpoint.resume=none", "checkpoint.interval=0", "train.eval_interval=0", "train.device=cpu",
+        "logging.mlflow=false", "train.log_interval=100"]
+
+
+def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
+    """label -> (preset, overrides); a target is a number or `need` (filled in from the manifest)."""
+    out = {"base": ("depth/base", []), "loopformer": ("depth/loopformer", [])}
+    for t in targets:
+        out[f"t-loopformer budget {t}"] = ("depth/t-loopformer", ["model.router_recipe=budget",
+                                                                  f"model.router_target_depth={t}"])
+    out["t-loopformer paper"] = ("depth/t-loopformer", ["model.router_recipe=paper"])
+    return out
+
+
+def _slug(label: str) -> str:
+    return label.replace(" ", "_")
+
+
+def prepare(data: Path, docs: int, log=print) -> dict:
+    """The task's shards (made once with the real CLI; a rerun with the same options is a no-op)."""
+    cmd = [sys.executable, "-m", "pipeline.cli", "prep-data", "--source", "depth-hops", "--out", str(data),
+           f"depth_docs={docs}", "seed=0", "--no-progress"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if r.returncode != 0:
+        sys.exit(f"prep-data failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+    from data_prep.depthtask import task_of
+    return task_of(data)
+
+
+def train_case(spec: dict) -> dict:
+    """Worker (own process): trains one case with the project's trainer; returns its dir and times."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from pipeline.config import load_config
+    from pipeline.train.trainer import run
+
+    cfg = load_config(spec["preset"], spec["overrides"])
+    t0, c0 = time.time(), time.process_time()
+    res = run(cfg)
+    return {"dir": cfg.checkpoint.dir, "wall_s": time.time() - t0, "cpu_s": time.process_time() - c0,
+            "final_train_loss": res.losses[-1]}
+
+
+@torch.no_grad()
+def evaluate_case(ckpt: str, data: Path, windows: int) -> dict:
+    """evaluation/levels.py at every budget M = 1..L: {M: Levels}."""
+    from evaluation.levels import level_scores
+    from pipeline.model.io import load_model
+
+    model, cfg = load_model(ckpt)
+    model.eval()
+    out = {M: level_scores(model, str(data), M, max_windows=windows, batch_size=32) for M in range(1, cfg.model.loops + 1)}
+    for lv in out.values():  # compute in layers per token: base runs J L layers in its one loop
+        lv["layer_work"] = lv["work"] * cfg.model.n_layers
+    return out
+
+
+def on_curve(curve: dict, work: float) -> float:
+    """Loopformer's elastic accuracy (M = 1..L at work M) linearly interpolated at `work` (clamped to its ends)."""
+    ms = sorted(curve)
+    return float(np.interp(work, [curve[m]["layer_work"] for m in ms], [curve[m]["accuracy"] for m in ms]))
+
+
+def ms(values) -> str:
+    v = np.asarray([x for x in values if x is not None], dtype=float)
+    if v.size == 0:
+        return "–"
+    return f"{v.mean():.3f} ± {v.std(ddof=1):.3f}" if v.size > 1 else f"{v.mean():.3f}"
+
+
+def summarise(res: dict) -> None:
+    """Per case: the mean +- std over seeds of every reported number; paired deltas against loopformer."""
+    L = res["loops"]
+    lf = res["cases"].get("loopformer")
+    for label, c in res["cases"].items():
+        seeds = c["seeds"]
+        full = [s["levels"][L] for s in seeds.values()]
+        c["summary"] = {
+            "accuracy_at_L": ms(f["accuracy"] for f in full),
+            "accuracy_by_level_at_L": {k: ms(f["accuracy_by_level"].get(k) for f in full) for k in range(1, L + 1)},
+            "work_at_L": ms(f["layer_work"] for f in full),
+            "spearman_at_L": ms(f["spearman"] for f in full),
+            "depth_ge_level_at_L": {k: ms(f["depth_ge_level"].get(k) for f in full) for k in range(1, L + 1)},
+            "accuracy_by_budget": {M: ms(s["levels"][M]["accuracy"] for s in seeds.values()) for M in range(1, L + 1)},
+            "level_depth_at_L": np.sum([f["level_depth"] for f in full], axis=0).tolist(),
+        }
+        if lf is not None and label not in ("loopformer", "base"):
+            deltas = []
+            for seed, s in seeds.items():
+                if seed in lf["seeds"]:
+                    curve = lf["seeds"][seed]["levels"]
+                    at = on_curve(curve, s["levels"][L]["layer_work"])
+                    s["loopformer_at_work"] = at
+                    s["delta_vs_loopformer"] = s["levels"][L]["accuracy"] - at
+                    deltas.append(s["delta_vs_loopformer"])
+            c["summary"]["loopformer_at_work"] = ms(s.get("loopformer_at_work") for s in seeds.values())
+            c["summary"]["delta_vs_loopformer"] = ms(deltas)
+            if len(deltas) > 1:
+                acc_std = np.std([f["accuracy"] for f in full], ddof=1)
+                c["summary"]["delta_over_3_std"] = bool(np.mean(deltas) > 3 * acc_std)
+
+
+def table(res: dict) -> str:
+    L = res["loops"]
+    head = ("| case | acc at M=L | " + " | ".join(f"level {k}" for k in range(1, L + 1)) +
+            " | work (layers/token) | ρ(depth, level) | loopformer at that work | Δ (paired) |")
+    lines = [head, "|" + "---|" * (7 + L - 1)]
+    for label, c in res["cases"].items():
+        s = c["summary"]
+        lines.append(f"| {label} | {s['accuracy_at_L']} | " + " | ".join(s["accuracy_by_level_at_L"][k] for k in range(1, L + 1))
+                     + f" | {s['work_at_L']} | {s['spearman_at_L']} | {s.get('loopformer_at_work', '–')} | "
+                     f"{s.get('delta_vs_loopformer', '–')} |")
+    return "\n".join(lines)
+
+
+def elastic_table(res: dict) -> str:
+    L = res["loops"]
+    lines = ["| case | " + " | ".join(f"M={M}" for M in range(1, L + 1)) + " |", "|" + "---|" * (L + 1)]
+    for label, c in res["cases"].items():
+        if label == "base":
+            continue
+        lines.append(f"| {label} | " + " | ".join(c["summary"]["accuracy_by_budget"][M] for M in range(1, L + 1)) + " |")
+    return "\n".join(lines)
+
+
+def level_depth_text(label: str, c: dict, L: int) -> str:
+    """The level x depth table (answers at M = L, summed over seeds), rows in % of the level's answers."""
+    t = np.asarray(c["summary"]["level_depth_at_L"], dtype=float)
+    lines = [f"{label}: level x executed depth at M={L} (% of the level's answers; summed over seeds)",
+             "  level | " + " ".join(f"d{d:<5}" for d in range(1, t.shape[1] + 1)) + "| depth >= level"]
+    for k in range(t.shape[0]):
+        row = t[k] / max(t[k].sum(), 1) * 100
+        lines.append(f"  {k + 1:>5} | " + " ".join(f"{x:5.1f} " for x in row) + f"| {row[k:].sum():5.1f}%")
+    return "\n".join(lines)
+
+
+def figures(res: dict, out: Path) -> list[Path]:
+    from evaluation.figures import pyplot, save
+
+    plt, L, paths = pyplot(), res["loops"], []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, c in res["cases"].items():
+        pts = {M: [(s["levels"][M]["layer_work"], s["levels"][M]["accuracy"]) for s in c["seeds"].values()] for M in range(1, L + 1)}
+        Ms = [L] if label.startswith("t-loopformer") or label == "base" else list(range(1, L + 1))
+        xs = [np.mean([p[0] for p in pts[M]]) for M in Ms]
+        ys = [np.mean([p[1] for p in pts[M]]) for M in Ms]
+        es = [np.std([p[1] for p in pts[M]], ddof=1) if len(pts[M]) > 1 else 0.0 for M in Ms]
+        ax.errorbar(xs, ys, yerr=es, marker="o" if len(Ms) > 1 else "*", ms=5 if len(Ms) > 1 else 12, capsize=3,
+                    lw=1.2, label=label)
+    ax.set_xlabel("executed work (layers per token over every token; one layer per loop)")
+    ax.set_ylabel("answer accuracy")
+    ax.set_title("depth-hops: accuracy vs loop work (mean ± std over seeds)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    paths.append(save(fig, out / "depth_need_accuracy_vs_work.png"))
+    routed = [k for k in res["cases"] if k.startswith("t-loopformer")]
+    if routed:
+        fig, axes = plt.subplots(1, len(routed), figsize=(3.4 * len(routed), 3.2), squeeze=False)
+        for ax, label in zip(axes[0], routed):
+            t = np.asarray(res["cases"][label]["summary"]["level_depth_at_L"], dtype=float)
+            ax.imshow(t / np.maximum(t.sum(1, keepdims=True), 1), vmin=0, vmax=1, cmap="Blues")
+            ax.set_xticks(range(L), [str(d) for d in range(1, L + 1)])
+            ax.set_yticks(range(L), [str(k) for k in range(1, L + 1)])
+            ax.set_xlabel("executed depth")
+            ax.set_ylabel("level d*")
+            ax.set_title(label, fontsize=8)
+        paths.append(save(fig, out / "depth_need_level_depth.png"))
+    return paths
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3000, help="training steps per case (64 documents each)")
+    ap.add_argument("--seeds", default="0,1,2", help="training seeds (comma-separated); cases are paired by seed")
+    ap.add_argument("--targets", default="need,2.5", help="budget recipe's target mean depths; `need`: the task's mean need")
+    ap.add_argument("--cases", default="", help="only these case labels (comma-separated); default all")
+    ap.add_argument("--jobs", type=int, default=2, help="runs trained at once (one thread each)")
+    ap.add_argument("--windows", type=int, default=512, help="validation documents measured")
+    ap.add_argument("--out", default="bench/results/depth_need")
+    a = ap.parse_args(argv)
+
+    torch.set_num_threads(1)
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "data"
+    mb = 64
+    task = prepare(data, docs=a.steps * mb + 20 * a.windows)
+    need = round(float(task["mean_need"]), 3)
+    seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+    chosen = cases([t.strip() for t in a.targets.split(",") if t.strip()])
+    if a.cases:
+        keep = [c.strip() for c in a.cases.split(",")]
+        unknown = [c for c in keep if c not in chosen]
+        if unknown:
+            sys.exit(f"--cases: unknown {unknown}; known: {list(chosen)}")
+        chosen = {k: v for k, v in chosen.items() if k in keep}
+    specs = {}
+    for label, (preset, ov) in chosen.items():
+        ov = [o.replace("=need", f"={need}") for o in ov]
+        for s in seeds:
+            specs[(label, s)] = {"preset": preset, "overrides": BASE + ov + [
+                f"schedule.max_steps={a.steps}", f"train.seed={s}", f"data.dir={data}",
+                f"train.micro_batch_size={mb}", f"train.global_batch_size={mb}",
+                f"checkpoint.dir={out / 'checkpoints' / f'{_slug(label)}_s{s}'}"]}
+    t0 = time.time()
+    print(f"depth-need study: {len(chosen)} cases x {len(seeds)} seeds x {a.steps} steps, {a.jobs} at a time; "
+          f"task mean need {need} loops per token -> {out}", flush=True)
+    with mp.get_context("spawn").Pool(a.jobs) as pool:
+        trained = dict(zip(specs, pool.map(train_case, list(specs.values()), chunksize=1)))
+    t_train = time.time() - t0
+    res = {"command": "python bench/depth_need.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "steps": a.steps, "documents_per_step": mb, "seeds": seeds, "task": task, "mean_need": need,
+           "windows": a.windows, "train_wall_s": t_train, "cases": {}}
+    for (label, s), tr in trained.items():
+        c = res["cases"].setdefault(label, {"preset": specs[(label, s)]["preset"], "seeds": {}})
+        c["overrides"] = [o for o in specs[(label, s)]["overrides"] if not o.startswith(("train.seed", "checkpoint.dir"))]
+        c["seeds"][s] = {**tr, "levels": evaluate_case(tr["dir"], data, a.windows)}
+    res["loops"] = L = max(len(c["seeds"][seeds[0]]["levels"]) for c in res["cases"].values())
+    for c in res["cases"].values():  # base (L = 1): its single pass stands for every budget
+        for s in c["seeds"].values():
+            s["levels"] = {M: s["levels"].get(M, s["levels"][max(s["levels"])]) for M in range(1, L + 1)}
+    summarise(res)
+    res["wall_s"] = time.time() - t0
+    res["table"], res["elastic_table"] = table(res), elastic_table(res)
+    res["level_depth_text"] = "\n\n".join(level_depth_text(k, c, L) for k, c in res["cases"].items()
+                                          if k.startswith("t-loopformer"))
+    for p in figures(res, out):
+        print(f"wrote {p}")
+    write_json(out / "depth_need.json", res)
+    print(res["table"])
+    print("\nanswer accuracy at every budget M (mean ± std over seeds):")
+    print(res["elastic_table"])
+    print()
+    print(res["level_depth_text"])
+    print(f"\nstudy took {res['wall_s'] / 60:.1f} min (training {t_train / 60:.1f} min)")
+    return res
+
+
+if __name__ == "__main__":
+    main()
