@@ -1,6 +1,6 @@
 """Router study: does the token-choice router earn its compute?
 
-Trains, with the same seed, data and steps (the project's trainer, `pipeline.train.trainer.run`, one process
+Trains, at each of `--seeds` (paired: every case sees the same data order at a seed), with the same data and steps (the project's trainer, `pipeline.train.trainer.run`, one process
 per case, `--jobs` at a time), small/loopformer and small/t-loopformer under each router recipe: the paper's
 (`model.router_recipe=paper`) and the budget recipe at each `--targets` mean depth. Then, on the first
 `--val-tokens` validation tokens of the demo corpus, it measures for every case:
@@ -15,8 +15,8 @@ per case, `--jobs` at a time), small/loopformer and small/t-loopformer under eac
 - validation loss at every budget M = 1..L for both models, with the loop work of each, so t-loopformer's
   loss at its executed work is read against loopformer's elastic curve (linear interpolation in work).
 
-    python bench/router.py                       # default size: 500 steps x 4 cases, 2 jobs
-    python bench/router.py --steps 120 --jobs 1  # quicker look
+    python bench/router.py                       # default size: 500 steps x 4 cases x 3 seeds, 2 jobs
+    python bench/router.py --steps 120 --seeds 1337 --jobs 1  # quicker look
 
 Writes `<out>/router.json`, `<out>/router_depth_over_training.png`, `<out>/router_loss_vs_work.png` and
 `<out>/router_depth_final.png` (out: bench/results/router).
@@ -219,53 +219,12 @@ def table(res: dict, L: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=500, help="training steps per case (512 tokens each)")
-    ap.add_argument("--targets", default="2,3", help="budget recipe's target mean depths (comma-separated)")
-    ap.add_argument("--jobs", type=int, default=2, help="cases trained at once (one thread each)")
-    ap.add_argument("--val-tokens", type=int, default=20480, help="validation tokens measured")
-    ap.add_argument("--window", type=int, default=10, help="steps averaged per point of the depth-over-training table")
-    ap.add_argument("--seed", type=int, default=1337)
-    ap.add_argument("--data", default="data/demo", help="shards made by `tlf prep-data --source demo`")
-    ap.add_argument("--out", default="bench/results/router")
-    a = ap.parse_args(argv)
-
-    torch.set_num_threads(1)
-    out = Path(a.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    data = Path(a.data).resolve()
-    if not (data / "manifest.json").is_file():
-        sys.exit(f"{data}: no shards; make them with `tlf prep-data --source demo --out {a.data}`")
-    targets = [float(t) for t in a.targets.split(",") if t.strip()]
-    specs = {}
-    for label, (preset, ov) in cases(targets).items():
-        specs[label] = {"preset": preset, "overrides": BASE + ov + [
-            f"schedule.max_steps={a.steps}", f"train.seed={a.seed}", f"data.dir={data}",
-            f"checkpoint.dir={out / 'checkpoints' / _slug(label)}",
-            f"logging.tracking_uri=sqlite:///{out / 'mlflow' / (_slug(label) + '.db')}"]}
-    (out / "mlflow").mkdir(exist_ok=True)
-    t0 = time.time()
-    print(f"router study: {len(specs)} cases x {a.steps} steps, {a.jobs} at a time -> {out}", flush=True)
-    with mp.get_context("spawn").Pool(a.jobs) as pool:
-        trained = dict(zip(specs, pool.map(train_case, list(specs.values()), chunksize=1)))
-    t_train = time.time() - t0
-
-    from data_prep.shards import ShardSet
+def measure_seed(trained: dict, specs: dict, batches: list, counts: np.ndarray, L: int, steps: int, window: int,
+                 points: list[int]) -> dict:
+    """Every case of one seed: the per-case dict the tables and figures read."""
     from pipeline.model.io import load_model
-    from pipeline.train.data import ValLoader
 
-    train = ShardSet(str(data), "train")
-    counts = np.bincount(train.read(0, train.num_tokens).astype(np.int64), minlength=50304)
-    first = load_model(trained["loopformer"]["dir"])[1]
-    L, T = first.model.loops, first.model.block_size
-    mb = 8
-    val = ValLoader(str(data), "val", T, mb, 0, 1, first.model.vocab_size)
-    batches = list(val.batches(max(1, math.ceil(a.val_tokens / (T * mb)))))
-    points = sorted({1, 5} | {s for s in range(0, a.steps + 1, max(1, a.steps // 10)) if s > 0} | {a.steps})
-    res = {"command": "python bench/router.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "steps": a.steps, "tokens_per_step": first.train.global_batch_size * T, "seed": a.seed,
-           "val_tokens": sum(int(y.numel()) for _, y in batches), "loops": L, "train_wall_s": t_train, "cases": {}}
+    cases_out = {}
     for label, tr in trained.items():
         model, cfg = load_model(tr["dir"])
         ev = evaluate_case(model, batches, L)
@@ -283,19 +242,110 @@ def main(argv=None) -> None:
                 c["target_depth"] = target
                 c["final"]["depth_vs_target"] = float(depth.mean() / target - 1)
             c["final"]["token_dependence"] = token_dependence(ids, depth, counts, L)
-            c["depth_over_training"] = depth_history(tr["uri"], tr["run_id"], L, a.steps, a.window, points)
-        res["cases"][label] = c
-    lf = res["cases"]["loopformer"]["per_budget"]
-    for label, c in res["cases"].items():
+            c["depth_over_training"] = depth_history(tr["uri"], tr["run_id"], L, steps, window, points)
+        cases_out[label] = c
+    lf = cases_out["loopformer"]["per_budget"]
+    for label, c in cases_out.items():
         if label != "loopformer":
             at = interp_loss(lf, L, c["final"]["loop_work"])
             c["final"]["loopformer_loss_at_work"] = at
             c["final"]["delta_vs_loopformer"] = c["final"]["val_loss"] - at
+    return cases_out
+
+
+def _ms(v) -> str:
+    v = np.asarray(v, dtype=float)
+    return f"{v.mean():.4f} ± {v.std(ddof=1):.4f}" if v.size > 1 else f"{v.mean():.4f}"
+
+
+def seed_summary(per_seed: dict, L: int) -> tuple[dict, str, str]:
+    """Mean ± std over seeds per case (the deltas are paired: each seed's t-loopformer against that seed's
+    loopformer curve), as a dict and two markdown tables."""
+    labels = list(next(iter(per_seed.values())))
+    summ = {}
+    for label in labels:
+        cs = [per_seed[s][label] for s in per_seed]
+        f = [c["final"] for c in cs]
+        summ[label] = {"val_loss": [x["val_loss"] for x in f], "mean_depth": [x["mean_depth"] for x in f],
+                       "loop_work": [x["loop_work"] for x in f],
+                       "delta_vs_loopformer": [x["delta_vs_loopformer"] for x in f if "delta_vs_loopformer" in x],
+                       "per_budget": {M: [c["per_budget"][M]["val_loss"] for c in cs] for M in range(1, L + 1)}}
+    lines = ["| case | val loss at M=L | mean depth | loop work | Δ vs loopformer at that work (paired) | seeds with Δ < 0 |",
+             "|---|---|---|---|---|---|"]
+    for label, x in summ.items():
+        d = x["delta_vs_loopformer"]
+        lines.append(f"| {label} | {_ms(x['val_loss'])} | {_ms(x['mean_depth'])} | {_ms(x['loop_work'])} | "
+                     + (f"{_ms(d)} | {sum(v < 0 for v in d)} of {len(d)} |" if d else "– | – |"))
+    el = ["| case | " + " | ".join(f"M = {M}" for M in range(1, L + 1)) + " |", "|" + "---|" * (L + 1)]
+    for label, x in summ.items():
+        el.append(f"| {label} | " + " | ".join(_ms(x["per_budget"][M]) for M in range(1, L + 1)) + " |")
+    return summ, "\n".join(lines), "\n".join(el)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=500, help="training steps per case (512 tokens each)")
+    ap.add_argument("--targets", default="2,3", help="budget recipe's target mean depths (comma-separated)")
+    ap.add_argument("--jobs", type=int, default=2, help="cases trained at once (one thread each)")
+    ap.add_argument("--val-tokens", type=int, default=20480, help="validation tokens measured")
+    ap.add_argument("--window", type=int, default=10, help="steps averaged per point of the depth-over-training table")
+    ap.add_argument("--seeds", default="1337,1338,1339",
+                    help="training seeds (comma-separated): every case runs at each, deltas are paired by seed")
+    ap.add_argument("--data", default="data/demo", help="shards made by `tlf prep-data --source demo`")
+    ap.add_argument("--out", default="bench/results/router")
+    a = ap.parse_args(argv)
+
+    torch.set_num_threads(1)
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    data = Path(a.data).resolve()
+    if not (data / "manifest.json").is_file():
+        sys.exit(f"{data}: no shards; make them with `tlf prep-data --source demo --out {a.data}`")
+    targets = [float(t) for t in a.targets.split(",") if t.strip()]
+    seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+    specs = {}
+    for seed in seeds:
+        for label, (preset, ov) in cases(targets).items():
+            run = f"{_slug(label)}_s{seed}"
+            specs[(seed, label)] = {"preset": preset, "overrides": BASE + ov + [
+                f"schedule.max_steps={a.steps}", f"train.seed={seed}", f"data.dir={data}",
+                f"checkpoint.dir={out / 'checkpoints' / run}",
+                f"logging.tracking_uri=sqlite:///{out / 'mlflow' / (run + '.db')}"]}
+    (out / "mlflow").mkdir(exist_ok=True)
+    t0 = time.time()
+    print(f"router study: {len(specs) // len(seeds)} cases x {len(seeds)} seeds x {a.steps} steps, {a.jobs} at a time "
+          f"-> {out}", flush=True)
+    with mp.get_context("spawn").Pool(a.jobs) as pool:
+        trained = dict(zip(specs, pool.map(train_case, list(specs.values()), chunksize=1)))
+    t_train = time.time() - t0
+
+    from data_prep.shards import ShardSet
+    from pipeline.model.io import load_model
+    from pipeline.train.data import ValLoader
+
+    train = ShardSet(str(data), "train")
+    counts = np.bincount(train.read(0, train.num_tokens).astype(np.int64), minlength=50304)
+    first = load_model(trained[(seeds[0], "loopformer")]["dir"])[1]
+    L, T = first.model.loops, first.model.block_size
+    mb = 8
+    val = ValLoader(str(data), "val", T, mb, 0, 1, first.model.vocab_size)
+    batches = list(val.batches(max(1, math.ceil(a.val_tokens / (T * mb)))))
+    points = sorted({1, 5} | {s for s in range(0, a.steps + 1, max(1, a.steps // 10)) if s > 0} | {a.steps})
+    per_seed = {}
+    for seed in seeds:
+        tr = {label: v for (s, label), v in trained.items() if s == seed}
+        sp = {label: v for (s, label), v in specs.items() if s == seed}
+        per_seed[seed] = measure_seed(tr, sp, batches, counts, L, a.steps, a.window, points)
+    res = {"command": "python bench/router.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "steps": a.steps, "tokens_per_step": first.train.global_batch_size * T, "seeds": seeds,
+           "val_tokens": sum(int(y.numel()) for _, y in batches), "loops": L, "train_wall_s": t_train,
+           "cases": per_seed[seeds[0]], "per_seed": {s: per_seed[s] for s in seeds[1:]}}
+    res["summary"], res["summary_table"], res["elastic_table"] = seed_summary(per_seed, L)
     res["wall_s"] = time.time() - t0
     res["table"] = table(res, L)
-    for p in figures(res, out, L):
+    for p in figures(res, out, L):  # the figures show the first seed
         print(f"wrote {p}")
-    # depth over training, as a table per routed case
+    # depth over training, as a table per routed case (first seed)
     lines = []
     for label, c in res["cases"].items():
         if "depth_over_training" in c:
@@ -304,13 +354,15 @@ def main(argv=None) -> None:
                 lines.append(f"  {s:>5} | " + " / ".join(f"{100 * x:.0f}" for x in row["share"]) + f" | {row['mean_depth']:.2f}")
     res["depth_over_training_text"] = "\n".join(lines)
     write_json(out / "router.json", res)
+    print(f"over {len(seeds)} seeds (mean ± std):")
+    print(res["summary_table"])
+    print("\nvalidation loss at every budget M (mean ± std over seeds):")
+    print(res["elastic_table"])
+    print(f"\nseed {seeds[0]} in detail:")
     print(res["table"])
     print(res["depth_over_training_text"])
-    print("\nloss at every budget M (loop work):")
-    for label, c in res["cases"].items():
-        print(f"  {label}: " + ", ".join(f"M={m} {p['val_loss']:.4f} ({p['loop_work']:.2f})" for m, p in c["per_budget"].items()))
-    print(f"\nstudy took {res['wall_s'] / 60:.1f} min (training {t_train / 60:.1f} min; CPU time per case "
-          + ", ".join(f"{k} {v['cpu_s']:.0f}s" for k, v in trained.items()) + ")")
+    print(f"\nstudy took {res['wall_s'] / 60:.1f} min (training {t_train / 60:.1f} min; CPU time per run "
+          + ", ".join(f"{k[1]} s{k[0]} {v['cpu_s']:.0f}s" for k, v in trained.items()) + ")")
 
 
 if __name__ == "__main__":
