@@ -168,13 +168,9 @@ def elastic_table(res: dict) -> str:
 
 def level_depth_text(label: str, c: dict, L: int) -> str:
     """The level x depth table (answers at M = L, summed over seeds), rows in % of the level's answers."""
-    t = np.asarray(c["summary"]["level_depth_at_L"], dtype=float)
-    lines = [f"{label}: level x executed depth at M={L} (% of the level's answers; summed over seeds)",
-             "  level | " + " ".join(f"d{d:<5}" for d in range(1, t.shape[1] + 1)) + "| depth >= level"]
-    for k in range(t.shape[0]):
-        row = t[k] / max(t[k].sum(), 1) * 100
-        lines.append(f"  {k + 1:>5} | " + " ".join(f"{x:5.1f} " for x in row) + f"| {row[k:].sum():5.1f}%")
-    return "\n".join(lines)
+    from evaluation.levels import level_depth_lines
+    head = f"{label}: level x executed depth at M={L} (% of the level's answers; summed over seeds)"
+    return "\n".join([head, *level_depth_lines(c["summary"]["level_depth_at_L"], "  ")])
 
 
 def figures(res: dict, out: Path) -> list[Path]:

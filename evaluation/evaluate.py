@@ -22,7 +22,7 @@ from evaluation.depth import depth_chart
 from evaluation.perplexity import TokenStream, make_windows, perplexity
 from evaluation.progress import Progress
 from evaluation.latency import measure_latency
-from evaluation.levels import level_scores
+from evaluation.levels import describe_levels, level_scores
 from evaluation.scorer import Scorer, task_metrics, task_requests
 from evaluation.tasks import TASKS, TaskUnavailable, load_task, spec
 
@@ -204,10 +204,8 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
             t0 = time.time()
             b["levels"] = level_scores(model, level_dir, m_eff, cfg.data.val_split, device=dev)
             b["timing_s"]["levels"] = round(time.time() - t0, 3)
-            lv = b["levels"]
-            say(f"  M={m_req} depth-hops accuracy {lv['accuracy']:.4f}; by level "
-                + ", ".join(f"L{k} {a:.3f}" for k, a in lv["accuracy_by_level"].items() if a is not None)
-                + (f"; rho {lv['spearman']:.3f}" if lv["spearman"] is not None else ""))
+            for line in describe_levels(b["levels"], m_req):
+                say(line)
         if ev.latency:
             bar.stage(f"eval M={m_req} latency")
             t0 = time.time()

@@ -54,3 +54,23 @@ def level_scores(model, directory: str, loops: int, split: str = "val", max_wind
             "level_depth": table.tolist(), "mean_depth": float(dep.mean()), "work": work / (n_win * T),
             "depth_ge_level": {int(k): float((dep[lev == k] >= k).mean()) for k in range(1, L + 1) if (lev == k).any()},
             "spearman": spearman(dep.astype(float), lev.astype(float))}
+
+
+def level_depth_lines(table, indent: str = "    ") -> list[str]:
+    """A level x executed-depth count table as text rows: % of each level's answers at each depth, and the share
+    run at depth >= the level."""
+    lines = [f"{indent}level | " + " ".join(f"d{d:<5}" for d in range(1, len(table[0]) + 1)) + "| depth >= level"]
+    for k, row in enumerate(table, start=1):
+        n = max(sum(row), 1)
+        lines.append(f"{indent}{k:>5} | " + " ".join(f"{100 * c / n:5.1f} " for c in row)
+                     + f"| {100 * sum(row[k - 1:]) / n:5.1f}%")
+    return lines
+
+
+def describe_levels(lv: dict, M: int) -> list[str]:
+    """Console lines for one budget's `level_scores`: accuracy overall and by level, work, rho and the level x
+    executed-depth table."""
+    acc = ", ".join(f"L{k} {a:.3f}" for k, a in lv["accuracy_by_level"].items() if a is not None)
+    rho = f"; rho(depth, level) {lv['spearman']:.3f}" if lv.get("spearman") is not None else ""
+    return [f"  M={M} depth-hops accuracy {lv['accuracy']:.4f}; by level {acc}; work {lv['work']:.3f} loops/token{rho}",
+            *level_depth_lines(lv["level_depth"])]

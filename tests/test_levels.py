@@ -62,3 +62,13 @@ def test_compare_plots_accuracy_against_loop_work(tmp_path):
                           "loopformer": Run("r2", "loopformer", "n", 0, {}, {}, {"budgets": []})})
     paths = plot_all(sel, None, tmp_path)
     assert [p.name for p in paths] == ["accuracy_vs_work.png"] and paths[0].stat().st_size > 0
+
+
+def test_level_depth_table_is_printed_in_percent_of_each_level():
+    from evaluation.levels import describe_levels
+    lv = {"accuracy": 0.5, "accuracy_by_level": {1: 1.0, 2: 0.0}, "work": 1.5, "spearman": 1.0,
+          "level_depth": [[3, 1], [1, 3]]}
+    lines = describe_levels(lv, 2)
+    assert "L1 1.000, L2 0.000" in lines[0] and "rho(depth, level) 1.000" in lines[0]
+    assert lines[2].split("|")[1].split() == ["75.0", "25.0"] and lines[2].endswith("100.0%")
+    assert lines[3].split("|")[1].split() == ["25.0", "75.0"] and lines[3].endswith(" 75.0%")  # depth >= 2
