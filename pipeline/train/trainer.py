@@ -184,8 +184,7 @@ class Trainer:
         resume_from = ckpt.find_resume(cfg, root, log.warn)
         saved = ckpt.read_state(resume_from, 0, None) if resume_from is not None else None
         note = _adapt_to_layout(cfg, saved, ws)  # another world size or ZeRO stage: grad-accum adapts
-        cfg.check_world_size(ws)
-        ds_config = ds.build_ds_config(cfg, ws, precision)
+        ds_config = ds.build_ds_config(cfg, ws, precision)  # checks the batch sizes against ws (check_world_size)
         T, mb = cfg.model.block_size, cfg.train.micro_batch_size
 
         if loader is None:
