@@ -8,6 +8,7 @@ directory and logs everything to MLflow.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import tracking
@@ -98,6 +99,144 @@ def ppl_dirs(cfg: Config) -> list[str]:
     return list(cfg.eval.ppl_dirs) or ([cfg.data.dir] + list(cfg.data.extra_val_dirs))
 
 
+@dataclass
+class _Inputs:
+    """Everything loaded once and reused at every budget."""
+    tasks: dict  # name -> task data
+    skipped: dict  # name -> why (eval.strict=false)
+    requests: dict  # name -> (tokenised requests, spans)
+    streams: list  # perplexity TokenStreams
+    windows: list  # perplexity windows per stream
+    level_dir: str  # a depth-hops data.dir ("" otherwise): accuracy by level
+
+
+@dataclass
+class _Run:
+    """One evaluation's state, shared by its steps."""
+    model: object
+    cfg: Config
+    dev: str
+    inp: _Inputs
+    scorer: Scorer
+    bar: Progress
+    say: object
+    out_dir: Path
+    files: list = field(default_factory=list)
+
+
+def load_inputs(cfg: Config, log) -> _Inputs:
+    """The tasks (a task whose data cannot be reached is skipped with one line unless eval.strict), their
+    tokenised requests, the perplexity streams and, for a depth-hops data.dir, the directory to score by level."""
+    ev = cfg.eval
+    tasks, skipped = {}, {}
+    for n in ev.tasks:
+        try:
+            tasks[n] = load_task(n, ev.source, ev.race_file, ev.limit)
+        except TaskUnavailable as e:
+            if ev.strict:
+                raise
+            skipped[n] = str(e)
+            log(f"eval: warning: skipping {n} (eval.strict=false): {e}")
+    streams = [TokenStream(d, cfg.data.val_split, ev.ppl_tokens) for d in ppl_dirs(cfg)] if ev.perplexity else []
+    T = min(ev.ppl_context or cfg.model.block_size, cfg.model.block_size)
+    windows = [len(make_windows(st.num_tokens, T, ev.ppl_stride).starts) for st in streams]
+    return _Inputs(tasks, skipped, {n: task_requests(td) for n, td in tasks.items()}, streams, windows,
+                   cfg.data.dir if task_of(cfg.data.dir) else "")
+
+
+def _measure_tasks(r: _Run, b: dict, m_req: int, m_eff: int) -> None:
+    for n, td in r.inp.tasks.items():
+        t0 = time.time()
+        reqs, spans = r.inp.requests[n]
+        sp = TASKS[n]
+        r.bar.stage(f"eval M={m_req} {n}")
+        scored = r.scorer.score(reqs, m_eff, r.bar.part(len(td.examples), len(reqs)))
+        b["tasks"][n] = task_metrics(td, sp.kind, sp.metrics, scored, spans)
+        b["timing_s"][n] = round(time.time() - t0, 3)
+        t = b["tasks"][n]
+        r.say(f"  M={m_req} {n} ({t['split']}): " + ", ".join(f"{k}={v:.4f}" for k, v in t.items() if isinstance(v, float))
+              + (f"  [{t['note']}]" if t.get("note") else ""))
+    b["avg_acc"], b["avg_acc_tasks"] = results.average_accuracy(b["tasks"], r.cfg.eval.table_metric)
+
+
+def _measure_perplexity(r: _Run, b: dict, m_req: int, m_eff: int) -> None:
+    """Perplexity on every set; the depth distribution (+ chart) on the first."""
+    ev, cfg = r.cfg.eval, r.cfg
+    for i, st in enumerate(r.inp.streams):
+        t0 = time.time()
+        r.bar.stage(f"eval M={m_req} ppl {st.name}")
+        p = perplexity(r.model, st, m_eff, ev.ppl_context, ev.ppl_stride, ev.batch_size, r.dev,
+                       progress=r.bar.part(r.inp.windows[i], r.inp.windows[i]))
+        b["timing_s"][f"ppl:{st.name}"] = round(time.time() - t0, 3)
+        depth = p.pop("depth")
+        b["perplexity"].append(p)
+        r.say(f"  M={m_req} ppl {st.name}: {p['ppl']:.3f} ({p['tokens']} tokens)")
+        if i == 0 and ev.depth:
+            depth = dict(depth, set=st.name, variant=cfg.model.variant, router=cfg.model.router)
+            b["depth"] = depth
+            png = depth_chart(depth, m_eff, r.out_dir / f"depth_M{m_req}.png",
+                              f"{report.variant_label(cfg.model.variant)}: depth on {st.name}, M={m_req}")
+            r.files.append(png)
+            b["depth"]["chart"] = str(png)
+            r.say(f"  M={m_req} mean depth {depth['mean']:.3f}")
+
+
+def _measure_levels(r: _Run, b: dict, m_req: int, m_eff: int) -> None:
+    t0 = time.time()
+    b["levels"] = level_scores(r.model, r.inp.level_dir, m_eff, r.cfg.data.val_split, device=r.dev)
+    b["timing_s"]["levels"] = round(time.time() - t0, 3)
+    for line in describe_levels(b["levels"], m_req):
+        r.say(line)
+
+
+def _measure_latency(r: _Run, b: dict, m_req: int, m_eff: int) -> None:
+    r.bar.stage(f"eval M={m_req} latency")
+    t0 = time.time()
+    b["latency"] = measure_latency(r.model, m_eff, r.dev)
+    b["timing_s"]["latency"] = round(time.time() - t0, 3)
+
+
+def measure_budget(r: _Run, m_req: int, m_eff: int) -> dict:
+    """Every measurement at one loop budget (requested m_req, run as m_eff): one `results.Budget`."""
+    b = {"loops": m_req, "effective_loops": m_eff, "tasks": {}, "perplexity": [], "timing_s": {}}
+    _measure_tasks(r, b, m_req, m_eff)
+    _measure_perplexity(r, b, m_req, m_eff)
+    if r.inp.level_dir:
+        _measure_levels(r, b, m_req, m_eff)
+    if r.cfg.eval.latency:
+        _measure_latency(r, b, m_req, m_eff)
+    return b
+
+
+def publish(result: results.Results, r: _Run, export: Path, name: str, trained_as: str | None, log) -> None:
+    """Writes results.json and table1.md, logs them (and the charts) to MLflow when eval.mlflow, prints the table."""
+    cfg, ev, files = r.cfg, r.cfg.eval, r.files
+    md = r.out_dir / "table1.md"
+    md.write_text(report.table1_markdown(result))
+    out_json = r.out_dir / results.RESULTS_FILE
+    result["files"] = {"json": str(out_json), "table": str(md), "charts": [str(f) for f in files]}
+    files = [out_json, md] + files
+    results.write(out_json, result)
+    if ev.mlflow:
+        rec = read_run_record(export)
+        run_id, step = (rec.mlflow_run_id, rec.step) if rec else (None, 0)
+        tags = {"variant": cfg.model.variant, "preset": cfg.name or "", "checkpoint": str(export),
+                "kind": "eval", "run_name": f"eval-{name}", "table_metric": ev.table_metric}
+        if trained_as and run_id:  # another variant's rows: its own run, linked to the training run
+            tags["train_run_id"], run_id = run_id, None
+        first = result["budgets"][0]["tasks"] if result["budgets"] else {}
+        tags.update({f"split.{t}": x["split"] for t, x in first.items()})
+        tags.update({f"skipped.{t}": "unavailable" for t in r.inp.skipped})
+        result["mlflow_run_id"] = report.log_mlflow(result, files, cfg.logging.tracking_uri, cfg.logging.experiment,
+                                                    run_id, tags, step)
+        result["mlflow_run"] = "checkpoint's run" if result["mlflow_run_id"] == run_id else "new run"
+        if result.get("mlflow_note"):
+            log(f"eval: {result['mlflow_note']}")
+        results.write(out_json, result)
+    log("\n" + md.read_text())
+    log(f"eval: wrote {out_json} and {md}")
+
+
 def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, config: str | None = None,
         device: str | None = None, model=None, cfg: Config | None = None, variant: str | None = None,
         log=print) -> results.Results:
@@ -115,128 +254,43 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
     model = model.to(dev).eval()
     budgets = resolve_budgets(cfg, parse_loops(loops))
     ev = cfg.eval
-    task_names = list(ev.tasks)
-    for n in task_names:
+    for n in ev.tasks:
         spec(n)  # unknown task names fail before anything runs
     if ev.mlflow:  # a dead or refusing server: one line now (TrackingError), not after the whole evaluation
         tracking.checked_client(cfg.logging.tracking_uri)
 
-    # ---- load everything once; a task whose data cannot be reached is skipped (one line) unless eval.strict
     t0 = time.time()
-    tasks, skipped = {}, {}
-    for n in task_names:
-        try:
-            tasks[n] = load_task(n, ev.source, ev.race_file, ev.limit)
-        except TaskUnavailable as e:
-            if ev.strict:
-                raise
-            skipped[n] = str(e)
-            log(f"eval: warning: skipping {n} (eval.strict=false): {e}")
-    requests = {n: task_requests(td) for n, td in tasks.items()}
-    streams = [TokenStream(d, cfg.data.val_split, ev.ppl_tokens) for d in ppl_dirs(cfg)] if ev.perplexity else []
-    load_s = time.time() - t0
-    log(f"eval: {len(tasks)} tasks, {len(streams)} perplexity sets loaded in {load_s:.1f}s; budgets "
+    inp = load_inputs(cfg, log)
+    log(f"eval: {len(inp.tasks)} tasks, {len(inp.streams)} perplexity sets loaded in {time.time() - t0:.1f}s; budgets "
         f"{[m for m, _ in budgets]} on {dev}")
-
     name = (cfg.name or export.name) + (f"-as-{cfg.model.variant}" if trained_as else "")
     out_dir = Path(ev.out_dir) if ev.out_dir else Path("out") / "eval" / name.replace("/", "_") / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
-    scorer = Scorer(model, ev.batch_size, dev)
-    T = min(ev.ppl_context or cfg.model.block_size, cfg.model.block_size)
-    windows = [len(make_windows(st.num_tokens, T, ev.ppl_stride).starts) for st in streams]
-    work = sum(len(td.examples) for td in tasks.values()) + sum(windows)  # per budget
+    work = sum(len(td.examples) for td in inp.tasks.values()) + sum(inp.windows)  # per budget
     bar = Progress(work * len({m for _, m in budgets}), ev.progress)
-    say = bar.say(log)
-    files: list[Path] = []
+    r = _Run(model, cfg, dev, inp, Scorer(model, ev.batch_size, dev), bar, bar.say(log), out_dir)
     result: results.Results = {
         "checkpoint": str(Path(checkpoint)), "export": str(export), "config_name": cfg.name,
         "model": {"variant": cfg.model.variant, "n_layers": cfg.model.n_layers, "loops": cfg.model.loops,
                   "router": cfg.model.router, "block_size": cfg.model.block_size,
                   "params": model.num_params(), **({"trained_as": trained_as} if trained_as else {})},
         "device": dev, "limit": ev.limit, "source": ev.source, "table_metric": ev.table_metric,
-        "ppl_sets": [s.name for s in streams], "budgets": [],
-        **({"skipped_tasks": skipped} if skipped else {}),
+        "ppl_sets": [s.name for s in inp.streams], "budgets": [],
+        **({"skipped_tasks": inp.skipped} if inp.skipped else {}),
     }
     if cfg.model.loops == 1 and any(m != 1 for m, _ in budgets):
         result["note"] = "base model (model.loops=1) is not looped: every budget runs its single pass"
-    level_dir = cfg.data.dir if task_of(cfg.data.dir) else ""  # a depth-hops directory: accuracy by level
     done: dict[int, dict] = {}
     for m_req, m_eff in budgets:
-        b = {"loops": m_req, "effective_loops": m_eff, "tasks": {}, "perplexity": [], "timing_s": {}}
         if m_eff in done:  # the base model: the same pass again would give the same numbers
             prev = done[m_eff]
-            b.update({k: prev[k] for k in ("tasks", "perplexity", "depth", "avg_acc", "latency", "levels") if k in prev})
-            b["timing_s"] = {"reused_from_loops": prev["loops"]}
-            result["budgets"].append(b)
-            continue
-        for n, td in tasks.items():
-            t0 = time.time()
-            reqs, spans = requests[n]
-            sp = TASKS[n]
-            bar.stage(f"eval M={m_req} {n}")
-            scored = scorer.score(reqs, m_eff, bar.part(len(td.examples), len(reqs)))
-            b["tasks"][n] = task_metrics(td, sp.kind, sp.metrics, scored, spans)
-            b["timing_s"][n] = round(time.time() - t0, 3)
-            r = b["tasks"][n]
-            say(f"  M={m_req} {n} ({r['split']}): " + ", ".join(f"{k}={v:.4f}" for k, v in r.items()
-                                                                 if isinstance(v, float))
-                + (f"  [{r['note']}]" if r.get("note") else ""))
-        avg, n_avg = results.average_accuracy(b["tasks"], ev.table_metric)
-        b["avg_acc"], b["avg_acc_tasks"] = avg, n_avg
-        for i, st in enumerate(streams):
-            t0 = time.time()
-            bar.stage(f"eval M={m_req} ppl {st.name}")
-            p = perplexity(model, st, m_eff, ev.ppl_context, ev.ppl_stride, ev.batch_size, dev,
-                           progress=bar.part(windows[i], windows[i]))
-            b["timing_s"][f"ppl:{st.name}"] = round(time.time() - t0, 3)
-            depth = p.pop("depth")
-            b["perplexity"].append(p)
-            say(f"  M={m_req} ppl {st.name}: {p['ppl']:.3f} ({p['tokens']} tokens)")
-            if i == 0 and ev.depth:
-                depth = dict(depth, set=st.name, variant=cfg.model.variant, router=cfg.model.router)
-                b["depth"] = depth
-                png = depth_chart(depth, m_eff, out_dir / f"depth_M{m_req}.png",
-                                  f"{report.variant_label(cfg.model.variant)}: depth on {st.name}, M={m_req}")
-                files.append(png)
-                b["depth"]["chart"] = str(png)
-                say(f"  M={m_req} mean depth {depth['mean']:.3f}")
-        if level_dir:
-            t0 = time.time()
-            b["levels"] = level_scores(model, level_dir, m_eff, cfg.data.val_split, device=dev)
-            b["timing_s"]["levels"] = round(time.time() - t0, 3)
-            for line in describe_levels(b["levels"], m_req):
-                say(line)
-        if ev.latency:
-            bar.stage(f"eval M={m_req} latency")
-            t0 = time.time()
-            b["latency"] = measure_latency(model, m_eff, dev)
-            b["timing_s"]["latency"] = round(time.time() - t0, 3)
-        done[m_eff] = b
+            b = {"loops": m_req, "effective_loops": m_eff,
+                 **{k: prev[k] for k in ("tasks", "perplexity", "depth", "avg_acc", "latency", "levels") if k in prev},
+                 "timing_s": {"reused_from_loops": prev["loops"]}}
+        else:
+            b = done[m_eff] = measure_budget(r, m_req, m_eff)
         result["budgets"].append(b)
     bar.close()
     result["wall_s"] = round(time.time() - t_start, 3)
-    md = out_dir / "table1.md"
-    md.write_text(report.table1_markdown(result))
-    out_json = out_dir / results.RESULTS_FILE
-    result["files"] = {"json": str(out_json), "table": str(md), "charts": [str(f) for f in files]}
-    files = [out_json, md] + files
-    results.write(out_json, result)
-    if ev.mlflow:
-        rec = read_run_record(export)
-        run_id, step = (rec.mlflow_run_id, rec.step) if rec else (None, 0)
-        tags = {"variant": cfg.model.variant, "preset": cfg.name or "", "checkpoint": str(export),
-                "kind": "eval", "run_name": f"eval-{name}", "table_metric": ev.table_metric}
-        if trained_as and run_id:  # another variant's rows: its own run, linked to the training run
-            tags["train_run_id"], run_id = run_id, None
-        first = result["budgets"][0]["tasks"] if result["budgets"] else {}
-        tags.update({f"split.{t}": r["split"] for t, r in first.items()})
-        tags.update({f"skipped.{t}": "unavailable" for t in skipped})
-        result["mlflow_run_id"] = report.log_mlflow(result, files, cfg.logging.tracking_uri, cfg.logging.experiment,
-                                                    run_id, tags, step)
-        result["mlflow_run"] = "checkpoint's run" if result["mlflow_run_id"] == run_id else "new run"
-        if result.get("mlflow_note"):
-            log(f"eval: {result['mlflow_note']}")
-        results.write(out_json, result)
-    log("\n" + md.read_text())
-    log(f"eval: wrote {out_json} and {md}")
+    publish(result, r, export, name, trained_as, log)
     return result
