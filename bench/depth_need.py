@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from interleave import write_json  # noqa: E402  (after the sys.path lines above)
+from testkit import train_case  # noqa: E402  (after the sys.path lines above)
 
 BASE = ["checkpoint.resume=none", "checkpoint.interval=0", "train.eval_interval=0", "train.device=cpu",
         "logging.mlflow=false", "train.log_interval=100"]
@@ -68,20 +68,6 @@ def prepare(data: Path, docs: int, log=print) -> dict:
         sys.exit(f"prep-data failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
     from data_prep.depthtask import task_of
     return task_of(data)
-
-
-def train_case(spec: dict) -> dict:
-    """Worker (own process): trains one case with the project's trainer; returns its dir and times."""
-    torch.set_num_threads(1)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from pipeline.config import load_config
-    from pipeline.train.trainer import run
-
-    cfg = load_config(spec["preset"], spec["overrides"])
-    t0, c0 = time.time(), time.process_time()
-    res = run(cfg)
-    return {"dir": cfg.checkpoint.dir, "wall_s": time.time() - t0, "cpu_s": time.process_time() - c0,
-            "final_train_loss": res.losses[-1]}
 
 
 @torch.no_grad()

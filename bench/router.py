@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing as mp
-import os
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from interleave import write_json
+from testkit import train_case
 
 BASE = ["schedule.warmup_steps=50", "checkpoint.resume=none", "checkpoint.interval=0", "train.eval_interval=0",
         "train.device=cpu", "logging.experiment=router"]
@@ -55,20 +55,6 @@ def cases(targets: list[float]) -> dict[str, tuple[str, list[str]]]:
 
 def _slug(label: str) -> str:
     return label.replace(" ", "_")
-
-
-def train_case(spec: dict) -> dict:
-    """Worker (own process): trains one case with the project's trainer; returns its run id, dir and CPU time."""
-    torch.set_num_threads(1)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from pipeline.config import load_config
-    from pipeline.train.trainer import run
-
-    cfg = load_config(spec["preset"], spec["overrides"])
-    t0, c0 = time.time(), time.process_time()
-    res = run(cfg)
-    return {"run_id": res.run_id, "dir": cfg.checkpoint.dir, "uri": cfg.logging.tracking_uri,
-            "wall_s": time.time() - t0, "cpu_s": time.process_time() - c0, "final_train_loss": res.losses[-1]}
 
 
 # ------------------------------------------------------------------------------------------- measuring

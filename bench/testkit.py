@@ -1,5 +1,6 @@
 """Test and benchmark utilities (no product code imports this file): `count_host_reads`, counting host reads of
-tensors, and `spread_router`, a router that acts like a trained one. Tests import `bench.testkit`, bench scripts
+tensors, `spread_router`, a router that acts like a trained one, and `train_case`, one training run in a worker
+process for the studies. Tests import `bench.testkit`, bench scripts
 `testkit` (bench/ is their own directory).
 
 Counting host reads: the checkable stand-in for device -> host synchronisations on a CPU machine.
@@ -90,3 +91,22 @@ def count_forwards(model):
         yield seen
     finally:
         handle.remove()
+
+
+def train_case(spec: dict) -> dict:
+    """A study's worker (own process, one thread): trains `spec["preset"]` with `spec["overrides"]` through the
+    project's trainer; returns its run id and tracking URI (None without MLflow), checkpoint dir, wall and CPU
+    seconds and final training loss."""
+    import os
+    import time
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from pipeline.config import load_config
+    from pipeline.train.trainer import run
+
+    cfg = load_config(spec["preset"], spec["overrides"])
+    t0, c0 = time.time(), time.process_time()
+    res = run(cfg)
+    return {"run_id": res.run_id, "dir": cfg.checkpoint.dir, "uri": cfg.logging.tracking_uri,
+            "wall_s": time.time() - t0, "cpu_s": time.process_time() - c0, "final_train_loss": res.losses[-1]}
