@@ -32,6 +32,7 @@ assets: $(STAMP)
 # ruff.toml: the rule set the whole tree passes (`.ci/run` runs this before `make test`)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: $(STAMP) assets
 	$(PY) -m pytest -q tests

@@ -29,8 +29,11 @@ setup(
         "deepspeed>=0.14",
         "matplotlib>=3.7",
     ],
-    extras_require={"dev": ["pytest>=8"], "harness": ["lm-eval>=0.4.5"],
-                    "hf": ["transformers>=4.40", "safetensors>=0.4", "accelerate>=0.26"]},
+    extras_require={
+        "dev": ["pytest>=8"],
+        "harness": ["lm-eval>=0.4.5"],
+        "hf": ["transformers>=4.40", "safetensors>=0.4", "accelerate>=0.26"],
+    },
     entry_points={
         "console_scripts": ["tlf=pipeline.cli:entry"],
         # `tlf`'s subcommands: each package registers its own, so pipeline/cli.py never names a layer above it

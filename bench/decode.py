@@ -18,6 +18,7 @@ drift hits them alike. The table gives tlf's time as a ratio to each baseline an
 expected compute ratio mean depth / L (the share of loop work the router leaves). JSON goes to --json.
 Modulation is a precomputed (K, 4d) table per layer; no modulator weight is read while decoding.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,15 @@ CLOCK = time.perf_counter  # --clock cpu: time.process_time (one thread: the com
 def build(o):
     """t-loopformer (router spread like a trained one) and the dense base with J*M layers, same width."""
     dev, dtype = torch.device(o.device), {"fp32": torch.float32, "bf16": torch.bfloat16}[o.dtype]
-    over = [f"model.d_model={o.d_model}", f"model.n_heads={o.n_heads}", f"model.d_ff={o.d_ff}",
-            f"model.vocab_size={o.vocab}", f"model.block_size={max(o.prompt_lens + [o.tpot_prompt]) + o.steps + 1}",
-            f"model.n_layers={o.layers}", f"model.loops={o.loops}"]
+    over = [
+        f"model.d_model={o.d_model}",
+        f"model.n_heads={o.n_heads}",
+        f"model.d_ff={o.d_ff}",
+        f"model.vocab_size={o.vocab}",
+        f"model.block_size={max(o.prompt_lens + [o.tpot_prompt]) + o.steps + 1}",
+        f"model.n_layers={o.layers}",
+        f"model.loops={o.loops}",
+    ]
     torch.manual_seed(0)
     tlf = LoopedLM(load_config("tiny/t-loopformer", over).model)
     spread_router(tlf, 0, o.router_scale)  # init routers are near uniform (depth ~L/2); a trained one spreads
@@ -103,9 +110,13 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: robust on a shared machine)")
-    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
-                   help="wall: latency as seen; cpu: process CPU time (with --threads 1 on a CPU shared with other "
-                        "jobs, the time the work itself took)")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall: latency as seen; cpu: process CPU time (with --threads 1 on a CPU shared with other "
+        "jobs, the time the work itself took)",
+    )
     p.add_argument("--json", default="bench/results/decode.json")
     o = p.parse_args(argv)
     o.prompt_lens = [int(x) for x in o.prompt_lens.split(",") if x]
@@ -151,21 +162,40 @@ def main(argv=None):
         kind, P, B = c
         med = {v: min(times[c][v]) for v in VARIANTS}  # best of the repeats: least disturbed by other load
         ratio = {v: med["tlf"] / med[v] for v in VARIANTS if v != "tlf"}
-        rows.append({"metric": kind, "prompt_len": P, "batch": B, "ms": {v: 1e3 * med[v] for v in VARIANTS},
-                     "ms_all": {v: [1e3 * x for x in times[c][v]] for v in VARIANTS}, "tlf_over": ratio,
-                     "expected_compute_ratio": info[c]["mean_depth"] / o.loops,
-                     "expected_flops_ratio_c": flops_ratio(models, o, info[c]["mean_depth"], kind, P), **info[c]})
-    head = (f"{'case':<16}" + "".join(f"{v:>11}" for v in VARIANTS) + "   tlf/ (a)    (b)    (c)    (d)"
-            + "   mean depth/L   FLOPs/(c)")
-    print(f"d={o.d_model} H={o.n_heads} d_ff={o.d_ff} J={o.layers} L={o.loops} M={o.M} vocab={o.vocab} "
-          f"{o.device} {o.dtype} threads={o.threads}; {o.clock} clock, ms, best of {o.repeats}")
+        rows.append(
+            {
+                "metric": kind,
+                "prompt_len": P,
+                "batch": B,
+                "ms": {v: 1e3 * med[v] for v in VARIANTS},
+                "ms_all": {v: [1e3 * x for x in times[c][v]] for v in VARIANTS},
+                "tlf_over": ratio,
+                "expected_compute_ratio": info[c]["mean_depth"] / o.loops,
+                "expected_flops_ratio_c": flops_ratio(models, o, info[c]["mean_depth"], kind, P),
+                **info[c],
+            }
+        )
+    head = (
+        f"{'case':<16}"
+        + "".join(f"{v:>11}" for v in VARIANTS)
+        + "   tlf/ (a)    (b)    (c)    (d)"
+        + "   mean depth/L   FLOPs/(c)"
+    )
+    print(
+        f"d={o.d_model} H={o.n_heads} d_ff={o.d_ff} J={o.layers} L={o.loops} M={o.M} vocab={o.vocab} "
+        f"{o.device} {o.dtype} threads={o.threads}; {o.clock} clock, ms, best of {o.repeats}"
+    )
     print(head)
     for row in rows:
         name = f"{row['metric']} " + (f"P={row['prompt_len']}" if row["metric"] == "TTFT" else f"B={row['batch']}")
-        print(f"{name:<16}" + "".join(f"{row['ms'][v]:>11.2f}" for v in VARIANTS) + "      "
-              + " ".join(f"{row['tlf_over'][v]:>6.2f}" for v in VARIANTS[1:])
-              + f"   {row['mean_depth']:.2f}/{o.loops} = {row['expected_compute_ratio']:.2f}"
-              + f"   {row['expected_flops_ratio_c']:>9.2f}")
+        print(
+            f"{name:<16}"
+            + "".join(f"{row['ms'][v]:>11.2f}" for v in VARIANTS)
+            + "      "
+            + " ".join(f"{row['tlf_over'][v]:>6.2f}" for v in VARIANTS[1:])
+            + f"   {row['mean_depth']:.2f}/{o.loops} = {row['expected_compute_ratio']:.2f}"
+            + f"   {row['expected_flops_ratio_c']:>9.2f}"
+        )
     write_json(o.json, {"config": vars(o), "rows": rows})
     return rows
 

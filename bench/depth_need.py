@@ -22,6 +22,7 @@ interpolated at the same work, per seed (paired), mean +- std.
 Writes `<out>/depth_need.json`, `<out>/depth_need_accuracy_vs_work.png`, `<out>/depth_need_level_depth.png`
 (out: bench/results/depth_need).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,16 +42,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleave import write_json  # noqa: E402  (after the sys.path lines above)
 from testkit import train_case  # noqa: E402  (after the sys.path lines above)
 
-BASE = ["checkpoint.resume=none", "checkpoint.interval=0", "train.eval_interval=0", "train.device=cpu",
-        "logging.mlflow=false", "train.log_interval=100"]
+BASE = [
+    "checkpoint.resume=none",
+    "checkpoint.interval=0",
+    "train.eval_interval=0",
+    "train.device=cpu",
+    "logging.mlflow=false",
+    "train.log_interval=100",
+]
 
 
 def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
     """label -> (preset, overrides); a target is a number or `need` (filled in from the manifest)."""
     out = {"base": ("depth/base", []), "loopformer": ("depth/loopformer", [])}
     for t in targets:
-        out[f"t-loopformer budget {t}"] = ("depth/t-loopformer", ["model.router_recipe=budget",
-                                                                  f"model.router_target_depth={t}"])
+        out[f"t-loopformer budget {t}"] = (
+            "depth/t-loopformer",
+            ["model.router_recipe=budget", f"model.router_target_depth={t}"],
+        )
     out["t-loopformer paper"] = ("depth/t-loopformer", ["model.router_recipe=paper"])
     return out
 
@@ -61,12 +70,24 @@ def _slug(label: str) -> str:
 
 def prepare(data: Path, docs: int, log=print) -> dict:
     """The task's shards (made once with the real CLI; a rerun with the same options is a no-op)."""
-    cmd = [sys.executable, "-m", "pipeline.cli", "prep-data", "--source", "depth-hops", "--out", str(data),
-           f"depth_docs={docs}", "seed=0", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "prep-data",
+        "--source",
+        "depth-hops",
+        "--out",
+        str(data),
+        f"depth_docs={docs}",
+        "seed=0",
+        "--no-progress",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
         sys.exit(f"prep-data failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
     from data_prep.depthtask import task_of
+
     return task_of(data)
 
 
@@ -78,7 +99,9 @@ def evaluate_case(ckpt: str, data: Path, windows: int) -> dict:
 
     model, cfg = load_model(ckpt)
     model.eval()
-    out = {M: level_scores(model, str(data), M, max_windows=windows, batch_size=32) for M in range(1, cfg.model.loops + 1)}
+    out = {
+        M: level_scores(model, str(data), M, max_windows=windows, batch_size=32) for M in range(1, cfg.model.loops + 1)
+    }
     for lv in out.values():  # compute in layers per token: base runs J L layers in its one loop
         lv["layer_work"] = lv["work"] * cfg.model.n_layers
     return out
@@ -131,14 +154,20 @@ def summarise(res: dict) -> None:
 
 def table(res: dict) -> str:
     L = res["loops"]
-    head = ("| case | acc at M=L | " + " | ".join(f"level {k}" for k in range(1, L + 1)) +
-            " | work (layers/token) | ρ(depth, level) | loopformer at that work | Δ (paired) |")
+    head = (
+        "| case | acc at M=L | "
+        + " | ".join(f"level {k}" for k in range(1, L + 1))
+        + " | work (layers/token) | ρ(depth, level) | loopformer at that work | Δ (paired) |"
+    )
     lines = [head, "|" + "---|" * (7 + L - 1)]
     for label, c in res["cases"].items():
         s = c["summary"]
-        lines.append(f"| {label} | {s['accuracy_at_L']} | " + " | ".join(s["accuracy_by_level_at_L"][k] for k in range(1, L + 1))
-                     + f" | {s['work_at_L']} | {s['spearman_at_L']} | {s.get('loopformer_at_work', '–')} | "
-                     f"{s.get('delta_vs_loopformer', '–')} |")
+        lines.append(
+            f"| {label} | {s['accuracy_at_L']} | "
+            + " | ".join(s["accuracy_by_level_at_L"][k] for k in range(1, L + 1))
+            + f" | {s['work_at_L']} | {s['spearman_at_L']} | {s.get('loopformer_at_work', '–')} | "
+            f"{s.get('delta_vs_loopformer', '–')} |"
+        )
     return "\n".join(lines)
 
 
@@ -148,13 +177,16 @@ def elastic_table(res: dict) -> str:
     for label, c in res["cases"].items():
         if label == "base":
             continue
-        lines.append(f"| {label} | " + " | ".join(c["summary"]["accuracy_by_budget"][M] for M in range(1, L + 1)) + " |")
+        lines.append(
+            f"| {label} | " + " | ".join(c["summary"]["accuracy_by_budget"][M] for M in range(1, L + 1)) + " |"
+        )
     return "\n".join(lines)
 
 
 def level_depth_text(label: str, c: dict, L: int) -> str:
     """The level x depth table (answers at M = L, summed over seeds), rows in % of the level's answers."""
     from evaluation.levels import level_depth_lines
+
     head = f"{label}: level x executed depth at M={L} (% of the level's answers; summed over seeds)"
     return "\n".join([head, *level_depth_lines(c["summary"]["level_depth_at_L"], "  ")])
 
@@ -165,13 +197,24 @@ def figures(res: dict, out: Path) -> list[Path]:
     plt, L, paths = pyplot(), res["loops"], []
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, c in res["cases"].items():
-        pts = {M: [(s["levels"][M]["layer_work"], s["levels"][M]["accuracy"]) for s in c["seeds"].values()] for M in range(1, L + 1)}
+        pts = {
+            M: [(s["levels"][M]["layer_work"], s["levels"][M]["accuracy"]) for s in c["seeds"].values()]
+            for M in range(1, L + 1)
+        }
         Ms = [L] if label.startswith("t-loopformer") or label == "base" else list(range(1, L + 1))
         xs = [np.mean([p[0] for p in pts[M]]) for M in Ms]
         ys = [np.mean([p[1] for p in pts[M]]) for M in Ms]
         es = [np.std([p[1] for p in pts[M]], ddof=1) if len(pts[M]) > 1 else 0.0 for M in Ms]
-        ax.errorbar(xs, ys, yerr=es, marker="o" if len(Ms) > 1 else "*", ms=5 if len(Ms) > 1 else 12, capsize=3,
-                    lw=1.2, label=label)
+        ax.errorbar(
+            xs,
+            ys,
+            yerr=es,
+            marker="o" if len(Ms) > 1 else "*",
+            ms=5 if len(Ms) > 1 else 12,
+            capsize=3,
+            lw=1.2,
+            label=label,
+        )
     ax.set_xlabel("executed work (layers per token over every token; one layer per loop)")
     ax.set_ylabel("answer accuracy")
     ax.set_title("depth-hops: accuracy vs loop work (mean ± std over seeds)", fontsize=9)
@@ -197,7 +240,9 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3000, help="training steps per case (64 documents each)")
     ap.add_argument("--seeds", default="0,1,2", help="training seeds (comma-separated); cases are paired by seed")
-    ap.add_argument("--targets", default="need,2.5", help="budget recipe's target mean depths; `need`: the task's mean need")
+    ap.add_argument(
+        "--targets", default="need,2.5", help="budget recipe's target mean depths; `need`: the task's mean need"
+    )
     ap.add_argument("--cases", default="", help="only these case labels (comma-separated); default all")
     ap.add_argument("--jobs", type=int, default=2, help="runs trained at once (one thread each)")
     ap.add_argument("--windows", type=int, default=512, help="validation documents measured")
@@ -223,22 +268,44 @@ def main(argv=None) -> dict:
     for label, (preset, ov) in chosen.items():
         ov = [o.replace("=need", f"={need}") for o in ov]
         for s in seeds:
-            specs[(label, s)] = {"preset": preset, "overrides": BASE + ov + [
-                f"schedule.max_steps={a.steps}", f"train.seed={s}", f"data.dir={data}",
-                f"train.micro_batch_size={mb}", f"train.global_batch_size={mb}",
-                f"checkpoint.dir={out / 'checkpoints' / f'{_slug(label)}_s{s}'}"]}
+            specs[(label, s)] = {
+                "preset": preset,
+                "overrides": BASE
+                + ov
+                + [
+                    f"schedule.max_steps={a.steps}",
+                    f"train.seed={s}",
+                    f"data.dir={data}",
+                    f"train.micro_batch_size={mb}",
+                    f"train.global_batch_size={mb}",
+                    f"checkpoint.dir={out / 'checkpoints' / f'{_slug(label)}_s{s}'}",
+                ],
+            }
     t0 = time.time()
-    print(f"depth-need study: {len(chosen)} cases x {len(seeds)} seeds x {a.steps} steps, {a.jobs} at a time; "
-          f"task mean need {need} loops per token -> {out}", flush=True)
+    print(
+        f"depth-need study: {len(chosen)} cases x {len(seeds)} seeds x {a.steps} steps, {a.jobs} at a time; "
+        f"task mean need {need} loops per token -> {out}",
+        flush=True,
+    )
     with mp.get_context("spawn").Pool(a.jobs) as pool:
         trained = dict(zip(specs, pool.map(train_case, list(specs.values()), chunksize=1)))
     t_train = time.time() - t0
-    res = {"command": "python bench/depth_need.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "steps": a.steps, "documents_per_step": mb, "seeds": seeds, "task": task, "mean_need": need,
-           "windows": a.windows, "train_wall_s": t_train, "cases": {}}
+    res = {
+        "command": "python bench/depth_need.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "steps": a.steps,
+        "documents_per_step": mb,
+        "seeds": seeds,
+        "task": task,
+        "mean_need": need,
+        "windows": a.windows,
+        "train_wall_s": t_train,
+        "cases": {},
+    }
     for (label, s), tr in trained.items():
         c = res["cases"].setdefault(label, {"preset": specs[(label, s)]["preset"], "seeds": {}})
-        c["overrides"] = [o for o in specs[(label, s)]["overrides"] if not o.startswith(("train.seed", "checkpoint.dir"))]
+        c["overrides"] = [
+            o for o in specs[(label, s)]["overrides"] if not o.startswith(("train.seed", "checkpoint.dir"))
+        ]
         c["seeds"][s] = {**tr, "levels": evaluate_case(tr["dir"], data, a.windows)}
     res["loops"] = L = max(len(c["seeds"][seeds[0]]["levels"]) for c in res["cases"].values())
     for c in res["cases"].values():  # base (L = 1): its single pass stands for every budget
@@ -247,8 +314,9 @@ def main(argv=None) -> dict:
     summarise(res)
     res["wall_s"] = time.time() - t0
     res["table"], res["elastic_table"] = table(res), elastic_table(res)
-    res["level_depth_text"] = "\n\n".join(level_depth_text(k, c, L) for k, c in res["cases"].items()
-                                          if k.startswith("t-loopformer"))
+    res["level_depth_text"] = "\n\n".join(
+        level_depth_text(k, c, L) for k, c in res["cases"].items() if k.startswith("t-loopformer")
+    )
     for p in figures(res, out):
         print(f"wrote {p}")
     write_json(out / "depth_need.json", res)

@@ -24,6 +24,7 @@ requests longer than a 128-token context, so they are left-truncated). Each vari
 shared, loaded machine the CPU-time ratios are the steadier ones). The accuracies of all variants must agree
 (checked), and the script reports the token slots each of our two scorer paths runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,12 +55,14 @@ from data_prep.tokenizer import EOT, encode
 from pipeline.config import load_config
 from pipeline.model.looped import LoopedLM
 
-LOCAL = {"piqa": ("piqa/plain_text", "piqa/piqa.yaml", "validation"),
-         "copa": ("super_glue/copa", "super_glue/copa/default.yaml", "validation"),
-         "hellaswag": ("hellaswag/none", "hellaswag/hellaswag.yaml", "validation"),
-         "arc_easy": ("ai2_arc/ARC-Easy", "arc/arc_easy.yaml", "test"),
-         "social_iqa": ("social_i_qa/none", "siqa/siqa.yaml", "validation"),
-         "sciq": ("sciq/none", "sciq/sciq.yaml", "validation")}
+LOCAL = {
+    "piqa": ("piqa/plain_text", "piqa/piqa.yaml", "validation"),
+    "copa": ("super_glue/copa", "super_glue/copa/default.yaml", "validation"),
+    "hellaswag": ("hellaswag/none", "hellaswag/hellaswag.yaml", "validation"),
+    "arc_easy": ("ai2_arc/ARC-Easy", "arc/arc_easy.yaml", "test"),
+    "social_iqa": ("social_i_qa/none", "siqa/siqa.yaml", "validation"),
+    "sciq": ("sciq/none", "sciq/sciq.yaml", "validation"),
+}
 
 
 def pad_right(length, tensors):
@@ -67,7 +70,7 @@ def pad_right(length, tensors):
     transformers): zero-padded rows of a (B, length) batch."""
     out = torch.zeros(len(tensors), length, dtype=torch.long)
     for i, t in enumerate(tensors):
-        out[i, :t.shape[0]] = t
+        out[i, : t.shape[0]] = t
     return out
 
 
@@ -92,26 +95,33 @@ class HFStyleLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
         res = []
-        re_ord = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])), group_by="contexts",
-                          group_fn=lambda r: r[-2] + r[-1][:-1])
+        re_ord = Collator(
+            requests,
+            sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])),
+            group_by="contexts",
+            group_fn=lambda r: r[-2] + r[-1][:-1],
+        )
         for chunk in re_ord.get_batched(n=self.batch_size):
             inps, inplens, conts = [], [], []
             for _, ctx, cont in chunk:
-                inp = torch.tensor((ctx + cont)[-(self.max_length + 1):][:-1], dtype=torch.long)
+                inp = torch.tensor((ctx + cont)[-(self.max_length + 1) :][:-1], dtype=torch.long)
                 inps.append(inp)
                 inplens.append(inp.shape[0])
                 conts.append(cont)
             padlen = max(inplens)
-            multi = F.log_softmax(self._model_call(pad_right(padlen, inps)), dim=-1,
-                                  dtype=torch.float32)
+            multi = F.log_softmax(self._model_call(pad_right(padlen, inps)), dim=-1, dtype=torch.float32)
             for (req_str, ctx_toks, _), logits, inplen, cont_toks in zip(chunk, multi, inplens, conts):
-                logits = logits[inplen - len(cont_toks):inplen].unsqueeze(0)
+                logits = logits[inplen - len(cont_toks) : inplen].unsqueeze(0)
                 greedy = logits.argmax(-1)
                 # lm-eval's HFLM._loglikelihood_tokens loop, names and rebinding kept as there (the same work timed)
-                for req_str, cont_toks, logits in re_ord.get_cache(req_str=req_str, cxt_toks=ctx_toks,  # noqa: B007, B020
-                                                                   cont_toks=cont_toks, logits=logits):
+                for req_str, cont_toks, logits in re_ord.get_cache(  # noqa: B007, B020
+                    req_str=req_str,
+                    cxt_toks=ctx_toks,
+                    cont_toks=cont_toks,
+                    logits=logits,
+                ):
                     ct = torch.tensor(cont_toks, dtype=torch.long).unsqueeze(0)
-                    eq = bool((greedy[:, -ct.shape[1]:] == ct).all())
+                    eq = bool((greedy[:, -ct.shape[1] :] == ct).all())
                     res.append((float(torch.gather(logits, 2, ct.unsqueeze(-1)).sum()), eq))
         return re_ord.get_original(res)
 
@@ -157,14 +167,15 @@ def main(argv=None):
     rows = {}
     for n in names:
         rel, yml, split = LOCAL[n]
-        rows[n] = olmo_rows(root, rel)[:o.limit]
+        rows[n] = olmo_rows(root, rel)[: o.limit]
         with open(tmp / f"{n}.jsonl", "w") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows[n])
         (tmp / f"{n}_local.yaml").write_text(
             f"include: {tasks_dir / yml}\ntask: {n}_local\ndataset_path: json\ndataset_name: null\n"
             f"training_split: null\nvalidation_split: {'validation' if split == 'validation' else 'null'}\n"
             f"test_split: {'test' if split == 'test' else 'null'}\n"
-            f"dataset_kwargs:\n  data_files:\n    {split}: {tmp / (n + '.jsonl')}\n")
+            f"dataset_kwargs:\n  data_files:\n    {split}: {tmp / (n + '.jsonl')}\n"
+        )
     n_examples = sum(len(r) for r in rows.values())
     tm = TaskManager(include_path=str(tmp), include_defaults=False)
 
@@ -182,18 +193,29 @@ def main(argv=None):
                     out[n] = task_metrics(td, sp.kind, sp.metrics, sc.score(reqs, M), spans)["acc"]
             slots["tlf" if share else "tlf-unshared"] = dict(runs)  # token slots and forwards
             return out
+
         return f
 
     def harness(lm):
         def f():
-            res = lm_eval.simple_evaluate(model=lm, tasks=[f"{n}_local" for n in names], limit=o.limit,
-                                          task_manager=tm, bootstrap_iters=0, verbosity="ERROR")
+            res = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=[f"{n}_local" for n in names],
+                limit=o.limit,
+                task_manager=tm,
+                bootstrap_iters=0,
+                verbosity="ERROR",
+            )
             return {n: res["results"][f"{n}_local"]["acc,none"] for n in names}
+
         return f
 
-    every = {"tlf": ours(True), "tlf-unshared": ours(False),
-             "harness": harness(TLFLM(model=model, loops=M, batch_size=o.batch_size, device="cpu")),
-             "hf-style": harness(HFStyleLM(model, M, o.batch_size))}
+    every = {
+        "tlf": ours(True),
+        "tlf-unshared": ours(False),
+        "harness": harness(TLFLM(model=model, loops=M, batch_size=o.batch_size, device="cpu")),
+        "hf-style": harness(HFStyleLM(model, M, o.batch_size)),
+    }
     chosen = [v for v in o.variants.split(",") if v]
     bad = [v for v in chosen if v not in every]
     if bad or "tlf" not in chosen:
@@ -213,28 +235,49 @@ def main(argv=None):
         print(f"round {r} done ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     for v in variants:
         for n in names:
-            assert abs(accs[v][n] - accs["tlf"][n]) < 1e-9, f"{v} disagrees with tlf on {n}: {accs[v][n]} vs {accs['tlf'][n]}"
+            assert abs(accs[v][n] - accs["tlf"][n]) < 1e-9, (
+                f"{v} disagrees with tlf on {n}: {accs[v][n]} vs {accs['tlf'][n]}"
+            )
     med = {v: statistics.median(ts) for v, ts in times.items()}
     eps = {v: n_examples / s for v, s in med.items()}
     c = cfg.model
-    print(f"{o.preset} {' '.join(o.set)}: d={c.d_model} J={c.n_layers} L={c.loops} M={M} block={c.block_size}; tasks {','.join(names)} x "
-          f"{o.limit} = {n_examples} examples; batch {o.batch_size}; threads {o.threads}; median of {o.repeats}")
+    print(
+        f"{o.preset} {' '.join(o.set)}: d={c.d_model} J={c.n_layers} L={c.loops} M={M} block={c.block_size}; tasks {','.join(names)} x "
+        f"{o.limit} = {n_examples} examples; batch {o.batch_size}; threads {o.threads}; median of {o.repeats}"
+    )
     mcpu = {v: statistics.median(ts) for v, ts in cpu.items()}
     eps_cpu = {v: n_examples / s for v, s in mcpu.items()}
-    print(f"{'variant':<14}{'wall s':>9}{'ex/s':>8}{'tlf speed-up':>14}{'CPU s':>9}{'ex/CPU-s':>10}{'tlf speed-up':>14}")
+    print(
+        f"{'variant':<14}{'wall s':>9}{'ex/s':>8}{'tlf speed-up':>14}{'CPU s':>9}{'ex/CPU-s':>10}{'tlf speed-up':>14}"
+    )
     for v in variants:
-        print(f"{v:<14}{med[v]:>9.2f}{eps[v]:>8.1f}{med[v] / med['tlf']:>13.2f}x{mcpu[v]:>9.2f}{eps_cpu[v]:>10.1f}"
-              f"{mcpu[v] / mcpu['tlf']:>13.2f}x")
+        print(
+            f"{v:<14}{med[v]:>9.2f}{eps[v]:>8.1f}{med[v] / med['tlf']:>13.2f}x{mcpu[v]:>9.2f}{eps_cpu[v]:>10.1f}"
+            f"{mcpu[v] / mcpu['tlf']:>13.2f}x"
+        )
     print("accuracies agree: " + ", ".join(f"{n}={accs['tlf'][n]:.3f}" for n in names))
-    print("token slots run (padding included): " + ", ".join(f"{v} {s['tokens']} in {s['forwards']} forwards"
-                                                            for v, s in slots.items()))
-    write_json(o.json, {"config": vars(o), "examples": n_examples, "seconds": med,
-                        "seconds_all": times, "examples_per_s": eps,
-                        "tlf_speedup": {v: med[v] / med["tlf"] for v in variants},
-                        "cpu_seconds": mcpu, "cpu_seconds_all": cpu, "examples_per_cpu_s": eps_cpu,
-                        "tlf_speedup_cpu": {v: mcpu[v] / mcpu["tlf"] for v in variants}, "acc": accs,
-                        "token_slots": slots,
-                        "load_avg": list(__import__("os").getloadavg())})
+    print(
+        "token slots run (padding included): "
+        + ", ".join(f"{v} {s['tokens']} in {s['forwards']} forwards" for v, s in slots.items())
+    )
+    write_json(
+        o.json,
+        {
+            "config": vars(o),
+            "examples": n_examples,
+            "seconds": med,
+            "seconds_all": times,
+            "examples_per_s": eps,
+            "tlf_speedup": {v: med[v] / med["tlf"] for v in variants},
+            "cpu_seconds": mcpu,
+            "cpu_seconds_all": cpu,
+            "examples_per_cpu_s": eps_cpu,
+            "tlf_speedup_cpu": {v: mcpu[v] / mcpu["tlf"] for v in variants},
+            "acc": accs,
+            "token_slots": slots,
+            "load_avg": list(__import__("os").getloadavg()),
+        },
+    )
     return eps
 
 

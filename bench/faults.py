@@ -23,6 +23,7 @@ A trial diverges when a check fails or the rerun fails.
     python bench/faults.py --stages prep,eval --trials 10                         # some
     python bench/faults.py --stages resize --trials 8 --out bench/results/faults_resize.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,10 +46,22 @@ from data_prep.shards import write_shard  # noqa: E402  (as above)
 from pipeline.train.ds import free_port  # noqa: E402  (as above)
 
 # A model small enough that a step takes milliseconds on CPU.
-TINY = ["model.vocab_size=512", "model.block_size=32", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
-        "model.n_layers=2", "model.loops=3", "model.fourier_dim=16", "train.micro_batch_size=2",
-        "train.global_batch_size=2", "schedule.warmup_steps=2", "train.eval_interval=0", "logging.mlflow=false",
-        "train.deterministic=true"]
+TINY = [
+    "model.vocab_size=512",
+    "model.block_size=32",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.d_ff=64",
+    "model.n_layers=2",
+    "model.loops=3",
+    "model.fourier_dim=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "schedule.warmup_steps=2",
+    "train.eval_interval=0",
+    "logging.mlflow=false",
+    "train.deterministic=true",
+]
 
 # KILL_IN_SAVE=N: SIGKILL inside the save of step N, after DeepSpeed's files and the rank state, before the export
 # (N = max_steps: the final export). KILL_AT_LATEST=N: SIGKILL between writing `latest`'s temp file and its rename,
@@ -147,8 +160,15 @@ def _env(**extra) -> dict:
 
 def _popen(cmd: list[str], **extra) -> subprocess.Popen:
     """A child in its own process group (so the whole group can be killed), stdout/stderr captured."""
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(**extra),
-                            start_new_session=True, cwd=REPO)
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(**extra),
+        start_new_session=True,
+        cwd=REPO,
+    )
 
 
 def _start(args: list[str], **extra) -> subprocess.Popen:
@@ -157,8 +177,21 @@ def _start(args: list[str], **extra) -> subprocess.Popen:
 
 def _start_dist(child: Path, args: list[str], **extra) -> subprocess.Popen:
     """CHILD as 2 gloo ranks under the DeepSpeed launcher (as `deepspeed --num_gpus 2 ...`), in one process group."""
-    return _popen([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-                   "--no_local_rank", str(child), *args], **extra)
+    return _popen(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--no_local_rank",
+            str(child),
+            *args,
+        ],
+        **extra,
+    )
 
 
 def _finish(p: subprocess.Popen) -> dict:
@@ -232,20 +265,32 @@ def train_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int = 
         rec = {"trial": i, "kill": how, "killed": killed, "newest_complete": newest}
         if newest:  # what `tlf eval RUN_DIR` loads is the newest complete checkpoint, whatever `latest` says
             from pipeline.model.io import find_export
+
             rec["eval_loads"] = find_export(ck).parent.name
         try:
             res = _finish(start(args))
-            ok = res["start"] == (newest if newest < steps else steps) and res["losses"] == ref["losses"][res["start"]:]
+            ok = (
+                res["start"] == (newest if newest < steps else steps) and res["losses"] == ref["losses"][res["start"] :]
+            )
             ok = ok and rec.get("eval_loads", f"global_step{newest}") == f"global_step{newest}"
             rec.update(resumed_from=res["start"], ok=ok)
         except RuntimeError as e:
             rec.update(ok=False, error=str(e)[-500:])
         divergences += not rec["ok"]
         trials.append(rec)
-        print(f"{stage} trial {i}: killed {how} ({'killed' if killed else 'finished first'}), newest complete "
-              f"step {newest}, rerun {'matches' if rec['ok'] else 'DIVERGES'}", flush=True)
-    return {"stage": stage, "trials": n, "killed": sum(t["killed"] for t in trials),
-            "divergences": divergences, "reference_s": round(ref_s, 2), "records": trials}
+        print(
+            f"{stage} trial {i}: killed {how} ({'killed' if killed else 'finished first'}), newest complete "
+            f"step {newest}, rerun {'matches' if rec['ok'] else 'DIVERGES'}",
+            flush=True,
+        )
+    return {
+        "stage": stage,
+        "trials": n,
+        "killed": sum(t["killed"] for t in trials),
+        "divergences": divergences,
+        "reference_s": round(ref_s, 2),
+        "records": trials,
+    }
 
 
 def resize_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int = 2) -> dict:
@@ -262,8 +307,12 @@ def resize_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int =
     write_shard(data / "t_val_000000.bin", rng.integers(0, 512, 8 * 32 + 1))
     child = work / "train_child.py"
     child.write_text(CHILD)
-    common = TINY + [f"data.dir={data}", f"schedule.max_steps={steps}", f"checkpoint.interval={interval}",
-                     "train.global_batch_size=4"]
+    common = TINY + [
+        f"data.dir={data}",
+        f"schedule.max_steps={steps}",
+        f"checkpoint.interval={interval}",
+        "train.global_batch_size=4",
+    ]
     accum = {1: ["train.grad_accum_steps=2"], 2: ["train.grad_accum_steps=1"]}
 
     def start(ranks, args, **env):
@@ -282,11 +331,15 @@ def resize_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int =
         p = start(old, args, KILL_AT_MICRO=str(step * 2 // old))  # 2 // old micro-batches per step
         p.communicate(timeout=600)
         newest = _newest_complete(ck)
-        rec = {"trial": i, "kill": f"{old} -> {new} ranks, ZeRO-{stage}, during step {step + 1}",
-               "killed": p.returncode == -signal.SIGKILL, "newest_complete": newest}
+        rec = {
+            "trial": i,
+            "kill": f"{old} -> {new} ranks, ZeRO-{stage}, during step {step + 1}",
+            "killed": p.returncode == -signal.SIGKILL,
+            "newest_complete": newest,
+        }
         try:
             res = _finish(start(new, args))  # the same command line on the other world size
-            want = ref[new]["losses"][res["start"]:]
+            want = ref[new]["losses"][res["start"] :]
             rel = max((abs(a - b) / abs(b) for a, b in zip(res["losses"], want)), default=0.0)
             worst = max(worst, rel)
             ok = res["start"] == newest and len(res["losses"]) == len(want) and rel <= 1e-5
@@ -295,12 +348,19 @@ def resize_trials(n: int, seed: int, work: Path, steps: int = 8, interval: int =
             rec.update(ok=False, error=str(e)[-500:])
         divergences += not rec["ok"]
         trials.append(rec)
-        print(f"resize trial {i}: {rec['kill']}, newest complete step {newest}, rerun "
-              f"{'matches' if rec['ok'] else 'DIVERGES'} (max rel diff {rec.get('max_rel_diff', float('nan')):.1e})",
-              flush=True)
-    return {"stage": "train resumed on another world size (2 <-> 1 ranks)", "trials": n,
-            "killed": sum(t["killed"] for t in trials), "divergences": divergences, "max_rel_diff": worst,
-            "records": trials}
+        print(
+            f"resize trial {i}: {rec['kill']}, newest complete step {newest}, rerun "
+            f"{'matches' if rec['ok'] else 'DIVERGES'} (max rel diff {rec.get('max_rel_diff', float('nan')):.1e})",
+            flush=True,
+        )
+    return {
+        "stage": "train resumed on another world size (2 <-> 1 ranks)",
+        "trials": n,
+        "killed": sum(t["killed"] for t in trials),
+        "divergences": divergences,
+        "max_rel_diff": worst,
+        "records": trials,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ prep-data
@@ -310,8 +370,10 @@ def _corpus(work: Path, docs: int) -> dict[str, Path]:
 
     r = random.Random(0)
     words = ["loop", "token", "router", "depth", "shard", "model", "cache", "gather", "scatter", "the", "a", "of"]
-    lines = [json.dumps({"text": f"Document {i}. " + " ".join(r.choice(words) for _ in range(r.randrange(20, 400)))})
-             for i in range(docs)]
+    lines = [
+        json.dumps({"text": f"Document {i}. " + " ".join(r.choice(words) for _ in range(r.randrange(20, 400)))})
+        for i in range(docs)
+    ]
     text = ("\n".join(lines) + "\n").encode()
     (work / "in.jsonl").write_bytes(text)
     (work / "in.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(text))
@@ -359,9 +421,24 @@ def prep_trials(n: int, seed: int, work: Path, docs: int = 2000, shard_tokens: i
     inputs = _corpus(work, docs)
 
     def cmd(fmt, out, workers):
-        return [sys.executable, "-c", PREP_CHILD, "prep-data", "--source", "files", "-i", str(inputs[fmt]), "--out",
-                str(out), "--shard-tokens", str(shard_tokens), "--workers", str(workers), "--no-progress",
-                "batch_bytes=4096"]
+        return [
+            sys.executable,
+            "-c",
+            PREP_CHILD,
+            "prep-data",
+            "--source",
+            "files",
+            "-i",
+            str(inputs[fmt]),
+            "--out",
+            str(out),
+            "--shard-tokens",
+            str(shard_tokens),
+            "--workers",
+            str(workers),
+            "--no-progress",
+            "batch_bytes=4096",
+        ]
 
     refs, ref_s = {}, {}
     for fmt in inputs:
@@ -393,30 +470,48 @@ def prep_trials(n: int, seed: int, work: Path, docs: int = 2000, shard_tokens: i
         rerun = _popen(cmd(fmt, out, workers))
         _, err = rerun.communicate(timeout=600)
         same = rerun.returncode == 0 and _prep_files(out) == refs[fmt]
-        rec = {"trial": i, "workers": workers, "input": fmt, "kill": how, "killed": killed, "shards_at_kill": on_disk,
-               "shards_total": n_files, "ok": same and not torn}
+        rec = {
+            "trial": i,
+            "workers": workers,
+            "input": fmt,
+            "kill": how,
+            "killed": killed,
+            "shards_at_kill": on_disk,
+            "shards_total": n_files,
+            "ok": same and not torn,
+        }
         if torn:
             rec["torn"] = torn
         if rerun.returncode:
             rec["error"] = err[-500:]
         divergences += not rec["ok"]
         trials.append(rec)
-        print(f"prep-data trial {i} (workers {workers}, {fmt}): killed {how} "
-              f"({'killed' if killed else 'finished first'}) with {on_disk}/{n_files} shards on disk, rerun "
-              f"{'identical' if rec['ok'] else 'DIVERGES'}"
-              + (f" [{torn}]" if torn else ""), flush=True)
-    return {"stage": "prep-data", "trials": n, "killed": sum(t["killed"] for t in trials), "divergences": divergences,
-            "reference_s": {k: round(v, 2) for k, v in ref_s.items()}, "records": trials}
+        print(
+            f"prep-data trial {i} (workers {workers}, {fmt}): killed {how} "
+            f"({'killed' if killed else 'finished first'}) with {on_disk}/{n_files} shards on disk, rerun "
+            f"{'identical' if rec['ok'] else 'DIVERGES'}" + (f" [{torn}]" if torn else ""),
+            flush=True,
+        )
+    return {
+        "stage": "prep-data",
+        "trials": n,
+        "killed": sum(t["killed"] for t in trials),
+        "divergences": divergences,
+        "reference_s": {k: round(v, 2) for k, v in ref_s.items()},
+        "records": trials,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ tlf eval
 def _stable(path: Path) -> dict:
     """A results.json without what legitimately differs between two runs: timings, and its own directory's name in
     the output file paths."""
+
     def drop(x):
         if isinstance(x, dict):
             return {k: drop(v) for k, v in x.items() if k not in ("timing_s", "wall_s", "load_s")}
         return [drop(v) for v in x] if isinstance(x, list) else x
+
     return drop(json.loads(path.read_text().replace(json.dumps(str(path.parent))[1:-1], "<out>")))
 
 
@@ -467,9 +562,29 @@ def eval_trials(n: int, seed: int, work: Path, tasks: str = "copa,sciq") -> dict
     write_shard(work / "data" / "d_val_000000.bin", np.random.default_rng(0).integers(0, 50257, 2000))
 
     def cmd(out):
-        return [sys.executable, "-c", EVAL_CHILD, "eval", str(work / "model"), f"data.dir={work / 'data'}",
-                "data.extra_val_dirs=[]", "--loops", "2,4", "--tasks", tasks, "--limit", "4", "--source", "offline",
-                "--no-latency", "--no-mlflow", "--ppl-tokens", "500", "--out", str(out)]
+        return [
+            sys.executable,
+            "-c",
+            EVAL_CHILD,
+            "eval",
+            str(work / "model"),
+            f"data.dir={work / 'data'}",
+            "data.extra_val_dirs=[]",
+            "--loops",
+            "2,4",
+            "--tasks",
+            tasks,
+            "--limit",
+            "4",
+            "--source",
+            "offline",
+            "--no-latency",
+            "--no-mlflow",
+            "--ppl-tokens",
+            "500",
+            "--out",
+            str(out),
+        ]
 
     t0 = time.perf_counter()
     p = _popen(cmd(work / "ref"))
@@ -501,22 +616,38 @@ def eval_trials(n: int, seed: int, work: Path, tasks: str = "copa,sciq") -> dict
             rec["error"] = err[-500:]
         divergences += not rec["ok"]
         trials.append(rec)
-        print(f"eval trial {i}: killed {how} ({'killed' if killed else 'finished first'}), "
-              f"rerun {'same results.json' if rec['ok'] else 'DIVERGES'}", flush=True)
-    return {"stage": "eval", "trials": n, "killed": sum(t["killed"] for t in trials), "divergences": divergences,
-            "units": units, "reference_s": round(ref_s, 2), "records": trials}
+        print(
+            f"eval trial {i}: killed {how} ({'killed' if killed else 'finished first'}), "
+            f"rerun {'same results.json' if rec['ok'] else 'DIVERGES'}",
+            flush=True,
+        )
+    return {
+        "stage": "eval",
+        "trials": n,
+        "killed": sum(t["killed"] for t in trials),
+        "divergences": divergences,
+        "units": units,
+        "reference_s": round(ref_s, 2),
+        "records": trials,
+    }
 
 
-STAGES = {"prep": prep_trials, "train": train_trials,
-          "train2": lambda n, seed, work: train_trials(n, seed, work, ranks=2), "eval": eval_trials,
-          "resize": resize_trials}
+STAGES = {
+    "prep": prep_trials,
+    "train": train_trials,
+    "train2": lambda n, seed, work: train_trials(n, seed, work, ranks=2),
+    "eval": eval_trials,
+    "resize": resize_trials,
+}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--stages", default="prep,train,train2,eval,resize", help=f"comma-separated, of {', '.join(STAGES)}")
+    ap.add_argument(
+        "--stages", default="prep,train,train2,eval,resize", help=f"comma-separated, of {', '.join(STAGES)}"
+    )
     ap.add_argument("--out", default="bench/results/faults.json")
     a = ap.parse_args()
     results = []

@@ -5,6 +5,7 @@ checks the tokens are equal.
     python bench/hf_generate.py --preset tiny/t-loopformer --prompt 32 --new 32
     python bench/hf_generate.py --preset small/t-loopformer --prompt 64 --new 64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,10 +54,12 @@ def main() -> None:
         t = time.process_time()
         o = hf.generate(p, max_new_tokens=a.new, do_sample=False, eos_token_id=None)
         times["hf"].append(time.process_time() - t)
-    assert o[0, a.prompt:].tolist() == g.tokens[0], "tokens differ"
+    assert o[0, a.prompt :].tolist() == g.tokens[0], "tokens differ"
     t_tlf, t_hf = min(times["tlf"]), min(times["hf"])
-    print(f"{a.preset} prompt {a.prompt} new {a.new}: tlf generate {t_tlf:.3f} CPU-s, hf generate (recompute) "
-          f"{t_hf:.3f} CPU-s, hf/tlf {t_hf / t_tlf:.2f}x; tokens equal")
+    print(
+        f"{a.preset} prompt {a.prompt} new {a.new}: tlf generate {t_tlf:.3f} CPU-s, hf generate (recompute) "
+        f"{t_hf:.3f} CPU-s, hf/tlf {t_hf / t_tlf:.2f}x; tokens equal"
+    )
 
 
 if __name__ == "__main__":

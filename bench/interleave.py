@@ -6,6 +6,7 @@ stays quiet), then runs `rounds` rounds in which every case does one step, so ma
 alike, and returns each case's median step time (`time_s`) and every round's time in order (`times_s`: round n of
 every case is the same step when the workers seed per step) with its stats.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp

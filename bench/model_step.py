@@ -11,6 +11,7 @@ a fixed schedule + alignment). The table gives times as ratios to t-loopformer w
 and for the gather-scatter/dense pair the measured time ratio beside the expected compute ratio
 sum_i |A_i| / (M * T) over both passes. Writes JSON (default bench/results/model_step.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,13 @@ def _worker(args: dict, conn) -> None:
     torch.set_num_threads(args["threads"])
     dev = torch.device(args["device"])
     o = args
-    scale_overrides = [f"model.d_model={o['d_model']}", f"model.n_heads={o['n_heads']}", f"model.d_ff={o['d_ff']}",
-                       f"model.block_size={o['seq']}", f"model.vocab_size={o['vocab']}"]
+    scale_overrides = [
+        f"model.d_model={o['d_model']}",
+        f"model.n_heads={o['n_heads']}",
+        f"model.d_ff={o['d_ff']}",
+        f"model.block_size={o['seq']}",
+        f"model.vocab_size={o['vocab']}",
+    ]
     cfg = load_config(f"tiny/{o['variant']}", scale_overrides + o["extra"]).model
     if o["variant"] == "base":  # the dense baseline has the looped models' effective depth
         cfg.n_layers, cfg.loops = o["layers"] * o["loops"], 1
@@ -77,8 +83,14 @@ def _worker(args: dict, conn) -> None:
             active = float(out.stats["full/active_tokens"]) + float(out.stats.get("short/active_tokens", 0.0))
             dense = T * L + (T * len(k) if cfg.shortcut else 0)
             peak = region_peak_mib(dev, base)
-            conn.send({"peak_mem_mb": peak, "mean_depth": float(out.stats["full/mean_depth"]),
-                       "compute_ratio": active / dense, "params": model.num_params()})
+            conn.send(
+                {
+                    "peak_mem_mb": peak,
+                    "mean_depth": float(out.stats["full/mean_depth"]),
+                    "compute_ratio": active / dense,
+                    "params": model.num_params(),
+                }
+            )
         else:
             return
 
@@ -104,8 +116,24 @@ def main(argv=None) -> dict:
     from pipeline.config import VARIANTS
 
     variants = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
-    common = {k: getattr(a, k) for k in ("device", "d_model", "n_heads", "d_ff", "layers", "loops", "seq", "batch",
-                                         "vocab", "steps", "warmup", "threads", "bf16")}
+    common = {
+        k: getattr(a, k)
+        for k in (
+            "device",
+            "d_model",
+            "n_heads",
+            "d_ff",
+            "layers",
+            "loops",
+            "seq",
+            "batch",
+            "vocab",
+            "steps",
+            "warmup",
+            "threads",
+            "bf16",
+        )
+    }
     specs = {v: {**common, "variant": v, "extra": []} for v in variants}
     specs["t-loopformer (dense)"] = {**common, "variant": "t-loopformer", "extra": ["model.gather_scatter=false"]}
     results = run_cases(_worker, specs, a.steps)
@@ -113,21 +141,31 @@ def main(argv=None) -> dict:
         r["tokens_per_s"] = a.batch * a.seq / r["time_s"]
 
     ref = results.get("t-loopformer", next(iter(results.values())))
-    print(f"\nmodel_step: fwd+bwd of the training objective, B={a.batch} T={a.seq} d={a.d_model} "
-          f"J={a.layers} L={a.loops} vocab={a.vocab} on {a.device}{' bf16' if a.bf16 else ''}")
-    print(f"{'case':<22} {'ms/step':>9} {'x t-loopformer':>15} {'tok/s':>9} {'peak MB':>8} {'mean depth':>10} {'compute':>8}")
+    print(
+        f"\nmodel_step: fwd+bwd of the training objective, B={a.batch} T={a.seq} d={a.d_model} "
+        f"J={a.layers} L={a.loops} vocab={a.vocab} on {a.device}{' bf16' if a.bf16 else ''}"
+    )
+    print(
+        f"{'case':<22} {'ms/step':>9} {'x t-loopformer':>15} {'tok/s':>9} {'peak MB':>8} {'mean depth':>10} {'compute':>8}"
+    )
     for label, r in results.items():
-        print(f"{label:<22} {r['time_s'] * 1e3:9.1f} {r['time_s'] / ref['time_s']:15.2f} {r['tokens_per_s']:9.0f} "
-              f"{r['peak_mem_mb']:8.0f} {r['mean_depth']:10.2f} {r['compute_ratio']:8.2f}")
+        print(
+            f"{label:<22} {r['time_s'] * 1e3:9.1f} {r['time_s'] / ref['time_s']:15.2f} {r['tokens_per_s']:9.0f} "
+            f"{r['peak_mem_mb']:8.0f} {r['mean_depth']:10.2f} {r['compute_ratio']:8.2f}"
+        )
     summary = {}
     if "t-loopformer" in results and "t-loopformer (dense)" in results:
         gs, dn = results["t-loopformer"], results["t-loopformer (dense)"]
-        summary = {"gather_scatter_time_ratio": gs["time_s"] / dn["time_s"],
-                   "expected_compute_ratio": gs["compute_ratio"],
-                   "gather_scatter_memory_ratio": gs["peak_mem_mb"] / max(dn["peak_mem_mb"], 1e-9)}
-        print(f"\ngather-scatter / dense: time {summary['gather_scatter_time_ratio']:.2f} "
-              f"(expected compute ratio sum|A_i|/(M*T) = {summary['expected_compute_ratio']:.2f}), "
-              f"peak memory {summary['gather_scatter_memory_ratio']:.2f}")
+        summary = {
+            "gather_scatter_time_ratio": gs["time_s"] / dn["time_s"],
+            "expected_compute_ratio": gs["compute_ratio"],
+            "gather_scatter_memory_ratio": gs["peak_mem_mb"] / max(dn["peak_mem_mb"], 1e-9),
+        }
+        print(
+            f"\ngather-scatter / dense: time {summary['gather_scatter_time_ratio']:.2f} "
+            f"(expected compute ratio sum|A_i|/(M*T) = {summary['expected_compute_ratio']:.2f}), "
+            f"peak memory {summary['gather_scatter_memory_ratio']:.2f}"
+        )
     out = {"settings": common, "results": results, "summary": summary}
     write_json(a.json, out)
     return out

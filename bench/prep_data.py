@@ -12,6 +12,7 @@ depend on other load, and give the 64-core estimate. Writes JSON (default bench/
 
     .venv/bin/python bench/prep_data.py --workers 1 2 --repeat 3 --trials 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,12 +53,24 @@ def main() -> None:
         inp = tmp / "corpus.jsonl"
         inp.write_text("".join(lines) * args.repeat, encoding="utf-8")
         n_tokens = sum(len(t) for t in enc.encode_ordinary_batch(texts))
-        res: dict = {"input": {"documents": len(texts), "tokens": n_tokens, "bytes": inp.stat().st_size,
-                               "repeat": args.repeat, "batch_bytes": args.batch_bytes},
-                     "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                 "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0],
-                                 "date": time.strftime("%Y-%m-%d %H:%M")},
-                     "rates_tok_s": {}, "seconds": {}}
+        res: dict = {
+            "input": {
+                "documents": len(texts),
+                "tokens": n_tokens,
+                "bytes": inp.stat().st_size,
+                "repeat": args.repeat,
+                "batch_bytes": args.batch_bytes,
+            },
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "load_avg_1m": os.getloadavg()[0],
+                "date": time.strftime("%Y-%m-%d %H:%M"),
+            },
+            "rates_tok_s": {},
+            "seconds": {},
+        }
 
         import resource
 
@@ -68,16 +81,28 @@ def main() -> None:
         def prep_run(w: int) -> None:
             out = tmp / f"out{w}"
             shutil.rmtree(out, ignore_errors=True)
-            m = prepare(load_prep_config(values=dict(source="files", inputs=[str(inp)], out=str(out), workers=w,
-                                                     progress=False, batch_bytes=args.batch_bytes)),
-                        log=lambda s: None)
+            m = prepare(
+                load_prep_config(
+                    values=dict(
+                        source="files",
+                        inputs=[str(inp)],
+                        out=str(out),
+                        workers=w,
+                        progress=False,
+                        batch_bytes=args.batch_bytes,
+                    )
+                ),
+                log=lambda s: None,
+            )
             assert m["documents"]["kept"] == len(texts)
             assert m["total_tokens"] == n_tokens + len(texts)
 
         # Trials are interleaved (raw, prep, raw, prep, ...) so that changing load on a shared machine hits
         # every measurement alike; the fastest trial of each counts, CPU times are averaged.
-        runs = {"raw_batch": lambda: enc.encode_ordinary_batch(texts),
-                "raw_1core": lambda: [enc.encode_ordinary(t) for t in texts]}
+        runs = {
+            "raw_batch": lambda: enc.encode_ordinary_batch(texts),
+            "raw_1core": lambda: [enc.encode_ordinary(t) for t in texts],
+        }
         runs.update({f"prep_w{w}": (lambda w=w: prep_run(w)) for w in args.workers})
         times: dict = {k: [] for k in runs}
         cpu: dict = {k: {"main_cpu_s": 0.0, "workers_cpu_s": 0.0} for k in runs}
@@ -106,20 +131,26 @@ def main() -> None:
             if w > 0:
                 res["cpu_rates_tok_per_cpu_s"][f"prep_w{w}_workers"] = n_tokens / cpu[f"prep_w{w}"]["workers_cpu_s"]
                 res["cpu_rates_tok_per_cpu_s"][f"prep_w{w}_main"] = n_tokens / cpu[f"prep_w{w}"]["main_cpu_s"]
-                res["ratios"][f"prep_w{w}_worker_cpu/raw_cpu"] = (res["cpu_rates_tok_per_cpu_s"][f"prep_w{w}_workers"]
-                                                                 / res["cpu_rates_tok_per_cpu_s"]["raw_1core"])
+                res["ratios"][f"prep_w{w}_worker_cpu/raw_cpu"] = (
+                    res["cpu_rates_tok_per_cpu_s"][f"prep_w{w}_workers"] / res["cpu_rates_tok_per_cpu_s"]["raw_1core"]
+                )
         # 64 cores: 63 workers at the per-CPU-second worker rate of the widest run, capped by the main process.
         wmax = max(w for w in args.workers if w > 0)
         per_worker = res["cpu_rates_tok_per_cpu_s"][f"prep_w{wmax}_workers"]
         main_cap = res["cpu_rates_tok_per_cpu_s"][f"prep_w{wmax}_main"]
-        res["estimate_64_cores"] = {"per_worker_tok_s": per_worker, "main_process_cap_tok_s": main_cap,
-                                    "tok_s": min(63 * per_worker, main_cap),
-                                    "hours_for_25B": 25e9 / min(63 * per_worker, main_cap) / 3600}
+        res["estimate_64_cores"] = {
+            "per_worker_tok_s": per_worker,
+            "main_process_cap_tok_s": main_cap,
+            "tok_s": min(63 * per_worker, main_cap),
+            "hours_for_25B": 25e9 / min(63 * per_worker, main_cap) / 3600,
+        }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     write_json(args.out, res)
-    print(f"input: {res['input']['documents']} documents, {n_tokens:,} tokens; cpus {os.cpu_count()}, "
-          f"load {res['machine']['load_avg_1m']:.1f}")
+    print(
+        f"input: {res['input']['documents']} documents, {n_tokens:,} tokens; cpus {os.cpu_count()}, "
+        f"load {res['machine']['load_avg_1m']:.1f}"
+    )
     for k, v in res["rates_tok_s"].items():
         print(f"  {k:>10}: {v / 1e6:6.2f} M tok/s  ({res['seconds'][k]:.2f} s)")
     for k, v in res["ratios"].items():
@@ -127,9 +158,11 @@ def main() -> None:
     for k, v in res["cpu_rates_tok_per_cpu_s"].items():
         print(f"  {k:>17}: {v / 1e6:6.2f} M tok per CPU-second")
     e = res["estimate_64_cores"]
-    print(f"  64 cores (63 workers at {e['per_worker_tok_s'] / 1e6:.2f} M, main process cap "
-          f"{e['main_process_cap_tok_s'] / 1e6:.0f} M): {e['tok_s'] / 1e6:.0f} M tok/s, "
-          f"25B tokens in {e['hours_for_25B'] * 60:.0f} min")
+    print(
+        f"  64 cores (63 workers at {e['per_worker_tok_s'] / 1e6:.2f} M, main process cap "
+        f"{e['main_process_cap_tok_s'] / 1e6:.0f} M): {e['tok_s'] / 1e6:.0f} M tok/s, "
+        f"25B tokens in {e['hours_for_25B'] * 60:.0f} min"
+    )
     print(f"wrote {args.out}")
 
 

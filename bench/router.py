@@ -21,6 +21,7 @@ per case, `--jobs` at a time), small/loopformer and small/t-loopformer under eac
 Writes `<out>/router.json`, `<out>/router_depth_over_training.png`, `<out>/router_loss_vs_work.png` and
 `<out>/router_depth_final.png` (out: bench/results/router).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,17 +40,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleave import write_json
 from testkit import train_case
 
-BASE = ["schedule.warmup_steps=50", "checkpoint.resume=none", "checkpoint.interval=0", "train.eval_interval=0",
-        "train.device=cpu", "logging.experiment=router"]
+BASE = [
+    "schedule.warmup_steps=50",
+    "checkpoint.resume=none",
+    "checkpoint.interval=0",
+    "train.eval_interval=0",
+    "train.device=cpu",
+    "logging.experiment=router",
+]
 
 
 def cases(targets: list[float]) -> dict[str, tuple[str, list[str]]]:
     """label -> (preset, overrides) of every case of the study."""
-    out = {"loopformer": ("small/loopformer", []),
-           "t-loopformer paper": ("small/t-loopformer", ["model.router_recipe=paper"])}
+    out = {
+        "loopformer": ("small/loopformer", []),
+        "t-loopformer paper": ("small/t-loopformer", ["model.router_recipe=paper"]),
+    }
     for t in targets:
-        out[f"t-loopformer budget {t:g}"] = ("small/t-loopformer", ["model.router_recipe=budget",
-                                                                    f"model.router_target_depth={t}"])
+        out[f"t-loopformer budget {t:g}"] = (
+            "small/t-loopformer",
+            ["model.router_recipe=budget", f"model.router_target_depth={t}"],
+        )
     return out
 
 
@@ -71,7 +82,7 @@ def depth_history(uri: str, run_id: str, L: int, steps: int, window: int, points
     rows = {}
     for p in points:
         lo = max(1, p - window + 1)
-        share = hist[lo:p + 1].mean(0)
+        share = hist[lo : p + 1].mean(0)
         rows[p] = {"share": share.tolist(), "mean_depth": float((share * np.arange(1, L + 1)).sum())}
     return rows
 
@@ -126,10 +137,14 @@ def token_dependence(ids: np.ndarray, depth: np.ndarray, train_counts: np.ndarra
     seen2 = cnt >= 2
     multi = (joint[seen2] > 0).sum(1) > 1
     logf = np.log(train_counts[ids] + 1.0)
-    return {"depth_entropy_bits": h, "depth_entropy_given_token_bits": h_cond,
-            "entropy_explained_by_token": (1 - h_cond / h) if h > 0 else float("nan"),
-            "token_ids_seen_twice": int(seen2.sum()), "token_ids_at_more_than_one_depth": int(multi.sum()),
-            "spearman_depth_vs_log_train_freq": _spearman(depth.astype(float), logf)}
+    return {
+        "depth_entropy_bits": h,
+        "depth_entropy_given_token_bits": h_cond,
+        "entropy_explained_by_token": (1 - h_cond / h) if h > 0 else float("nan"),
+        "token_ids_seen_twice": int(seen2.sum()),
+        "token_ids_at_more_than_one_depth": int(multi.sum()),
+        "spearman_depth_vs_log_train_freq": _spearman(depth.astype(float), logf),
+    }
 
 
 def interp_loss(curve: dict, L: int, work: float) -> float:
@@ -163,8 +178,14 @@ def figures(res: dict, out: Path, L: int) -> list[Path]:
     fig, ax = plt.subplots(figsize=(5.6, 3.8))
     for label, c in res["cases"].items():
         pts = sorted(c["per_budget"].items(), key=lambda kv: int(kv[0]))
-        ax.plot([p["loop_work"] for _, p in pts], [p["val_loss"] for _, p in pts], "o-" if label == "loopformer" else "s--",
-                ms=4, lw=1.2, label=f"{label} (M=1..{L})")
+        ax.plot(
+            [p["loop_work"] for _, p in pts],
+            [p["val_loss"] for _, p in pts],
+            "o-" if label == "loopformer" else "s--",
+            ms=4,
+            lw=1.2,
+            label=f"{label} (M=1..{L})",
+        )
         full = c["per_budget"][str(L)] if str(L) in c["per_budget"] else c["per_budget"][L]
         if label != "loopformer":
             ax.plot([full["loop_work"]], [full["val_loss"]], "*", ms=11, color=ax.lines[-1].get_color())
@@ -188,25 +209,37 @@ def figures(res: dict, out: Path, L: int) -> list[Path]:
 
 
 def table(res: dict, L: int) -> str:
-    lines = ["| case | " + " / ".join(f"d{i}" for i in range(1, L + 1)) + " (% tokens) | mean depth (target) | loop work | "
-             "val loss at M=L | loopformer at that work | Δ | H(depth \\| token) / H(depth) bits | ids >1 depth | "
-             "ρ(depth, log freq) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | " + " / ".join(f"d{i}" for i in range(1, L + 1)) + " (% tokens) | mean depth (target) | loop work | "
+        "val loss at M=L | loopformer at that work | Δ | H(depth \\| token) / H(depth) bits | ids >1 depth | "
+        "ρ(depth, log freq) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for label, c in res["cases"].items():
         f = c["final"]
         td = f.get("token_dependence")
         tgt = f" ({c['target_depth']:g})" if c.get("target_depth") else ""
-        dep = (f"{td['depth_entropy_given_token_bits']:.2f} / {td['depth_entropy_bits']:.2f}",
-               f"{td['token_ids_at_more_than_one_depth']} of {td['token_ids_seen_twice']}",
-               f"{td['spearman_depth_vs_log_train_freq']:+.2f}") if td else ("–", "–", "–")
+        dep = (
+            (
+                f"{td['depth_entropy_given_token_bits']:.2f} / {td['depth_entropy_bits']:.2f}",
+                f"{td['token_ids_at_more_than_one_depth']} of {td['token_ids_seen_twice']}",
+                f"{td['spearman_depth_vs_log_train_freq']:+.2f}",
+            )
+            if td
+            else ("–", "–", "–")
+        )
         lf = f"{f['loopformer_loss_at_work']:.4f}" if "loopformer_loss_at_work" in f else "–"
         delta = f"{f['delta_vs_loopformer']:+.4f}" if "delta_vs_loopformer" in f else "–"
-        lines.append(f"| {label} | {' / '.join(f'{100 * s:.0f}' for s in f['depth_share'])} | {f['mean_depth']:.2f}{tgt} "
-                     f"| {f['loop_work']:.3f} | {f['val_loss']:.4f} | {lf} | {delta} | {dep[0]} | {dep[1]} | {dep[2]} |")
+        lines.append(
+            f"| {label} | {' / '.join(f'{100 * s:.0f}' for s in f['depth_share'])} | {f['mean_depth']:.2f}{tgt} "
+            f"| {f['loop_work']:.3f} | {f['val_loss']:.4f} | {lf} | {delta} | {dep[0]} | {dep[1]} | {dep[2]} |"
+        )
     return "\n".join(lines)
 
 
-def measure_seed(trained: dict, specs: dict, batches: list, counts: np.ndarray, L: int, steps: int, window: int,
-                 points: list[int]) -> dict:
+def measure_seed(
+    trained: dict, specs: dict, batches: list, counts: np.ndarray, L: int, steps: int, window: int, points: list[int]
+) -> dict:
     """Every case of one seed: the per-case dict the tables and figures read."""
     from pipeline.model.io import load_model
 
@@ -216,11 +249,19 @@ def measure_seed(trained: dict, specs: dict, batches: list, counts: np.ndarray, 
         ev = evaluate_case(model, batches, L)
         ids, depth = ev.pop("ids"), ev.pop("depth")
         share = np.bincount(depth - 1, minlength=L) / len(depth)
-        c = {"preset": specs[label]["preset"], "overrides": specs[label]["overrides"], **tr,
-             "per_budget": ev["per_budget"],
-             "final": {"depth_share": share.tolist(), "reach_share": [float((depth >= i).mean()) for i in range(1, L + 1)],
-                       "mean_depth": float(depth.mean()), "loop_work": float(depth.mean() / L),
-                       "val_loss": ev["per_budget"][L]["val_loss"]}}
+        c = {
+            "preset": specs[label]["preset"],
+            "overrides": specs[label]["overrides"],
+            **tr,
+            "per_budget": ev["per_budget"],
+            "final": {
+                "depth_share": share.tolist(),
+                "reach_share": [float((depth >= i).mean()) for i in range(1, L + 1)],
+                "mean_depth": float(depth.mean()),
+                "loop_work": float(depth.mean() / L),
+                "val_loss": ev["per_budget"][L]["val_loss"],
+            },
+        }
         if cfg.model.router:
             c["recipe"] = cfg.model.router_recipe
             if cfg.model.router_recipe == "budget":
@@ -252,16 +293,23 @@ def seed_summary(per_seed: dict, L: int) -> tuple[dict, str, str]:
     for label in labels:
         cs = [per_seed[s][label] for s in per_seed]
         f = [c["final"] for c in cs]
-        summ[label] = {"val_loss": [x["val_loss"] for x in f], "mean_depth": [x["mean_depth"] for x in f],
-                       "loop_work": [x["loop_work"] for x in f],
-                       "delta_vs_loopformer": [x["delta_vs_loopformer"] for x in f if "delta_vs_loopformer" in x],
-                       "per_budget": {M: [c["per_budget"][M]["val_loss"] for c in cs] for M in range(1, L + 1)}}
-    lines = ["| case | val loss at M=L | mean depth | loop work | Δ vs loopformer at that work (paired) | seeds with Δ < 0 |",
-             "|---|---|---|---|---|---|"]
+        summ[label] = {
+            "val_loss": [x["val_loss"] for x in f],
+            "mean_depth": [x["mean_depth"] for x in f],
+            "loop_work": [x["loop_work"] for x in f],
+            "delta_vs_loopformer": [x["delta_vs_loopformer"] for x in f if "delta_vs_loopformer" in x],
+            "per_budget": {M: [c["per_budget"][M]["val_loss"] for c in cs] for M in range(1, L + 1)},
+        }
+    lines = [
+        "| case | val loss at M=L | mean depth | loop work | Δ vs loopformer at that work (paired) | seeds with Δ < 0 |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, x in summ.items():
         d = x["delta_vs_loopformer"]
-        lines.append(f"| {label} | {_ms(x['val_loss'])} | {_ms(x['mean_depth'])} | {_ms(x['loop_work'])} | "
-                     + (f"{_ms(d)} | {sum(v < 0 for v in d)} of {len(d)} |" if d else "– | – |"))
+        lines.append(
+            f"| {label} | {_ms(x['val_loss'])} | {_ms(x['mean_depth'])} | {_ms(x['loop_work'])} | "
+            + (f"{_ms(d)} | {sum(v < 0 for v in d)} of {len(d)} |" if d else "– | – |")
+        )
     el = ["| case | " + " | ".join(f"M = {M}" for M in range(1, L + 1)) + " |", "|" + "---|" * (L + 1)]
     for label, x in summ.items():
         el.append(f"| {label} | " + " | ".join(_ms(x["per_budget"][M]) for M in range(1, L + 1)) + " |")
@@ -275,8 +323,11 @@ def main(argv=None) -> None:
     ap.add_argument("--jobs", type=int, default=2, help="cases trained at once (one thread each)")
     ap.add_argument("--val-tokens", type=int, default=20480, help="validation tokens measured")
     ap.add_argument("--window", type=int, default=10, help="steps averaged per point of the depth-over-training table")
-    ap.add_argument("--seeds", default="1337,1338,1339",
-                    help="training seeds (comma-separated): every case runs at each, deltas are paired by seed")
+    ap.add_argument(
+        "--seeds",
+        default="1337,1338,1339",
+        help="training seeds (comma-separated): every case runs at each, deltas are paired by seed",
+    )
     ap.add_argument("--data", default="data/demo", help="shards made by `tlf prep-data --source demo`")
     ap.add_argument("--out", default="bench/results/router")
     a = ap.parse_args(argv)
@@ -293,14 +344,25 @@ def main(argv=None) -> None:
     for seed in seeds:
         for label, (preset, ov) in cases(targets).items():
             run = f"{_slug(label)}_s{seed}"
-            specs[(seed, label)] = {"preset": preset, "overrides": BASE + ov + [
-                f"schedule.max_steps={a.steps}", f"train.seed={seed}", f"data.dir={data}",
-                f"checkpoint.dir={out / 'checkpoints' / run}",
-                f"logging.tracking_uri=sqlite:///{out / 'mlflow' / (run + '.db')}"]}
+            specs[(seed, label)] = {
+                "preset": preset,
+                "overrides": BASE
+                + ov
+                + [
+                    f"schedule.max_steps={a.steps}",
+                    f"train.seed={seed}",
+                    f"data.dir={data}",
+                    f"checkpoint.dir={out / 'checkpoints' / run}",
+                    f"logging.tracking_uri=sqlite:///{out / 'mlflow' / (run + '.db')}",
+                ],
+            }
     (out / "mlflow").mkdir(exist_ok=True)
     t0 = time.time()
-    print(f"router study: {len(specs) // len(seeds)} cases x {len(seeds)} seeds x {a.steps} steps, {a.jobs} at a time "
-          f"-> {out}", flush=True)
+    print(
+        f"router study: {len(specs) // len(seeds)} cases x {len(seeds)} seeds x {a.steps} steps, {a.jobs} at a time "
+        f"-> {out}",
+        flush=True,
+    )
     with mp.get_context("spawn").Pool(a.jobs) as pool:
         trained = dict(zip(specs, pool.map(train_case, list(specs.values()), chunksize=1)))
     t_train = time.time() - t0
@@ -322,10 +384,17 @@ def main(argv=None) -> None:
         tr = {label: v for (s, label), v in trained.items() if s == seed}
         sp = {label: v for (s, label), v in specs.items() if s == seed}
         per_seed[seed] = measure_seed(tr, sp, batches, counts, L, a.steps, a.window, points)
-    res = {"command": "python bench/router.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "steps": a.steps, "tokens_per_step": first.train.global_batch_size * T, "seeds": seeds,
-           "val_tokens": sum(int(y.numel()) for _, y in batches), "loops": L, "train_wall_s": t_train,
-           "cases": per_seed[seeds[0]], "per_seed": {s: per_seed[s] for s in seeds[1:]}}
+    res = {
+        "command": "python bench/router.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "steps": a.steps,
+        "tokens_per_step": first.train.global_batch_size * T,
+        "seeds": seeds,
+        "val_tokens": sum(int(y.numel()) for _, y in batches),
+        "loops": L,
+        "train_wall_s": t_train,
+        "cases": per_seed[seeds[0]],
+        "per_seed": {s: per_seed[s] for s in seeds[1:]},
+    }
     res["summary"], res["summary_table"], res["elastic_table"] = seed_summary(per_seed, L)
     res["wall_s"] = time.time() - t0
     res["table"] = table(res, L)
@@ -337,7 +406,9 @@ def main(argv=None) -> None:
         if "depth_over_training" in c:
             lines.append(f"\n{label}: step | " + " / ".join(f"d{i}" for i in range(1, L + 1)) + " % | mean depth")
             for s, row in c["depth_over_training"].items():
-                lines.append(f"  {s:>5} | " + " / ".join(f"{100 * x:.0f}" for x in row["share"]) + f" | {row['mean_depth']:.2f}")
+                lines.append(
+                    f"  {s:>5} | " + " / ".join(f"{100 * x:.0f}" for x in row["share"]) + f" | {row['mean_depth']:.2f}"
+                )
     res["depth_over_training_text"] = "\n".join(lines)
     write_json(out / "router.json", res)
     print(f"over {len(seeds)} seeds (mean ± std):")
@@ -347,8 +418,11 @@ def main(argv=None) -> None:
     print(f"\nseed {seeds[0]} in detail:")
     print(res["table"])
     print(res["depth_over_training_text"])
-    print(f"\nstudy took {res['wall_s'] / 60:.1f} min (training {t_train / 60:.1f} min; CPU time per run "
-          + ", ".join(f"{k[1]} s{k[0]} {v['cpu_s']:.0f}s" for k, v in trained.items()) + ")")
+    print(
+        f"\nstudy took {res['wall_s'] / 60:.1f} min (training {t_train / 60:.1f} min; CPU time per run "
+        + ", ".join(f"{k[1]} s{k[0]} {v['cpu_s']:.0f}s" for k, v in trained.items())
+        + ")"
+    )
 
 
 if __name__ == "__main__":

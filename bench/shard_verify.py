@@ -13,6 +13,7 @@ shards: 200 MB). Writes JSON (default bench/results/shard_verify.json).
 
     .venv/bin/python bench/shard_verify.py --trials 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,12 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp) / "demo"
-        prepare(load_prep_config(values=dict(source="demo", out=str(d), shard_tokens=args.shard_tokens, workers=0,
-                                             progress=False)), log=lambda m: None)
+        prepare(
+            load_prep_config(
+                values=dict(source="demo", out=str(d), shard_tokens=args.shard_tokens, workers=0, progress=False)
+            ),
+            log=lambda m: None,
+        )
         files = sorted(d.glob("*_train_*.bin"))
         nbytes = sum(f.stat().st_size for f in files)
         best = {"read": float("inf"), "verify": float("inf"), "hash": float("inf")}
@@ -73,19 +78,35 @@ def main() -> None:
             best["hash"] = min(best["hash"], _hash_all(files))
     mbps = nbytes / best["hash"] / 1e6
     big = args.tokens * 2
-    out = {"machine": platform.processor() or platform.machine(), "shards": len(files), "train_bytes": nbytes,
-           "trials": args.trials, "epoch_read_s": best["read"], "epoch_read_verify_s": best["verify"],
-           "verify_over_read": best["verify"] / best["read"], "hash_s": best["hash"], "hash_MBps": mbps,
-           "projection": {"tokens": args.tokens, "bytes": big, "ranks": args.ranks,
-                          "per_run_s_one_rank": big / (mbps * 1e6),
-                          "per_run_s_each_of_ranks": big / (mbps * 1e6) / args.ranks,
-                          "stall_per_100M_token_shard_s": 200e6 / (mbps * 1e6)}}
-    print(f"demo train split: {len(files)} shards, {nbytes / 1e6:.1f} MB; one epoch read {best['read']:.3f} s, "
-          f"with data.verify {best['verify']:.3f} s (x{out['verify_over_read']:.2f}); sha256 {mbps:.0f} MB/s")
+    out = {
+        "machine": platform.processor() or platform.machine(),
+        "shards": len(files),
+        "train_bytes": nbytes,
+        "trials": args.trials,
+        "epoch_read_s": best["read"],
+        "epoch_read_verify_s": best["verify"],
+        "verify_over_read": best["verify"] / best["read"],
+        "hash_s": best["hash"],
+        "hash_MBps": mbps,
+        "projection": {
+            "tokens": args.tokens,
+            "bytes": big,
+            "ranks": args.ranks,
+            "per_run_s_one_rank": big / (mbps * 1e6),
+            "per_run_s_each_of_ranks": big / (mbps * 1e6) / args.ranks,
+            "stall_per_100M_token_shard_s": 200e6 / (mbps * 1e6),
+        },
+    }
+    print(
+        f"demo train split: {len(files)} shards, {nbytes / 1e6:.1f} MB; one epoch read {best['read']:.3f} s, "
+        f"with data.verify {best['verify']:.3f} s (x{out['verify_over_read']:.2f}); sha256 {mbps:.0f} MB/s"
+    )
     p = out["projection"]
-    print(f"{args.tokens / 1e9:.0f}B tokens ({big / 1e9:.0f} GB): {p['per_run_s_one_rank']:.0f} s of hashing per run "
-          f"on one rank, {p['per_run_s_each_of_ranks']:.0f} s on each of {args.ranks}; "
-          f"{p['stall_per_100M_token_shard_s']:.2f} s stall at the first read of a 100M-token shard")
+    print(
+        f"{args.tokens / 1e9:.0f}B tokens ({big / 1e9:.0f} GB): {p['per_run_s_one_rank']:.0f} s of hashing per run "
+        f"on one rank, {p['per_run_s_each_of_ranks']:.0f} s on each of {args.ranks}; "
+        f"{p['stall_per_100M_token_shard_s']:.2f} s stall at the first read of a 100M-token shard"
+    )
     write_json(args.out, out)
 
 

@@ -16,6 +16,7 @@ that would synchronise on a GPU.
         model(x, y)
     len(reads)  # -> 1: the one read of all |A_i| of the pass
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,6 +45,7 @@ def count_host_reads(roots: tuple[str, ...] = DEFAULT_ROOTS):
             if f.f_code.co_filename.startswith(roots):
                 reads.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name, name))
             return orig(self, *a, **kw)
+
         return counted
 
     for m, orig in saved.items():
@@ -108,5 +110,11 @@ def train_case(spec: dict) -> dict:
     cfg = load_config(spec["preset"], spec["overrides"])
     t0, c0 = time.time(), time.process_time()
     res = run(cfg)
-    return {"run_id": res.run_id, "dir": cfg.checkpoint.dir, "uri": cfg.logging.tracking_uri,
-            "wall_s": time.time() - t0, "cpu_s": time.process_time() - c0, "final_train_loss": res.losses[-1]}
+    return {
+        "run_id": res.run_id,
+        "dir": cfg.checkpoint.dir,
+        "uri": cfg.logging.tracking_uri,
+        "wall_s": time.time() - t0,
+        "cpu_s": time.process_time() - c0,
+        "final_train_loss": res.losses[-1],
+    }

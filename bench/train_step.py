@@ -27,6 +27,7 @@ state + the peak during one untimed step whose shortcut pass has the most loops,
 freeing it and moves by ±10% between identical runs; the RSS figure is printed beside it.
 Writes JSON (bench/results/train_step.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,11 +69,23 @@ def _worker(spec: dict, conn) -> None:
     torch.set_num_threads(spec["threads"])
     # `tlf train`'s own set-up (Trainer.build: process group, model, DeepSpeed engine with AdamW + schedule +
     # clipping) without data, callbacks, checkpoints or MLflow; compiled after the eager breakdown below
-    cfg = load_config(f"{spec['scale']}/{spec['variant']}", spec["overrides"] + spec["extra"] + [
-        f"train.micro_batch_size={spec['batch']}", "train.grad_accum_steps=1",
-        f"train.global_batch_size={spec['batch']}", "train.zero_stage=0", f"train.device={spec['device']}",
-        f"train.precision={'bf16' if spec['bf16'] else 'fp32'}", "checkpoint.resume=none", "checkpoint.interval=0",
-        "train.eval_interval=0", "logging.mlflow=false"])
+    cfg = load_config(
+        f"{spec['scale']}/{spec['variant']}",
+        spec["overrides"]
+        + spec["extra"]
+        + [
+            f"train.micro_batch_size={spec['batch']}",
+            "train.grad_accum_steps=1",
+            f"train.global_batch_size={spec['batch']}",
+            "train.zero_stage=0",
+            f"train.device={spec['device']}",
+            f"train.precision={'bf16' if spec['bf16'] else 'fp32'}",
+            "checkpoint.resume=none",
+            "checkpoint.interval=0",
+            "train.eval_interval=0",
+            "logging.mlflow=false",
+        ],
+    )
     compile_ = cfg.train.compile
     cfg.train.compile = False
     torch.manual_seed(0)
@@ -120,10 +133,12 @@ def _worker(spec: dict, conn) -> None:
         longest = torch.tensor([2] + [1] * (cfg.model.loops - 2))  # S = L - 1: the step of the largest peak
         if model.router is not None:  # the depth map of that step, for `tlf plan`'s validation (tests/test_plan.py)
             from pipeline.model.looped import active_counts
+
             with torch.no_grad():
                 m_ = engine.module
-                state["counts"] = active_counts(m_.route(m_.embed(x.to(dev))).depth(cfg.model.loops, m_._theta(None)),
-                                                cfg.model.loops).tolist()
+                state["counts"] = active_counts(
+                    m_.route(m_.embed(x.to(dev))).depth(cfg.model.loops, m_._theta(None)), cfg.model.loops
+                ).tolist()
         alloc_gb = (persistent / 2**20 + tensor_peak_mib(lambda: step(longest))) / 1024
     conn.send("ready")
     while True:
@@ -138,11 +153,20 @@ def _worker(spec: dict, conn) -> None:
         elif cmd == "stats":
             loops = sum(state["timed"]) / len(state["timed"])  # over the timed rounds only
             peak = region_peak_mib(dev, base) / 1024
-            conn.send({"peak_mem_gb": peak, "alloc_peak_gb": alloc_gb if alloc_gb is not None else peak, "mean_depth": state["depth"], "loops_executed": loops,
-                       "flops_per_token": model.flops_per_token(loops, T, state["heads"]),
-                       "round_flops_per_token": [model.flops_per_token(x, T, state["heads"]) for x in state["timed"]],
-                       "params": model.num_params(), "tokens_per_step": B * T, "depth_counts": state.get("counts"),
-                       **breakdown})
+            conn.send(
+                {
+                    "peak_mem_gb": peak,
+                    "alloc_peak_gb": alloc_gb if alloc_gb is not None else peak,
+                    "mean_depth": state["depth"],
+                    "loops_executed": loops,
+                    "flops_per_token": model.flops_per_token(loops, T, state["heads"]),
+                    "round_flops_per_token": [model.flops_per_token(x, T, state["heads"]) for x in state["timed"]],
+                    "params": model.num_params(),
+                    "tokens_per_step": B * T,
+                    "depth_counts": state.get("counts"),
+                    **breakdown,
+                }
+            )
         else:
             return
 
@@ -150,10 +174,12 @@ def _worker(spec: dict, conn) -> None:
 def _persistent_tensors(engine):
     """The tensors that live across steps: parameters and the optimizer's state (storage counted once)."""
     import torch
+
     opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
     seen, out = set(), []
-    tensors = list(engine.module.parameters()) + [v for st in opt.state.values() for v in st.values()
-                                                  if isinstance(v, torch.Tensor)]
+    tensors = list(engine.module.parameters()) + [
+        v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+    ]
     for t in tensors:
         if t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
@@ -190,11 +216,15 @@ def _saved_breakdown(model, x, y, L: int) -> dict:
         h.remove()
     loops = {k: v for k, v in acc.by_label.items() if k in tokens}
     token_loops = sum(tokens.values())
-    return {"saved_mib": acc.total / 2**20, "saved_loops_mib": sum(loops.values()) / 2**20,
-            "saved_other_mib": {k: v / 2**20 for k, v in acc.by_label.items() if k not in tokens},
-            "saved_per_loop": {k: {"tokens": tokens[k], "bytes_per_token": v / tokens[k]} for k, v in loops.items()},
-            "token_loops": token_loops, "loop_bytes_per_token": sum(loops.values()) / max(token_loops, 1),
-            "host_reads_per_forward": len(reads)}
+    return {
+        "saved_mib": acc.total / 2**20,
+        "saved_loops_mib": sum(loops.values()) / 2**20,
+        "saved_other_mib": {k: v / 2**20 for k, v in acc.by_label.items() if k not in tokens},
+        "saved_per_loop": {k: {"tokens": tokens[k], "bytes_per_token": v / tokens[k]} for k, v in loops.items()},
+        "token_loops": token_loops,
+        "loop_bytes_per_token": sum(loops.values()) / max(token_loops, 1),
+        "host_reads_per_forward": len(reads),
+    }
 
 
 def main(argv=None) -> dict:
@@ -203,21 +233,37 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--micro-batch", dest="batch", type=int, default=8)
-    ap.add_argument("--set", dest="overrides", action="append", default=None,
-                    help="config override for every case (repeatable); default model.vocab_size=8192 so the loops, "
-                         "not the LM head, dominate")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=None,
+        help="config override for every case (repeatable); default model.vocab_size=8192 so the loops, "
+        "not the LM head, dominate",
+    )
     ap.add_argument("--variants", default="all")
     ap.add_argument("--steps", type=int, default=5, help="timed rounds (each case one step per round)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    ap.add_argument("--router", choices=["spread", "init"], default="spread",
-                    help="spread: router weights set so depths cover 1..L (like a trained router); init: as initialised "
-                         "(near-uniform pi, every token about L/2 deep)")
+    ap.add_argument(
+        "--router",
+        choices=["spread", "init"],
+        default="spread",
+        help="spread: router weights set so depths cover 1..L (like a trained router); init: as initialised "
+        "(near-uniform pi, every token about L/2 deep)",
+    )
     ap.add_argument("--no-compile", action="store_true", help="leave out the train.compile=true cases")
-    ap.add_argument("--no-ablations", action="store_true", help="only the --variants themselves (no gs=off, "
-                    "checkpointing or compile cases)")
-    ap.add_argument("--peak-flops", type=float, default=None,
-                    help="for MFU; default: logging.peak_flops, else an A100's bf16 312e12")
+    ap.add_argument(
+        "--no-ablations",
+        action="store_true",
+        help="only the --variants themselves (no gs=off, checkpointing or compile cases)",
+    )
+    ap.add_argument(
+        "--peak-flops",
+        type=float,
+        default=None,
+        help="for MFU; default: logging.peak_flops, else an A100's bf16 312e12",
+    )
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "train_step.json"))
     a = ap.parse_args(argv)
     from pipeline.config import VARIANTS, load_config
@@ -226,23 +272,37 @@ def main(argv=None) -> dict:
     overrides = a.overrides if a.overrides is not None else ["model.vocab_size=8192"]
     peak = a.peak_flops or load_config(f"{a.scale}/t-loopformer").logging.peak_flops or gpu("a100-80gb").peak_flops
     variants = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
-    common = {"scale": a.scale, "device": a.device, "bf16": a.bf16, "batch": a.batch, "overrides": overrides,
-              "warmup": a.warmup, "threads": a.threads, "router": a.router}
+    common = {
+        "scale": a.scale,
+        "device": a.device,
+        "bf16": a.bf16,
+        "batch": a.batch,
+        "overrides": overrides,
+        "warmup": a.warmup,
+        "threads": a.threads,
+        "router": a.router,
+    }
     specs = {v: {**common, "variant": v, "extra": []} for v in variants}
-    ablations = {"t-loopformer gs=off": ("t-loopformer", ["model.gather_scatter=false"]),
-                 "t-loopformer ckpt=loop": ("t-loopformer", ["train.activation_checkpointing=loop"]),
-                 "t-loopformer ckpt=layer": ("t-loopformer", ["train.activation_checkpointing=layer"]),
-                 "loopformer ckpt=loop": ("loopformer", ["train.activation_checkpointing=loop"]),
-                 "t-loopformer compile": ("t-loopformer", ["train.compile=true"]),
-                 "loopformer compile": ("loopformer", ["train.compile=true"])}
+    ablations = {
+        "t-loopformer gs=off": ("t-loopformer", ["model.gather_scatter=false"]),
+        "t-loopformer ckpt=loop": ("t-loopformer", ["train.activation_checkpointing=loop"]),
+        "t-loopformer ckpt=layer": ("t-loopformer", ["train.activation_checkpointing=layer"]),
+        "loopformer ckpt=loop": ("loopformer", ["train.activation_checkpointing=loop"]),
+        "t-loopformer compile": ("t-loopformer", ["train.compile=true"]),
+        "loopformer compile": ("loopformer", ["train.compile=true"]),
+    }
     if a.no_ablations:
         ablations = {}
     if a.no_compile:
         ablations = {k: v for k, v in ablations.items() if "compile" not in k}
     for label, (v, extra) in ablations.items():
         if v in variants:  # compiled cases warm up until each 0/1-specialised graph has been met
-            specs[label] = {**common, "variant": v, "extra": extra,
-                            **({"warmup": max(a.warmup, 6)} if "compile" in label else {})}
+            specs[label] = {
+                **common,
+                "variant": v,
+                "extra": extra,
+                **({"warmup": max(a.warmup, 6)} if "compile" in label else {}),
+            }
     results = run_cases(_worker, specs, a.steps)
     for r in results.values():
         r["tokens_per_s"] = r["tokens_per_step"] / r["time_s"]
@@ -250,20 +310,28 @@ def main(argv=None) -> dict:
 
     cfg = load_config(f"{a.scale}/t-loopformer", overrides)
     m = cfg.model
-    print(f"\ntrain_step: one optimizer step (DeepSpeed ZeRO-0, AdamW), micro-batch {a.batch} x T={m.block_size}, "
-          f"d={m.d_model}, J={m.n_layers} L={m.loops}, vocab {m.vocab_size}, on {a.device}"
-          f"{' bf16' if a.bf16 else ' fp32'}, {a.threads} threads, router {a.router}")
+    print(
+        f"\ntrain_step: one optimizer step (DeepSpeed ZeRO-0, AdamW), micro-batch {a.batch} x T={m.block_size}, "
+        f"d={m.d_model}, J={m.n_layers} L={m.loops}, vocab {m.vocab_size}, on {a.device}"
+        f"{' bf16' if a.bf16 else ' fp32'}, {a.threads} threads, router {a.router}"
+    )
     ref = results.get("t-loopformer", next(iter(results.values())))
-    print(f"{'case':<26} {'ms/step':>9} {'tok/s':>9} {'x t-loopf':>9} {'peak GB':>8} {'alloc GB':>8} {'depth':>6} {'MFU %':>7} "
-          f"{'saved MiB':>9} {'B/tok-loop':>10} {'reads':>5}")
+    print(
+        f"{'case':<26} {'ms/step':>9} {'tok/s':>9} {'x t-loopf':>9} {'peak GB':>8} {'alloc GB':>8} {'depth':>6} {'MFU %':>7} "
+        f"{'saved MiB':>9} {'B/tok-loop':>10} {'reads':>5}"
+    )
     for label, r in results.items():
-        print(f"{label:<26} {r['time_s'] * 1e3:9.1f} {r['tokens_per_s']:9.0f} {r['tokens_per_s'] / ref['tokens_per_s']:9.2f} "
-              f"{r['peak_mem_gb']:8.3f} {r['alloc_peak_gb']:8.3f} {r['mean_depth']:6.2f} {100 * r['mfu']:7.3f} {r['saved_mib']:9.1f} "
-              f"{r['loop_bytes_per_token']:10.0f} {r['host_reads_per_forward']:5d}")
+        print(
+            f"{label:<26} {r['time_s'] * 1e3:9.1f} {r['tokens_per_s']:9.0f} {r['tokens_per_s'] / ref['tokens_per_s']:9.2f} "
+            f"{r['peak_mem_gb']:8.3f} {r['alloc_peak_gb']:8.3f} {r['mean_depth']:6.2f} {100 * r['mfu']:7.3f} {r['saved_mib']:9.1f} "
+            f"{r['loop_bytes_per_token']:10.0f} {r['host_reads_per_forward']:5d}"
+        )
     for label in ("loopformer", "t-loopformer"):
         if label in results:
             r = results[label]
-            per = ", ".join(f"{k} {v['bytes_per_token'] / 1024:.1f}KB x{v['tokens']}" for k, v in r["saved_per_loop"].items())
+            per = ", ".join(
+                f"{k} {v['bytes_per_token'] / 1024:.1f}KB x{v['tokens']}" for k, v in r["saved_per_loop"].items()
+            )
             other = ", ".join(f"{k} {v:.1f}" for k, v in r["saved_other_mib"].items())
             print(f"  {label} kept for backward per loop (bytes/token x tokens): {per}; other MiB: {other}")
 
@@ -278,24 +346,30 @@ def main(argv=None) -> dict:
         # median step's time by the mean FLOPs of all steps, warm-up included: two different sets of steps.)
         flops = sum(t["round_flops_per_token"]) / sum(lf["round_flops_per_token"])
         time_r = sum(t["times_s"]) / sum(lf["times_s"])
-        per_round = sorted((a_ / b_) / (fa / fb) for a_, b_, fa, fb in zip(
-            t["times_s"], lf["times_s"], t["round_flops_per_token"], lf["round_flops_per_token"]))
+        per_round = sorted(
+            (a_ / b_) / (fa / fb)
+            for a_, b_, fa, fb in zip(
+                t["times_s"], lf["times_s"], t["round_flops_per_token"], lf["round_flops_per_token"]
+            )
+        )
         # the floor: loopformer's peak less its per-token loop bytes for the token-loops t-loopformer skips (rate:
         # the median loop, loop 1 also holds the weights the matmuls save); all else (weights, Adam state, LM heads
         # and losses, embeddings, every token's loop 1) is what both models keep whatever the router does
         rate = sorted(v["bytes_per_token"] for v in lf["saved_per_loop"].values())[len(lf["saved_per_loop"]) // 2]
         floor = 1 - rate * (lf["token_loops"] - t["token_loops"]) / 2**20 / (lf["alloc_peak_gb"] * 1024)
-        targets = {"peak memory ratio (live tensors)": (t["alloc_peak_gb"] / lf["alloc_peak_gb"], 0.80),
-                   "peak memory ratio (process RSS, noisy on CPU)": (t["peak_mem_gb"] / lf["peak_mem_gb"], None),
-                   "peak_mem floor (same bytes per token-loop)": (floor, None),
-                   "saved-for-backward ratio": (t["saved_mib"] / lf["saved_mib"], None),
-                   "loop bytes per token-loop ratio": (t["loop_bytes_per_token"] / lf["loop_bytes_per_token"], None),
-                   "token-loops ratio": (t["token_loops"] / lf["token_loops"], None),
-                   "model FLOPs ratio": (flops, None),
-                   "step time ratio / FLOPs ratio": (time_r / flops, 1.10),
-                   "  the same, round by round: lowest": (per_round[0], None),
-                   "  the same, round by round: highest": (per_round[-1], None),
-                   "host reads per forward (t-loopformer)": (float(t["host_reads_per_forward"]), 1.0)}
+        targets = {
+            "peak memory ratio (live tensors)": (t["alloc_peak_gb"] / lf["alloc_peak_gb"], 0.80),
+            "peak memory ratio (process RSS, noisy on CPU)": (t["peak_mem_gb"] / lf["peak_mem_gb"], None),
+            "peak_mem floor (same bytes per token-loop)": (floor, None),
+            "saved-for-backward ratio": (t["saved_mib"] / lf["saved_mib"], None),
+            "loop bytes per token-loop ratio": (t["loop_bytes_per_token"] / lf["loop_bytes_per_token"], None),
+            "token-loops ratio": (t["token_loops"] / lf["token_loops"], None),
+            "model FLOPs ratio": (flops, None),
+            "step time ratio / FLOPs ratio": (time_r / flops, 1.10),
+            "  the same, round by round: lowest": (per_round[0], None),
+            "  the same, round by round: highest": (per_round[-1], None),
+            "host reads per forward (t-loopformer)": (float(t["host_reads_per_forward"]), 1.0),
+        }
         print()
         for k, (v, tgt) in targets.items():
             verdict = "" if tgt is None else (f"  target <= {tgt:.2f}: " + ("met" if v <= tgt else "MISSED"))
@@ -316,8 +390,12 @@ def main(argv=None) -> dict:
     for k, v in summary.items():
         if v is not None:
             print(f"{k:<44} {v:6.2f}")
-    out = {"settings": {**common, "steps": a.steps, "peak_flops": peak}, "results": results, "summary": summary,
-           "targets": {k: {"value": v, "target": tgt} for k, (v, tgt) in targets.items()}}
+    out = {
+        "settings": {**common, "steps": a.steps, "peak_flops": peak},
+        "results": results,
+        "summary": summary,
+        "targets": {k: {"value": v, "target": tgt} for k, (v, tgt) in targets.items()},
+    }
     write_json(a.json, out)
     return out
 

@@ -1,5 +1,6 @@
 """`python -m data_prep prep-data ...` / `python -m data_prep data inspect DIR`: the data commands
 without the rest of `tlf` (quick to start; used by the resume test that kills a real process)."""
+
 import click
 
 from data_prep.cli import data, prep_data

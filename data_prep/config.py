@@ -4,6 +4,7 @@ Filled, in order, from the defaults, a YAML file (`--config FILE`, a flat mappin
 `prep:` section holding one), the command-line options, then `key=value` overrides. Unknown keys, wrong
 types and inconsistent values raise `ConfigError` naming the key and its source.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,34 +16,49 @@ from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_mappi
 
 SOURCES = ("files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext", "depth-hops")
 # Named Hugging Face sources: (dataset, default config, split)
-HF_ALIASES = {"fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train"),
-              "openwebtext": ("Skylion007/openwebtext", "", "train")}
+HF_ALIASES = {
+    "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train"),
+    "openwebtext": ("Skylion007/openwebtext", "", "train"),
+}
 DEMO_VAL_EVERY = 20
 DEFAULT_VAL_EVERY = 1000
 
 
 @dataclass
 class PrepConfig:
-    source: str = f("files", "Where documents come from: files (local), demo (State of the Union + Moby-Dick), "
-                             "demo-enwiki (gensim's enwiki sample), hf (any Hub dataset), fineweb-edu, openwebtext, "
-                             "depth-hops (synthetic root finding by pointer chasing, a known depth need per target).")
-    inputs: list = f([], "Local inputs (source=files): files, globs or directories of .jsonl, .jsonl.zst, "
-                         ".parquet or .txt; directories are searched recursively; order is sorted by path.")
+    source: str = f(
+        "files",
+        "Where documents come from: files (local), demo (State of the Union + Moby-Dick), "
+        "demo-enwiki (gensim's enwiki sample), hf (any Hub dataset), fineweb-edu, openwebtext, "
+        "depth-hops (synthetic root finding by pointer chasing, a known depth need per target).",
+    )
+    inputs: list = f(
+        [],
+        "Local inputs (source=files): files, globs or directories of .jsonl, .jsonl.zst, "
+        ".parquet or .txt; directories are searched recursively; order is sorted by path.",
+    )
     text_field: str = f("text", "Field (jsonl key / parquet column / Hub column) holding a document's text.")
-    txt_mode: str = f("file", "How .txt files split into documents: file (one per file), line, or paragraph "
-                              "(blank-line separated).")
+    txt_mode: str = f(
+        "file", "How .txt files split into documents: file (one per file), line, or paragraph (blank-line separated)."
+    )
     hf_dataset: str = f("", "Hub dataset id for source=hf (e.g. HuggingFaceFW/fineweb-edu).")
     hf_config: str = f("", "Hub dataset config name (e.g. sample-10BT, sample-100BT); empty for the default.")
     hf_split: str = f("train", "Hub dataset split to stream.")
-    hf_data_files: list = f([], "Data files for source=hf with a packaged builder (hf_dataset=parquet/json/text), "
-                                "e.g. a local mirror read through the streaming code path.")
+    hf_data_files: list = f(
+        [],
+        "Data files for source=hf with a packaged builder (hf_dataset=parquet/json/text), "
+        "e.g. a local mirror read through the streaming code path.",
+    )
     hf_timeout: float = f(15.0, "Seconds allowed to reach the Hub before failing with a clear error.")
     out: str = f("", "Output directory (manifest.json and the shards).")
     name: str = f("", "Shard file prefix <name>_<split>_<index>.bin; empty: derived from the source.")
     shard_tokens: int = f(100_000_000, "Tokens per shard (the last shard of a split may be shorter).")
-    val_every: int = f(0, "Validation rule: document number i (0-based, in input order, counting only documents "
-                          "kept) goes to the val split when i % val_every == 0; 0 picks 20 for demo, 1 (all "
-                          "val) for demo-enwiki, 1000 otherwise; 1 puts everything in val; -1 writes no val split.")
+    val_every: int = f(
+        0,
+        "Validation rule: document number i (0-based, in input order, counting only documents "
+        "kept) goes to the val split when i % val_every == 0; 0 picks 20 for demo, 1 (all "
+        "val) for demo-enwiki, 1000 otherwise; 1 puts everything in val; -1 writes no val split.",
+    )
     max_tokens: int = f(0, "Stop once this many tokens (all splits, EOTs included) are written; 0: whole input.")
     workers: int = f(-1, "Tokenizer worker processes; -1: all cores; 0: tokenize in the main process.")
     batch_bytes: int = f(1 << 20, "Text per task sent to a worker (bytes, approximate).")
@@ -72,7 +88,9 @@ class PrepConfig:
         if not self.text_field:
             raise ConfigError("text_field: must not be empty")
         if self.shard_tokens < 1 or self.shard_tokens > 2**31 - 1:
-            raise ConfigError(f"shard_tokens: must lie in 1..2^31-1 (the header's int32 count), got {self.shard_tokens}")
+            raise ConfigError(
+                f"shard_tokens: must lie in 1..2^31-1 (the header's int32 count), got {self.shard_tokens}"
+            )
         if self.val_every < -1:
             raise ConfigError(f"val_every: must be -1, 0 or a positive integer, got {self.val_every}")
         if self.max_tokens < 0:
@@ -85,17 +103,22 @@ class PrepConfig:
             raise ConfigError(f"hf_timeout: must be > 0, got {self.hf_timeout}")
         if self.source == "depth-hops":
             from data_prep.depthtask import MAX_CHAINS, MAX_LEVELS
+
             if not 2 <= self.depth_chains <= MAX_CHAINS:
                 raise ConfigError(f"depth_chains: must lie in 2..{MAX_CHAINS}, got {self.depth_chains}")
             if not 1 <= self.depth_levels <= MAX_LEVELS:
                 raise ConfigError(f"depth_levels: must lie in 1..{MAX_LEVELS}, got {self.depth_levels}")
             if not 1 <= self.depth_queries <= self.depth_chains:
-                raise ConfigError(f"depth_queries: must lie in 1..depth_chains ({self.depth_chains}): each query "
-                                  f"asks about its own chain, got {self.depth_queries}")
+                raise ConfigError(
+                    f"depth_queries: must lie in 1..depth_chains ({self.depth_chains}): each query "
+                    f"asks about its own chain, got {self.depth_queries}"
+                )
             if self.depth_docs < 1:
                 raise ConfigError(f"depth_docs: must be >= 1, got {self.depth_docs}")
         if self.name and ("/" in self.name or "_" in self.name):
-            raise ConfigError(f"name: {self.name!r} must not contain '/' or '_' (shards are <name>_<split>_<index>.bin)")
+            raise ConfigError(
+                f"name: {self.name!r} must not contain '/' or '_' (shards are <name>_<split>_<index>.bin)"
+            )
 
     # Resolved values -------------------------------------------------------------------------------
     def resolved_val_every(self) -> int:
@@ -129,14 +152,30 @@ class PrepConfig:
 
 
 # Options that change the bytes written; the rest (workers, progress, ...) may differ on resume.
-OUTPUT_KEYS = ("source", "inputs", "text_field", "txt_mode", "hf_dataset", "hf_config", "hf_split", "hf_data_files",
-               "name",
-               "shard_tokens", "val_every", "max_tokens", "seed", "depth_chains", "depth_levels", "depth_queries",
-               "depth_docs")
+OUTPUT_KEYS = (
+    "source",
+    "inputs",
+    "text_field",
+    "txt_mode",
+    "hf_dataset",
+    "hf_config",
+    "hf_split",
+    "hf_data_files",
+    "name",
+    "shard_tokens",
+    "val_every",
+    "max_tokens",
+    "seed",
+    "depth_chains",
+    "depth_levels",
+    "depth_queries",
+    "depth_docs",
+)
 
 
-def load_prep_config(yaml_file: str | None = None, values: dict | None = None,
-                     overrides: list[str] | tuple = ()) -> PrepConfig:
+def load_prep_config(
+    yaml_file: str | None = None, values: dict | None = None, overrides: list[str] | tuple = ()
+) -> PrepConfig:
     """Defaults < YAML file < values (from CLI options; None entries ignored) < key=value overrides."""
     cfg = PrepConfig()
     if yaml_file:

@@ -6,6 +6,7 @@ A config is a dataclass whose fields are made with `f(default, doc)`; nested dat
 key and its source (file, option or command line). It lives in data_prep, the lowest layer, so both layers
 use one copy (README "Layout").
 """
+
 from __future__ import annotations
 
 import dataclasses

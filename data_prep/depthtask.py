@@ -33,6 +33,7 @@ Token ids are small, so a task model can use a small vocabulary: BOS 1, ASK 2, S
 numpy's default_rng((seed, i)), so any document can be regenerated alone and the shards are byte-identical for
 the same options.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,8 +50,15 @@ MAX_CHAINS = 64
 def layout(R: int, L: int) -> dict:
     """The task's token ranges for R chains and L levels (stored in the manifest as `depth_task`)."""
     n = R * (L + 1)
-    return {"chains": R, "levels": L, "symbols": n, "bos": BOS, "ask": ASK, "sym_base": SYM_BASE,
-            "vocab_needed": SYM_BASE + n}
+    return {
+        "chains": R,
+        "levels": L,
+        "symbols": n,
+        "bos": BOS,
+        "ask": ASK,
+        "sym_base": SYM_BASE,
+        "vocab_needed": SYM_BASE + n,
+    }
 
 
 def doc_length(R: int, L: int, queries: int) -> int:
@@ -68,10 +76,10 @@ def make_document(seed: int, index: int, R: int, L: int, queries: int) -> np.nda
     parent[chain[:, 0]] = chain[:, 0]
     out = np.empty(doc_length(R, L, queries), dtype=np.int64)
     out[0] = BOS
-    out[1:1 + n] = SYM_BASE + parent  # the parent array, farthest-from-the-root labels first
+    out[1 : 1 + n] = SYM_BASE + parent  # the parent array, farthest-from-the-root labels first
     ks = np.concatenate([rng.permutation(L) + 1 for _ in range(-(-queries // L))])[:queries]
     cs = rng.permutation(R)[:queries]  # one chain per query
-    q = out[1 + n:].reshape(queries, 3)  # (Q, 3): ASK, S(x), S(root)
+    q = out[1 + n :].reshape(queries, 3)  # (Q, 3): ASK, S(x), S(root)
     q[:, 0] = ASK
     q[:, 1] = SYM_BASE + chain[cs, ks]  # level k: k steps from the root
     q[:, 2] = SYM_BASE + chain[cs, 0]
@@ -96,7 +104,7 @@ def need_at(tokens: np.ndarray, task: dict) -> np.ndarray:
     R, L = int(task["chains"]), int(task["levels"])
     need = np.maximum(levels_at(t, task), 1)
     dist = np.repeat(np.arange(L, -1, -1), R)  # distance of symbol a = the entry at document offset 1 + a
-    need[..., 1:1 + R * (L + 1)] = np.where(dist >= 1, L - dist + 1, 1)
+    need[..., 1 : 1 + R * (L + 1)] = np.where(dist >= 1, L - dist + 1, 1)
     return need
 
 
@@ -111,6 +119,7 @@ def mean_need(R: int, L: int, queries: int) -> float:
 def task_of(directory) -> dict | None:
     """The `depth_task` entry of DIRECTORY's manifest (None for any other source or no manifest)."""
     from data_prep.shards import read_manifest
+
     m = Path(directory) / "manifest.json"
     return read_manifest(m).get("depth_task") if m.is_file() else None
 
@@ -118,6 +127,7 @@ def task_of(directory) -> dict | None:
 def fingerprint(cfg) -> dict:
     """The options that decide the bytes, resolved (manifest `source`; a rerun with the same is a no-op)."""
     from data_prep.config import OUTPUT_KEYS
+
     fp = {k: getattr(cfg, k) for k in OUTPUT_KEYS}
     fp.update(val_every=cfg.resolved_val_every(), name=cfg.resolved_name())
     return fp
@@ -127,6 +137,7 @@ def generate(cfg, out: Path, tokenizer: dict, log) -> dict:
     """Writes train/val shards + manifest.json for cfg (source=depth-hops); returns the manifest."""
     from data_prep.files import write_json
     from data_prep.writer import MANIFEST, SplitWriter, manifest
+
     name, val_every = cfg.resolved_name(), cfg.resolved_val_every()
     writers = {s: SplitWriter(out, name, s, cfg.shard_tokens) for s in ("train", "val")}
     R, L, Q = cfg.depth_chains, cfg.depth_levels, cfg.depth_queries
@@ -141,18 +152,36 @@ def generate(cfg, out: Path, tokenizer: dict, log) -> dict:
         counts[split] += 1
     for w in writers.values():
         w.commit()
-    rule = ("no val split" if val_every < 0 else
-            f"document i (0-based, generated in order) goes to val when i % {val_every} == 0")
-    task = {"task": "root finding by pointer chasing (R chains of L+1 symbols, fresh chains per document)",
-            **layout(R, L), "queries_per_doc": Q, "doc_tokens": T, "seed": cfg.seed,
-            "mean_need": round(mean_need(R, L, Q), 4),
-            "scored": "target t+1 is scored iff token t-1 is ASK; its level d* is the distance of token t's symbol from its root"}
-    m = manifest(fingerprint=fingerprint(cfg), inputs=[task], writers=writers,
-                 counters={"kept": docs, **counts}, complete=True, resume=None, tokenizer=tokenizer,
-                 val_rule=rule, shard_tokens=cfg.shard_tokens)
+    rule = (
+        "no val split"
+        if val_every < 0
+        else f"document i (0-based, generated in order) goes to val when i % {val_every} == 0"
+    )
+    task = {
+        "task": "root finding by pointer chasing (R chains of L+1 symbols, fresh chains per document)",
+        **layout(R, L),
+        "queries_per_doc": Q,
+        "doc_tokens": T,
+        "seed": cfg.seed,
+        "mean_need": round(mean_need(R, L, Q), 4),
+        "scored": "target t+1 is scored iff token t-1 is ASK; its level d* is the distance of token t's symbol from its root",
+    }
+    m = manifest(
+        fingerprint=fingerprint(cfg),
+        inputs=[task],
+        writers=writers,
+        counters={"kept": docs, **counts},
+        complete=True,
+        resume=None,
+        tokenizer=tokenizer,
+        val_rule=rule,
+        shard_tokens=cfg.shard_tokens,
+    )
     m["depth_task"] = task
     write_json(out / MANIFEST, m)
-    log(f"depth-hops: {docs} documents of {T} tokens, {R} chains, levels 1..{L}, seed {cfg.seed}; train with "
+    log(
+        f"depth-hops: {docs} documents of {T} tokens, {R} chains, levels 1..{L}, seed {cfg.seed}; train with "
         f"model.block_size={T} (one window is one document) and model.vocab_size >= {layout(R, L)['vocab_needed']}; "
-        f"mean need {mean_need(R, L, Q):.3f} loops per token")
+        f"mean need {mean_need(R, L, Q):.3f} loops per token"
+    )
     return m

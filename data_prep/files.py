@@ -2,6 +2,7 @@
 `write_json`, used by every layer (shards, manifests, checkpoints, exports, evaluation and benchmark results),
 and `read_json` for JSON a user may have broken (manifests, DeepSpeed templates): an error naming the file.
 """
+
 from __future__ import annotations
 
 import json

@@ -6,6 +6,7 @@ not even a stuck DNS lookup can hang us); offline mode (HF_HUB_OFFLINE / HF_DATA
 once. Either way the error names the dataset and says how to use local files instead. Resume uses the
 streaming iterator's own `state_dict()` (taken at each task start) plus a record count to skip.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,9 +66,11 @@ def hub_problem(timeout: float, dataset: str = "") -> str | None:
         try:
             if dataset:
                 from huggingface_hub import HfApi
+
                 HfApi().dataset_info(dataset, timeout=timeout)
             else:
                 from huggingface_hub import constants
+
                 u = urlparse(constants.ENDPOINT)
                 port = u.port or (443 if u.scheme == "https" else 80)
                 socket.create_connection((u.hostname or "", port), timeout=timeout).close()
@@ -84,9 +87,11 @@ def hub_problem(timeout: float, dataset: str = "") -> str | None:
 
 
 def _local_hint(dataset: str) -> str:
-    return (f"To prepare {dataset} without the Hub, download its parquet/jsonl files on a connected machine, copy them "
-            "here and run `tlf prep-data --source files --input 'DIR/**/*.parquet' --text-field text --out OUT` "
-            "(the offline demo corpus: `--source demo`).")
+    return (
+        f"To prepare {dataset} without the Hub, download its parquet/jsonl files on a connected machine, copy them "
+        "here and run `tlf prep-data --source files --input 'DIR/**/*.parquet' --text-field text --out OUT` "
+        "(the offline demo corpus: `--source demo`)."
+    )
 
 
 def probe(dataset: str, config: str, timeout: float) -> None:
@@ -113,8 +118,7 @@ class HubSource:
             os.environ.setdefault(var, str(int(max(1, self.timeout))))
 
     def describe(self) -> list[dict]:
-        return [{"dataset": self.dataset, "config": self.config, "split": self.split,
-                 "data_files": self.data_files}]
+        return [{"dataset": self.dataset, "config": self.config, "split": self.split, "data_files": self.data_files}]
 
     def check(self) -> None:
         """Raises HubUnreachable (within about hf_timeout s) unless the Hub answers: prep-data asks before it writes
@@ -127,12 +131,15 @@ class HubSource:
         """The streaming dataset; the Hub is probed first (not needed to see that an output is complete)."""
         self.check()
         import datasets
+
         kw = {"data_files": self.data_files} if self.data_files else {}
         try:
             return datasets.load_dataset(self.dataset, self.config or None, split=self.split, streaming=True, **kw)
         except Exception as e:  # noqa: BLE001 - whatever datasets raises, one line naming the dataset
-            raise HubUnreachable(f"cannot open dataset '{self.dataset}' split '{self.split}': "
-                                 f"{type(e).__name__}: {e}. {_local_hint(self.dataset)}") from None
+            raise HubUnreachable(
+                f"cannot open dataset '{self.dataset}' split '{self.split}': "
+                f"{type(e).__name__}: {e}. {_local_hint(self.dataset)}"
+            ) from None
 
     def tasks(self, cursor: dict | None = None):
         ds = self._open()
@@ -149,8 +156,10 @@ class HubSource:
         for rec in it:
             row += 1
             if self.text_field not in rec:
-                raise PrepInputError(f"{self.dataset} row {row}: no text field '{self.text_field}' "
-                                     f"(columns: {', '.join(list(rec)[:12])}); set text_field")
+                raise PrepInputError(
+                    f"{self.dataset} row {row}: no text field '{self.text_field}' "
+                    f"(columns: {', '.join(list(rec)[:12])}); set text_field"
+                )
             text = rec[self.text_field]
             task.records.append(text)
             task.locs.append(row)

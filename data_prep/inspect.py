@@ -1,4 +1,5 @@
 """`tlf data inspect DIR`: the manifest summary, a header check of every shard, decoded samples."""
+
 from __future__ import annotations
 
 import json
@@ -38,12 +39,14 @@ def inspect(directory: str | Path, samples: int = 3, chars: int = 300, verify: b
         what = src.get("source")
         extra = src.get("inputs") or [name for r in src.get("resolved") or [] if (name := _obj(r).get("dataset"))]
         tok = _obj(meta.get("tokenizer"))
-        lines += [f"source: {what}" + (f" {extra}" if extra else ""),
-                  f"tokenizer: {tok.get('name')} (tiktoken {tok.get('library_version')})",
-                  f"complete: {meta.get('complete')}" + ("" if meta.get("complete") else
-                                                         "  (prep-data was interrupted: rerun it to resume)"),
-                  f"validation rule: {meta.get('val_rule')}",
-                  f"documents: {json.dumps({k: v for k, v in _obj(meta.get('documents')).items() if k != 'bad_examples'})}"]
+        lines += [
+            f"source: {what}" + (f" {extra}" if extra else ""),
+            f"tokenizer: {tok.get('name')} (tiktoken {tok.get('library_version')})",
+            f"complete: {meta.get('complete')}"
+            + ("" if meta.get("complete") else "  (prep-data was interrupted: rerun it to resume)"),
+            f"validation rule: {meta.get('val_rule')}",
+            f"documents: {json.dumps({k: v for k, v in _obj(meta.get('documents')).items() if k != 'bad_examples'})}",
+        ]
     else:
         lines.append("manifest: none (shards found by name)")
     paths = _shard_paths(d, meta)
@@ -57,6 +60,7 @@ def inspect(directory: str | Path, samples: int = 3, chars: int = 300, verify: b
         lines.append(f"split {split}: {len(ps)} shards, {n:,} tokens, {docs:,} documents")
         if verify and meta is not None:
             from data_prep.assets import sha256_file
+
             for sh, p in zip(meta["splits"][split]["shards"], ps):
                 got = sha256_file(p)
                 want = _obj(sh).get("sha256")
@@ -66,14 +70,17 @@ def inspect(directory: str | Path, samples: int = 3, chars: int = 300, verify: b
         if samples and readers:
             if enc is None:
                 from data_prep.tokenizer import get_encoding
+
                 enc = get_encoding()
             toks = readers[0].tokens[: 1 << 20]
             if len(toks) and int(toks.max()) >= enc.n_vocab:
-                raise ShardError(f"{readers[0].path}: token id {int(toks.max())} is outside the tokenizer's vocabulary "
-                                 f"({enc.n_vocab} ids); not a shard of this tokenizer, or corrupt")
+                raise ShardError(
+                    f"{readers[0].path}: token id {int(toks.max())} is outside the tokenizer's vocabulary "
+                    f"({enc.n_vocab} ids); not a shard of this tokenizer, or corrupt"
+                )
             starts = np.flatnonzero(toks == EOT)
             for j, s in enumerate(starts[:samples]):
                 end = starts[j + 1] if j + 1 < len(starts) else len(toks)
-                text = enc.decode(toks[s + 1:min(end, s + 1 + chars)].tolist())
+                text = enc.decode(toks[s + 1 : min(end, s + 1 + chars)].tolist())
                 lines.append(f"  [{split} doc {j}, {end - s - 1} tokens] {text[:chars]!r}")
     return "\n".join(lines)

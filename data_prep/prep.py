@@ -11,6 +11,7 @@ and the other splits' unwritten tokens (saved atomically as `.resume_<split>_<n>
 the same options seeks to d, drops the written tokens, restores the buffers, and continues; the shards
 come out byte-identical to an uninterrupted run. Write order: shard, resume buffers, manifest.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,6 +58,7 @@ def ordered_results(tasks, pool, workers: int, text_field: str, skip_bad: bool):
     """(task, tokenize_task result) in task order; at most 2*workers+2 tasks in flight (bounded memory).
     An error in the reader is raised only after the tasks before it, so the first bad record is reported.
     The pool is terminated when the generator ends or is closed."""
+
     def args(t):
         return (t.kind, t.records, t.where, text_field, skip_bad)
 
@@ -101,13 +103,20 @@ def tokenizer_info() -> dict:
     if enc.n_vocab > MAX_UINT16_VOCAB:
         raise PrepError(f"tokenizer {enc.name} has {enc.n_vocab} ids; uint16 shards hold at most 65536")
     import tiktoken
-    return {"name": enc.name, "library": "tiktoken", "library_version": tiktoken.__version__,
-            "n_vocab": enc.n_vocab, "eot": EOT}
+
+    return {
+        "name": enc.name,
+        "library": "tiktoken",
+        "library_version": tiktoken.__version__,
+        "n_vocab": enc.n_vocab,
+        "eot": EOT,
+    }
 
 
 def _generate_depth(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
     """source=depth-hops: written in one pass (seconds); an existing manifest is kept only if it matches."""
     from data_prep.depthtask import fingerprint, generate
+
     old = out / MANIFEST
     if old.is_file() and not overwrite:
         try:
@@ -137,8 +146,11 @@ class _Run:
         self.fingerprint = {k: getattr(cfg, k) for k in OUTPUT_KEYS}
         self.fingerprint["val_every"] = self.val_every
         self.fingerprint["name"] = self.name
-        self.val_rule = ("no val split" if self.val_every < 0 else
-                         f"document i (0-based, kept documents in input order) goes to val when i % {self.val_every} == 0")
+        self.val_rule = (
+            "no val split"
+            if self.val_every < 0
+            else f"document i (0-based, kept documents in input order) goes to val when i % {self.val_every} == 0"
+        )
         self.partials: dict[str, str] = {}
         self.seq = 0
         self._load(overwrite)
@@ -157,8 +169,11 @@ class _Run:
     def _clean_stale(self, keep: set) -> None:
         for p in self.out.iterdir():
             n = p.name
-            ours = re.fullmatch(rf"\.?({re.escape(self.name)}_(train|val)_\d{{6}}\.bin|\.?resume_(train|val)_\d{{6}}\.bin|"
-                                rf"manifest\.json)(\.tmp\d+)?", n)
+            ours = re.fullmatch(
+                rf"\.?({re.escape(self.name)}_(train|val)_\d{{6}}\.bin|\.?resume_(train|val)_\d{{6}}\.bin|"
+                rf"manifest\.json)(\.tmp\d+)?",
+                n,
+            )
             if ours and not (n == MANIFEST) and n not in keep and p.is_file():
                 p.unlink()
 
@@ -177,8 +192,9 @@ class _Run:
         try:
             self._resume_from(m)
         except (AttributeError, TypeError, KeyError, ValueError, IndexError) as e:
-            raise PrepError(f"{mpath}: damaged resume state ({type(e).__name__}: {e}); pass --overwrite to start "
-                            "again") from None
+            raise PrepError(
+                f"{mpath}: damaged resume state ({type(e).__name__}: {e}); pass --overwrite to start again"
+            ) from None
 
     def _resume_from(self, m: dict) -> None:
         old = {k: v for k, v in m.get("source", {}).items() if k != "resolved"}
@@ -186,8 +202,10 @@ class _Run:
         if m.get("source", {}).get("resolved") != self.inputs:
             diff.append("inputs (resolved files or their sizes)")
         if diff:
-            raise PrepError(f"{self.out} already holds shards made with other options (differs in: {', '.join(diff)}); "
-                            "rerun the same command to resume, choose another --out, or pass --overwrite")
+            raise PrepError(
+                f"{self.out} already holds shards made with other options (differs in: {', '.join(diff)}); "
+                "rerun the same command to resume, choose another --out, or pass --overwrite"
+            )
         self.complete = bool(m.get("complete"))
         splits = m.get("splits", {})
         for s in SPLITS:
@@ -212,8 +230,9 @@ class _Run:
                 pend = ShardReader(self.out / info["file"]).tokens
             except ShardError as e:
                 raise PrepError(f"cannot resume: {e}; pass --overwrite to start again") from None
-            self.writers[s] = SplitWriter(self.out, self.name, s, self.cfg.shard_tokens, self.writers[s].shards,
-                                          np.array(pend))
+            self.writers[s] = SplitWriter(
+                self.out, self.name, s, self.cfg.shard_tokens, self.writers[s].shards, np.array(pend)
+            )
             self.partials[s] = info["file"]
             self.seq = max(self.seq, int(info["file"].rsplit("_", 1)[1].split(".")[0]) + 1)
         keep = {sh["name"] for w in self.writers.values() for sh in w.shards} | set(self.partials.values())
@@ -225,9 +244,17 @@ class _Run:
         counters = dict(self.counters)
         if self.bad_examples:
             counters["bad_examples"] = self.bad_examples
-        return manifest(fingerprint=self.fingerprint, inputs=self.inputs, writers=self.writers, counters=counters,
-                        complete=complete, resume=resume, tokenizer=self.tokenizer, val_rule=self.val_rule,
-                        shard_tokens=self.cfg.shard_tokens)
+        return manifest(
+            fingerprint=self.fingerprint,
+            inputs=self.inputs,
+            writers=self.writers,
+            counters=counters,
+            complete=complete,
+            resume=resume,
+            tokenizer=self.tokenizer,
+            val_rule=self.val_rule,
+            shard_tokens=self.cfg.shard_tokens,
+        )
 
     def _checkpoint(self, split: str, doc: int, cursor: dict, used: int, produced: int, counters: dict) -> None:
         """After a shard of `split` ended `used` tokens into document `doc`: save what resume needs."""
@@ -239,8 +266,15 @@ class _Run:
                 self.seq += 1
                 sha = write_tokens(self.out / fname, w.pending())
                 partials[s] = {"file": fname, "tokens": int(w.fill), "sha256": sha}
-        resume = {"doc": doc, "cursor": cursor, "drop": used, "produced": produced, "counters": counters,
-                  "bad_examples": self.bad_examples[:], "partials": partials}
+        resume = {
+            "doc": doc,
+            "cursor": cursor,
+            "drop": used,
+            "produced": produced,
+            "counters": counters,
+            "bad_examples": self.bad_examples[:],
+            "partials": partials,
+        }
         write_json(self.out / MANIFEST, self._manifest(False, resume), sort_keys=True)
         self.partials = {s: p["file"] for s, p in partials.items()}
         for f in old.values():
@@ -274,8 +308,17 @@ class _Run:
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=cfg.max_tokens or None, initial=self.produced, unit="tok", unit_scale=True,
-                       dynamic_ncols=True, desc=f"prep-data {self.name}", file=sys.stderr, smoothing=0.05)
+
+            bar = tqdm(
+                total=cfg.max_tokens or None,
+                initial=self.produced,
+                unit="tok",
+                unit_scale=True,
+                dynamic_ncols=True,
+                desc=f"prep-data {self.name}",
+                file=sys.stderr,
+                smoothing=0.05,
+            )
         self.first = True
         results = ordered_results(self.source.tasks(self.cursor), pool, workers, cfg.text_field, cfg.skip_bad)
         try:
@@ -334,8 +377,10 @@ class _Run:
                 ends = np.cumsum(lens[kept])
                 cut = np.flatnonzero(is_val[1:] != is_val[:-1]) + 1  # first document of each new run
                 firsts, lasts = np.r_[0, cut], np.r_[cut, k] - 1
-                runs = [("val" if is_val[a] else "train", int(ends[a] - lens[kept][a]), int(ends[b]))
-                        for a, b in zip(firsts.tolist(), lasts.tolist())]
+                runs = [
+                    ("val" if is_val[a] else "train", int(ends[a] - lens[kept][a]), int(ends[b]))
+                    for a, b in zip(firsts.tolist(), lasts.tolist())
+                ]
             need = {"train": 0, "val": 0}
             for s, a, b in runs:
                 need[s] += b - a
@@ -358,17 +403,17 @@ class _Run:
         for i, n in enumerate(lens.tolist()):
             if n <= 0:
                 if n < 0:
-                    self._note_bad(bad[nbad:nbad + 1])
+                    self._note_bad(bad[nbad : nbad + 1])
                     nbad += 1
                 self.counters["records"] += 1
                 self.counters["skipped_bad" if n < 0 else "skipped_empty"] += 1
                 continue
-            doc_toks = toks[pos:pos + n]
+            doc_toks = toks[pos : pos + n]
             pos += n
             d, start_produced, start_counters = self.doc, self.produced, dict(self.counters)
             cap = self.cfg.max_tokens
             if cap:
-                doc_toks = doc_toks[:max(0, cap - self.produced)]
+                doc_toks = doc_toks[: max(0, cap - self.produced)]
             self.produced += doc_toks.size
             self.counters["records"] += 1
             self.counters["kept"] += 1
@@ -410,6 +455,7 @@ def prepare(cfg: PrepConfig, overwrite: bool = False, log=None) -> dict:
 
 def _locked(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
     import fcntl
+
     with open(out / ".lock", "a+") as lock:  # the holder writes its pid and host into the lock file
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -4,6 +4,7 @@ A shard is llm.c-compatible: a header of 256 int32 — [0] magic 20240520, [1] v
 count — then that many uint16 tokens. Files are `<name>_<split>_<index:06d>.bin`. Every file is
 written atomically (temp name, fsync, rename), so a shard on disk is either complete or absent.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,11 +58,16 @@ class ShardReader:
         n = int(header[2])
         expected = HEADER_BYTES + 2 * n
         if size != expected:
-            raise ShardError(f"{self.path}: header says {n} tokens ({expected} bytes) but the file has {size} bytes "
-                             "(truncated or corrupt)")
+            raise ShardError(
+                f"{self.path}: header says {n} tokens ({expected} bytes) but the file has {size} bytes "
+                "(truncated or corrupt)"
+            )
         self.num_tokens = n
-        self.tokens = (np.memmap(self.path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
-                       if n else np.zeros(0, dtype=np.uint16))
+        self.tokens = (
+            np.memmap(self.path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
+            if n
+            else np.zeros(0, dtype=np.uint16)
+        )
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -80,9 +86,11 @@ def read_manifest(path: str | os.PathLike) -> dict:
     for split, info in splits.items():
         shards = info.get("shards", []) if isinstance(info, dict) else None
         if not isinstance(shards, list) or not all(
-                isinstance(s, str) or (isinstance(s, dict) and isinstance(s.get("name"), str)) for s in shards):
-            raise ShardError(f"{path}: key 'splits.{split}.shards' must be a list of shard names or "
-                             "{\"name\": ...} objects")
+            isinstance(s, str) or (isinstance(s, dict) and isinstance(s.get("name"), str)) for s in shards
+        ):
+            raise ShardError(
+                f"{path}: key 'splits.{split}.shards' must be a list of shard names or {{\"name\": ...}} objects"
+            )
     return meta
 
 
@@ -110,8 +118,10 @@ class ShardSet:
         if manifest.is_file():
             meta = read_manifest(manifest)
             if meta.get("complete") is False:
-                raise ShardError(f"{manifest}: incomplete (prep-data is still running or was interrupted; "
-                                 "rerun the same `tlf prep-data` command to finish it)")
+                raise ShardError(
+                    f"{manifest}: incomplete (prep-data is still running or was interrupted; "
+                    "rerun the same `tlf prep-data` command to finish it)"
+                )
             paths = [self.dir / n for n in manifest_shards(meta, split)]
             entries = meta.get("splits", {}).get(split, {}).get("shards", [])
             sums = [s.get("sha256") if isinstance(s, dict) else None for s in entries]
@@ -123,8 +133,9 @@ class ShardSet:
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
         self.num_tokens = int(self.offsets[-1])
         r, ws = verify or (0, 1)
-        self._unverified = ({k: s for k, s in enumerate(sums) if isinstance(s, str) and k % ws == r}
-                            if verify is not None else {})
+        self._unverified = (
+            {k: s for k, s in enumerate(sums) if isinstance(s, str) and k % ws == r} if verify is not None else {}
+        )
 
     def _verify(self, k: int) -> None:
         from data_prep.assets import sha256_file
@@ -132,9 +143,11 @@ class ShardSet:
         want, path = self._unverified.pop(k), self.shards[k].path
         got = sha256_file(path)
         if got != want:
-            raise ShardError(f"{path}: sha256 {got[:16]}... differs from the manifest's {want[:16]}... (the shard "
-                             "changed after prep-data: a bad copy or disk; restore it or rerun prep-data; "
-                             "data.verify=false skips this check)")
+            raise ShardError(
+                f"{path}: sha256 {got[:16]}... differs from the manifest's {want[:16]}... (the shard "
+                "changed after prep-data: a bad copy or disk; restore it or rerun prep-data; "
+                "data.verify=false skips this check)"
+            )
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -142,7 +155,9 @@ class ShardSet:
     def read(self, start: int, n: int) -> np.ndarray:
         """(n,) uint16 tokens from global offset start."""
         if start < 0 or start + n > self.num_tokens:
-            raise IndexError(f"read [{start}, {start + n}) outside {self.dir} '{self.split}' ({self.num_tokens} tokens)")
+            raise IndexError(
+                f"read [{start}, {start + n}) outside {self.dir} '{self.split}' ({self.num_tokens} tokens)"
+            )
         out = np.empty(n, dtype=np.uint16)
         k = int(np.searchsorted(self.offsets, start, side="right") - 1)
         pos, filled = start - int(self.offsets[k]), 0
@@ -150,7 +165,7 @@ class ShardSet:
             if k in self._unverified:
                 self._verify(k)
             take = min(n - filled, len(self.shards[k]) - pos)
-            out[filled:filled + take] = self.shards[k].tokens[pos:pos + take]
+            out[filled : filled + take] = self.shards[k].tokens[pos : pos + take]
             filled += take
             k, pos = k + 1, 0
         return out

@@ -5,6 +5,7 @@ needed to name each record in errors (file:line, file row N) and to resume at an
 file index, line/row number, and the byte offset for plain files, so resuming seeks instead of
 re-reading). Readers stream: memory is bounded by the batch size, never the corpus.
 """
+
 from __future__ import annotations
 
 import glob
@@ -57,8 +58,11 @@ def resolve_inputs(specs: list[str]) -> list[Path]:
             files = sorted(f for f in p.rglob("*") if f.is_file() and fmt_of(f) and not f.name.startswith("."))
             what = f"directory {spec}"
         elif any(c in spec for c in "*?["):
-            files = sorted(Path(f) for f in glob.glob(os.path.expanduser(spec), recursive=True)
-                           if Path(f).is_file() and fmt_of(Path(f)))
+            files = sorted(
+                Path(f)
+                for f in glob.glob(os.path.expanduser(spec), recursive=True)
+                if Path(f).is_file() and fmt_of(Path(f))
+            )
             what = f"glob {spec}"
         elif p.is_file():
             if not fmt_of(p):
@@ -79,6 +83,7 @@ def resolve_inputs(specs: list[str]) -> list[Path]:
 # ---------------------------------------------------------------------------------------------------
 class _Counter:
     """Raw (compressed) bytes read so far, for progress."""
+
     pos = 0
 
 
@@ -86,6 +91,7 @@ def _zst_chunks(path: Path, counter: _Counter):
     """Decompressed chunks of a (multi-frame) .zst file; a truncated or corrupt stream is an error
     (python-zstandard's stream reader silently stops at a cut frame, so frames are tracked here)."""
     import zstandard
+
     dctx = zstandard.ZstdDecompressor()
     d, produced = None, 0
     with open(path, "rb") as fh:
@@ -100,7 +106,9 @@ def _zst_chunks(path: Path, counter: _Counter):
                 try:
                     out = d.decompress(chunk)
                 except zstandard.ZstdError as e:
-                    raise PrepInputError(f"{path}: corrupt zstd stream after {produced} decompressed bytes ({e})") from None
+                    raise PrepInputError(
+                        f"{path}: corrupt zstd stream after {produced} decompressed bytes ({e})"
+                    ) from None
                 produced += len(out)
                 if out:
                     yield out
@@ -109,8 +117,10 @@ def _zst_chunks(path: Path, counter: _Counter):
                 else:
                     chunk = b""
     if d is not None and not d.eof:
-        raise PrepInputError(f"{path}: truncated zstd stream (ends inside a frame after {produced} decompressed "
-                             "bytes); the file is incomplete, re-download or re-compress it")
+        raise PrepInputError(
+            f"{path}: truncated zstd stream (ends inside a frame after {produced} decompressed "
+            "bytes); the file is incomplete, re-download or re-compress it"
+        )
 
 
 def _split_lines(chunks):
@@ -165,8 +175,7 @@ def _lines(path: Path, start_line: int, offset: int | None, counter: _Counter):
 class FileSource:
     """Local inputs in order; records are jsonl lines, parquet rows or txt documents (txt_mode)."""
 
-    def __init__(self, files: list[Path], text_field: str = "text", txt_mode: str = "file",
-                 batch_bytes: int = 1 << 20):
+    def __init__(self, files: list[Path], text_field: str = "text", txt_mode: str = "file", batch_bytes: int = 1 << 20):
         self.files = files
         self.text_field = text_field
         self.txt_mode = txt_mode
@@ -251,14 +260,16 @@ class FileSource:
     def _parquet(self, path, fi, c):
         import pyarrow as pa
         import pyarrow.parquet as pq
+
         try:
             pf = pq.ParquetFile(path)
         except (pa.ArrowInvalid, OSError) as e:
             raise PrepInputError(f"{path}: not a readable parquet file ({e})") from None
         names = pf.schema_arrow.names
         if self.text_field not in names:
-            raise PrepInputError(f"{path}: no column '{self.text_field}' (columns: {', '.join(names[:12])}); "
-                                 "set text_field")
+            raise PrepInputError(
+                f"{path}: no column '{self.text_field}' (columns: {', '.join(names[:12])}); set text_field"
+            )
         ftype = pf.schema_arrow.field(self.text_field).type
         if not (pa.types.is_string(ftype) or pa.types.is_large_string(ftype)):
             raise PrepInputError(f"{path}: column '{self.text_field}' has type {ftype}, not string")
@@ -298,9 +309,11 @@ def make_source(cfg, files: list[Path] | None = None):
     """The source for a PrepConfig (files resolved from cfg.inputs unless given)."""
     if cfg.source in ("demo", "demo-enwiki"):
         from data_prep.assets import ensure_assets
+
         path = Path(ensure_assets()[cfg.source])
         return FileSource([path], "text", "file", cfg.batch_bytes)
     if cfg.source == "files":
         return FileSource(files or resolve_inputs(cfg.inputs), cfg.text_field, cfg.txt_mode, cfg.batch_bytes)
     from data_prep.hf import HubSource
+
     return HubSource(cfg)

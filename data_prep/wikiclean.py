@@ -6,6 +6,7 @@ second-domain perplexity set, docs/design.md §4).
 files/categories, link syntax (keeping the shown text), bold/italic quotes, HTML tags and entities,
 list markers, and everything from the first See also / References / External links heading on.
 """
+
 from __future__ import annotations
 
 import bz2
@@ -23,8 +24,9 @@ _QUOTES = re.compile(r"'{2,5}")
 _HEADING = re.compile(r"^(=+)\s*(.*?)\s*\1\s*$", re.M)
 _TAG = re.compile(r"<[^<>]+>")
 _BLOCK_TAGS = re.compile(r"<(gallery|math|timeline|score|syntaxhighlight|source|pre)[^>]*>.*?</\1>", re.S | re.I)
-_TAIL = re.compile(r"^==+\s*(See also|References|External links|Further reading|Notes|Sources|Bibliography)\s*==+",
-                   re.M | re.I)
+_TAIL = re.compile(
+    r"^==+\s*(See also|References|External links|Further reading|Notes|Sources|Bibliography)\s*==+", re.M | re.I
+)
 _DROP_PREFIXES = ("File:", "Image:", "Category:", "Media:")
 MIN_CHARS = 200  # cleaned articles shorter than this (stubs, lists) are left out
 
@@ -62,7 +64,7 @@ def _drop_nested(text: str, starts: re.Pattern, marks: re.Pattern, opener: str) 
         if not m:
             out.append(text[pos:])
             return "".join(out)
-        out.append(text[pos:m.start()])
+        out.append(text[pos : m.start()])
         end = _span_end(text, m.start(), marks, opener)
         if end < 0:
             nl = text.find("\n", m.start())
@@ -86,7 +88,7 @@ def clean(text: str) -> str:
     """Readable plain text from one article's wikitext."""
     m = _TAIL.search(text)
     if m:
-        text = text[:m.start()]
+        text = text[: m.start()]
     text = _COMMENT.sub("", text)
     text = _BLOCK_TAGS.sub("", text)
     text = _REF.sub("", text)

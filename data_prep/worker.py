@@ -4,6 +4,7 @@ Runs in a pool process (or inline with workers=0). A record becomes a document's
 parsing, UTF-8 decoding), so the reading process only moves bytes. Every document is written as
 [EOT] + encode_ordinary(text). Problems name the record (file:line or file row N).
 """
+
 from __future__ import annotations
 
 import array
@@ -23,6 +24,7 @@ class PrepInputError(ValueError):
 def init_worker() -> None:
     global _ENC
     from data_prep.tokenizer import get_encoding
+
     _ENC = get_encoding()
 
 
@@ -88,7 +90,8 @@ def tokenize_task(kind: str, records: list, where: list[str], text_field: str, s
             out.extend(ids)
         except OverflowError:
             big = max(ids)
-            raise PrepInputError(f"{loc}: token id {big} does not fit uint16 (0..65535); "
-                                 f"tokenizer {enc.name} has {enc.n_vocab} ids") from None
+            raise PrepInputError(
+                f"{loc}: token id {big} does not fit uint16 (0..65535); tokenizer {enc.name} has {enc.n_vocab} ids"
+            ) from None
         lens[i] = len(out) - n0
     return np.frombuffer(out, dtype=np.uint16) if len(out) else np.zeros(0, np.uint16), lens, bad

@@ -4,6 +4,7 @@
 token count, document count (EOTs: exactly one per document start) and sha256 of the file bytes.
 `manifest()` builds manifest.json; it is rewritten atomically after every shard, with the resume state.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,14 +34,15 @@ def write_tokens(path: Path, tokens: np.ndarray) -> str:
 class SplitWriter:
     """Token stream of one split -> shards of exactly `cap` tokens (the last may be shorter)."""
 
-    def __init__(self, out: Path, name: str, split: str, cap: int, shards: list | None = None,
-                 pending: np.ndarray | None = None):
+    def __init__(
+        self, out: Path, name: str, split: str, cap: int, shards: list | None = None, pending: np.ndarray | None = None
+    ):
         self.out, self.name, self.split, self.cap = out, name, split, cap
         self.shards = list(shards or [])
         self.buf = np.empty(cap, dtype=np.uint16)  # pages are touched only as they fill
         self.fill = 0
         if pending is not None and pending.size:
-            self.buf[:pending.size] = pending
+            self.buf[: pending.size] = pending
             self.fill = pending.size
 
     @property
@@ -54,7 +56,7 @@ class SplitWriter:
         """Appends tokens that fit in the current shard (no commit)."""
         n = toks.size
         assert n <= self.room()
-        self.buf[self.fill:self.fill + n] = toks
+        self.buf[self.fill : self.fill + n] = toks
         self.fill += n
 
     def add(self, toks: np.ndarray, on_commit) -> None:
@@ -62,42 +64,58 @@ class SplitWriter:
         pos = 0
         while pos < toks.size:
             take = min(toks.size - pos, self.room())
-            self.append(toks[pos:pos + take])
+            self.append(toks[pos : pos + take])
             pos += take
             if self.fill == self.cap:
                 self.commit()
                 on_commit(pos)
 
     def pending(self) -> np.ndarray:
-        return self.buf[:self.fill]
+        return self.buf[: self.fill]
 
     def commit(self) -> None:
         """Writes the buffer as the next shard (no-op when empty)."""
         if not self.fill:
             return
-        body = self.buf[:self.fill]
+        body = self.buf[: self.fill]
         fname = shard_name(self.name, self.split, len(self.shards))
         sha = write_tokens(self.out / fname, body)
-        self.shards.append({"name": fname, "tokens": int(self.fill), "docs": int(np.count_nonzero(body == EOT)),
-                            "sha256": sha})
+        self.shards.append(
+            {"name": fname, "tokens": int(self.fill), "docs": int(np.count_nonzero(body == EOT)), "sha256": sha}
+        )
         self.fill = 0
 
     def summary(self) -> dict:
         return {"shards": self.shards, "tokens": self.committed, "docs": sum(s["docs"] for s in self.shards)}
 
 
-def manifest(*, fingerprint: dict, inputs: list, writers: dict, counters: dict, complete: bool,
-             resume: dict | None, tokenizer: dict, val_rule: str, shard_tokens: int) -> dict:
+def manifest(
+    *,
+    fingerprint: dict,
+    inputs: list,
+    writers: dict,
+    counters: dict,
+    complete: bool,
+    resume: dict | None,
+    tokenizer: dict,
+    val_rule: str,
+    shard_tokens: int,
+) -> dict:
     splits = {s: w.summary() for s, w in writers.items() if w.shards}
     return {
         "format": FORMAT,
         "complete": complete,
         "source": {**fingerprint, "resolved": inputs},
         "tokenizer": tokenizer,
-        "shard_format": {"header": "256 x int32: [0] magic, [1] version, [2] token count", "magic": MAGIC,
-                         "version": VERSION, "dtype": "uint16", "eot": EOT,
-                         "eot_rule": "EOT before every document; a document may span shards",
-                         "shard_tokens": shard_tokens},
+        "shard_format": {
+            "header": "256 x int32: [0] magic, [1] version, [2] token count",
+            "magic": MAGIC,
+            "version": VERSION,
+            "dtype": "uint16",
+            "eot": EOT,
+            "eot_rule": "EOT before every document; a document may span shards",
+            "shard_tokens": shard_tokens,
+        },
         "val_rule": val_rule,
         "splits": splits,
         "total_tokens": sum(v["tokens"] for v in splits.values()),

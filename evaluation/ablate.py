@@ -12,6 +12,7 @@ the numbers behind it (`ablate.json`).
 
 All timings use `pipeline.inference.timing`, the code of `bench/decode.py` and `tlf eval`.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -61,9 +62,20 @@ def step_memory_mb(export: str, gather_scatter: bool, batch: int, seq: int) -> f
     return float(val)
 
 
-def run(checkpoint: str, out: str | Path, loops: int = 0, ppl_dir: str = "", ppl_tokens: int = 8192,
-        thresholds=THRESHOLDS, prompt_lens=PROMPT_LENS, tpot_steps: int = 16, repeats: int = 3,
-        train_batch: int = 2, device: str = "cpu", log=print) -> dict:
+def run(
+    checkpoint: str,
+    out: str | Path,
+    loops: int = 0,
+    ppl_dir: str = "",
+    ppl_tokens: int = 8192,
+    thresholds=THRESHOLDS,
+    prompt_lens=PROMPT_LENS,
+    tpot_steps: int = 16,
+    repeats: int = 3,
+    train_batch: int = 2,
+    device: str = "cpu",
+    log=print,
+) -> dict:
     from evaluation.perplexity import TokenStream, perplexity
 
     export = str(find_export(checkpoint))
@@ -77,20 +89,31 @@ def run(checkpoint: str, out: str | Path, loops: int = 0, ppl_dir: str = "", ppl
     has_router = model.router is not None
     g = torch.Generator().manual_seed(0)
     vocab = min(cfg.model.vocab_size, 50257)
-    res: dict = {"checkpoint": export, "variant": cfg.model.variant, "loops": M, "ppl_set": stream.name,
-                 "ppl_tokens": stream.num_tokens - 1, "device": str(dev)}
+    res: dict = {
+        "checkpoint": export,
+        "variant": cfg.model.variant,
+        "loops": M,
+        "ppl_set": stream.name,
+        "ppl_tokens": stream.num_tokens - 1,
+        "device": str(dev),
+    }
 
     # -- router on/off x cache on/off -------------------------------------------------------------
     tp_prompt = torch.randint(0, vocab, (1, min(128, T // 2)), generator=g).to(dev)
     tp_feed = torch.randint(0, vocab, (1, min(tpot_steps, T - tp_prompt.shape[1] - 1)), generator=g).to(dev)
     rc = {}
-    for router in ((True, False) if has_router else (False,)):
+    for router in (True, False) if has_router else (False,):
         ppl = perplexity(model, stream, M, device=dev, router=router)
         for cache in (True, False):
-            sec = _median_time(lambda: timing.tpot(model, M, tp_prompt, tp_feed, cache=cache, router=router)[0],  # noqa: B023
-                               repeats)  # (the lambda runs within this iteration)
+            sec = _median_time(
+                lambda: timing.tpot(model, M, tp_prompt, tp_feed, cache=cache, router=router)[0],  # noqa: B023
+                repeats,
+            )  # (the lambda runs within this iteration)
             rc[f"router_{'on' if router else 'off'}/cache_{'on' if cache else 'off'}"] = {
-                "ppl": ppl["ppl"], "mean_depth": ppl["depth"]["mean"], "tpot_ms": 1e3 * sec}
+                "ppl": ppl["ppl"],
+                "mean_depth": ppl["depth"]["mean"],
+                "tpot_ms": 1e3 * sec,
+            }
     res["router_cache"] = rc
     log("router x cache: " + "; ".join(f"{k}: ppl {v['ppl']:.2f}, TPOT {v['tpot_ms']:.2f} ms" for k, v in rc.items()))
 
@@ -102,8 +125,13 @@ def run(checkpoint: str, out: str | Path, loops: int = 0, ppl_dir: str = "", ppl
         mem = step_memory_mb(export, on, train_batch, T)
         gs["on" if on else "off"] = {"train_step_peak_mb": mem, "prefill_ms": 1e3 * sec}
     res["gather_scatter"] = gs
-    log("gather-scatter: " + "; ".join(f"{k}: step memory {v['train_step_peak_mb']:.0f} MB, prefill "
-                                       f"{v['prefill_ms']:.1f} ms" for k, v in gs.items()))
+    log(
+        "gather-scatter: "
+        + "; ".join(
+            f"{k}: step memory {v['train_step_peak_mb']:.0f} MB, prefill {v['prefill_ms']:.1f} ms"
+            for k, v in gs.items()
+        )
+    )
 
     # -- threshold sweep -------------------------------------------------------------------------
     sweep = []
@@ -111,21 +139,25 @@ def run(checkpoint: str, out: str | Path, loops: int = 0, ppl_dir: str = "", ppl
         for th in thresholds:
             p = perplexity(model, stream, M, device=dev, threshold=th)
             sweep.append({"theta": th, "ppl": p["ppl"], "mean_depth": p["depth"]["mean"]})
-        log("threshold sweep: " + ", ".join(f"θ={s['theta']}: ppl {s['ppl']:.2f} depth {s['mean_depth']:.2f}"
-                                             for s in sweep))
+        log(
+            "threshold sweep: "
+            + ", ".join(f"θ={s['theta']}: ppl {s['ppl']:.2f} depth {s['mean_depth']:.2f}" for s in sweep)
+        )
     res["threshold_sweep"] = sweep
 
     # -- TTFT vs prompt length -------------------------------------------------------------------
     lens = [P for P in prompt_lens if P <= T] or [T]
     tt = {}
-    for router in ((True, False) if has_router else (False,)):
+    for router in (True, False) if has_router else (False,):
         row = {}
         for P in lens:
             pr = torch.randint(0, vocab, (1, P), generator=g).to(dev)
             row[str(P)] = 1e3 * _median_time(lambda: timing.ttft(model, M, pr, router=router)[0], repeats)  # noqa: B023  (runs now)
         tt[f"router_{'on' if router else 'off'}"] = row
     res["ttft_ms"] = tt
-    log("TTFT: " + "; ".join(f"{k}: " + ", ".join(f"P={p} {v:.1f} ms" for p, v in row.items()) for k, row in tt.items()))
+    log(
+        "TTFT: " + "; ".join(f"{k}: " + ", ".join(f"P={p} {v:.1f} ms" for p, v in row.items()) for k, row in tt.items())
+    )
 
     res["figures"] = [str(p) for p in _plot(res, outd)]
     write_json(outd / "ablate.json", res)
@@ -185,8 +217,6 @@ def _plot(res: dict, out: Path) -> list[Path]:
     return paths
 
 
-
-
 @click.command("ablate")
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--out", default=None, help="Output directory (default out/ablate/<checkpoint name>).")
@@ -201,6 +231,16 @@ def _plot(res: dict, out: Path) -> list[Path]:
 def ablate(checkpoint, out, loops, ppl_dir, ppl_tokens, thresholds, prompt_lens, repeats, tpot_steps, device):
     """The paper's ablations (Figures 3 and 4) for CHECKPOINT: PNGs plus the numbers in ablate.json."""
     name = Path(checkpoint).resolve().name
-    run(checkpoint, out or f"out/ablate/{name}", loops, ppl_dir, ppl_tokens,
-        tuple(float(x) for x in thresholds.split(",")), tuple(int(x) for x in prompt_lens.split(",")),
-        tpot_steps=tpot_steps, repeats=repeats, device=resolve_device(device, "--device", indexed=True), log=click.echo)
+    run(
+        checkpoint,
+        out or f"out/ablate/{name}",
+        loops,
+        ppl_dir,
+        ppl_tokens,
+        tuple(float(x) for x in thresholds.split(",")),
+        tuple(int(x) for x in prompt_lens.split(",")),
+        tpot_steps=tpot_steps,
+        repeats=repeats,
+        device=resolve_device(device, "--device", indexed=True),
+        log=click.echo,
+    )

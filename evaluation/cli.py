@@ -1,4 +1,5 @@
 """`tlf eval CHECKPOINT [section.key=value ...]`: a thin wrapper over `evaluation.evaluate.run`."""
+
 from __future__ import annotations
 
 import json
@@ -13,29 +14,67 @@ from pipeline.tracking import TrackingError
 @click.command("eval")
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.argument("overrides", nargs=-1)
-@click.option("--loops", "loops", default="", help="Loop budgets M, e.g. 2,4,8 (default: eval.loops, else the training L).")
-@click.option("--tasks", default="", help="Comma-separated zero-shot tasks (default: eval.tasks, all ten); 'none' for none.")
+@click.option(
+    "--loops", "loops", default="", help="Loop budgets M, e.g. 2,4,8 (default: eval.loops, else the training L)."
+)
+@click.option(
+    "--tasks", default="", help="Comma-separated zero-shot tasks (default: eval.tasks, all ten); 'none' for none."
+)
 @click.option("--limit", type=int, default=None, help="Examples per task (0: all).")
 @click.option("--batch-size", type=int, default=None, help="Sequences per forward.")
-@click.option("--source", type=click.Choice(["auto", "hub", "offline"]), default=None, help="Where task data comes from.")
+@click.option(
+    "--source", type=click.Choice(["auto", "hub", "offline"]), default=None, help="Where task data comes from."
+)
 @click.option("--race-file", default=None, help="Local RACE file (EleutherAI/race schema).")
 @click.option("--ppl-tokens", type=int, default=None, help="Tokens per validation set for perplexity (0: all).")
 @click.option("--stride", type=int, default=None, help="Sliding-window stride for perplexity (0: non-overlapping).")
 @click.option("--no-ppl", is_flag=True, help="Skip perplexity and the depth distribution.")
 @click.option("--no-latency", is_flag=True, help="Skip TTFT/TPOT.")
 @click.option("--no-mlflow", is_flag=True, help="Do not log to MLflow.")
-@click.option("--strict", is_flag=True, help="A task whose data cannot be reached is an error (default: skipped, "
-                                              "with one warning line, and marked in results.json and table1.md).")
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="A task whose data cannot be reached is an error (default: skipped, "
+    "with one warning line, and marked in results.json and table1.md).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar (it is drawn on stderr only on a terminal).")
 @click.option("--out", "out_dir", default=None, help="Output directory.")
-@click.option("--check-preset", "config", default=None, metavar="PRESET",
-              help="Refuse a checkpoint whose model section differs from this preset's.")
+@click.option(
+    "--check-preset",
+    "config",
+    default=None,
+    metavar="PRESET",
+    help="Refuse a checkpoint whose model section differs from this preset's.",
+)
 @click.option("--config", "config_alias", default=None, hidden=True)  # the former name of --check-preset
 @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
-@click.option("--variant", default=None,
-              help="Label the results as this variant of the same trained model (naive-loop-ee: a base-loop checkpoint).")
-def eval_cmd(checkpoint, overrides, loops, tasks, limit, batch_size, source, race_file, ppl_tokens, stride, no_ppl,
-             no_latency, no_mlflow, strict, no_progress, out_dir, config, config_alias, device, variant):
+@click.option(
+    "--variant",
+    default=None,
+    help="Label the results as this variant of the same trained model (naive-loop-ee: a base-loop checkpoint).",
+)
+def eval_cmd(
+    checkpoint,
+    overrides,
+    loops,
+    tasks,
+    limit,
+    batch_size,
+    source,
+    race_file,
+    ppl_tokens,
+    stride,
+    no_ppl,
+    no_latency,
+    no_mlflow,
+    strict,
+    no_progress,
+    out_dir,
+    config,
+    config_alias,
+    device,
+    variant,
+):
     """Evaluate CHECKPOINT: perplexity, the ten zero-shot tasks, depth distribution and latency per budget."""
     from evaluation.evaluate import run
     from evaluation.tasks import TaskDataError
@@ -44,16 +83,25 @@ def eval_cmd(checkpoint, overrides, loops, tasks, limit, batch_size, source, rac
     if tasks:
         names = [] if tasks.strip() == "none" else [t.strip() for t in tasks.split(",") if t.strip()]
         ov.append(f"eval.tasks=[{','.join(names)}]")
-    for key, val in (("limit", limit), ("batch_size", batch_size), ("source", source), ("ppl_tokens", ppl_tokens),
-                     ("ppl_stride", stride)):
+    for key, val in (
+        ("limit", limit),
+        ("batch_size", batch_size),
+        ("source", source),
+        ("ppl_tokens", ppl_tokens),
+        ("ppl_stride", stride),
+    ):
         if val is not None:
             ov.append(f"eval.{key}={val}")
     if race_file is not None:
         ov.append(f"eval.race_file={json.dumps(race_file)}")  # a JSON string is a YAML scalar: any quote survives
     if out_dir is not None:
         ov.append(f"eval.out_dir={json.dumps(out_dir)}")
-    for flag, key in ((no_ppl, "perplexity"), (no_latency, "latency"), (no_mlflow, "mlflow"),
-                      (no_progress, "progress")):
+    for flag, key in (
+        (no_ppl, "perplexity"),
+        (no_latency, "latency"),
+        (no_mlflow, "mlflow"),
+        (no_progress, "progress"),
+    ):
         if flag:
             ov.append(f"eval.{key}=false")
     if strict:

@@ -14,6 +14,7 @@ Outputs, in `--out`: `compare.md` (all tables), `table1.csv`, `table2.csv`, `tab
 `loss_curves.png`, `ppl_vs_loops.png`, `depth_distribution.png`, `throughput.png`, and for evaluations on
 depth-hops data `accuracy_vs_work.png`.
 """
+
 from __future__ import annotations
 
 import csv
@@ -86,8 +87,18 @@ def local_runs(dirs: list[str]) -> list[Run]:
             metrics.update(R.flatten(results))
             tags.setdefault("variant", str((results.get("model") or {}).get("variant", "?")))
         newest = max((f.stat().st_mtime for f in (d / tracking.METRICS_FILE, res_file) if f.is_file()), default=0)
-        runs.append(Run(str(d), tags.get("variant", "?"), str(info.get("name") or d.name), int(newest * 1000), tags,
-                        metrics, results, rows))
+        runs.append(
+            Run(
+                str(d),
+                tags.get("variant", "?"),
+                str(info.get("name") or d.name),
+                int(newest * 1000),
+                tags,
+                metrics,
+                results,
+                rows,
+            )
+        )
     return sorted(runs, key=lambda r: -r.start_time)
 
 
@@ -111,8 +122,17 @@ def collect_runs(client, uri: str, experiments: list[str], tags: dict[str, str],
             ids.append(exp.experiment_id)
         flt = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
         raw = client.search_runs(ids, filter_string=flt, max_results=5000, order_by=["attributes.start_time DESC"])
-    runs = [Run(r.info.run_id, r.data.tags.get("variant", "?"), r.data.tags.get("mlflow.runName", r.info.run_id[:8]),
-                r.info.start_time or 0, dict(r.data.tags), dict(r.data.metrics)) for r in raw]
+    runs = [
+        Run(
+            r.info.run_id,
+            r.data.tags.get("variant", "?"),
+            r.data.tags.get("mlflow.runName", r.info.run_id[:8]),
+            r.info.start_time or 0,
+            dict(r.data.tags),
+            dict(r.data.metrics),
+        )
+        for r in raw
+    ]
     return sorted(runs, key=lambda r: -r.start_time)
 
 
@@ -172,8 +192,12 @@ class Table:
         return out
 
     def markdown(self) -> str:
-        lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |",
-                 "|" + "|".join(["---"] * len(self.columns)) + "|"]
+        lines = [
+            f"### {self.title}",
+            "",
+            "| " + " | ".join(self.columns) + " |",
+            "|" + "|".join(["---"] * len(self.columns)) + "|",
+        ]
         lines += ["| " + " | ".join(r) + " |" for r in self.cells(("**", "**"))]
         return "\n".join(lines) + "\n"
 
@@ -211,10 +235,19 @@ def table1(sel: Selection, metric: str = "acc") -> Table:
         for b in r.budgets():
             accs = R.budget_accuracies(b, metric)
             avg = R.budget_average(r.results, b, metric)
-            rows.append([f"{r.variant} (M={b['loops']})"] + [R.budget_ppl(b, s) for s in sets]
-                        + [None if a is None else 100 * a for a in accs] + [None if avg is None else 100 * avg])
-    return Table("Table 1: perplexity and zero-shot accuracy", cols, rows,
-                 ["low"] * len(sets) + ["high"] * (len(R.TASK_LABELS) + 1), [".2f"] * (len(cols) - 1))
+            rows.append(
+                [f"{r.variant} (M={b['loops']})"]
+                + [R.budget_ppl(b, s) for s in sets]
+                + [None if a is None else 100 * a for a in accs]
+                + [None if avg is None else 100 * avg]
+            )
+    return Table(
+        "Table 1: perplexity and zero-shot accuracy",
+        cols,
+        rows,
+        ["low"] * len(sets) + ["high"] * (len(R.TASK_LABELS) + 1),
+        [".2f"] * (len(cols) - 1),
+    )
 
 
 def table2(sel: Selection) -> Table:
@@ -253,10 +286,24 @@ def table3(sel: Selection) -> Table:
         m = r.metrics
         mem = m.get("mem/cuda_max_allocated_gb", m.get("mem/peak_rss_gb"))
         mfu = m.get("mfu")
-        rows.append([v, mem, m.get("tokens_per_s"), None if mfu is None else 100 * mfu, m.get(_train_loss_key(r)),
-                     m.get("val/loss"), m.get("router/full/mean_depth")])
-    return Table("Table 3: training memory and speed", cols, rows,
-                 ["low", "high", "high", "low", "low", ""], [".3f", ",.0f", ".2f", ".3f", ".3f", ".2f"])
+        rows.append(
+            [
+                v,
+                mem,
+                m.get("tokens_per_s"),
+                None if mfu is None else 100 * mfu,
+                m.get(_train_loss_key(r)),
+                m.get("val/loss"),
+                m.get("router/full/mean_depth"),
+            ]
+        )
+    return Table(
+        "Table 3: training memory and speed",
+        cols,
+        rows,
+        ["low", "high", "high", "low", "low", ""],
+        [".3f", ",.0f", ".2f", ".3f", ".3f", ".2f"],
+    )
 
 
 # ------------------------------------------------------------------------------------------ plots
@@ -275,8 +322,13 @@ def plot_all(sel: Selection, client, out: Path) -> list[Path]:
             for ax, key in zip(axes, (_train_loss_key(r), "val/loss")):
                 h = history(client, r, key)
                 if h:
-                    ax.plot([st for st, _ in h], [x for _, x in h], marker="o" if key != "loss" else None,
-                            markersize=3, label=v)
+                    ax.plot(
+                        [st for st, _ in h],
+                        [x for _, x in h],
+                        marker="o" if key != "loss" else None,
+                        markersize=3,
+                        label=v,
+                    )
         for ax, t in zip(axes, ("training loss (full pass, L_L)", "validation loss")):
             ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.set_title(t), ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
@@ -296,8 +348,11 @@ def plot_all(sel: Selection, client, out: Path) -> list[Path]:
             ax.grid(alpha=0.3), ax.legend(fontsize=7)
         paths.append(save(fig, out / "ppl_vs_loops.png"))
 
-    depth = {v: b for v, r in runs.items() if (b := max((b for b in r.budgets() if b.get("depth")),
-                                                         key=lambda b: b["loops"], default=None))}
+    depth = {
+        v: b
+        for v, r in runs.items()
+        if (b := max((b for b in r.budgets() if b.get("depth")), key=lambda b: b["loops"], default=None))
+    }
     if depth:  # depth distribution (router variants at their largest budget)
         fig, ax = plt.subplots(figsize=(6, 4))
         shown = [v for v in depth if v == "t-loopformer"] or list(depth)[:1]
@@ -310,9 +365,17 @@ def plot_all(sel: Selection, client, out: Path) -> list[Path]:
         ax.legend(fontsize=7)
         paths.append(save(fig, out / "depth_distribution.png"))
 
-    work = {v: pts for v, r in runs.items()
-            if (pts := [(b["levels"]["work"], b["levels"]["accuracy"]) for b in r.budgets()
-                        if (b.get("levels") or {}).get("work") is not None])}
+    work = {
+        v: pts
+        for v, r in runs.items()
+        if (
+            pts := [
+                (b["levels"]["work"], b["levels"]["accuracy"])
+                for b in r.budgets()
+                if (b.get("levels") or {}).get("work") is not None
+            ]
+        )
+    }
     if work:  # depth-hops: answer accuracy vs executed loop work (mean loops per token), one line per run
         fig, ax = plt.subplots(figsize=(6, 4))
         for v, pts in work.items():
@@ -331,8 +394,6 @@ def plot_all(sel: Selection, client, out: Path) -> list[Path]:
     return paths
 
 
-
-
 # ------------------------------------------------------------------------------------------ run
 @dataclass
 class CompareResult:
@@ -341,9 +402,15 @@ class CompareResult:
     text: str
 
 
-def run(tracking_uri: str = "", experiments: tuple[str, ...] = ("tlf",), tags: dict | None = None,
-        run_ids: tuple[str, ...] = (), out: str | Path = "compare", metric: str = "acc",
-        run_dirs: tuple[str, ...] = ()) -> CompareResult:
+def run(
+    tracking_uri: str = "",
+    experiments: tuple[str, ...] = ("tlf",),
+    tags: dict | None = None,
+    run_ids: tuple[str, ...] = (),
+    out: str | Path = "compare",
+    metric: str = "acc",
+    run_dirs: tuple[str, ...] = (),
+) -> CompareResult:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one results.json per run: no bars
     if run_dirs:  # no MLflow at all
         client, runs = None, local_runs(list(run_dirs))
@@ -358,8 +425,11 @@ def run(tracking_uri: str = "", experiments: tuple[str, ...] = ("tlf",), tags: d
     for i, t in enumerate(tables, start=1):
         t.write_csv(outd / f"table{i}.csv")
         files.append(outd / f"table{i}.csv")
-    md = "# tlf compare\n\n" + f"{len(runs)} runs; variants: {', '.join(sel.variants()) or 'none'}\n\n" \
+    md = (
+        "# tlf compare\n\n"
+        + f"{len(runs)} runs; variants: {', '.join(sel.variants()) or 'none'}\n\n"
         + "\n".join(t.markdown() for t in tables)
+    )
     plots = plot_all(sel, client, outd)
     md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
     (outd / "compare.md").write_text(md)
@@ -369,18 +439,35 @@ def run(tracking_uri: str = "", experiments: tuple[str, ...] = ("tlf",), tags: d
 
 
 @click.command("compare")
-@click.option("--tracking-uri", default="",
-              help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db).")
-@click.option("--experiment", "experiments", multiple=True, default=("tlf",), show_default=True,
-              help="Experiment name(s) to read.")
+@click.option(
+    "--tracking-uri",
+    default="",
+    help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db).",
+)
+@click.option(
+    "--experiment",
+    "experiments",
+    multiple=True,
+    default=("tlf",),
+    show_default=True,
+    help="Experiment name(s) to read.",
+)
 @click.option("--tag", "tag_items", multiple=True, help="Only runs with this tag, KEY=VALUE (repeatable).")
 @click.option("--run-id", "run_ids", multiple=True, help="Exactly these runs (repeatable); overrides --experiment.")
-@click.option("--run-dir", "run_dirs", multiple=True,
-              help="Read this run directory's metrics.jsonl (or an eval output's results.json) instead of MLflow "
-                   "(repeatable).")
+@click.option(
+    "--run-dir",
+    "run_dirs",
+    multiple=True,
+    help="Read this run directory's metrics.jsonl (or an eval output's results.json) instead of MLflow (repeatable).",
+)
 @click.option("--out", default="compare", show_default=True, help="Output directory for markdown, CSV and PNG.")
-@click.option("--metric", type=click.Choice(["acc", "acc_norm"]), default="acc", show_default=True,
-              help="Accuracy column: acc, or acc_norm where a task has it.")
+@click.option(
+    "--metric",
+    type=click.Choice(["acc", "acc_norm"]),
+    default="acc",
+    show_default=True,
+    help="Accuracy column: acc, or acc_norm where a task has it.",
+)
 def compare(tracking_uri, experiments, tag_items, run_ids, run_dirs, out, metric):
     """Side-by-side tables (the paper's Tables 1-3) and plots from MLflow runs of the variants."""
     tags = {}

@@ -1,5 +1,6 @@
 """The depth distribution chart (the paper's Figure 1b): share of validation tokens at each depth, the mean
 depth, and per-depth perplexity, for one loop budget M."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,15 +18,15 @@ def depth_chart(depth: dict, loops: int, path: str | Path, title: str = "") -> P
     bars = ax.bar(xs, share, color="#4C72B0", label="share of tokens")
     for b, s in zip(bars, share):
         if s > 0:
-            ax.annotate(f"{s:.1f}%", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
-                        fontsize=7)
+            ax.annotate(
+                f"{s:.1f}%", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7
+            )
     ax.set_xlabel("depth (loops executed)")
     ax.set_ylabel("tokens (%)")
     ax.set_xticks(xs)
     ax.set_ylim(0, max(share + [1.0]) * 1.18)
     ax.axvline(depth["mean"], color="#C44E52", ls="--", lw=1)
-    ax.text(depth["mean"], ax.get_ylim()[1] * 0.95, f" mean {depth['mean']:.2f}", color="#C44E52", fontsize=8,
-            va="top")
+    ax.text(depth["mean"], ax.get_ylim()[1] * 0.95, f" mean {depth['mean']:.2f}", color="#C44E52", fontsize=8, va="top")
     ppl = [(x, p) for x, p in zip(xs, depth["ppl"]) if p is not None]
     if ppl:
         ax2 = ax.twinx()

@@ -5,6 +5,7 @@ perplexity on each validation set, the depth distribution (+ PNG) on the first s
 `eval.latency` is on. Writes `results.json` and `table1.md` (+ `depth_M{M}.png`) into the output
 directory and logs everything to MLflow.
 """
+
 from __future__ import annotations
 
 import time
@@ -54,8 +55,10 @@ def resolve_budgets(cfg: Config, loops: list[int]) -> list[tuple[int, int]]:
         if L == 1:
             out.append((m, 1))
         elif m > L:
-            raise ConfigError(f"loop budget {m} exceeds the checkpoint's training loops model.loops={L} "
-                              f"({cfg.model.variant}); use budgets in 1..{L}")
+            raise ConfigError(
+                f"loop budget {m} exceeds the checkpoint's training loops model.loops={L} "
+                f"({cfg.model.variant}); use budgets in 1..{L}"
+            )
         else:
             out.append((m, m))
     return out
@@ -66,8 +69,11 @@ def check_config(cfg: Config, expected: str | None) -> None:
     if not expected:
         return
     want = load_config(expected).model
-    diffs = [f"model.{k}: checkpoint {getattr(cfg.model, k)!r} != {expected} {getattr(want, k)!r}"
-             for k in want.__dataclass_fields__ if getattr(cfg.model, k) != getattr(want, k)]
+    diffs = [
+        f"model.{k}: checkpoint {getattr(cfg.model, k)!r} != {expected} {getattr(want, k)!r}"
+        for k in want.__dataclass_fields__
+        if getattr(cfg.model, k) != getattr(want, k)
+    ]
     if diffs:
         raise ConfigError(f"checkpoint is not a {expected} model: " + "; ".join(diffs[:6]))
 
@@ -81,8 +87,9 @@ def relabel(cfg: Config, variant: str | None) -> str | None:
     if variant not in VARIANTS:
         raise ConfigError(f"--variant: {variant!r} is not one of {', '.join(VARIANTS)}")
     if trained_variant(variant) != cfg.model.variant:
-        raise ConfigError(f"--variant {variant}: evaluates a {trained_variant(variant)} checkpoint, this one is "
-                          f"{cfg.model.variant}")
+        raise ConfigError(
+            f"--variant {variant}: evaluates a {trained_variant(variant)} checkpoint, this one is {cfg.model.variant}"
+        )
     own, cfg.model.variant = cfg.model.variant, variant
     cfg.model.validate()
     return own
@@ -102,6 +109,7 @@ def ppl_dirs(cfg: Config) -> list[str]:
 @dataclass
 class _Inputs:
     """Everything loaded once and reused at every budget."""
+
     tasks: dict  # name -> task data
     skipped: dict  # name -> why (eval.strict=false)
     requests: dict  # name -> (tokenised requests, spans)
@@ -113,6 +121,7 @@ class _Inputs:
 @dataclass
 class _Run:
     """One evaluation's state, shared by its steps."""
+
     model: object
     cfg: Config
     dev: str
@@ -140,8 +149,14 @@ def load_inputs(cfg: Config, log) -> _Inputs:
     streams = [TokenStream(d, cfg.data.val_split, ev.ppl_tokens) for d in ppl_dirs(cfg)] if ev.perplexity else []
     T = min(ev.ppl_context or cfg.model.block_size, cfg.model.block_size)
     windows = [len(make_windows(st.num_tokens, T, ev.ppl_stride).starts) for st in streams]
-    return _Inputs(tasks, skipped, {n: task_requests(td) for n, td in tasks.items()}, streams, windows,
-                   cfg.data.dir if task_of(cfg.data.dir) else "")
+    return _Inputs(
+        tasks,
+        skipped,
+        {n: task_requests(td) for n, td in tasks.items()},
+        streams,
+        windows,
+        cfg.data.dir if task_of(cfg.data.dir) else "",
+    )
 
 
 def _measure_tasks(r: _Run, b: dict, m_req: int, m_eff: int) -> None:
@@ -154,8 +169,11 @@ def _measure_tasks(r: _Run, b: dict, m_req: int, m_eff: int) -> None:
         b["tasks"][n] = task_metrics(td, sp.kind, sp.metrics, scored, spans)
         b["timing_s"][n] = round(time.time() - t0, 3)
         t = b["tasks"][n]
-        r.say(f"  M={m_req} {n} ({t['split']}): " + ", ".join(f"{k}={v:.4f}" for k, v in t.items() if isinstance(v, float))
-              + (f"  [{t['note']}]" if t.get("note") else ""))
+        r.say(
+            f"  M={m_req} {n} ({t['split']}): "
+            + ", ".join(f"{k}={v:.4f}" for k, v in t.items() if isinstance(v, float))
+            + (f"  [{t['note']}]" if t.get("note") else "")
+        )
     b["avg_acc"], b["avg_acc_tasks"] = results.average_accuracy(b["tasks"], r.cfg.eval.table_metric)
 
 
@@ -165,8 +183,16 @@ def _measure_perplexity(r: _Run, b: dict, m_req: int, m_eff: int) -> None:
     for i, st in enumerate(r.inp.streams):
         t0 = time.time()
         r.bar.stage(f"eval M={m_req} ppl {st.name}")
-        p = perplexity(r.model, st, m_eff, ev.ppl_context, ev.ppl_stride, ev.batch_size, r.dev,
-                       progress=r.bar.part(r.inp.windows[i], r.inp.windows[i]))
+        p = perplexity(
+            r.model,
+            st,
+            m_eff,
+            ev.ppl_context,
+            ev.ppl_stride,
+            ev.batch_size,
+            r.dev,
+            progress=r.bar.part(r.inp.windows[i], r.inp.windows[i]),
+        )
         b["timing_s"][f"ppl:{st.name}"] = round(time.time() - t0, 3)
         depth = p.pop("depth")
         b["perplexity"].append(p)
@@ -174,8 +200,12 @@ def _measure_perplexity(r: _Run, b: dict, m_req: int, m_eff: int) -> None:
         if i == 0 and ev.depth:
             depth = dict(depth, set=st.name, variant=cfg.model.variant, router=cfg.model.router)
             b["depth"] = depth
-            png = depth_chart(depth, m_eff, r.out_dir / f"depth_M{m_req}.png",
-                              f"{report.variant_label(cfg.model.variant)}: depth on {st.name}, M={m_req}")
+            png = depth_chart(
+                depth,
+                m_eff,
+                r.out_dir / f"depth_M{m_req}.png",
+                f"{report.variant_label(cfg.model.variant)}: depth on {st.name}, M={m_req}",
+            )
             r.files.append(png)
             b["depth"]["chart"] = str(png)
             r.say(f"  M={m_req} mean depth {depth['mean']:.3f}")
@@ -220,15 +250,22 @@ def publish(result: results.Results, r: _Run, export: Path, name: str, trained_a
     if ev.mlflow:
         rec = read_run_record(export)
         run_id, step = (rec.mlflow_run_id, rec.step) if rec else (None, 0)
-        tags = {"variant": cfg.model.variant, "preset": cfg.name or "", "checkpoint": str(export),
-                "kind": "eval", "run_name": f"eval-{name}", "table_metric": ev.table_metric}
+        tags = {
+            "variant": cfg.model.variant,
+            "preset": cfg.name or "",
+            "checkpoint": str(export),
+            "kind": "eval",
+            "run_name": f"eval-{name}",
+            "table_metric": ev.table_metric,
+        }
         if trained_as and run_id:  # another variant's rows: its own run, linked to the training run
             tags["train_run_id"], run_id = run_id, None
         first = result["budgets"][0]["tasks"] if result["budgets"] else {}
         tags.update({f"split.{t}": x["split"] for t, x in first.items()})
         tags.update({f"skipped.{t}": "unavailable" for t in r.inp.skipped})
-        result["mlflow_run_id"] = report.log_mlflow(result, files, cfg.logging.tracking_uri, cfg.logging.experiment,
-                                                    run_id, tags, step)
+        result["mlflow_run_id"] = report.log_mlflow(
+            result, files, cfg.logging.tracking_uri, cfg.logging.experiment, run_id, tags, step
+        )
         result["mlflow_run"] = "checkpoint's run" if result["mlflow_run_id"] == run_id else "new run"
         if result.get("mlflow_note"):
             log(f"eval: {result['mlflow_note']}")
@@ -237,9 +274,17 @@ def publish(result: results.Results, r: _Run, export: Path, name: str, trained_a
     log(f"eval: wrote {out_json} and {md}")
 
 
-def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, config: str | None = None,
-        device: str | None = None, model=None, cfg: Config | None = None, variant: str | None = None,
-        log=print) -> results.Results:
+def run(
+    checkpoint: str | Path,
+    overrides: list[str] | tuple = (),
+    loops=None,
+    config: str | None = None,
+    device: str | None = None,
+    model=None,
+    cfg: Config | None = None,
+    variant: str | None = None,
+    log=print,
+) -> results.Results:
     """Evaluates `checkpoint` (export, checkpoint or run dir). `overrides` are `section.key=value` strings
     applied to the checkpoint's config (e.g. eval.tasks=[copa], eval.limit=20, eval.source=offline);
     `loops` '2,4,8' or a list; `variant` labels the results as another variant of the same trained model
@@ -261,21 +306,39 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
 
     t0 = time.time()
     inp = load_inputs(cfg, log)
-    log(f"eval: {len(inp.tasks)} tasks, {len(inp.streams)} perplexity sets loaded in {time.time() - t0:.1f}s; budgets "
-        f"{[m for m, _ in budgets]} on {dev}")
+    log(
+        f"eval: {len(inp.tasks)} tasks, {len(inp.streams)} perplexity sets loaded in {time.time() - t0:.1f}s; budgets "
+        f"{[m for m, _ in budgets]} on {dev}"
+    )
     name = (cfg.name or export.name) + (f"-as-{cfg.model.variant}" if trained_as else "")
-    out_dir = Path(ev.out_dir) if ev.out_dir else Path("out") / "eval" / name.replace("/", "_") / time.strftime("%Y%m%d-%H%M%S")
+    out_dir = (
+        Path(ev.out_dir)
+        if ev.out_dir
+        else Path("out") / "eval" / name.replace("/", "_") / time.strftime("%Y%m%d-%H%M%S")
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     work = sum(len(td.examples) for td in inp.tasks.values()) + sum(inp.windows)  # per budget
     bar = Progress(work * len({m for _, m in budgets}), ev.progress)
     r = _Run(model, cfg, dev, inp, Scorer(model, ev.batch_size, dev), bar, bar.say(log), out_dir)
     result: results.Results = {
-        "checkpoint": str(Path(checkpoint)), "export": str(export), "config_name": cfg.name,
-        "model": {"variant": cfg.model.variant, "n_layers": cfg.model.n_layers, "loops": cfg.model.loops,
-                  "router": cfg.model.router, "block_size": cfg.model.block_size,
-                  "params": model.num_params(), **({"trained_as": trained_as} if trained_as else {})},
-        "device": dev, "limit": ev.limit, "source": ev.source, "table_metric": ev.table_metric,
-        "ppl_sets": [s.name for s in inp.streams], "budgets": [],
+        "checkpoint": str(Path(checkpoint)),
+        "export": str(export),
+        "config_name": cfg.name,
+        "model": {
+            "variant": cfg.model.variant,
+            "n_layers": cfg.model.n_layers,
+            "loops": cfg.model.loops,
+            "router": cfg.model.router,
+            "block_size": cfg.model.block_size,
+            "params": model.num_params(),
+            **({"trained_as": trained_as} if trained_as else {}),
+        },
+        "device": dev,
+        "limit": ev.limit,
+        "source": ev.source,
+        "table_metric": ev.table_metric,
+        "ppl_sets": [s.name for s in inp.streams],
+        "budgets": [],
         **({"skipped_tasks": inp.skipped} if inp.skipped else {}),
     }
     if cfg.model.loops == 1 and any(m != 1 for m, _ in budgets):
@@ -284,9 +347,12 @@ def run(checkpoint: str | Path, overrides: list[str] | tuple = (), loops=None, c
     for m_req, m_eff in budgets:
         if m_eff in done:  # the base model: the same pass again would give the same numbers
             prev = done[m_eff]
-            b = {"loops": m_req, "effective_loops": m_eff,
-                 **{k: prev[k] for k in ("tasks", "perplexity", "depth", "avg_acc", "latency", "levels") if k in prev},
-                 "timing_s": {"reused_from_loops": prev["loops"]}}
+            b = {
+                "loops": m_req,
+                "effective_loops": m_eff,
+                **{k: prev[k] for k in ("tasks", "perplexity", "depth", "avg_acc", "latency", "levels") if k in prev},
+                "timing_s": {"reused_from_loops": prev["loops"]},
+            }
         else:
             b = done[m_eff] = measure_budget(r, m_req, m_eff)
         result["budgets"].append(b)

@@ -1,4 +1,5 @@
 """Matplotlib, headless, for every chart tlf writes (depth, compare, ablate)."""
+
 from __future__ import annotations
 
 from pathlib import Path

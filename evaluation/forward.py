@@ -5,15 +5,22 @@ schedule 1/M, router depth clipped at M; with explicit positions and an attentio
 `logits_at` applies the head to chosen positions. Scoring a continuation needs logits at a few positions only,
 and the head (d x 50304) is most of a small model's cost. Tests check both against `model(idx, loops=M)`.
 """
+
 from __future__ import annotations
 
 import torch
 
 
 @torch.no_grad()
-def hidden_states(model, idx: torch.Tensor, loops: int, positions: torch.Tensor | None = None,
-                  mask: torch.Tensor | None = None, router: bool = True,
-                  threshold: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def hidden_states(
+    model,
+    idx: torch.Tensor,
+    loops: int,
+    positions: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    router: bool = True,
+    threshold: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(h (B, T, d) before the final norm, depth (B, T) int64 in 1..M); positions (B, T) and mask (B, T, T) as
     in `LoopedLM.hidden_states` (None: positions 0..T-1, causal); router and threshold as `LoopedLM.forward`
     takes them (the ablations' switches)."""

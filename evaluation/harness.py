@@ -12,6 +12,7 @@ loglikelihood_rolling scores the harness's disjoint rolling windows (context 1, 
 generate_until decodes with `pipeline.inference.generate` (recursion-wise KV cache), greedy unless the task
 asks for sampling, and cuts the text at the first `until` string.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,16 +26,26 @@ from pipeline.device import resolve_device
 
 @register_model("tlf")
 class TLFLM(LM):
-    def __init__(self, checkpoint: str | None = None, loops: int | None = None, batch_size: int | str = 16,
-                 device: str | None = None, model=None, max_gen_toks: int = 256, **kwargs):
+    def __init__(
+        self,
+        checkpoint: str | None = None,
+        loops: int | None = None,
+        batch_size: int | str = 16,
+        device: str | None = None,
+        model=None,
+        max_gen_toks: int = 256,
+        **kwargs,
+    ):
         super().__init__()
         if model is None:
             if not checkpoint:
                 raise ValueError("tlf: give model_args checkpoint=PATH (an export, checkpoint or run dir)")
             from pipeline.model.io import load_model
+
             model, _cfg = load_model(checkpoint, "cpu")
         if str(device or "").startswith("cuda") and not torch.cuda.is_available():  # lm_eval's CLI default is cuda
             import warnings
+
             warnings.warn(f"tlf: device {device!r} requested but CUDA is not available; using cpu", stacklevel=2)
             device = "cpu"
         dev = resolve_device(device, "device", indexed=True)
@@ -61,11 +72,16 @@ class TLFLM(LM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         from lm_eval import utils
+
         pairs, owner = [], []
         for r, req in enumerate(requests):
             (string,) = req.args
-            for w in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
-                    token_list=encode(string), prefix_token=EOT, max_seq_len=self.max_length, context_len=1)):
+            for w in map(
+                utils.make_disjoint_window,
+                utils.get_rolling_token_windows(
+                    token_list=encode(string), prefix_token=EOT, max_seq_len=self.max_length, context_len=1
+                ),
+            ):
                 pairs.append(w)
                 owner.append(r)
         scored = self.scorer.score(pairs, self.loops) if pairs else []
@@ -79,23 +95,34 @@ class TLFLM(LM):
     # ------------------------------------------------------------------------------ generation
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from pipeline.inference import generate
+
         out: list[str | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, req in enumerate(requests):
             kw = dict(req.args[1])
-            key = (tuple(self._until(kw)), int(kw.get("max_gen_toks", self.max_gen_toks)),
-                   bool(kw.get("do_sample", False)), float(kw.get("temperature", 0.0) or 0.0))
+            key = (
+                tuple(self._until(kw)),
+                int(kw.get("max_gen_toks", self.max_gen_toks)),
+                bool(kw.get("do_sample", False)),
+                float(kw.get("temperature", 0.0) or 0.0),
+            )
             groups.setdefault(key, []).append(i)
         bs = self.scorer.batch_size
         for (until, max_new, do_sample, temp), idxs in groups.items():
             max_new = max(1, min(max_new, self.max_length - 1))
             for b0 in range(0, len(idxs), bs):
-                chunk = idxs[b0:b0 + bs]
+                chunk = idxs[b0 : b0 + bs]
                 keep = self.max_length - max_new + 1  # prompt + new tokens - 1 must fit the context
                 prompts = [(encode(requests[i].args[0]) or [EOT])[-keep:] for i in chunk]
-                gen = generate(self.model, prompts, max_new_tokens=max_new,
-                               temperature=temp if do_sample else 0.0, loops=self.loops, stop_token=EOT,
-                               vocab_limit=EOT + 1)
+                gen = generate(
+                    self.model,
+                    prompts,
+                    max_new_tokens=max_new,
+                    temperature=temp if do_sample else 0.0,
+                    loops=self.loops,
+                    stop_token=EOT,
+                    vocab_limit=EOT + 1,
+                )
                 for i, toks in zip(chunk, gen.tokens):
                     toks = [t for t in toks if t != EOT]
                     text = decode(toks)
@@ -114,6 +141,7 @@ class TLFLM(LM):
 
 def main() -> int:
     from lm_eval.__main__ import cli_evaluate
+
     return cli_evaluate() or 0
 
 

@@ -5,6 +5,7 @@ gather-scatter prefill to its first logits) and `tpot()` (mean seconds per decod
 recursion-wise KV cache after an untimed prefill). We run them on the checkpoint's model: one warm-up round,
 then the median of `repeats`, random prompts (seeded) of lengths that fit the model's context.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -21,8 +22,15 @@ def prompt_lengths(block_size: int, steps: int) -> list[int]:
 
 
 @torch.no_grad()
-def measure_latency(model, loops: int, device: str | torch.device = "cpu", repeats: int = 3, steps: int = 16,
-                    batches: tuple[int, ...] = (1, 32), seed: int = 1) -> dict:
+def measure_latency(
+    model,
+    loops: int,
+    device: str | torch.device = "cpu",
+    repeats: int = 3,
+    steps: int = 16,
+    batches: tuple[int, ...] = (1, 32),
+    seed: int = 1,
+) -> dict:
     """{"ttft_ms": {P: ms}, "tpot_ms": {B: ms}, ...} at budget `loops` (medians over `repeats`)."""
     dev = torch.device(device)
     T = model.cfg.block_size
@@ -53,5 +61,5 @@ def measure_latency(model, loops: int, device: str | torch.device = "cpu", repea
         "tpot_ms": {str(B): 1e3 * statistics.median(v) for B, v in tp.items()},
         "decode_mean_depth": depth_sum / max(depth_n, 1),
         "protocol": f"pipeline.inference.timing ttft()/tpot() (bench/decode.py's code): median of {repeats} after 1 warm-up; TPOT after a "
-                    f"{tpot_prompt}-token prefill, {steps} decode steps; random prompts (seed {seed})",
+        f"{tpot_prompt}-token prefill, {steps} decode steps; random prompts (seed {seed})",
     }

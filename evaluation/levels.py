@@ -8,6 +8,7 @@ token over EVERY token of the windows (the compute; context tokens a query reads
 x-axis on which runs are compared at equal work. Windows are the split cut into
 non-overlapping rows of `block_size` + 1 tokens, as the training loader cuts them.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,13 +21,22 @@ from evaluation.forward import hidden_states, logits_at
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float | None:
     from scipy.stats import spearmanr
+
     if a.size < 2 or np.all(a == a[0]) or np.all(b == b[0]):
         return None
     return float(spearmanr(a, b).statistic)
 
 
-def level_scores(model, directory: str, loops: int, split: str = "val", max_windows: int = 256,
-                 batch_size: int = 16, device: str | torch.device = "cpu", router: bool = True) -> dict:
+def level_scores(
+    model,
+    directory: str,
+    loops: int,
+    split: str = "val",
+    max_windows: int = 256,
+    batch_size: int = 16,
+    device: str | torch.device = "cpu",
+    router: bool = True,
+) -> dict:
     task = task_of(directory)
     if task is None:
         raise ShardError(f"{directory}/manifest.json: not a depth-hops directory (no depth_task entry)")
@@ -50,10 +60,17 @@ def level_scores(model, directory: str, loops: int, split: str = "val", max_wind
     table = np.zeros((L, M), dtype=np.int64)  # [level-1, depth-1]
     np.add.at(table, (lev - 1, dep - 1), 1)
     acc = {int(k): (float(ok[lev == k].mean()) if (lev == k).any() else None) for k in range(1, L + 1)}
-    return {"loops": M, "targets": int(ok.size), "accuracy": float(ok.mean()), "accuracy_by_level": acc,
-            "level_depth": table.tolist(), "mean_depth": float(dep.mean()), "work": work / (n_win * T),
-            "depth_ge_level": {int(k): float((dep[lev == k] >= k).mean()) for k in range(1, L + 1) if (lev == k).any()},
-            "spearman": spearman(dep.astype(float), lev.astype(float))}
+    return {
+        "loops": M,
+        "targets": int(ok.size),
+        "accuracy": float(ok.mean()),
+        "accuracy_by_level": acc,
+        "level_depth": table.tolist(),
+        "mean_depth": float(dep.mean()),
+        "work": work / (n_win * T),
+        "depth_ge_level": {int(k): float((dep[lev == k] >= k).mean()) for k in range(1, L + 1) if (lev == k).any()},
+        "spearman": spearman(dep.astype(float), lev.astype(float)),
+    }
 
 
 def level_depth_lines(table, indent: str = "    ") -> list[str]:
@@ -62,8 +79,11 @@ def level_depth_lines(table, indent: str = "    ") -> list[str]:
     lines = [f"{indent}level | " + " ".join(f"d{d:<5}" for d in range(1, len(table[0]) + 1)) + "| depth >= level"]
     for k, row in enumerate(table, start=1):
         n = max(sum(row), 1)
-        lines.append(f"{indent}{k:>5} | " + " ".join(f"{100 * c / n:5.1f} " for c in row)
-                     + f"| {100 * sum(row[k - 1:]) / n:5.1f}%")
+        lines.append(
+            f"{indent}{k:>5} | "
+            + " ".join(f"{100 * c / n:5.1f} " for c in row)
+            + f"| {100 * sum(row[k - 1 :]) / n:5.1f}%"
+        )
     return lines
 
 
@@ -72,5 +92,7 @@ def describe_levels(lv: dict, M: int) -> list[str]:
     executed-depth table."""
     acc = ", ".join(f"L{k} {a:.3f}" for k, a in lv["accuracy_by_level"].items() if a is not None)
     rho = f"; rho(depth, level) {lv['spearman']:.3f}" if lv.get("spearman") is not None else ""
-    return [f"  M={M} depth-hops accuracy {lv['accuracy']:.4f}; by level {acc}; work {lv['work']:.3f} loops/token{rho}",
-            *level_depth_lines(lv["level_depth"])]
+    return [
+        f"  M={M} depth-hops accuracy {lv['accuracy']:.4f}; by level {acc}; work {lv['work']:.3f} loops/token{rho}",
+        *level_depth_lines(lv["level_depth"]),
+    ]

@@ -11,6 +11,7 @@ Token-level mean NLL = sum of -log p(target) / number of targets; ppl = exp(mean
 document boundaries (EOT is an ordinary token here). The depth of a target is the depth the router gave the
 token that predicts it (non-router variants: M for all); per-depth ppl is exp(mean NLL) over those targets.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,6 +29,7 @@ from evaluation.forward import hidden_states, logits_at
 @dataclass
 class Windows:
     """Window starts, lengths and the first scored input position within each window."""
+
     starts: list[int]
     lengths: list[int]
     first_scored: list[int]
@@ -87,9 +89,18 @@ class TokenStream:
 
 
 @torch.no_grad()
-def perplexity(model, stream: TokenStream, loops: int, context: int = 0, stride: int = 0, batch_size: int = 8,
-               device: str | torch.device = "cpu", router: bool = True, threshold: float | None = None,
-               progress=None) -> dict:
+def perplexity(
+    model,
+    stream: TokenStream,
+    loops: int,
+    context: int = 0,
+    stride: int = 0,
+    batch_size: int = 8,
+    device: str | torch.device = "cpu",
+    router: bool = True,
+    threshold: float | None = None,
+    progress=None,
+) -> dict:
     """Mean NLL, ppl, tokens counted and the depth statistics of `stream` at budget `loops` (router and
     threshold: the ablations' switches, as `LoopedLM.forward` takes them; progress(n): called after each batch
     with its number of windows)."""
@@ -102,7 +113,7 @@ def perplexity(model, stream: TokenStream, loops: int, context: int = 0, stride:
     d_cnt = np.zeros(M + 1, dtype=np.int64)
     order = range(len(win.starts))
     for b0 in range(0, len(win.starts), batch_size):
-        ids = list(order[b0:b0 + batch_size])
+        ids = list(order[b0 : b0 + batch_size])
         L = max(win.lengths[i] for i in ids)
         idx = torch.zeros(len(ids), L, dtype=torch.long)
         rows, pos, tgt = [], [], []
@@ -112,7 +123,7 @@ def perplexity(model, stream: TokenStream, loops: int, context: int = 0, stride:
             idx[r, :ln] = toks[:ln]
             rows += [r] * (ln - f)
             pos += range(f, ln)
-            tgt.append(toks[1 + f:])
+            tgt.append(toks[1 + f :])
         h, depth = hidden_states(model, idx.to(device), M, router=router, threshold=threshold)
         rows_t, pos_t = torch.tensor(rows), torch.tensor(pos)
         lg = logits_at(model, h[rows_t, pos_t])  # (P, V)
@@ -129,11 +140,20 @@ def perplexity(model, stream: TokenStream, loops: int, context: int = 0, stride:
     share = (d_cnt[1:] / count).tolist()
     per_depth_ppl = [float(math.exp(d_nll[d] / d_cnt[d])) if d_cnt[d] else None for d in range(1, M + 1)]
     return {
-        "set": stream.name, "dir": str(stream.dir), "split": stream.split, "loops": M,
-        "context": T, "stride": T if stride <= 0 or stride >= T else int(stride),
+        "set": stream.name,
+        "dir": str(stream.dir),
+        "split": stream.split,
+        "loops": M,
+        "context": T,
+        "stride": T if stride <= 0 or stride >= T else int(stride),
         "protocol": "non-overlapping" if stride <= 0 or stride >= T else "sliding",
-        "tokens": int(count), "mean_nll": float(mean), "ppl": float(math.exp(mean)),
-        "depth": {"share": share, "counts": d_cnt[1:].tolist(),
-                  "mean": float((np.arange(1, M + 1) * d_cnt[1:]).sum() / count),
-                  "ppl": per_depth_ppl},
+        "tokens": int(count),
+        "mean_nll": float(mean),
+        "ppl": float(math.exp(mean)),
+        "depth": {
+            "share": share,
+            "counts": d_cnt[1:].tolist(),
+            "mean": float((np.arange(1, M + 1) * d_cnt[1:]).sum() / count),
+            "ppl": per_depth_ppl,
+        },
     }

@@ -1,13 +1,21 @@
 """Results of one evaluation as text (the Table-1 markdown) and their MLflow logging; the schema, the file and
 the metric keys are `evaluation/results.py`'s."""
+
 from __future__ import annotations
 
 import math
 import time
 from pathlib import Path
 
-from evaluation.results import (ARTIFACT_DIR, TASK_LABELS, Results, average_accuracy, budget_accuracies, budget_ppl,
-                                flatten)
+from evaluation.results import (
+    ARTIFACT_DIR,
+    TASK_LABELS,
+    Results,
+    average_accuracy,
+    budget_accuracies,
+    budget_ppl,
+    flatten,
+)
 from pipeline import tracking
 
 
@@ -18,9 +26,16 @@ def _fmt(x, pct: bool = True) -> str:
 
 
 def variant_label(variant: str) -> str:
-    return {"base": "Base", "base-loop": "Base-Loop", "tmlt": "TMLT", "naive-loop-ee": "Naive-Loop-EE",
-            "base-loop-ee-align": "Base-Loop-EE-Align", "tmlt-ee": "TMLT-EE", "loopformer": "LoopFormer",
-            "t-loopformer": "T-LoopFormer"}.get(variant, variant)
+    return {
+        "base": "Base",
+        "base-loop": "Base-Loop",
+        "tmlt": "TMLT",
+        "naive-loop-ee": "Naive-Loop-EE",
+        "base-loop-ee-align": "Base-Loop-EE-Align",
+        "tmlt-ee": "TMLT-EE",
+        "loopformer": "LoopFormer",
+        "t-loopformer": "T-LoopFormer",
+    }.get(variant, variant)
 
 
 def table1_markdown(result: Results) -> str:
@@ -40,19 +55,26 @@ def table1_markdown(result: Results) -> str:
         avg, n = average_accuracy(b.get("tasks", {}), metric)
         row.append(_fmt(avg) + ("" if n in (0, len(TASK_LABELS)) else f" ({n} tasks)"))
         lines.append("| " + " | ".join(row) + " |")
-    notes = [f"Accuracy: {metric} ×100" + (" (acc_norm where the task has it, else acc)" if metric == "acc_norm" else "")
-             + f"; limit {result.get('limit') or 'none'}."]
+    notes = [
+        f"Accuracy: {metric} ×100"
+        + (" (acc_norm where the task has it, else acc)" if metric == "acc_norm" else "")
+        + f"; limit {result.get('limit') or 'none'}."
+    ]
     first = result["budgets"][0] if result["budgets"] else {}
     for t, label in TASK_LABELS.items():
         r = first.get("tasks", {}).get(t)
         if r:
-            notes.append(f"{label}: {t}, split {r['split']}, n={r['n']}, source {r['source']}"
-                         + (f" — {r['note']}" if r.get("note") else ""))
+            notes.append(
+                f"{label}: {t}, split {r['split']}, n={r['n']}, source {r['source']}"
+                + (f" — {r['note']}" if r.get("note") else "")
+            )
         elif t in skipped:
             notes.append(f"{label}: {t} skipped (unavailable; eval.strict=false) — {skipped[t]}")
     for p in first.get("perplexity", []):
-        notes.append(f"PPL {p['set']}: {p['dir']} ({p['split']}), {p['tokens']} tokens, context {p['context']}, "
-                     f"{p['protocol']} (stride {p['stride']})")
+        notes.append(
+            f"PPL {p['set']}: {p['dir']} ({p['split']}), {p['tokens']} tokens, context {p['context']}, "
+            f"{p['protocol']} (stride {p['stride']})"
+        )
     text = "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     return text + latency_markdown(result) + depth_markdown(result)
 
@@ -67,9 +89,16 @@ def latency_markdown(result: dict) -> str:
     out = ["", "| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     for b in rows:
         lat = b["latency"]
-        out.append("| " + " | ".join([str(b["loops"])] + [f"{lat['ttft_ms'][p]:.2f}" for p in ps]
-                                      + [f"{lat['tpot_ms'][x]:.3f}" for x in bs]
-                                      + [f"{lat['decode_mean_depth']:.2f}"]) + " |")
+        out.append(
+            "| "
+            + " | ".join(
+                [str(b["loops"])]
+                + [f"{lat['ttft_ms'][p]:.2f}" for p in ps]
+                + [f"{lat['tpot_ms'][x]:.3f}" for x in bs]
+                + [f"{lat['decode_mean_depth']:.2f}"]
+            )
+            + " |"
+        )
     out.append(f"\n- Latency protocol: {rows[0]['latency']['protocol']}")
     return "\n".join(out) + "\n"
 
@@ -84,14 +113,23 @@ def depth_markdown(result: dict) -> str:
         share = " / ".join(f"{100 * x:.1f}" for x in d["share"])
         ppl = " / ".join("–" if p is None else f"{p:.2f}" for p in d["ppl"])
         out.append(f"| {b['loops']} | {d['mean']:.3f} | {share} | {ppl} |")
-    out.append(f"\n- Depth on {rows[0]['depth']['set']} (validation); charts: "
-               + ", ".join(Path(b["depth"]["chart"]).name for b in rows if b["depth"].get("chart")))
+    out.append(
+        f"\n- Depth on {rows[0]['depth']['set']} (validation); charts: "
+        + ", ".join(Path(b["depth"]["chart"]).name for b in rows if b["depth"].get("chart"))
+    )
     return "\n".join(out) + "\n"
 
 
 # --------------------------------------------------------------------------------------------- MLflow
-def log_mlflow(result: Results, files: list[Path], tracking_uri: str, experiment: str, run_id: str | None,
-               tags: dict[str, str], step: int = 0) -> str:
+def log_mlflow(
+    result: Results,
+    files: list[Path],
+    tracking_uri: str,
+    experiment: str,
+    run_id: str | None,
+    tags: dict[str, str],
+    step: int = 0,
+) -> str:
     """Logs every metric in batches (1000 per call) and the files as artifacts; returns the run id."""
     from mlflow.entities import Metric
     from mlflow.exceptions import MlflowException
@@ -103,11 +141,14 @@ def log_mlflow(result: Results, files: list[Path], tracking_uri: str, experiment
             client.get_run(run_id)
         except MlflowException:  # recorded by the trainer in another tracking store: link it from a new run
             tags = {**tags, "train_run_id": run_id}
-            result["mlflow_note"] = (f"the checkpoint's run {run_id} is not in {uri}; logged to a new run tagged "
-                                     "train_run_id")
+            result["mlflow_note"] = (
+                f"the checkpoint's run {run_id} is not in {uri}; logged to a new run tagged train_run_id"
+            )
             run_id = None
     if run_id is None:
-        run = client.create_run(tracking.experiment_id(client, experiment), tags={**tags, "mlflow.runName": tags.get("run_name", "eval")})
+        run = client.create_run(
+            tracking.experiment_id(client, experiment), tags={**tags, "mlflow.runName": tags.get("run_name", "eval")}
+        )
         run_id = run.info.run_id
         created = True
     else:

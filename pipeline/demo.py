@@ -8,6 +8,7 @@ Everything the demo writes lives under `runs/demo/` (MLflow store, checkpoints, 
 outputs) and `data/`.
 Options: `python -m pipeline.demo --help` (more variants, steps, task limit).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,17 @@ DEFAULT_VARIANTS = ("base-loop", "loopformer", "t-loopformer")
 # The demo's t-loopformer trains with the budget router recipe (README "Router training"): the paper's recipe
 # sends every token to one depth for the first ~100 steps, so a 120-step demo would show a single bar.
 VARIANT_OVERRIDES = {"t-loopformer": ["model.router_recipe=budget", "model.router_target_depth=2.5"]}
-DEMO_TASKS = ("copa", "hellaswag", "lambada_openai", "openbookqa", "piqa", "sciq", "arc_challenge", "social_iqa",
-              "arc_easy")  # RACE has no offline copy: it needs --race-file (see README)
+DEMO_TASKS = (
+    "copa",
+    "hellaswag",
+    "lambada_openai",
+    "openbookqa",
+    "piqa",
+    "sciq",
+    "arc_challenge",
+    "social_iqa",
+    "arc_easy",
+)  # RACE has no offline copy: it needs --race-file (see README)
 
 
 def variants_of(a: argparse.Namespace) -> list[str]:
@@ -34,15 +44,37 @@ def variants_of(a: argparse.Namespace) -> list[str]:
 def plan(a: argparse.Namespace, work: Path, uri: str) -> list[orchestrate.Stage]:
     """The demo's stages: the two data sets, then the orchestrator's train -> eval -> compare for `a.variants`."""
     common = [f"logging.tracking_uri={uri}", "logging.experiment=demo"]
-    data = [orchestrate.Stage("data: demo corpus (State of the Union + Moby-Dick) -> GPT-2 shards",
-                              ["prep-data", "--source", "demo", "--out", "data/demo", "--no-progress"]),
-            orchestrate.Stage("data: enwiki sample -> second-domain validation shards",
-                              ["prep-data", "--source", "demo-enwiki", "--out", "data/demo-enwiki", "--no-progress"])]
-    train = lambda v: [f"schedule.max_steps={a.steps}", "checkpoint.resume=none",
-                       f"checkpoint.interval={a.steps}", "data.extra_val_dirs=[data/demo-enwiki]",
-                       "train.eval_interval=50", *VARIANT_OVERRIDES.get(v, []), *common]
-    ev = ["--loops", a.loops, "--limit", str(a.limit), "--tasks", ",".join(DEMO_TASKS), "--ppl-tokens",
-          str(a.ppl_tokens), "eval.ppl_dirs=[data/demo,data/demo-enwiki]", *common]
+    data = [
+        orchestrate.Stage(
+            "data: demo corpus (State of the Union + Moby-Dick) -> GPT-2 shards",
+            ["prep-data", "--source", "demo", "--out", "data/demo", "--no-progress"],
+        ),
+        orchestrate.Stage(
+            "data: enwiki sample -> second-domain validation shards",
+            ["prep-data", "--source", "demo-enwiki", "--out", "data/demo-enwiki", "--no-progress"],
+        ),
+    ]
+    train = lambda v: [
+        f"schedule.max_steps={a.steps}",
+        "checkpoint.resume=none",
+        f"checkpoint.interval={a.steps}",
+        "data.extra_val_dirs=[data/demo-enwiki]",
+        "train.eval_interval=50",
+        *VARIANT_OVERRIDES.get(v, []),
+        *common,
+    ]
+    ev = [
+        "--loops",
+        a.loops,
+        "--limit",
+        str(a.limit),
+        "--tasks",
+        ",".join(DEMO_TASKS),
+        "--ppl-tokens",
+        str(a.ppl_tokens),
+        "eval.ppl_dirs=[data/demo,data/demo-enwiki]",
+        *common,
+    ]
     cmp = ["--tracking-uri", uri, "--experiment", "demo", "--out", str(work / "compare")]
     return data + orchestrate.variant_stages("small", variants_of(a), str(work), train, ev, cmp)
 
@@ -111,8 +143,10 @@ def depth_summary(results: Path) -> str | None:
         return None
     d, M = b["depth"], b["effective_loops"]
     shares = ", ".join(f"depth {i}: {100 * s:.1f}%" for i, s in enumerate(d["share"], 1))
-    return (f"\n=== {res['model']['variant']} depth on {d['set']} at M={M}: {shares}; mean depth {d['mean']:.2f} -> "
-            f"loop work {d['mean'] / M:.2f} of the dense {M} loops\n    chart: {d.get('chart', '')}")
+    return (
+        f"\n=== {res['model']['variant']} depth on {d['set']} at M={M}: {shares}; mean depth {d['mean']:.2f} -> "
+        f"loop work {d['mean'] / M:.2f} of the dense {M} loops\n    chart: {d.get('chart', '')}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The one device resolver: `auto` picks CUDA when torch sees it, else the CPU (training, generation,
 evaluation, the harness plug-in and the ablations all take their device through it)."""
+
 from __future__ import annotations
 
 import re

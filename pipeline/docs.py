@@ -1,8 +1,9 @@
 """The README's config reference, generated from the dataclasses so it cannot drift.
 
-    python -m pipeline.docs          # rewrite the block between the markers in README.md
-    python -m pipeline.docs --check  # exit 1 if README.md is stale (tests/test_docs.py does this)
+python -m pipeline.docs          # rewrite the block between the markers in README.md
+python -m pipeline.docs --check  # exit 1 if README.md is stale (tests/test_docs.py does this)
 """
+
 from __future__ import annotations
 
 import sys
@@ -29,11 +30,15 @@ def reference() -> str:
     from data_prep.config import PrepConfig
 
     lines = [START, ""]
-    lines += _table(field_docs(Config), "**Run config** (`tlf train`, `tlf eval`, `tlf config show`; YAML sections "
-                                        "and `section.key=value` overrides). Defaults shown are the dataclass "
-                                        "defaults; presets override many of them.")
-    lines += _table(field_docs(PrepConfig), "**`tlf prep-data` config** (Click options, `--config FILE`, or "
-                                            "`key=value` overrides).")
+    lines += _table(
+        field_docs(Config),
+        "**Run config** (`tlf train`, `tlf eval`, `tlf config show`; YAML sections "
+        "and `section.key=value` overrides). Defaults shown are the dataclass "
+        "defaults; presets override many of them.",
+    )
+    lines += _table(
+        field_docs(PrepConfig), "**`tlf prep-data` config** (Click options, `--config FILE`, or `key=value` overrides)."
+    )
     return "\n".join(lines + [END])
 
 

@@ -6,6 +6,7 @@ The export is written whole or not at all: into a hidden sibling `.DIR.tmp-expor
 existing export at DIR (ours: config.yaml, or a transformers one: config.json) is replaced as a whole, so no file
 of another format stays beside the new ones; a DIR holding anything else is refused. A kill leaves DIR as it was
 (or, between the two renames, absent) plus hidden temp dirs, which the next export to DIR removes."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,9 @@ FORMATS = ("safetensors", "pt", "hf")
 def _check_out(out: Path) -> None:
     """--out must be new, empty, or an earlier export (replaced whole); its parent must be creatable."""
     if out.is_dir() and any(out.iterdir()) and not ((out / "config.yaml").is_file() or (out / "config.json").is_file()):
-        raise click.UsageError(f"--out {out}: exists and is not an export (no config.yaml or config.json); choose a "
-                               "new or empty directory")
+        raise click.UsageError(
+            f"--out {out}: exists and is not an export (no config.yaml or config.json); choose a new or empty directory"
+        )
     if out.exists() and not out.is_dir():
         raise click.ClickException(f"--out {out}: exists and is not a directory")
     try:
@@ -77,8 +79,14 @@ def export(checkpoint: str, out: str, fmt: str = "safetensors") -> Path:
 @click.command("export")
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write the export to.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="safetensors", show_default=True,
-              help="safetensors / pt: a tlf export (config.yaml + weights); hf: a transformers directory.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    default="safetensors",
+    show_default=True,
+    help="safetensors / pt: a tlf export (config.yaml + weights); hf: a transformers directory.",
+)
 def export_cmd(checkpoint: str, out: str, fmt: str) -> None:
     """Write CHECKPOINT (an export dir, a checkpoint dir holding model/, or a run dir) to --out as an export."""
     try:

@@ -7,6 +7,7 @@ reset (`/proc/self/clear_refs` <- 5), so a region's own peak is measured even af
     ...                                  # the work to measure
     peak_mib = region_peak_mib(dev, base)  # peak growth over the memory in use at region_start
 """
+
 from __future__ import annotations
 
 import resource
@@ -43,8 +44,10 @@ def memory_metrics(device: str) -> dict:
     """The trainer's memory metrics: CUDA max allocated/reserved (GB) on GPU; resident and peak resident set
     (GB) on CPU."""
     if device == "cuda":
-        return {"mem/cuda_max_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
-                "mem/cuda_max_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
+        return {
+            "mem/cuda_max_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+            "mem/cuda_max_reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
+        }
     peak, rss = _status_mib("VmHWM", "VmRSS")
     return {"mem/peak_rss_gb": peak / 1024.0, "mem/rss_gb": rss / 1024.0}
 

@@ -6,6 +6,7 @@ base-loop, pipeline/config.py's VARIANT_TABLE), each variant evaluated from its 
 `--variant` where it borrows another's), then one `tlf compare`. `run()` executes stages in order and stops at
 the first failure.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -41,25 +42,51 @@ class Stage:
         return [*self.launcher, shutil.which("tlf") or "tlf", *self.args]
 
 
-def variant_stages(scale: str, variants: list[str], out: str, train_args: Callable[[str], list[str]],
-                   eval_args: list[str], compare_args: list[str], launcher: list[str] = ()) -> list[Stage]:
+def variant_stages(
+    scale: str,
+    variants: list[str],
+    out: str,
+    train_args: Callable[[str], list[str]],
+    eval_args: list[str],
+    compare_args: list[str],
+    launcher: list[str] = (),
+) -> list[Stage]:
     """Train each distinct trained model once, evaluate every variant, compare: checkpoints in
     `<out>/checkpoints/<trained variant>`, evaluations in `<out>/eval/<variant>`. `train_args(v)` gives the extra
     `tlf train` arguments of trained variant v; `eval_args` and `compare_args` are appended to every eval and
     to the compare."""
     trained = list(dict.fromkeys(trained_variant(v) for v in variants))
-    stages = [Stage(f"train {scale}/{t}", ["train", f"{scale}/{t}", f"checkpoint.dir={out}/checkpoints/{t}",
-                                            *train_args(t)], list(launcher)) for t in trained]
+    stages = [
+        Stage(
+            f"train {scale}/{t}",
+            ["train", f"{scale}/{t}", f"checkpoint.dir={out}/checkpoints/{t}", *train_args(t)],
+            list(launcher),
+        )
+        for t in trained
+    ]
     for v in variants:
         t = trained_variant(v)
         label = f"eval {scale}/{v}" + (f" (the {t} checkpoint)" if t != v else "")
-        stages.append(Stage(label, ["eval", f"{out}/checkpoints/{t}", *(["--variant", v] if t != v else []),
-                                    "--out", f"{out}/eval/{v}", *eval_args]))
+        stages.append(
+            Stage(
+                label,
+                [
+                    "eval",
+                    f"{out}/checkpoints/{t}",
+                    *(["--variant", v] if t != v else []),
+                    "--out",
+                    f"{out}/eval/{v}",
+                    *eval_args,
+                ],
+            )
+        )
     stages.append(Stage("compare", ["compare", *compare_args]))
     return stages
 
 
-def run(stages: list[Stage], announce: Callable[[Stage], None], fail: Callable[[Stage, int], None]) -> list[tuple[str, float]]:
+def run(
+    stages: list[Stage], announce: Callable[[Stage], None], fail: Callable[[Stage, int], None]
+) -> list[tuple[str, float]]:
     """Runs the stages in order; `announce` before each, `fail(stage, exit code)` on a failure (it should raise
     or exit; the plan stops there either way). Returns (title, seconds) per stage."""
     done = []

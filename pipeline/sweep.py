@@ -10,6 +10,7 @@ naive-loop-ee is base-loop evaluated at M < L: it is not trained again, its eval
 checkpoint under its own name (`tlf eval ... --variant naive-loop-ee`). The stages are
 `pipeline/orchestrate.py`'s, shared with `make demo`.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -21,22 +22,37 @@ from pipeline import orchestrate
 from pipeline.config import SCALES, VARIANTS, load_config
 
 
-def plan(scale: str, variants: list[str], out: str, experiment: str, launcher: str, overrides: list[str],
-         eval_args: list[str], tracking_uri: str = "") -> list[orchestrate.Stage]:
+def plan(
+    scale: str,
+    variants: list[str],
+    out: str,
+    experiment: str,
+    launcher: str,
+    overrides: list[str],
+    eval_args: list[str],
+    tracking_uri: str = "",
+) -> list[orchestrate.Stage]:
     """The stages of a sweep, in order: train each model once (naive-loop-ee is the base-loop checkpoint read
     at M < L), evaluate each variant, compare."""
     log = [f"logging.experiment={experiment}"] + ([f"logging.tracking_uri={tracking_uri}"] if tracking_uri else [])
     for v in variants:
         load_config(f"{scale}/{v}", overrides)  # fail now, not after hours of training, on a bad override
     return orchestrate.variant_stages(
-        scale, variants, out, lambda v: [*log, *overrides], [*eval_args, *log],
-        ["--experiment", experiment, "--out", f"{out}/compare"] + (["--tracking-uri", tracking_uri] if tracking_uri else []),
-        shlex.split(launcher))
+        scale,
+        variants,
+        out,
+        lambda v: [*log, *overrides],
+        [*eval_args, *log],
+        ["--experiment", experiment, "--out", f"{out}/compare"]
+        + (["--tracking-uri", tracking_uri] if tracking_uri else []),
+        shlex.split(launcher),
+    )
 
 
 def _fail(stage: orchestrate.Stage, code: int) -> None:
-    raise click.ClickException(f"sweep stopped: `{stage.shell()}` exited {code} "
-                               "(rerun the sweep: training resumes from its last checkpoint)")
+    raise click.ClickException(
+        f"sweep stopped: `{stage.shell()}` exited {code} (rerun the sweep: training resumes from its last checkpoint)"
+    )
 
 
 @click.command("sweep")
@@ -56,8 +72,16 @@ def sweep(scale, overrides, variants, out, experiment, tracking_uri, launcher, e
         if v not in VARIANTS:
             raise click.BadParameter(f"{v!r} is not one of {', '.join(VARIANTS)}", param_hint="--variants")
     out = out or f"runs/sweep-{scale}"
-    stages = plan(scale, names, str(Path(out)), experiment or f"sweep-{scale}", launcher, list(overrides),
-                  shlex.split(eval_args), tracking_uri)
+    stages = plan(
+        scale,
+        names,
+        str(Path(out)),
+        experiment or f"sweep-{scale}",
+        launcher,
+        list(overrides),
+        shlex.split(eval_args),
+        tracking_uri,
+    )
     if print_only:
         for st in stages:
             click.echo(st.shell())

@@ -1,6 +1,7 @@
 """MLflow plumbing shared by training (`pipeline.train.logger`), evaluation (`evaluation.report`) and
 `tlf compare`: one default store, one way to open a client and an experiment, one batched metric writer, and the
 run's local metrics file (`metrics.jsonl` beside the checkpoints, read by `tlf compare --run-dir`)."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,11 @@ METRICS_FILE = "metrics.jsonl"  # one line per step: {"step": S, "time": MS, "<m
 RUN_FILE = "tracking.json"  # {"run_id", "tracking_uri", "name", "tags"}: the MLflow run of the run directory
 # A client that waits minutes on a dead server stalls whoever holds it: short requests, few retries (a user's
 # own MLFLOW_HTTP_REQUEST_* variables win).
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
-                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
 
 
 class TrackingError(Exception):
@@ -70,7 +74,7 @@ def experiment_id(cl, name: str) -> str:
 def log_metrics(cl, run_id: str, metrics: list) -> None:
     """Sends mlflow.entities.Metric objects with log_batch, BATCH at a time."""
     for i in range(0, len(metrics), BATCH):
-        cl.log_batch(run_id, metrics=metrics[i:i + BATCH])
+        cl.log_batch(run_id, metrics=metrics[i : i + BATCH])
 
 
 # ------------------------------------------------------------------------------------ local metrics file

@@ -1,4 +1,5 @@
 """Helpers shared by several test files (imported as `from helpers import ...`; pytest puts tests/ on sys.path)."""
+
 import torch
 
 from bench.testkit import spread_router as _spread_router

@@ -1,4 +1,5 @@
 """`tlf ablate`: the Figure 3/4 ablations on a tiny checkpoint; numbers and figures written."""
+
 import json
 
 import numpy as np
@@ -21,9 +22,25 @@ def test_ablate_tiny_checkpoint(tmp_path):
     save_model(tmp_path / "ckpt", model, cfg)
     (tmp_path / "val").mkdir()
     write_shard(tmp_path / "val" / "v_val_000000.bin", np.random.default_rng(0).integers(0, 50256, 600))
-    r = CliRunner().invoke(main, ["ablate", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--ppl-tokens", "256",
-                                  "--thresholds", "0.2,0.5,0.8", "--prompt-lens", "8,16,64", "--repeats", "1",
-                                  "--tpot-steps", "3"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "ablate",
+            str(tmp_path / "ckpt"),
+            "--out",
+            str(tmp_path / "out"),
+            "--ppl-tokens",
+            "256",
+            "--thresholds",
+            "0.2,0.5,0.8",
+            "--prompt-lens",
+            "8,16,64",
+            "--repeats",
+            "1",
+            "--tpot-steps",
+            "3",
+        ],
+    )
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "out" / "ablate.json").read_text())
     rc = res["router_cache"]

@@ -1,5 +1,6 @@
 """Activation checkpointing applied from outside (pipeline/train/ac.py) through the trainer: the same losses as
 without it, checkpoints and exports with the usual parameter names, and a resumed run may change the mode."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,6 +22,14 @@ def test_trainer_applies_ac_from_outside(tmp_path):
         model, cfg = load_model(tmp_path / mode)  # the export loads into a plain model: names unchanged
         assert model.state_dict().keys() == LoopedLM(cfg.model).state_dict().keys()
     # a checkpoint written without checkpointing resumes with it (the state dict does not know)
-    more = run(tiny_cfg(tmp_path / "none", data, "schedule.max_steps=4", "checkpoint.interval=3",
-                        "train.eval_interval=0", "train.activation_checkpointing=loop"))
+    more = run(
+        tiny_cfg(
+            tmp_path / "none",
+            data,
+            "schedule.max_steps=4",
+            "checkpoint.interval=3",
+            "train.eval_interval=0",
+            "train.activation_checkpointing=loop",
+        )
+    )
     assert more.start_step == 3 and more.step == 4 and np.isfinite(more.losses).all()

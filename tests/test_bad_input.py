@@ -1,6 +1,7 @@
 """Bad input, everywhere, named (issue 15 item 3): each case runs through the real `tlf` entry point (in process,
 click's CliRunner) and must exit 2 (usage) or 1 (runtime) with a one-line message naming the file, line, row or key
 -- never a traceback. The README's "What happens when..." table lists the same cases."""
+
 from __future__ import annotations
 
 import json
@@ -20,10 +21,23 @@ from helpers import perturbed_tiny
 from pipeline.model.io import save_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 20
-TINY = ["model.vocab_size=512", "model.block_size=32", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
-        "model.n_layers=2", "model.loops=3", "model.fourier_dim=16", "train.micro_batch_size=2",
-        "train.global_batch_size=2", "schedule.max_steps=2", "train.eval_interval=0", "checkpoint.interval=0",
-        "logging.mlflow=false", "train.device=cpu"]
+TINY = [
+    "model.vocab_size=512",
+    "model.block_size=32",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.d_ff=64",
+    "model.n_layers=2",
+    "model.loops=3",
+    "model.fourier_dim=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "schedule.max_steps=2",
+    "train.eval_interval=0",
+    "checkpoint.interval=0",
+    "logging.mlflow=false",
+    "train.device=cpu",
+]
 EVAL = ["--tasks", "none", "--no-latency", "--no-mlflow"]
 
 
@@ -72,10 +86,12 @@ def w(tmp_path_factory) -> Path:
     (d / "truncpt").mkdir()  # the same weights as model.pt, cut short
     shutil.copy(d / "model" / "config.yaml", d / "truncpt" / "config.yaml")
     import torch
+
     torch.save(m.state_dict(), d / "truncpt" / "model.pt")
     (d / "truncpt" / "model.pt").write_bytes((d / "truncpt" / "model.pt").read_bytes()[:5000])
     (d / "emptystore").mkdir()  # a store that exists and holds no experiment
     from pipeline import tracking
+
     tracking.client(f"sqlite:///{d / 'emptystore' / 'm.db'}").search_experiments()
 
     # issue 23: inputs that gave tracebacks
@@ -84,9 +100,22 @@ def w(tmp_path_factory) -> Path:
     (d / "inherit5.yaml").write_text("inherit: 5\n")
     shutil.copytree(d / "good", d / "flipped")  # prep-data's manifest (sha256 per shard), then one byte flipped
     from data_prep.assets import sha256_file
-    (d / "flipped" / "manifest.json").write_text(json.dumps({"complete": True, "splits": {s: {"shards": [
-        {"name": f"t_{s}_000000.bin", "sha256": sha256_file(d / "flipped" / f"t_{s}_000000.bin")}]}
-        for s in ("train", "val")}}))
+
+    (d / "flipped" / "manifest.json").write_text(
+        json.dumps(
+            {
+                "complete": True,
+                "splits": {
+                    s: {
+                        "shards": [
+                            {"name": f"t_{s}_000000.bin", "sha256": sha256_file(d / "flipped" / f"t_{s}_000000.bin")}
+                        ]
+                    }
+                    for s in ("train", "val")
+                },
+            }
+        )
+    )
     body = bytearray((d / "flipped" / "t_train_000000.bin").read_bytes())
     body[2000] ^= 0x01  # a token id that stays below the vocabulary: only the checksum can tell
     (d / "flipped" / "t_train_000000.bin").write_bytes(bytes(body))
@@ -96,23 +125,41 @@ def w(tmp_path_factory) -> Path:
     shutil.copytree(d / "model", d / "badcfg")
     (d / "badcfg" / "config.yaml").write_text("model: [unclosed\n")
     from safetensors.torch import load_file, save_file
+
     state = load_file(str(d / "model" / "model.safetensors"))
     (d / "wrongshape").mkdir()
     shutil.copy(d / "model" / "config.yaml", d / "wrongshape" / "config.yaml")
-    save_file({**state, "wte.weight": state["wte.weight"][:, :-1].contiguous()}, str(d / "wrongshape" / "model.safetensors"))
+    save_file(
+        {**state, "wte.weight": state["wte.weight"][:, :-1].contiguous()}, str(d / "wrongshape" / "model.safetensors")
+    )
     (d / "nanmodel").mkdir()
     shutil.copy(d / "model" / "config.yaml", d / "nanmodel" / "config.yaml")
-    save_file({k: torch.full_like(v, float("nan")) for k, v in state.items()}, str(d / "nanmodel" / "model.safetensors"))
-    for name, rec in (("runjson_types", {"mlflow_run_id": ["r1"], "tracking_uri": 5, "step": 1}),
-                      ("runjson_step", {"mlflow_run_id": "r1", "tracking_uri": "sqlite:///x.db", "step": "abc"})):
+    save_file(
+        {k: torch.full_like(v, float("nan")) for k, v in state.items()}, str(d / "nanmodel" / "model.safetensors")
+    )
+    for name, rec in (
+        ("runjson_types", {"mlflow_run_id": ["r1"], "tracking_uri": 5, "step": 1}),
+        ("runjson_step", {"mlflow_run_id": "r1", "tracking_uri": "sqlite:///x.db", "step": "abc"}),
+    ):
         shutil.copytree(d / "model", d / name)
         (d / name / "run.json").write_text(json.dumps(rec))
     return d
 
 
 def prep(w, src, *extra):
-    return ["prep-data", "--source", "files", "-i", str(w / src), "--out", str(w / f"out_{src}"), "--no-progress",
-            "-j", "0", *extra]
+    return [
+        "prep-data",
+        "--source",
+        "files",
+        "-i",
+        str(w / src),
+        "--out",
+        str(w / f"out_{src}"),
+        "--no-progress",
+        "-j",
+        "0",
+        *extra,
+    ]
 
 
 def train(w, data, *extra):
@@ -131,19 +178,35 @@ CASES = {
     "zst-not-zstd": (lambda w: prep(w, "notzstd.jsonl.zst"), 1, ["notzstd.jsonl.zst"]),
     "parquet-no-column": (lambda w: prep(w, "nocol.parquet"), 1, ["nocol.parquet", "text"]),
     "input-missing": (lambda w: prep(w, "nope.jsonl"), 1, ["nope.jsonl"]),
-    "prep-out-not-a-dir": (lambda w: prep(w, "good.jsonl", "--out", str(w / "good.jsonl" / "out")), 1,
-                           ["good.jsonl/out", "Not a directory"]),
+    "prep-out-not-a-dir": (
+        lambda w: prep(w, "good.jsonl", "--out", str(w / "good.jsonl" / "out")),
+        1,
+        ["good.jsonl/out", "Not a directory"],
+    ),
     "prep-unknown-key": (lambda w: prep(w, "good.jsonl", "shard_tokns=5"), 2, ["shard_tokns"]),
     "prep-wrong-type": (lambda w: prep(w, "good.jsonl", "shard_tokens=many"), 2, ["shard_tokens"]),
-    "prep-bad-manifest": (lambda w: prep(w, "good.jsonl") if (w / "out_good.jsonl").mkdir(exist_ok=True) or
-                          (w / "out_good.jsonl" / "manifest.json").write_text("{") else None, 1,
-                          ["out_good.jsonl/manifest.json"]),
+    "prep-bad-manifest": (
+        lambda w: (
+            prep(w, "good.jsonl")
+            if (w / "out_good.jsonl").mkdir(exist_ok=True) or (w / "out_good.jsonl" / "manifest.json").write_text("{")
+            else None
+        ),
+        1,
+        ["out_good.jsonl/manifest.json"],
+    ),
     # tlf data inspect
     "inspect-wrong-magic": (lambda w: ["data", "inspect", str(w / "magic")], 1, ["magic/t_train_000000.bin", "magic"]),
-    "inspect-truncated": (lambda w: ["data", "inspect", str(w / "trunc")], 1, ["trunc/t_train_000000.bin", "truncated"]),
+    "inspect-truncated": (
+        lambda w: ["data", "inspect", str(w / "trunc")],
+        1,
+        ["trunc/t_train_000000.bin", "truncated"],
+    ),
     "inspect-bad-manifest": (lambda w: ["data", "inspect", str(w / "badmanifest")], 1, ["badmanifest/manifest.json"]),
-    "inspect-manifest-schema": (lambda w: ["data", "inspect", str(w / "schemamanifest")], 1,
-                                ["schemamanifest/manifest.json"]),
+    "inspect-manifest-schema": (
+        lambda w: ["data", "inspect", str(w / "schemamanifest")],
+        1,
+        ["schemamanifest/manifest.json"],
+    ),
     # tlf train
     "train-wrong-magic": (lambda w: train(w, "magic"), 1, ["magic/t_train_000000.bin", "magic"]),
     "train-truncated": (lambda w: train(w, "trunc"), 1, ["trunc/t_train_000000.bin", "truncated"]),
@@ -153,71 +216,183 @@ CASES = {
     "train-unknown-key-cli": (lambda w: train(w, "good", "train.micro_batch_sise=2"), 2, ["train.micro_batch_sise"]),
     "train-wrong-type-cli": (lambda w: train(w, "good", "train.micro_batch_size=two"), 2, ["train.micro_batch_size"]),
     "train-unknown-key-yaml": (lambda w: ["train", str(w / "unknown.yaml")], 2, ["unknown.yaml", "micro_batch_sise"]),
-    "train-wrong-type-yaml": (lambda w: ["train", str(w / "wrongtype.yaml")], 2, ["wrongtype.yaml", "micro_batch_size"]),
+    "train-wrong-type-yaml": (
+        lambda w: ["train", str(w / "wrongtype.yaml")],
+        2,
+        ["wrongtype.yaml", "micro_batch_size"],
+    ),
     "yaml-inherits-missing": (lambda w: ["train", str(w / "orphan.yaml")], 2, ["orphan.yaml", "no_such_parent.yaml"]),
     "yaml-inherits-itself": (lambda w: ["train", str(w / "self.yaml")], 2, ["self.yaml", "cycle"]),
-    "train-batch-sizes": (lambda w: train(w, "good", "train.global_batch_size=6"), 2,
-                          ["train.global_batch_size=6", "train.micro_batch_size=2"]),
-    "train-checkpoint-dir-not-a-dir": (lambda w: train(w, "good", f"checkpoint.dir={w / 'good.jsonl' / 'ck'}"), 1,
-                                       ["good.jsonl/ck", "Not a directory"]),
+    "train-batch-sizes": (
+        lambda w: train(w, "good", "train.global_batch_size=6"),
+        2,
+        ["train.global_batch_size=6", "train.micro_batch_size=2"],
+    ),
+    "train-checkpoint-dir-not-a-dir": (
+        lambda w: train(w, "good", f"checkpoint.dir={w / 'good.jsonl' / 'ck'}"),
+        1,
+        ["good.jsonl/ck", "Not a directory"],
+    ),
     "train-missing-data-dir": (lambda w: train(w, "nodata"), 1, ["nodata"]),
     # tlf eval
     "eval-missing-path": (lambda w: ["eval", str(w / "nowhere"), *EVAL], 2, ["nowhere", "does not exist"]),
     "eval-no-model": (lambda w: ["eval", str(w / "nomodel"), *EVAL], 1, ["nomodel", "no model export"]),
-    "eval-truncated-weights": (lambda w: ["eval", str(w / "truncmodel"), *EVAL], 2, ["truncmodel/model.", "unreadable"]),
+    "eval-truncated-weights": (
+        lambda w: ["eval", str(w / "truncmodel"), *EVAL],
+        2,
+        ["truncmodel/model.", "unreadable"],
+    ),
     "eval-truncated-model-pt": (lambda w: ["eval", str(w / "truncpt"), *EVAL], 2, ["truncpt/model.pt", "unreadable"]),
-    "eval-truncated-shard": (lambda w: ["eval", str(w / "model"), f"data.dir={w / 'trunc'}", "data.extra_val_dirs=[]",
-                                        "--ppl-tokens", "64", *EVAL], 1, ["trunc/t_val_000000.bin", "truncated"]),
-    "eval-loops-0": (lambda w: ["eval", str(w / "model"), "--loops", "0", "--no-ppl", *EVAL], 2, ["--loops", "loop budget 0"]),
-    "eval-loops-above-L": (lambda w: ["eval", str(w / "model"), "--loops", "9", "--no-ppl", *EVAL], 2,
-                           ["9", "model.loops=4"]),
-    "eval-wrong-magic": (lambda w: ["eval", str(w / "model"), f"data.dir={w / 'magic'}", "data.extra_val_dirs=[]",
-                                    "--ppl-tokens", "64", *EVAL], 1, ["magic/t_val_000000.bin"]),
-    "eval-out-not-a-dir": (lambda w: ["eval", str(w / "model"), "--no-ppl", *EVAL, "--out", str(w / "good.jsonl" / "o")],
-                           1, ["good.jsonl/o", "Not a directory"]),
+    "eval-truncated-shard": (
+        lambda w: [
+            "eval",
+            str(w / "model"),
+            f"data.dir={w / 'trunc'}",
+            "data.extra_val_dirs=[]",
+            "--ppl-tokens",
+            "64",
+            *EVAL,
+        ],
+        1,
+        ["trunc/t_val_000000.bin", "truncated"],
+    ),
+    "eval-loops-0": (
+        lambda w: ["eval", str(w / "model"), "--loops", "0", "--no-ppl", *EVAL],
+        2,
+        ["--loops", "loop budget 0"],
+    ),
+    "eval-loops-above-L": (
+        lambda w: ["eval", str(w / "model"), "--loops", "9", "--no-ppl", *EVAL],
+        2,
+        ["9", "model.loops=4"],
+    ),
+    "eval-wrong-magic": (
+        lambda w: [
+            "eval",
+            str(w / "model"),
+            f"data.dir={w / 'magic'}",
+            "data.extra_val_dirs=[]",
+            "--ppl-tokens",
+            "64",
+            *EVAL,
+        ],
+        1,
+        ["magic/t_val_000000.bin"],
+    ),
+    "eval-out-not-a-dir": (
+        lambda w: ["eval", str(w / "model"), "--no-ppl", *EVAL, "--out", str(w / "good.jsonl" / "o")],
+        1,
+        ["good.jsonl/o", "Not a directory"],
+    ),
     "eval-unknown-key": (lambda w: ["eval", str(w / "model"), "eval.limt=2", *EVAL], 2, ["eval.limt"]),
     # tlf generate
     "generate-missing-path": (lambda w: ["generate", str(w / "nowhere"), "-p", "hi"], 2, ["nowhere"]),
     "generate-no-model": (lambda w: ["generate", str(w / "nomodel"), "-p", "hi"], 1, ["nomodel", "no model export"]),
-    "generate-prompt-too-long": (lambda w: ["generate", str(w / "model"), "-p", "word " * 300, "-n", "4"], 2,
-                                 ["--prompt", "model.block_size=64"]),
-    "generate-loops-above-L": (lambda w: ["generate", str(w / "model"), "-p", "hi", "-M", "9", "-n", "2"], 2,
-                               ["--loops", "loop budget 9"]),
+    "generate-prompt-too-long": (
+        lambda w: ["generate", str(w / "model"), "-p", "word " * 300, "-n", "4"],
+        2,
+        ["--prompt", "model.block_size=64"],
+    ),
+    "generate-loops-above-L": (
+        lambda w: ["generate", str(w / "model"), "-p", "hi", "-M", "9", "-n", "2"],
+        2,
+        ["--loops", "loop budget 9"],
+    ),
     "generate-loops-0": (lambda w: ["generate", str(w / "model"), "-p", "hi", "-M", "0", "-n", "2"], 2, ["--loops"]),
     # issue 23: each gave a traceback before
-    "inspect-token-above-vocab": (lambda w: ["data", "inspect", str(w / "vocabhigh")], 1,
-                                  ["vocabhigh/t_train_000000.bin", "60000", "vocabulary"]),
-    "train-shard-byte-flipped": (lambda w: train(w, "flipped"), 1, ["flipped/t_train_000000.bin", "sha256", "manifest"]),
+    "inspect-token-above-vocab": (
+        lambda w: ["data", "inspect", str(w / "vocabhigh")],
+        1,
+        ["vocabhigh/t_train_000000.bin", "60000", "vocabulary"],
+    ),
+    "train-shard-byte-flipped": (
+        lambda w: train(w, "flipped"),
+        1,
+        ["flipped/t_train_000000.bin", "sha256", "manifest"],
+    ),
     "yaml-inherit-not-a-list": (lambda w: ["train", str(w / "inherit5.yaml")], 2, ["inherit5.yaml", "inherit", "5"]),
-    "eval-empty-model-pt": (lambda w: ["eval", str(w / "emptypt"), "--no-ppl", *EVAL], 2,
-                            ["emptypt/model.pt", "unreadable"]),
-    "eval-corrupt-export-config": (lambda w: ["eval", str(w / "badcfg"), "--no-ppl", *EVAL], 2,
-                                   ["badcfg/config.yaml", "invalid YAML"]),
-    "generate-corrupt-export-config": (lambda w: ["generate", str(w / "badcfg"), "-p", "hi", "-n", "2"], 2,
-                                       ["badcfg/config.yaml", "invalid YAML"]),
-    "export-corrupt-export-config": (lambda w: ["export", str(w / "badcfg"), "--out", str(w / "exp_badcfg")], 2,
-                                     ["badcfg/config.yaml", "invalid YAML"]),
-    "export-out-under-a-file": (lambda w: ["export", str(w / "model"), "--out", str(w / "good.jsonl" / "sub")], 1,
-                                ["good.jsonl/sub", "Not a directory"]),
-    "export-out-not-an-export": (lambda w: ["export", str(w / "model"), "--out", str(w / "good")], 2,
-                                 ["--out", "/good", "not an export"]),
-    "eval-wrong-shape-tensor": (lambda w: ["eval", str(w / "wrongshape"), "--no-ppl", *EVAL], 2,
-                                ["wrongshape/model.safetensors", "wte.weight", "do not match"]),
-    "generate-nan-weights": (lambda w: ["generate", str(w / "nanmodel"), "-p", "hi", "-n", "2"], 2,
-                             ["nanmodel/model.safetensors", "NaN"]),
-    "eval-nan-weights": (lambda w: ["eval", str(w / "nanmodel"), "--no-ppl", *EVAL], 2,
-                         ["nanmodel/model.safetensors", "NaN"]),
-    "eval-run-json-types": (lambda w: ["eval", str(w / "runjson_types"), "--tasks", "none", "--no-latency", "--no-ppl",
-                                       f"logging.tracking_uri=sqlite:///{w / 'rj.db'}"], 2,
-                            ["runjson_types/run.json", "mlflow_run_id"]),
-    "eval-run-json-step": (lambda w: ["eval", str(w / "runjson_step"), "--tasks", "none", "--no-latency", "--no-ppl",
-                                      f"logging.tracking_uri=sqlite:///{w / 'rj.db'}"], 2,
-                           ["runjson_step/run.json", "'step'", "abc"]),
+    "eval-empty-model-pt": (
+        lambda w: ["eval", str(w / "emptypt"), "--no-ppl", *EVAL],
+        2,
+        ["emptypt/model.pt", "unreadable"],
+    ),
+    "eval-corrupt-export-config": (
+        lambda w: ["eval", str(w / "badcfg"), "--no-ppl", *EVAL],
+        2,
+        ["badcfg/config.yaml", "invalid YAML"],
+    ),
+    "generate-corrupt-export-config": (
+        lambda w: ["generate", str(w / "badcfg"), "-p", "hi", "-n", "2"],
+        2,
+        ["badcfg/config.yaml", "invalid YAML"],
+    ),
+    "export-corrupt-export-config": (
+        lambda w: ["export", str(w / "badcfg"), "--out", str(w / "exp_badcfg")],
+        2,
+        ["badcfg/config.yaml", "invalid YAML"],
+    ),
+    "export-out-under-a-file": (
+        lambda w: ["export", str(w / "model"), "--out", str(w / "good.jsonl" / "sub")],
+        1,
+        ["good.jsonl/sub", "Not a directory"],
+    ),
+    "export-out-not-an-export": (
+        lambda w: ["export", str(w / "model"), "--out", str(w / "good")],
+        2,
+        ["--out", "/good", "not an export"],
+    ),
+    "eval-wrong-shape-tensor": (
+        lambda w: ["eval", str(w / "wrongshape"), "--no-ppl", *EVAL],
+        2,
+        ["wrongshape/model.safetensors", "wte.weight", "do not match"],
+    ),
+    "generate-nan-weights": (
+        lambda w: ["generate", str(w / "nanmodel"), "-p", "hi", "-n", "2"],
+        2,
+        ["nanmodel/model.safetensors", "NaN"],
+    ),
+    "eval-nan-weights": (
+        lambda w: ["eval", str(w / "nanmodel"), "--no-ppl", *EVAL],
+        2,
+        ["nanmodel/model.safetensors", "NaN"],
+    ),
+    "eval-run-json-types": (
+        lambda w: [
+            "eval",
+            str(w / "runjson_types"),
+            "--tasks",
+            "none",
+            "--no-latency",
+            "--no-ppl",
+            f"logging.tracking_uri=sqlite:///{w / 'rj.db'}",
+        ],
+        2,
+        ["runjson_types/run.json", "mlflow_run_id"],
+    ),
+    "eval-run-json-step": (
+        lambda w: [
+            "eval",
+            str(w / "runjson_step"),
+            "--tasks",
+            "none",
+            "--no-latency",
+            "--no-ppl",
+            f"logging.tracking_uri=sqlite:///{w / 'rj.db'}",
+        ],
+        2,
+        ["runjson_step/run.json", "'step'", "abc"],
+    ),
     # tlf compare
-    "compare-missing-store": (lambda w: ["compare", "--tracking-uri", f"sqlite:///{w / 'nostore' / 'm.db'}",
-                                         "--out", str(w / "cmp")], 2, ["no MLflow store", "nostore"]),
-    "compare-empty-store": (lambda w: ["compare", "--tracking-uri", f"sqlite:///{w / 'emptystore' / 'm.db'}",
-                                       "--out", str(w / "cmp")], 2, ["emptystore", "tlf"]),
+    "compare-missing-store": (
+        lambda w: ["compare", "--tracking-uri", f"sqlite:///{w / 'nostore' / 'm.db'}", "--out", str(w / "cmp")],
+        2,
+        ["no MLflow store", "nostore"],
+    ),
+    "compare-empty-store": (
+        lambda w: ["compare", "--tracking-uri", f"sqlite:///{w / 'emptystore' / 'm.db'}", "--out", str(w / "cmp")],
+        2,
+        ["emptystore", "tlf"],
+    ),
 }
 
 
@@ -249,6 +424,7 @@ def _enospc_open(match: str):
 
 def prep_full_disk(w, monkeypatch):
     import data_prep.files
+
     monkeypatch.setattr(data_prep.files, "open", _enospc_open("_train_000002"), raising=False)
 
     def after(w):  # the last whole shard is kept and the rerun ends byte-identical to an uninterrupted run
@@ -263,11 +439,13 @@ def prep_full_disk(w, monkeypatch):
         files = sorted(p.name for p in (w / "out_clean").iterdir() if p.name != ".lock")
         assert files == sorted(p.name for p in out.iterdir() if p.name != ".lock")
         assert all((out / f).read_bytes() == (w / "out_clean" / f).read_bytes() for f in files)
+
     return after
 
 
 def prep_locked(w, monkeypatch):
     import fcntl
+
     (w / "out_lock").mkdir()
     held = open(w / "out_lock" / ".lock", "w")
     held.write("pid 4242 on testhost")
@@ -278,6 +456,7 @@ def prep_locked(w, monkeypatch):
 
 def save_full_disk(w, monkeypatch):
     import torch
+
     real = torch.save
 
     def full(obj, f, *a, **k):  # DeepSpeed writes through torch.save; the disk fills during step 2's save
@@ -285,32 +464,45 @@ def save_full_disk(w, monkeypatch):
             Path(f).write_bytes(b"\0" * 100)
             raise OSError(28, "No space left on device")
         return real(obj, f, *a, **k)
+
     monkeypatch.setattr(torch, "save", full)
 
     def after(w):
         from pipeline.model.io import load_model
+
         ck = w / "ck" / "good"
         assert sorted(p.name for p in ck.iterdir()) == ["global_step1", "latest", "metrics.jsonl", "tracking.json"]
         assert (ck / "latest").read_text() == "global_step1"
         load_model(ck)
+
     return after
 
 
 def ds_save_full_disk(w, monkeypatch):
     import torch
+
     real = torch.save
 
     def full(obj, f, *a, **k):  # torch's zip writer reports ENOSPC as a multi-line RuntimeError
         if "global_step2" in str(f) and "mp_rank_00_model_states" in str(f):
             Path(f).write_bytes(b"\0" * 100)
-            raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0\n"
-                               "PytorchStreamWriter failed writing file data/0: file write failed")
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0\n"
+                "PytorchStreamWriter failed writing file data/0: file write failed"
+            )
         return real(obj, f, *a, **k)
+
     monkeypatch.setattr(torch, "save", full)
 
     def after(w):
         ck = w / "ck" / "dsfull"
-        assert sorted(p.name for p in ck.iterdir()) == ["global_step1", "latest", "metrics.jsonl", "tracking.json"]  # no .tmp-global_step2 left
+        assert sorted(p.name for p in ck.iterdir()) == [
+            "global_step1",
+            "latest",
+            "metrics.jsonl",
+            "tracking.json",
+        ]  # no .tmp-global_step2 left
+
     return after
 
 
@@ -318,8 +510,9 @@ def resume_other_data(w, monkeypatch):
     """A run of 2 steps on `good` checkpoints into ck/mismatch; the case resumes it on a directory of other size."""
     (w / "other").mkdir()
     write_shard(w / "other" / "t_train_000000.bin", np.arange(30 * 32 + 1) % 512)
-    r = CliRunner().invoke(_cli(monkeypatch), train(w, "good", "checkpoint.interval=1",
-                                                    f"checkpoint.dir={w / 'ck' / 'mismatch'}"))
+    r = CliRunner().invoke(
+        _cli(monkeypatch), train(w, "good", "checkpoint.interval=1", f"checkpoint.dir={w / 'ck' / 'mismatch'}")
+    )
     assert r.exit_code == 0, r.output
     return None
 
@@ -328,8 +521,17 @@ def resume_on_three_ranks(w, monkeypatch):
     """A 1-rank run of global batch 4 = 2 x 2 checkpoints into ck/resize; the case resumes it as rank 0 of 3 (the
     launcher's WORLD_SIZE) with the command line of 4 ranks (grad-accum 1): 4 is not a multiple of micro-batch 2
     x 3 ranks, so grad-accum cannot adapt (the README's row, word for word)."""
-    r = CliRunner().invoke(_cli(monkeypatch), train(w, "good", *RESIZE, "train.grad_accum_steps=2",
-                                                    "schedule.max_steps=1", f"checkpoint.dir={w / 'ck' / 'resize'}"))
+    r = CliRunner().invoke(
+        _cli(monkeypatch),
+        train(
+            w,
+            "good",
+            *RESIZE,
+            "train.grad_accum_steps=2",
+            "schedule.max_steps=1",
+            f"checkpoint.dir={w / 'ck' / 'resize'}",
+        ),
+    )
     assert r.exit_code == 0, r.output
     monkeypatch.setenv("WORLD_SIZE", "3")
     return None
@@ -339,26 +541,59 @@ RESIZE = ["train.global_batch_size=4", "checkpoint.interval=1"]
 
 
 def PREP_FULL(w, out="out_full"):
-    return ["prep-data", "--source", "files", "-i", str(w / "good.jsonl"), "--out", str(w / out), "--no-progress",
-            "-j", "0", "--shard-tokens", "100", "--val-every", "-1"]
+    return [
+        "prep-data",
+        "--source",
+        "files",
+        "-i",
+        str(w / "good.jsonl"),
+        "--out",
+        str(w / out),
+        "--no-progress",
+        "-j",
+        "0",
+        "--shard-tokens",
+        "100",
+        "--val-every",
+        "-1",
+    ]
 
 
 FAULTS = {
     "prep-full-disk": (PREP_FULL, 1, ["data_train_000002.bin", "No space left", "rerun"], prep_full_disk),
-    "prep-two-writers": (lambda w: prep(w, "good.jsonl", "--out", str(w / "out_lock")), 1,
-                         ["out_lock", "another prep-data", "pid 4242 on testhost", ".lock"], prep_locked),
-    "train-full-disk-in-save": (lambda w: train(w, "good", "checkpoint.interval=1"), 1,
-                                ["global_step2 failed", "No space left", "global_step1 is intact"], save_full_disk),
+    "prep-two-writers": (
+        lambda w: prep(w, "good.jsonl", "--out", str(w / "out_lock")),
+        1,
+        ["out_lock", "another prep-data", "pid 4242 on testhost", ".lock"],
+        prep_locked,
+    ),
+    "train-full-disk-in-save": (
+        lambda w: train(w, "good", "checkpoint.interval=1"),
+        1,
+        ["global_step2 failed", "No space left", "global_step1 is intact"],
+        save_full_disk,
+    ),
     "train-resume-on-other-data": (
-        lambda w: train(w, "other", f"checkpoint.dir={w / 'ck' / 'mismatch'}", "schedule.max_steps=3"), 1,
-        ["data.dir=", "/other", "windows"], resume_other_data),
+        lambda w: train(w, "other", f"checkpoint.dir={w / 'ck' / 'mismatch'}", "schedule.max_steps=3"),
+        1,
+        ["data.dir=", "/other", "windows"],
+        resume_other_data,
+    ),
     "train-resumed-on-a-world-size-that-does-not-divide-the-global-batch": (
-        lambda w: train(w, "good", *RESIZE, "train.grad_accum_steps=1", f"checkpoint.dir={w / 'ck' / 'resize'}"), 2,
-        ["config error: train.global_batch_size=4 but train.micro_batch_size=2 x train.grad_accum_steps=1 x "
-         "world_size=3 = 6"], resume_on_three_ranks),
+        lambda w: train(w, "good", *RESIZE, "train.grad_accum_steps=1", f"checkpoint.dir={w / 'ck' / 'resize'}"),
+        2,
+        [
+            "config error: train.global_batch_size=4 but train.micro_batch_size=2 x train.grad_accum_steps=1 x "
+            "world_size=3 = 6"
+        ],
+        resume_on_three_ranks,
+    ),
     "train-full-disk-in-deepspeed-save": (
-        lambda w: train(w, "good", "checkpoint.interval=1", f"checkpoint.dir={w / 'ck' / 'dsfull'}"), 1,
-        ["global_step2 failed", "file write failed", "disk full?", "global_step1 is intact"], ds_save_full_disk),
+        lambda w: train(w, "good", "checkpoint.interval=1", f"checkpoint.dir={w / 'ck' / 'dsfull'}"),
+        1,
+        ["global_step2 failed", "file write failed", "disk full?", "global_step1 is intact"],
+        ds_save_full_disk,
+    ),
 }
 CASES.update({k: v[:3] for k, v in FAULTS.items()})
 
@@ -366,6 +601,7 @@ CASES.update({k: v[:3] for k, v in FAULTS.items()})
 def _cli(monkeypatch):
     from pipeline.cli import main
     from pipeline.train import cli as train_cli
+
     monkeypatch.setattr(train_cli, "_exit", lambda code: sys.exit(code))
     return main
 

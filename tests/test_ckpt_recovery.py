@@ -1,6 +1,7 @@
 """Which checkpoint is used after a kill or damage (issue 23): a kill at the `latest` rename, a truncated or missing
 newest checkpoint file, and a full disk inside DeepSpeed's own save. Training runs as a real child process
 (bench/faults.py's CHILD, the trainer's real entry), reruns are compared with an uninterrupted run."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,15 @@ def full(data, tmp_path_factory) -> dict:
 
 
 def child(root: Path, data: Path, steps: int, **env) -> subprocess.CompletedProcess:
-    args = TINY + [f"data.dir={data}", f"checkpoint.dir={root}", "checkpoint.interval=2", "checkpoint.keep_last=3",
-                   f"schedule.max_steps={steps}", "train.eval_interval=0", "train.deterministic=true"]
+    args = TINY + [
+        f"data.dir={data}",
+        f"checkpoint.dir={root}",
+        "checkpoint.interval=2",
+        "checkpoint.keep_last=3",
+        f"schedule.max_steps={steps}",
+        "train.eval_interval=0",
+        "train.deterministic=true",
+    ]
     return subprocess.run([PY, "-c", CHILD, *args], capture_output=True, text=True, timeout=300, env=clean_env(**env))
 
 
@@ -90,10 +98,23 @@ def test_legacy_checkpoint_damaged_newest_falls_back_through_tlf_train(tmp_path,
         f.unlink()
     f = root / "global_step4" / "mp_rank_00_model_states.pt"
     f.write_bytes(f.read_bytes()[:-200]) if hurt == "truncated" else f.unlink()
-    args = TINY + [f"data.dir={data}", f"checkpoint.dir={root}", "checkpoint.interval=2", "checkpoint.keep_last=3",
-                   "schedule.max_steps=6", "train.eval_interval=0", "train.deterministic=true", "train.log_interval=1"]
-    p = subprocess.run([str(Path(PY).with_name("tlf")), "train", "tiny/t-loopformer", *args], capture_output=True,
-                       text=True, timeout=300, env=clean_env())
+    args = TINY + [
+        f"data.dir={data}",
+        f"checkpoint.dir={root}",
+        "checkpoint.interval=2",
+        "checkpoint.keep_last=3",
+        "schedule.max_steps=6",
+        "train.eval_interval=0",
+        "train.deterministic=true",
+        "train.log_interval=1",
+    ]
+    p = subprocess.run(
+        [str(Path(PY).with_name("tlf")), "train", "tiny/t-loopformer", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(),
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 0 and "Traceback" not in out, out[-3000:]
     warn = [ln for ln in out.splitlines() if "is damaged (" in ln]

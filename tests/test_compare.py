@@ -1,4 +1,5 @@
 """`tlf compare` over MLflow runs: tables side by side, best marked, missing metrics blank, plots written."""
+
 import csv
 
 import pytest
@@ -29,12 +30,28 @@ def _make_runs(uri):
         _log(client, r, {"val/loss": final + 0.2}, 3)
         if v != "base-loop":  # base-loop has no evaluation metrics: blank cells, not an error
             for M, ppl in ((2, 60.0), (4, 40.0 if v == "t-loopformer" else 45.0)):
-                _log(client, r, {f"eval/M{M}/ppl/demo-val/ppl": ppl, f"eval/M{M}/copa/acc": 0.5 + M / 100,
-                                 f"eval/M{M}/piqa/acc": 0.55, f"eval/M{M}/piqa/acc_norm": 0.6,
-                                 f"eval/M{M}/latency/tpot_ms_B1": 3.0 + M, f"eval/M{M}/latency/ttft_ms_P128": 10.0})
+                _log(
+                    client,
+                    r,
+                    {
+                        f"eval/M{M}/ppl/demo-val/ppl": ppl,
+                        f"eval/M{M}/copa/acc": 0.5 + M / 100,
+                        f"eval/M{M}/piqa/acc": 0.55,
+                        f"eval/M{M}/piqa/acc_norm": 0.6,
+                        f"eval/M{M}/latency/tpot_ms_B1": 3.0 + M,
+                        f"eval/M{M}/latency/ttft_ms_P128": 10.0,
+                    },
+                )
             if v == "t-loopformer":
-                _log(client, r, {"eval/M4/depth/mean": 2.5, **{f"eval/M4/depth/share_{i}": 0.25 for i in range(1, 5)},
-                                 "router/full/mean_depth": 2.5})
+                _log(
+                    client,
+                    r,
+                    {
+                        "eval/M4/depth/mean": 2.5,
+                        **{f"eval/M4/depth/share_{i}": 0.25 for i in range(1, 5)},
+                        "router/full/mean_depth": 2.5,
+                    },
+                )
         ids[v] = r
     return ids
 
@@ -62,8 +79,15 @@ def test_compare_tables_and_plots(tmp_path, store):
     assert t3.rows[0][5] == 5.2  # val loss
     assert t3.rows[0][4] == 5.0 and t3.rows[2][4] == 3.5  # train loss: loss_L where logged, else loss
     assert t2.rows and t2.columns[1].startswith("TPOT")
-    for name in ("table1.csv", "table2.csv", "table3.csv", "loss_curves.png", "ppl_vs_loops.png",
-                 "depth_distribution.png", "throughput.png"):
+    for name in (
+        "table1.csv",
+        "table2.csv",
+        "table3.csv",
+        "loss_curves.png",
+        "ppl_vs_loops.png",
+        "depth_distribution.png",
+        "throughput.png",
+    ):
         assert (tmp_path / "out" / name).stat().st_size > 0, name
     rows = list(csv.reader(open(tmp_path / "out" / "table1.csv")))
     assert rows[0][0] == "Model (M)" and len(rows) == 5
@@ -74,11 +98,25 @@ def test_compare_tables_and_plots(tmp_path, store):
 
 def test_compare_cli_filters_and_errors(tmp_path, store):
     uri, ids = store
-    r = CliRunner().invoke(main, ["compare", "--tracking-uri", uri, "--experiment", "cmp", "--tag", "variant=loopformer",
-                                  "--out", str(tmp_path / "o")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "compare",
+            "--tracking-uri",
+            uri,
+            "--experiment",
+            "cmp",
+            "--tag",
+            "variant=loopformer",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "loopformer (M=4)" in r.output and "t-loopformer" not in r.output
-    r = CliRunner().invoke(main, ["compare", "--tracking-uri", uri, "--run-id", ids["base-loop"], "--out", str(tmp_path / "o2")])
+    r = CliRunner().invoke(
+        main, ["compare", "--tracking-uri", uri, "--run-id", ids["base-loop"], "--out", str(tmp_path / "o2")]
+    )
     assert r.exit_code == 0 and "base-loop" in r.output
     r = CliRunner().invoke(main, ["compare", "--tracking-uri", uri, "--experiment", "nope"])
     assert r.exit_code == 2 and "experiment 'nope' not found" in r.output
@@ -91,8 +129,11 @@ def test_compare_reads_the_artifact_or_the_metrics_to_the_same_tables(tmp_path, 
     exp = client.create_experiment("res")
     res = results_fixture()
     path = R.write(tmp_path / "eval" / "results.json", res)
-    for variant, with_metrics, with_artifact in (("loopformer", True, False), ("t-loopformer", False, True),
-                                                 ("tmlt", True, True)):
+    for variant, with_metrics, with_artifact in (
+        ("loopformer", True, False),
+        ("t-loopformer", False, True),
+        ("tmlt", True, True),
+    ):
         rid = client.create_run(exp, tags={"variant": variant}).info.run_id
         flat = R.flatten(res) if with_metrics else {"eval/M2/avg_acc": 0.0}  # the artifact must win over this
         client.log_batch(rid, metrics=[Metric(k, v, 0, 0) for k, v in flat.items()])

@@ -1,6 +1,7 @@
 """train.compile: each layer compiled once with dynamic shapes; the compacted length changes every loop and step
 without recompiling, and the compiled model computes what the eager one does. Backends here are dynamo's
 eager/aot_eager (fast, the same tracing and graph breaks as inductor); bench/train_step.py times inductor."""
+
 import pytest
 import torch
 
@@ -10,7 +11,9 @@ from pipeline.train.compile import apply_compile, compile_count
 
 def _batches(n, T=24):
     g = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, 50304, (2, T), generator=g), torch.randint(0, 50304, (2, T), generator=g)) for _ in range(n)]
+    return [
+        (torch.randint(0, 50304, (2, T), generator=g), torch.randint(0, 50304, (2, T), generator=g)) for _ in range(n)
+    ]
 
 
 def test_compiled_layers_match_eager_and_do_not_recompile_once_warm():
@@ -43,12 +46,14 @@ def test_train_compile_switch_compiles_the_layers(tmp_path, monkeypatch, data):
 
     import pipeline.train.compile as tc
     from pipeline.train.trainer import run
+
     orig = tc.apply_compile
     calls = []
 
     def eager_backend(model, backend="inductor"):
         calls.append(model)
         orig(model, backend="eager")
+
     monkeypatch.setattr(tc, "apply_compile", eager_backend)
     torch._dynamo.reset()
     res = run(tiny_cfg(tmp_path, data, "train.compile=true", "schedule.max_steps=4", "train.eval_interval=0"))
@@ -59,4 +64,5 @@ def test_train_compile_switch_compiles_the_layers(tmp_path, monkeypatch, data):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     from test_train import make_shards
+
     return make_shards(tmp_path_factory.mktemp("shards"), windows=10)

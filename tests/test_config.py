@@ -1,12 +1,12 @@
 """The one config system: presets, YAML inheritance, dotted overrides and their errors."""
+
 import dataclasses
 
 import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.config import (CONFIG_DIR, SCALES, VARIANTS, Config, ConfigError, field_docs, list_presets,
-                             load_config)
+from pipeline.config import CONFIG_DIR, SCALES, VARIANTS, Config, ConfigError, field_docs, list_presets, load_config
 
 
 def test_every_shipped_config_loads():
@@ -22,10 +22,15 @@ def test_every_shipped_config_loads():
 
 def test_variant_flags_match_design_table():
     want = {  # variant: (conditioning, shortcut, router, looped)
-        "base": ("none", False, False, False), "base-loop": ("none", False, False, True),
-        "tmlt": ("time", False, False, True), "naive-loop-ee": ("none", False, False, True),
-        "base-loop-ee-align": ("none", True, False, True), "tmlt-ee": ("time", True, False, True),
-        "loopformer": ("time_step", True, False, True), "t-loopformer": ("time_step", True, True, True)}
+        "base": ("none", False, False, False),
+        "base-loop": ("none", False, False, True),
+        "tmlt": ("time", False, False, True),
+        "naive-loop-ee": ("none", False, False, True),
+        "base-loop-ee-align": ("none", True, False, True),
+        "tmlt-ee": ("time", True, False, True),
+        "loopformer": ("time_step", True, False, True),
+        "t-loopformer": ("time_step", True, True, True),
+    }
     for scale in SCALES:
         looped = load_config(f"{scale}/base-loop").model
         for v, (cond, sc, rt, is_looped) in want.items():
@@ -36,35 +41,59 @@ def test_variant_flags_match_design_table():
             else:  # the dense baseline has the looped models' effective depth
                 assert (m.n_layers, m.loops) == (looped.n_layers * looped.loops, 1)
     paper = load_config("paper/t-loopformer")
-    assert (paper.model.d_model, paper.model.n_heads, paper.model.d_ff, paper.model.block_size) == (2048, 32, 5120, 2048)
+    assert (paper.model.d_model, paper.model.n_heads, paper.model.d_ff, paper.model.block_size) == (
+        2048,
+        32,
+        5120,
+        2048,
+    )
     assert (paper.model.n_layers, paper.model.loops, paper.model.vocab_size) == (3, 8, 50304)
-    assert (paper.optim.lr, paper.schedule.min_lr, paper.schedule.warmup_steps, paper.schedule.max_steps) == (6e-4, 6e-5, 4000, 250000)
+    assert (paper.optim.lr, paper.schedule.min_lr, paper.schedule.warmup_steps, paper.schedule.max_steps) == (
+        6e-4,
+        6e-5,
+        4000,
+        250000,
+    )
     assert paper.optim.weight_decay == 0.2 and paper.train.global_batch_size == 48
     assert load_config("paper/base").model.n_layers == 24
 
 
 def test_overrides_are_typed():
-    cfg = load_config("tiny/t-loopformer", ["model.loops=3", "optim.lr=1e-3", "model.gather_scatter=false",
-                                            "eval.loops=[1,2]", "model.router_threshold=0.25"])
+    cfg = load_config(
+        "tiny/t-loopformer",
+        [
+            "model.loops=3",
+            "optim.lr=1e-3",
+            "model.gather_scatter=false",
+            "eval.loops=[1,2]",
+            "model.router_threshold=0.25",
+        ],
+    )
     assert cfg.model.loops == 3 and cfg.optim.lr == 1e-3 and cfg.model.gather_scatter is False
     assert cfg.eval.loops == [1, 2] and cfg.model.router_threshold == 0.25
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("model.loopz=3", "unknown config key 'model.loopz' (did you mean 'model.loops'?)"),
-    ("modle.loops=3", "unknown config key 'modle'"),
-    ("model.loops=abc", "'model.loops' expects int"),
-    ("model.loops=2.5", "'model.loops' expects int"),
-    ("model.conditioning=sometimes", "'model.conditioning' expects one of"),
-    ("model.d_model=33", "model.d_model (33) must be divisible by model.n_heads"),
-    ("model.router_threshold=1.5", "model.router_threshold must lie in (0, 1)"),
-    ("model.router_recipe=greedy", "'model.router_recipe' expects one of 'paper', 'budget'"),
-    ("model.router_target_depth=4", "model.router_target_depth must be 0 (default) or lie strictly between 1 and model.loops (4)"),
-    ("model.router_entropy_weight=-1", "model.router_entropy_weight must be >= 0"),
-    ("eval.loops=[9]", "eval.loops: budget 9"),
-    ("model.loops.x=1", "'model.loops' is not a section"),
-    ("model", "must look like section.key=value"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("model.loopz=3", "unknown config key 'model.loopz' (did you mean 'model.loops'?)"),
+        ("modle.loops=3", "unknown config key 'modle'"),
+        ("model.loops=abc", "'model.loops' expects int"),
+        ("model.loops=2.5", "'model.loops' expects int"),
+        ("model.conditioning=sometimes", "'model.conditioning' expects one of"),
+        ("model.d_model=33", "model.d_model (33) must be divisible by model.n_heads"),
+        ("model.router_threshold=1.5", "model.router_threshold must lie in (0, 1)"),
+        ("model.router_recipe=greedy", "'model.router_recipe' expects one of 'paper', 'budget'"),
+        (
+            "model.router_target_depth=4",
+            "model.router_target_depth must be 0 (default) or lie strictly between 1 and model.loops (4)",
+        ),
+        ("model.router_entropy_weight=-1", "model.router_entropy_weight must be >= 0"),
+        ("eval.loops=[9]", "eval.loops: budget 9"),
+        ("model.loops.x=1", "'model.loops' is not a section"),
+        ("model", "must look like section.key=value"),
+    ],
+)
 def test_bad_overrides_name_the_key(override, needle):
     with pytest.raises(ConfigError) as e:
         load_config("tiny/t-loopformer", [override])

@@ -1,4 +1,5 @@
 """The data commands as a user runs them: prep-data on the demo corpus, inspect, fetch-assets."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,22 @@ from data_prep.cli import data, prep_data
 def test_prep_data_demo_then_inspect(tmp_path):
     out = tmp_path / "demo"
     runner = CliRunner()
-    r = runner.invoke(prep_data, ["--source", "demo", "--out", str(out), "--workers", "1", "--no-progress",
-                                  "--max-tokens", "300000", "--shard-tokens", "100000"])
+    r = runner.invoke(
+        prep_data,
+        [
+            "--source",
+            "demo",
+            "--out",
+            str(out),
+            "--workers",
+            "1",
+            "--no-progress",
+            "--max-tokens",
+            "300000",
+            "--shard-tokens",
+            "100000",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "train: 3 shards" in r.output and "val: 1 shards" in r.output
     m = json.loads((out / "manifest.json").read_text())
@@ -41,4 +56,5 @@ def test_fetch_assets_command():
 
 def test_registered_in_tlf():
     from pipeline.cli import main
+
     assert "prep-data" in main.commands and {"inspect", "fetch-assets"} <= set(main.commands["data"].commands)

@@ -1,4 +1,5 @@
 """Bad input: a clear error naming the file (and line) or key, and nothing lost."""
+
 from __future__ import annotations
 
 import json
@@ -63,7 +64,9 @@ def test_skip_bad_counts_reports_and_skips(tmp_path):
     assert d["bad_examples"][0].startswith(f"{f}:3: malformed JSON") and f"{f}:9: no text field" in d["bad_examples"][1]
     clean = jsonl(tmp_path / "clean.jsonl", [x for i, x in enumerate(lines) if i not in (2, 8)])
     prep(tmp_path / "ref", inputs=[str(clean)], val_every=-1)
-    assert (tmp_path / "o" / "data_train_000000.bin").read_bytes() == (tmp_path / "ref" / "data_train_000000.bin").read_bytes()
+    assert (tmp_path / "o" / "data_train_000000.bin").read_bytes() == (
+        tmp_path / "ref" / "data_train_000000.bin"
+    ).read_bytes()
 
 
 def test_error_mid_run_loses_nothing_and_skip_bad_resumes(tmp_path):
@@ -130,8 +133,11 @@ def test_truncated_and_corrupt_zst(tmp_path):
 def test_bad_shards_name_the_file(tmp_path):
     write_shard(tmp_path / "x_train_000000.bin", np.arange(100))
     good = (tmp_path / "x_train_000000.bin").read_bytes()
-    cases = {"magic": b"\x00\x00\x00\x00" + good[4:], "version": good[:4] + b"\x07\x00\x00\x00" + good[8:],
-             "truncated": good[:-10]}
+    cases = {
+        "magic": b"\x00\x00\x00\x00" + good[4:],
+        "version": good[:4] + b"\x07\x00\x00\x00" + good[8:],
+        "truncated": good[:-10],
+    }
     msgs = {"magic": "wrong magic 0", "version": "unsupported shard version 7", "truncated": "header says 100 tokens"}
     runner = CliRunner()
     for case, data in cases.items():
@@ -146,7 +152,7 @@ def test_bad_shards_name_the_file(tmp_path):
         r = runner.invoke(data_cli, ["inspect", str(d)])
         assert r.exit_code == 1 and str(p) in r.output and msgs[case] in r.output
     with pytest.raises(ShardError, match="truncated header"):
-        (tmp_path / "tiny.bin").write_bytes(good[:HEADER_BYTES - 4])
+        (tmp_path / "tiny.bin").write_bytes(good[: HEADER_BYTES - 4])
         ShardReader(tmp_path / "tiny.bin")
 
 
@@ -168,8 +174,11 @@ def test_token_ids_beyond_uint16_are_an_error(tmp_path, monkeypatch):
 
 def test_hub_offline_mode_fails_at_once(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(HubUnreachable, match=r"dataset 'HuggingFaceFW/fineweb-edu' \(config sample-10BT\).*"
-                                             r"HF_HUB_OFFLINE is set.*--source files"):
+    with pytest.raises(
+        HubUnreachable,
+        match=r"dataset 'HuggingFaceFW/fineweb-edu' \(config sample-10BT\).*"
+        r"HF_HUB_OFFLINE is set.*--source files",
+    ):
         prep(tmp_path / "o", source="fineweb-edu")
 
 
@@ -182,9 +191,23 @@ def test_unanswering_hub_fails_within_the_timeout(tmp_path):
     env.update(HF_ENDPOINT=f"http://127.0.0.1:{srv.getsockname()[1]}", PYTHONPATH=str(REPO))
     t0 = time.monotonic()
     try:
-        r = subprocess.run([sys.executable, "-m", "data_prep", "prep-data", "--source", "openwebtext", "--out",
-                            str(tmp_path / "o"), "hf_timeout=1"], env=env, capture_output=True, text=True,
-                           timeout=120)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "data_prep",
+                "prep-data",
+                "--source",
+                "openwebtext",
+                "--out",
+                str(tmp_path / "o"),
+                "hf_timeout=1",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         srv.close()
     assert r.returncode == 1
@@ -195,6 +218,7 @@ def test_unanswering_hub_fails_within_the_timeout(tmp_path):
 
 def test_cli_config_errors_are_clean(tmp_path):
     from data_prep.cli import prep_data
+
     r = CliRunner().invoke(prep_data, ["--source", "demo", "--out", str(tmp_path), "shard_tokns=5"])
     assert r.exit_code == 2 and "unknown config key 'shard_tokns'" in r.output and "Traceback" not in r.output
 
@@ -202,6 +226,7 @@ def test_cli_config_errors_are_clean(tmp_path):
 def test_one_prep_data_per_output_directory(tmp_path):
     import fcntl
     from data_prep.prep import PrepError
+
     f = jsonl(tmp_path / "in.jsonl", good_lines(3))
     (tmp_path / "o").mkdir()
     with open(tmp_path / "o" / ".lock", "w") as held:
@@ -215,6 +240,7 @@ def test_shard_checksum_is_verified_once_lazily_on_its_rank_and_old_manifests_st
     """data.verify (issue 23): a same-size byte flip is found at the shard's first read, on the rank that owns the
     shard (k % world size); manifests listing names only, or entries without sha256, are read unchecked."""
     from data_prep.assets import sha256_file
+
     for k in range(2):
         write_shard(tmp_path / f"t_train_{k:06d}.bin", np.arange(100) + k)
     sums = [sha256_file(tmp_path / f"t_train_{k:06d}.bin") for k in range(2)]
@@ -223,7 +249,10 @@ def test_shard_checksum_is_verified_once_lazily_on_its_rank_and_old_manifests_st
     (tmp_path / "t_train_000001.bin").write_bytes(bytes(body))
 
     def manifest(entries):
-        (tmp_path / "manifest.json").write_text(json.dumps({"complete": True, "splits": {"train": {"shards": entries}}}))
+        (tmp_path / "manifest.json").write_text(
+            json.dumps({"complete": True, "splits": {"train": {"shards": entries}}})
+        )
+
     manifest([{"name": f"t_train_{k:06d}.bin", "sha256": s} for k, s in enumerate(sums)])
     ok = ShardSet(tmp_path, "train", verify=(0, 2))  # rank 0 of 2 owns shard 0 only: shard 1 is not its to check
     assert ok.read(95, 10).tolist() == [95, 96, 97, 98, 99, 1, 2, 3, 4, 5]

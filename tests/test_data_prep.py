@@ -1,5 +1,6 @@
 """prep-data on real text: shard format, val rule, manifest, every local format, Hub streaming path,
 worker-count independence, --max-tokens, config handling."""
+
 from __future__ import annotations
 
 import hashlib
@@ -78,8 +79,13 @@ def test_demo_corpus_prep(tmp_path):
 
 
 def test_documents_span_shards(tmp_path, docs):
-    m = prep(tmp_path / "o", source="files", inputs=[str(write_jsonl(tmp_path / "in.jsonl", docs))],
-             shard_tokens=1000, val_every=-1)
+    m = prep(
+        tmp_path / "o",
+        source="files",
+        inputs=[str(write_jsonl(tmp_path / "in.jsonl", docs))],
+        shard_tokens=1000,
+        val_every=-1,
+    )
     shards = m["splits"]["train"]["shards"]
     assert [s["name"] for s in shards[:2]] == ["data_train_000000.bin", "data_train_000001.bin"]
     assert all(s["tokens"] == 1000 for s in shards[:-1]) and 0 < shards[-1]["tokens"] <= 1000
@@ -104,8 +110,15 @@ def test_worker_count_gives_identical_bytes(tmp_path, docs):
     inp = write_jsonl(tmp_path / "in.jsonl", docs)
     outs = {}
     for w in (0, 1, 2):
-        m = prep(tmp_path / f"w{w}", source="files", inputs=[str(inp)], workers=w, shard_tokens=7000, val_every=5,
-                 batch_bytes=20000)
+        m = prep(
+            tmp_path / f"w{w}",
+            source="files",
+            inputs=[str(inp)],
+            workers=w,
+            shard_tokens=7000,
+            val_every=5,
+            batch_bytes=20000,
+        )
         outs[w] = (files_of(tmp_path / f"w{w}"), m["splits"])
     assert len(outs[0][0]) > 10
     assert outs[0] == outs[1] == outs[2]
@@ -125,13 +138,16 @@ def test_every_local_format_gives_the_same_tokens(tmp_path, docs):
     (src / "txt").mkdir()
     for i, t in enumerate(texts):
         (src / "txt" / f"{i:03d}.txt").write_text(t)
-    cases = {"jsonl": dict(inputs=[str(src / "a.jsonl")]),
-             "zst": dict(inputs=[str(src / "b.jsonl.zst")]),
-             "parquet": dict(inputs=[str(src / "c.parquet")], text_field="content"),
-             "txt-dir": dict(inputs=[str(src / "txt")]),
-             "txt-glob": dict(inputs=[str(src / "txt" / "0*.txt")]),
-             "hf-stream": dict(source="hf", hf_dataset="parquet", hf_data_files=[str(src / "c.parquet")],
-                               text_field="content")}
+    cases = {
+        "jsonl": dict(inputs=[str(src / "a.jsonl")]),
+        "zst": dict(inputs=[str(src / "b.jsonl.zst")]),
+        "parquet": dict(inputs=[str(src / "c.parquet")], text_field="content"),
+        "txt-dir": dict(inputs=[str(src / "txt")]),
+        "txt-glob": dict(inputs=[str(src / "txt" / "0*.txt")]),
+        "hf-stream": dict(
+            source="hf", hf_dataset="parquet", hf_data_files=[str(src / "c.parquet")], text_field="content"
+        ),
+    }
     for name, kw in cases.items():
         kw.setdefault("source", "files")
         m = prep(tmp_path / name, val_every=4, batch_bytes=5000, **kw)
@@ -143,8 +159,10 @@ def test_every_local_format_gives_the_same_tokens(tmp_path, docs):
 def test_txt_line_and_paragraph_modes(tmp_path):
     (tmp_path / "a.txt").write_text("First paragraph,\nstill first.\n\n\nSecond one.\nmore\n\nThird.")
     enc = get_encoding()
-    for mode, parts in {"line": ["First paragraph,", "still first.", "Second one.", "more", "Third."],
-                        "paragraph": ["First paragraph,\nstill first.", "Second one.\nmore", "Third."]}.items():
+    for mode, parts in {
+        "line": ["First paragraph,", "still first.", "Second one.", "more", "Third."],
+        "paragraph": ["First paragraph,\nstill first.", "Second one.\nmore", "Third."],
+    }.items():
         prep(tmp_path / mode, source="files", inputs=[str(tmp_path / "a.txt")], txt_mode=mode, val_every=-1)
         want = [t for p in parts for t in [EOT] + enc.encode_ordinary(p)]
         assert stream(tmp_path / mode, "train").tolist() == want
@@ -157,7 +175,7 @@ def test_max_tokens(tmp_path, docs):
     full = expected(docs, 3)
     for s in ("train", "val"):
         got = stream(tmp_path / "o", s)
-        assert np.array_equal(got, full[s][:got.size])
+        assert np.array_equal(got, full[s][: got.size])
 
 
 def test_rerun_is_a_noop_and_other_options_are_refused(tmp_path, docs):
@@ -169,8 +187,14 @@ def test_rerun_is_a_noop_and_other_options_are_refused(tmp_path, docs):
     with pytest.raises(PrepError, match="differs in: shard_tokens"):
         prep(tmp_path / "o", source="files", inputs=[str(inp)], shard_tokens=500)
     assert files_of(tmp_path / "o") == before  # refused without touching anything
-    m = prepare(load_prep_config(values=dict(source="files", inputs=[str(inp)], out=str(tmp_path / "o"),
-                                             shard_tokens=500, workers=0, progress=False)), overwrite=True)
+    m = prepare(
+        load_prep_config(
+            values=dict(
+                source="files", inputs=[str(inp)], out=str(tmp_path / "o"), shard_tokens=500, workers=0, progress=False
+            )
+        ),
+        overwrite=True,
+    )
     assert len(m["splits"]["train"]["shards"]) > 1
     assert set(files_of(tmp_path / "o")) == {s["name"] for v in m["splits"].values() for s in v["shards"]}
 

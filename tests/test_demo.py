@@ -1,4 +1,5 @@
 """The demo's closing printout: the router variant's depth distribution and the loop work it cost."""
+
 import json
 
 from pipeline.demo import VARIANT_OVERRIDES, depth_summary
@@ -6,10 +7,17 @@ from pipeline.config import load_config
 
 
 def _results(tmp_path, router: bool):
-    res = {"model": {"variant": "t-loopformer" if router else "loopformer", "router": router},
-           "budgets": [{"loops": 1, "effective_loops": 1, "depth": {"share": [1.0], "mean": 1.0, "set": "demo"}},
-                       {"loops": 4, "effective_loops": 4,
-                        "depth": {"share": [0.3, 0.2, 0.1, 0.4], "mean": 2.6, "set": "demo", "chart": "c.png"}}]}
+    res = {
+        "model": {"variant": "t-loopformer" if router else "loopformer", "router": router},
+        "budgets": [
+            {"loops": 1, "effective_loops": 1, "depth": {"share": [1.0], "mean": 1.0, "set": "demo"}},
+            {
+                "loops": 4,
+                "effective_loops": 4,
+                "depth": {"share": [0.3, 0.2, 0.1, 0.4], "mean": 2.6, "set": "demo", "chart": "c.png"},
+            },
+        ],
+    }
     p = tmp_path / "results.json"
     p.write_text(json.dumps(res))
     return p

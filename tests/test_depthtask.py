@@ -1,5 +1,6 @@
 """source=depth-hops: determinism in the seed, the level at the predicting position, every label recomputed by
 an independent solver from the document's own context, the need of every token, and the real `tlf prep-data` CLI."""
+
 import json
 import subprocess
 import sys
@@ -17,7 +18,7 @@ def solve(doc, R, L):
     doc = [int(t) for t in doc]
     n = R * (L + 1)
     assert doc[0] == BOS
-    parent = [t - 16 for t in doc[1:1 + n]]  # symbol s is token 16 + s
+    parent = [t - 16 for t in doc[1 : 1 + n]]  # symbol s is token 16 + s
     out = []
     for p in range(2 + n, len(doc), 3):
         assert doc[p - 1] == ASK
@@ -86,14 +87,26 @@ def test_need_and_mean_need():
 
 
 def test_prep_data_cli_writes_shards_and_manifest(tmp_path):
-    cmd = [sys.executable, "-m", "pipeline.cli", "prep-data", "--source", "depth-hops", "--out", str(tmp_path / "d"),
-           "depth_docs=60", "seed=2", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "prep-data",
+        "--source",
+        "depth-hops",
+        "--out",
+        str(tmp_path / "d"),
+        "depth_docs=60",
+        "seed=2",
+        "--no-progress",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "d" / "manifest.json").read_text())
     assert m["complete"] and m["depth_task"]["levels"] == 4
-    toks = np.concatenate([np.asarray(ShardReader(tmp_path / "d" / s["name"]).tokens)
-                           for s in m["splits"]["train"]["shards"]]).astype(np.int64)
+    toks = np.concatenate(
+        [np.asarray(ShardReader(tmp_path / "d" / s["name"]).tokens) for s in m["splits"]["train"]["shards"]]
+    ).astype(np.int64)
     docs = toks.reshape(-1, doc_length(6, 4, 4))
     assert len(docs) == 57  # docs 0, 20, 40 go to val
     assert np.array_equal(docs[0], make_document(2, 1, 6, 4, 4))
@@ -110,11 +123,17 @@ def test_loader_scores_only_the_answers(tmp_path):
     from data_prep.config import load_prep_config
     from data_prep.prep import prepare
     from pipeline.train.data import TrainLoader, ValLoader
-    cfg = load_prep_config(None, {"source": "depth-hops", "out": str(tmp_path / "d"), "progress": False},
-                           ["depth_docs=40", "depth_levels=3", "depth_queries=3", "depth_chains=4"])
+
+    cfg = load_prep_config(
+        None,
+        {"source": "depth-hops", "out": str(tmp_path / "d"), "progress": False},
+        ["depth_docs=40", "depth_levels=3", "depth_queries=3", "depth_chains=4"],
+    )
     prepare(cfg, log=lambda m: None)
-    for loader in (TrainLoader(str(tmp_path / "d"), "train", 32, 4, 0, 1, 0, 50304),
-                   next(ValLoader(str(tmp_path / "d"), "val", 32, 2, 0, 1, 50304).batches(1))):
+    for loader in (
+        TrainLoader(str(tmp_path / "d"), "train", 32, 4, 0, 1, 0, 50304),
+        next(ValLoader(str(tmp_path / "d"), "val", 32, 2, 0, 1, 50304).batches(1)),
+    ):
         x, y = loader.next() if hasattr(loader, "next") else loader
         lev = levels_at(x.numpy(), layout(4, 3))
         assert ((y != -1).numpy() == (lev > 0)).all() and (lev > 0).any()

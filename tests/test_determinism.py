@@ -1,5 +1,6 @@
 """train.deterministic: on, two runs of the same command and a run SIGKILLed and resumed give bit-identical losses
 with the default thread count; off, nothing is changed (README: resume is as exact as any rerun)."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,14 @@ def default_threads_env(**extra) -> dict:
 
 
 def train(args: list[str], **extra) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-c", CHILD, *args], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env=default_threads_env(**extra))
+    return subprocess.run(
+        [PY, "-c", CHILD, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=default_threads_env(**extra),
+    )
 
 
 def test_deterministic_on_is_bit_exact_across_reruns_and_a_kill(tmp_path):
@@ -48,11 +55,17 @@ def test_deterministic_off_changes_nothing():
     from pipeline.train import determinism
 
     assert load_config("tiny/t-loopformer").train.deterministic is False
-    before = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
-              os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    before = (
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
     assert determinism.apply(False, "cpu") == {}
-    assert (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
-            os.environ.get("CUBLAS_WORKSPACE_CONFIG")) == before
+    assert (
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    ) == before
     readme = (REPO / "README.md").read_text()
     assert "as exact as any rerun" in readme and "train.deterministic" in readme
 

@@ -1,4 +1,5 @@
 """The README's config reference is generated from the dataclasses and must be current."""
+
 from pipeline import docs
 
 

@@ -1,6 +1,7 @@
 """lm-evaluation-harness integration: the registered `tlf` model run by the harness on its own task
 definitions (PIQA, COPA, HellaSwag, ARC-Easy: offline rows, tiny model) agrees with our scorer, request by
 request and in acc / acc_norm; loglikelihood_rolling and generate_until against direct computations."""
+
 from __future__ import annotations
 
 import json
@@ -50,11 +51,17 @@ def harness_run(model, tmp_path_factory):
             f"include: {tasks_dir / yml}\ntask: {name}_local\ndataset_path: json\ndataset_name: null\n"
             f"training_split: null\nvalidation_split: {'validation' if split == 'validation' else 'null'}\n"
             f"test_split: {'test' if split == 'test' else 'null'}\n"
-            f"dataset_kwargs:\n  data_files:\n    {split}: {d / (name + '.jsonl')}\n")
+            f"dataset_kwargs:\n  data_files:\n    {split}: {d / (name + '.jsonl')}\n"
+        )
     lm = H.TLFLM(model=model, loops=2, batch_size=4, device="cpu")
-    res = lm_eval.simple_evaluate(model=lm, tasks=[f"{n}_local" for n in LOCAL], limit=N, log_samples=True,
-                                  task_manager=TaskManager(include_path=str(d), include_defaults=False),
-                                  bootstrap_iters=0)
+    res = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=[f"{n}_local" for n in LOCAL],
+        limit=N,
+        log_samples=True,
+        task_manager=TaskManager(include_path=str(d), include_defaults=False),
+        bootstrap_iters=0,
+    )
     res["config"]["_task_dir"] = str(d)
     return res, rows
 
@@ -88,9 +95,10 @@ def test_harness_and_our_scorer_agree(model, harness_run, task):
 def test_loglikelihood_and_rolling_against_direct_forwards(model):
     from lm_eval import utils
     from lm_eval.api.instance import Instance
+
     lm = H.TLFLM(model=model, loops=3, batch_size=2, device="cpu")
     ctx, cont = "The capital of France is", " Paris"
-    (lp, greedy), = lm.loglikelihood([Instance("loglikelihood", {}, (ctx, cont), 0)])
+    ((lp, greedy),) = lm.loglikelihood([Instance("loglikelihood", {}, (ctx, cont), 0)])
     ids = encode(ctx + cont)
     n = len(encode(ctx + cont)) - len(encode(ctx))
     logits = model(torch.tensor(ids[:-1])[None], loops=3).logits[0].float().log_softmax(-1)
@@ -102,7 +110,7 @@ def test_loglikelihood_and_rolling_against_direct_forwards(model):
     for c, p in map(utils.make_disjoint_window, utils.get_rolling_token_windows(toks, EOT, model.cfg.block_size, 1)):
         seq = c + p
         lg = model(torch.tensor(seq[:-1])[None], loops=3).logits[0].float().log_softmax(-1)
-        total += float(lg[-len(p):].gather(-1, torch.tensor(p)[:, None]).sum())
+        total += float(lg[-len(p) :].gather(-1, torch.tensor(p)[:, None]).sum())
     (got,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
     assert got == pytest.approx(total, abs=1e-3)
 
@@ -110,18 +118,25 @@ def test_loglikelihood_and_rolling_against_direct_forwards(model):
 def test_generate_until_uses_the_inference_generate(model):
     from lm_eval.api.instance import Instance
     from pipeline.inference import generate
+
     lm = H.TLFLM(model=model, loops=2, batch_size=2, device="cpu")
     prompts = ["Once upon a time", "The answer is", "word " * 100]  # the last one is left-truncated
-    reqs = [Instance("generate_until", {}, (p, {"until": ["zzzz"], "max_gen_toks": 6}), i) for i, p in enumerate(prompts)]
+    reqs = [
+        Instance("generate_until", {}, (p, {"until": ["zzzz"], "max_gen_toks": 6}), i) for i, p in enumerate(prompts)
+    ]
     outs = lm.generate_until(reqs)
     for p, o in zip(prompts[:2], outs):
-        g = generate(model, [encode(p)], max_new_tokens=6, temperature=0.0, loops=2, stop_token=EOT, vocab_limit=EOT + 1)
+        g = generate(
+            model, [encode(p)], max_new_tokens=6, temperature=0.0, loops=2, stop_token=EOT, vocab_limit=EOT + 1
+        )
         want = decode([t for t in g.tokens[0] if t != EOT])
         assert o == want.split("zzzz")[0]
     first = outs[0]
-    cut = first[len(first) // 2:] if len(first) > 1 else first
+    cut = first[len(first) // 2 :] if len(first) > 1 else first
     if cut:
-        (o2,) = lm.generate_until([Instance("generate_until", {}, (prompts[0], {"until": [cut], "max_gen_toks": 6}), 0)])
+        (o2,) = lm.generate_until(
+            [Instance("generate_until", {}, (prompts[0], {"until": [cut], "max_gen_toks": 6}), 0)]
+        )
         assert o2 == first.split(cut)[0]
     assert isinstance(outs[2], str)
 
@@ -138,13 +153,22 @@ def test_harness_hf_model_on_the_export_agrees_with_tlf_model(model, harness_run
     conf["loops_budget"] = 2  # the default budget M of the export (the tlf run above uses loops=2)
     (d / "config.json").write_text(json.dumps(conf))
     tdir = Path(res_tlf["config"]["_task_dir"])
-    res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={d},trust_remote_code=True,dtype=float32",
-                                  tasks=[f"{n}_local" for n in LOCAL], limit=N, log_samples=True, batch_size=4,
-                                  task_manager=TaskManager(include_path=str(tdir), include_defaults=False),
-                                  bootstrap_iters=0, device="cpu")
+    res = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={d},trust_remote_code=True,dtype=float32",
+        tasks=[f"{n}_local" for n in LOCAL],
+        limit=N,
+        log_samples=True,
+        batch_size=4,
+        task_manager=TaskManager(include_path=str(tdir), include_defaults=False),
+        bootstrap_iters=0,
+        device="cpu",
+    )
     for n in LOCAL:
         t, h = res_tlf["results"][f"{n}_local"], res["results"][f"{n}_local"]
         assert h["acc,none"] == t["acc,none"], n
         got = [r[0][0] for s in sorted(res["samples"][f"{n}_local"], key=lambda s: s["doc_id"]) for r in s["resps"]]
-        want = [r[0][0] for s in sorted(res_tlf["samples"][f"{n}_local"], key=lambda s: s["doc_id"]) for r in s["resps"]]
+        want = [
+            r[0][0] for s in sorted(res_tlf["samples"][f"{n}_local"], key=lambda s: s["doc_id"]) for r in s["resps"]
+        ]
         assert got == pytest.approx(want, abs=1e-4), n

@@ -1,4 +1,5 @@
 """Perplexity on validation shards against a brute-force per-token computation; windows; depth statistics."""
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,6 @@ import torch
 from data_prep.shards import write_shard
 from evaluation.perplexity import TokenStream, make_windows, perplexity
 from helpers import perturbed_tiny as tiny
-
-
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +72,11 @@ def test_perplexity_equals_brute_force(stream, stride):
         assert d["mean"] == pytest.approx(np.mean(list(dep.values())))
         for k in range(1, M + 1):
             sel = [nll[j] for j in nll if dep[j] == k]
-            assert (d["ppl"][k - 1] is None) if not sel else d["ppl"][k - 1] == pytest.approx(math.exp(np.mean(sel)), rel=1e-5)
+            assert (
+                (d["ppl"][k - 1] is None)
+                if not sel
+                else d["ppl"][k - 1] == pytest.approx(math.exp(np.mean(sel)), rel=1e-5)
+            )
 
 
 def test_budget_changes_perplexity_for_looped_models_not_depth_for_others(stream):

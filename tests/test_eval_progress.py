@@ -1,6 +1,7 @@
 """`tlf eval` a user can watch: one progress bar with an ETA on stderr over every budget's task examples and
 perplexity windows (drawn only on a terminal, off with --no-progress), and a task whose data cannot be reached
 skipped with one warning line, marked in results.json and table1.md (an error with --strict)."""
+
 from __future__ import annotations
 
 import io
@@ -30,10 +31,20 @@ def ckpt(tmp_path_factory):
 
 
 def ov(root, tasks="[copa,race,sciq]", **kw):
-    return [f"eval.tasks={tasks}", "eval.limit=3", "eval.source=offline", f"eval.race_file={root / 'no-race.jsonl'}",
-            f"data.dir={root / 'val'}", "data.extra_val_dirs=[]", "eval.ppl_tokens=130", "eval.latency=false",
-            "eval.mlflow=false", "eval.depth=false", f"eval.out_dir={root / 'out'}",
-            *[f"eval.{k}={v}" for k, v in kw.items()]]
+    return [
+        f"eval.tasks={tasks}",
+        "eval.limit=3",
+        "eval.source=offline",
+        f"eval.race_file={root / 'no-race.jsonl'}",
+        f"data.dir={root / 'val'}",
+        "data.extra_val_dirs=[]",
+        "eval.ppl_tokens=130",
+        "eval.latency=false",
+        "eval.mlflow=false",
+        "eval.depth=false",
+        f"eval.out_dir={root / 'out'}",
+        *[f"eval.{k}={v}" for k, v in kw.items()],
+    ]
 
 
 def test_an_unreachable_task_is_skipped_with_one_line_and_marked(ckpt):
@@ -53,6 +64,7 @@ def test_strict_makes_an_unreachable_task_an_error(ckpt):
     with pytest.raises(TaskUnavailable, match="race: no offline copy"):
         run(ckpt / "model", ov(ckpt, strict="true"), log=lambda m: None)
     from pipeline.cli import main
+
     r = CliRunner().invoke(main, ["eval", str(ckpt / "model"), *ov(ckpt, tasks="[race]"), "--strict"])
     assert r.exit_code == 1 and r.output.count("\n") == 1 and "race: no offline copy" in r.output
 

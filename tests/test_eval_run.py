@@ -1,5 +1,6 @@
 """`tlf eval` end to end on tiny checkpoints: every budget in one run, outputs (JSON, Table-1 markdown, depth
 PNG), MLflow, the base model's budgets, latency through the inference benchmark, and clear errors."""
+
 from __future__ import annotations
 
 import json
@@ -17,11 +18,12 @@ from helpers import perturbed_tiny as tiny
 from pipeline.config import ConfigError
 from pipeline.model.io import save_model
 
-RACE_ROW = {"article": "Tom grew up on a farm. Every morning he fed the chickens.",
-            "problems": str([{"answer": "A", "options": ["chickens", "cows", "dogs", "fish"],
-                              "question": "What did Tom feed?"}])}
-
-
+RACE_ROW = {
+    "article": "Tom grew up on a farm. Every morning he fed the chickens.",
+    "problems": str(
+        [{"answer": "A", "options": ["chickens", "cows", "dogs", "fish"], "question": "What did Tom feed?"}]
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +41,18 @@ def env(tmp_path_factory):
 
 
 def overrides(env, tasks="[copa,race,lambada_openai,sciq]", **kw):
-    ov = [f"eval.tasks={tasks}", "eval.limit=2", "eval.source=offline", f"eval.race_file={env / 'race.jsonl'}",
-          f"data.dir={env / 'demo'}", f"data.extra_val_dirs=[{env / 'enwiki'}]", "eval.ppl_tokens=130",
-          "eval.latency=false", f"logging.tracking_uri=sqlite:///{env / 'mlflow.db'}", "eval.batch_size=8"]
+    ov = [
+        f"eval.tasks={tasks}",
+        "eval.limit=2",
+        "eval.source=offline",
+        f"eval.race_file={env / 'race.jsonl'}",
+        f"data.dir={env / 'demo'}",
+        f"data.extra_val_dirs=[{env / 'enwiki'}]",
+        "eval.ppl_tokens=130",
+        "eval.latency=false",
+        f"logging.tracking_uri=sqlite:///{env / 'mlflow.db'}",
+        "eval.batch_size=8",
+    ]
     return ov + [f"eval.{k}={v}" for k, v in kw.items()]
 
 
@@ -70,6 +81,7 @@ def test_every_budget_in_one_run_with_all_outputs(env):
     assert b4["avg_acc"] == pytest.approx(avg)
     # MLflow: a new run tagged with variant and preset, metrics for every budget, the files as artifacts
     from mlflow.tracking import MlflowClient
+
     client = MlflowClient(tracking_uri=f"sqlite:///{env / 'mlflow.db'}")
     r = client.get_run(res["mlflow_run_id"])
     assert r.data.tags["variant"] == "t-loopformer" and r.data.tags["preset"] == "tiny/t-loopformer"
@@ -82,8 +94,12 @@ def test_every_budget_in_one_run_with_all_outputs(env):
 
 
 def test_base_model_budget_does_nothing(env):
-    res = run(env / "base", overrides(env, tasks="[copa]", out_dir=str(env / "out_base"), mlflow="false"),
-              loops="1,2,4", log=lambda *a: None)
+    res = run(
+        env / "base",
+        overrides(env, tasks="[copa]", out_dir=str(env / "out_base"), mlflow="false"),
+        loops="1,2,4",
+        log=lambda *a: None,
+    )
     assert [b["effective_loops"] for b in res["budgets"]] == [1, 1, 1] and "not looped" in res["note"]
     first = res["budgets"][0]
     for b in res["budgets"][1:]:
@@ -107,6 +123,7 @@ def test_logs_into_the_checkpoints_recorded_run(env, tmp_path):
     plain-JSON run.json (MLflow run id and step). The trainer's pickled rank0_state.pt is never unpickled: a
     booby-trapped one beside it does nothing."""
     from mlflow.tracking import MlflowClient
+
     uri = f"sqlite:///{env / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("train") or client.get_experiment(client.create_experiment("train"))
@@ -116,20 +133,27 @@ def test_logs_into_the_checkpoints_recorded_run(env, tmp_path):
     rec = run_dir / "global_step5" / "model" / "run.json"
     rec.write_text(json.dumps({"mlflow_run_id": train_run, "tracking_uri": uri, "step": 5}))
     marker = tmp_path / "unpickled"
-    torch.save({"step": 9, "mlflow_run_id": "f" * 32, "trap": _Trap(str(marker))},
-               run_dir / "global_step5" / "rank0_state.pt")
+    torch.save(
+        {"step": 9, "mlflow_run_id": "f" * 32, "trap": _Trap(str(marker))}, run_dir / "global_step5" / "rank0_state.pt"
+    )
     (run_dir / "latest").write_text("global_step5\n")
-    res = run(run_dir, overrides(env, tasks="[copa]", perplexity="false", out_dir=str(tmp_path / "o")),
-              log=lambda *a: None)
+    res = run(
+        run_dir, overrides(env, tasks="[copa]", perplexity="false", out_dir=str(tmp_path / "o")), log=lambda *a: None
+    )
     assert res["mlflow_run_id"] == train_run and res["mlflow_run"] == "checkpoint's run"
     assert not marker.exists()
     hist = client.get_metric_history(train_run, "eval/M1/copa/acc")
-    assert len(hist) == 1 and hist[0].step == 5 and hist[0].value == pytest.approx(res["budgets"][0]["tasks"]["copa"]["acc"])
+    assert (
+        len(hist) == 1
+        and hist[0].step == 5
+        and hist[0].value == pytest.approx(res["budgets"][0]["tasks"]["copa"]["acc"])
+    )
     assert client.get_run(train_run).data.tags["eval.split.copa"] == "validation"
     # a run id the tracking store does not know (trained against another store): a new run links it
     rec.write_text(json.dumps({"mlflow_run_id": "0" * 32, "tracking_uri": uri, "step": 5}))
-    res = run(run_dir, overrides(env, tasks="[copa]", perplexity="false", out_dir=str(tmp_path / "o2")),
-              log=lambda *a: None)
+    res = run(
+        run_dir, overrides(env, tasks="[copa]", perplexity="false", out_dir=str(tmp_path / "o2")), log=lambda *a: None
+    )
     assert res["mlflow_run"] == "new run" and "not in" in res["mlflow_note"]
     assert client.get_run(res["mlflow_run_id"]).data.tags["train_run_id"] == "0" * 32
 
@@ -139,6 +163,7 @@ def test_naive_loop_ee_is_the_base_loop_checkpoint_under_its_own_name(env, tmp_p
     run carry the naive-loop-ee name and link the base-loop training run; compare shows its rows under it."""
     from mlflow.tracking import MlflowClient
     from evaluation.compare import run as compare
+
     uri = f"sqlite:///{env / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("train") or client.get_experiment(client.create_experiment("train"))
@@ -157,7 +182,9 @@ def test_naive_loop_ee_is_the_base_loop_checkpoint_under_its_own_name(env, tmp_p
     t1 = compare(uri, run_ids=(res["mlflow_run_id"],), out=tmp_path / "cmp").tables[0]
     assert [r[0] for r in t1.rows] == ["naive-loop-ee (M=2)"]
     assert t1.rows[0][t1.columns.index("COPA")] == pytest.approx(100 * res["budgets"][0]["tasks"]["copa"]["acc"])
-    with pytest.raises(ConfigError, match="--variant naive-loop-ee: evaluates a base-loop checkpoint, this one is t-loopformer"):
+    with pytest.raises(
+        ConfigError, match="--variant naive-loop-ee: evaluates a base-loop checkpoint, this one is t-loopformer"
+    ):
         run(env / "t-loopformer", overrides(env, mlflow="false"), variant="naive-loop-ee", log=lambda *a: None)
 
 
@@ -165,6 +192,7 @@ def test_latency_uses_the_inference_benchmark():
     import evaluation.latency as lat_mod
     from evaluation.latency import measure_latency
     from pipeline.inference import timing
+
     assert lat_mod.timing is timing  # the same ttft()/tpot() that bench/decode.py times
     m, _ = tiny("tiny/t-loopformer")
     lat = measure_latency(m.eval(), 2, "cpu", repeats=1, steps=2, batches=(1, 2))
@@ -178,15 +206,21 @@ def test_latency_in_the_run_outputs(env, tmp_path, monkeypatch):
     the JSON, the markdown and MLflow (the keys `tlf compare` reads)."""
     import evaluation.evaluate as E
     from evaluation.latency import measure_latency
+
     quick = lambda m, M, d: measure_latency(m, M, d, repeats=1, steps=2, batches=(1, 2))
     monkeypatch.setattr(E, "measure_latency", quick)
-    res = run(env / "t-loopformer", overrides(env, tasks="[]", perplexity="false", latency="true",
-                                              out_dir=str(tmp_path / "o")), loops="1,4", log=lambda *a: None)
+    res = run(
+        env / "t-loopformer",
+        overrides(env, tasks="[]", perplexity="false", latency="true", out_dir=str(tmp_path / "o")),
+        loops="1,4",
+        log=lambda *a: None,
+    )
     lat = [b["latency"] for b in res["budgets"]]
     assert all(set(x["tpot_ms"]) == {"1", "2"} for x in lat) and lat[0]["decode_mean_depth"] == 1.0
     md = (tmp_path / "o" / "table1.md").read_text()
     assert "| M | TTFT ms (P=31) | TPOT ms (B=1) | TPOT ms (B=2) | decode mean depth |" in md
     from mlflow.tracking import MlflowClient
+
     metrics = MlflowClient(tracking_uri=f"sqlite:///{env / 'mlflow.db'}").get_run(res["mlflow_run_id"]).data.metrics
     assert metrics["eval/M4/latency/tpot_ms_B2"] == pytest.approx(lat[1]["tpot_ms"]["2"])
     assert "eval/M1/latency/ttft_ms_P31" in metrics
@@ -197,7 +231,9 @@ def test_clear_errors(env, tmp_path):
         run(env / "base", overrides(env, tasks="[copa,hellaswagg]", mlflow="false"), log=lambda *a: None)
     with pytest.raises(ConfigError, match=r"exceeds the checkpoint's training loops model.loops=4"):
         run(env / "t-loopformer", overrides(env, mlflow="false"), loops="2,8", log=lambda *a: None)
-    with pytest.raises(ConfigError, match=r"checkpoint is not a tiny/base model: model.variant: checkpoint 't-loopformer'"):
+    with pytest.raises(
+        ConfigError, match=r"checkpoint is not a tiny/base model: model.variant: checkpoint 't-loopformer'"
+    ):
         run(env / "t-loopformer", overrides(env, mlflow="false"), config="tiny/base", log=lambda *a: None)
     mixed = tmp_path / "mixed"  # t-loopformer weights with the base model's config.yaml
     shutil.copytree(env / "t-loopformer", mixed)
@@ -205,15 +241,34 @@ def test_clear_errors(env, tmp_path):
     with pytest.raises(ConfigError, match=r"weights do not match its config.yaml"):
         run(mixed, overrides(env, mlflow="false"), log=lambda *a: None)
     with pytest.raises(TaskDataError, match="race: no offline copy"):
-        run(env / "base", overrides(env, tasks="[race]", mlflow="false", strict="true")
-            + [f"eval.race_file={tmp_path / 'no.jsonl'}"],
-            log=lambda *a: None)
+        run(
+            env / "base",
+            overrides(env, tasks="[race]", mlflow="false", strict="true") + [f"eval.race_file={tmp_path / 'no.jsonl'}"],
+            log=lambda *a: None,
+        )
 
 
 def test_cli(env, tmp_path):
     from pipeline.cli import main
-    r = CliRunner().invoke(main, ["eval", str(env / "base"), "--tasks", "copa", "--limit", "1", "--no-ppl",
-                                  "--no-latency", "--no-mlflow", "--source", "offline", "--out", str(tmp_path / "o")])
+
+    r = CliRunner().invoke(
+        main,
+        [
+            "eval",
+            str(env / "base"),
+            "--tasks",
+            "copa",
+            "--limit",
+            "1",
+            "--no-ppl",
+            "--no-latency",
+            "--no-mlflow",
+            "--source",
+            "offline",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "copa (validation): acc=" in r.output and (tmp_path / "o" / "results.json").is_file()
     r = CliRunner().invoke(main, ["eval", str(env / "base"), "--tasks", "copa,nope", "--no-mlflow"])
@@ -225,13 +280,31 @@ def test_cli(env, tmp_path):
 def test_cli_paths_with_quotes(env, tmp_path):
     """--race-file and --out values reach the config verbatim, quotes included."""
     from pipeline.cli import main
-    race = tmp_path / "it's \"q\"" / "race.jsonl"
+
+    race = tmp_path / 'it\'s "q"' / "race.jsonl"
     race.parent.mkdir()
     shutil.copy(env / "race.jsonl", race)
     out = tmp_path / "o'ut"
-    r = CliRunner().invoke(main, ["eval", str(env / "base"), "--tasks", "race", "--limit", "1", "--no-ppl",
-                                  "--no-latency", "--no-mlflow", "--source", "offline", "--race-file", str(race),
-                                  "--out", str(out)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "eval",
+            str(env / "base"),
+            "--tasks",
+            "race",
+            "--limit",
+            "1",
+            "--no-ppl",
+            "--no-latency",
+            "--no-mlflow",
+            "--source",
+            "offline",
+            "--race-file",
+            str(race),
+            "--out",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
     assert "race" in res["budgets"][0]["tasks"]  # read from the quoted path

@@ -1,4 +1,5 @@
 """Batched scoring against a brute-force per-request forward; the harness pair encoding; acc / acc_norm."""
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,6 @@ from data_prep.tokenizer import EOT, encode
 from helpers import perturbed_tiny as tiny
 
 
-
-
 @pytest.fixture(scope="module")
 def tlf():
     return tiny()
@@ -27,7 +26,9 @@ def test_encode_pair_follows_the_harness():
     assert ctx == encode("Question: 2+2?\nAnswer:") and ctx + cont == encode("Question: 2+2?\nAnswer: four")
     # trailing context spaces move to the continuation
     c2, k2 = encode_pair("The man turned on the faucet therefore ", " water")
-    assert c2 == encode("The man turned on the faucet therefore") and c2 + k2 == encode("The man turned on the faucet therefore  water")
+    assert c2 == encode("The man turned on the faucet therefore") and c2 + k2 == encode(
+        "The man turned on the faucet therefore  water"
+    )
     assert encode_pair("", " hello") == ([EOT], encode(" hello"))
 
 
@@ -46,7 +47,7 @@ def test_hidden_states_equal_the_model_forward(name):
 def brute(model, ctx, cont, M):
     """One unpadded forward of the whole request; sum of log p over the continuation; greedy flag."""
     T = model.cfg.block_size
-    seq = (ctx + cont)[-(T + 1):]
+    seq = (ctx + cont)[-(T + 1) :]
     inp = torch.tensor(seq[:-1])[None]
     lp = model(inp, loops=M).logits[0].float().log_softmax(-1)
     n = min(len(cont), len(seq) - 1)
@@ -60,9 +61,16 @@ def test_batched_scores_equal_brute_force(tlf):
     g = torch.Generator().manual_seed(3)
     r = lambda n: torch.randint(0, 50257, (n,), generator=g).tolist()
     shared = r(12)
-    reqs = [(shared, r(1)), (shared, r(1)), (shared, r(3)), (r(5), r(2)), (r(30), r(7)), ([EOT], r(4)),
-            (r(80), r(5)),  # longer than block_size (64): left-truncated
-            (shared, r(1))]
+    reqs = [
+        (shared, r(1)),
+        (shared, r(1)),
+        (shared, r(3)),
+        (r(5), r(2)),
+        (r(30), r(7)),
+        ([EOT], r(4)),
+        (r(80), r(5)),  # longer than block_size (64): left-truncated
+        (shared, r(1)),
+    ]
     reqs.append(reqs[0])  # an identical request
     sc = Scorer(m, batch_size=3)
     for M in (1, 2, 4):
@@ -92,8 +100,11 @@ def test_budget_changes_scores_of_looped_models_only(tlf):
 
 def test_acc_and_acc_norm_by_hand():
     # choice 0 is short and likely per token-sum, choice 1 long and likely per character
-    exs = [Example("a", "ctx", ["ab", "abcdefghij"], 1), Example("b", "ctx", ["ab", "abcdefghij"], 0),
-           Example("c", "ctx", ["xyz", "x"], 1)]
+    exs = [
+        Example("a", "ctx", ["ab", "abcdefghij"], 1),
+        Example("b", "ctx", ["ab", "abcdefghij"], 0),
+        Example("c", "ctx", ["xyz", "x"], 1),
+    ]
     lls = [-2.0, -5.0, -2.0, -5.0, -6.0, -4.0]
     scored = [Scored(v, False, 1) for v in lls]
     td = TaskData("t", exs, "test", "unit")
@@ -109,7 +120,12 @@ def test_acc_and_acc_norm_by_hand():
 def test_lambada_metrics_by_hand():
     exs = [Example(str(i), "c", ["w"], 0) for i in range(3)]
     scored = [Scored(-1.0, True, 1), Scored(-2.0, False, 2), Scored(-3.0, True, 1)]
-    res = task_metrics(TaskData("lambada_openai", exs, "test", "unit"), "lambada", ("perplexity", "acc"), scored,
-                       [(0, 1), (1, 2), (2, 3)])
+    res = task_metrics(
+        TaskData("lambada_openai", exs, "test", "unit"),
+        "lambada",
+        ("perplexity", "acc"),
+        scored,
+        [(0, 1), (1, 2), (2, 3)],
+    )
     assert res["acc"] == pytest.approx(2 / 3)
     assert res["perplexity"] == pytest.approx(math.exp(2.0))

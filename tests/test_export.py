@@ -1,5 +1,6 @@
 """Model exports: safetensors by default, legacy model.pt still loads, `tlf export` round-trips every tiny preset
 bit-exactly, and no load path unpickles arbitrary objects."""
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -67,7 +68,9 @@ def test_loading_never_unpickles_objects_and_bad_files_are_one_line_errors(tmp_p
     with pytest.raises(ConfigError, match=r"model\.safetensors: unreadable weights"):
         load_model(d)
     res = CliRunner().invoke(main, ["export", str(d), "--out", str(tmp_path / "x")])
-    assert res.exit_code == 2 and "model.safetensors: unreadable weights" in res.output and "Traceback" not in res.output
+    assert (
+        res.exit_code == 2 and "model.safetensors: unreadable weights" in res.output and "Traceback" not in res.output
+    )
     with pytest.raises(FileNotFoundError, match="model.safetensors or model.pt"):
         find_export(tmp_path)
 
@@ -100,8 +103,13 @@ def test_export_is_atomic_and_replaces_an_earlier_export_whole(tmp_path):
     src = save_model(tmp_path / "src", model, cfg)
     out = tmp_path / "out"
     repo = Path(__file__).resolve().parent.parent
-    p = subprocess.run([sys.executable, "-c", KILLED_EXPORT, "export", str(src), "--out", str(out)], cwd=repo,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", KILLED_EXPORT, "export", str(src), "--out", str(out)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     assert not out.exists() and list(tmp_path.glob(".out.tmp-export*"))  # nothing partial under --out
     assert CliRunner().invoke(main, ["export", str(src), "--out", str(out), "--format", "pt"]).exit_code == 0

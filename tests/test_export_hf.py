@@ -1,6 +1,7 @@
 """`tlf export --format hf`: transformers loads the directory with trust_remote_code and no tlf importable, and
 its logits equal tlf's (fp32, atol 1e-5) for every tiny preset, M < L and padded batches; greedy generate()
 equals tlf's generate; the tokenizer files encode like tlf's BPE."""
+
 import json
 import subprocess
 import sys
@@ -74,9 +75,10 @@ def test_padded_batch_with_attention_mask_and_greedy_generate(tmp_path):
         g = generate(model, rows, max_new_tokens=6, temperature=0, loops=M, stop_token=None)
         for b, r in enumerate(rows):
             got = hf.generate(torch.tensor([r]), max_new_tokens=6, do_sample=False, loops=M, eos_token_id=None)
-            assert got[0, len(r):].tolist() == g.tokens[b], (M, b)
+            assert got[0, len(r) :].tolist() == g.tokens[b], (M, b)
     tok = AutoTokenizer.from_pretrained(d)
     from data_prep.tokenizer import encode
+
     text = "Hello world, the looped transformer's depth varies per token!"
     assert tok(text).input_ids == encode(text)
     card = (d / "README.md").read_text()
@@ -108,8 +110,14 @@ def test_loads_in_a_process_where_tlf_cannot_be_imported(tmp_path):
     idx = torch.randint(0, 50257, (2, 9))
     torch.save(idx, tmp_path / "idx.pt")
     env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hfhome"), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-c", GUARD, str(d), str(tmp_path / "idx.pt"), str(tmp_path / "out.pt")],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", GUARD, str(d), str(tmp_path / "idx.pt"), str(tmp_path / "out.pt")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert torch.allclose(torch.load(tmp_path / "out.pt", weights_only=True), model(idx).logits, atol=ATOL, rtol=0)
 

@@ -1,5 +1,6 @@
 """Exports are readable by others as any file the user writes: every file of `tlf export --format hf` (and of a
 plain export) gets the mode the umask gives (0644 under 022), model.safetensors included."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,9 @@ def test_export_files_follow_the_umask(tmp_path, umask, mode):
     old = os.umask(umask)
     try:
         for fmt in ("hf", "safetensors"):
-            r = CliRunner().invoke(main, ["export", str(tmp_path / "src"), "--out", str(tmp_path / fmt),
-                                          "--format", fmt])
+            r = CliRunner().invoke(
+                main, ["export", str(tmp_path / "src"), "--out", str(tmp_path / fmt), "--format", fmt]
+            )
             assert r.exit_code == 0, r.output
     finally:
         os.umask(old)

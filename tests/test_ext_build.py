@@ -1,5 +1,6 @@
 """DeepSpeed's shm op: a one-process CPU run does not JIT-build it (nothing to all-reduce with); a multi-rank run
 says once, with the directory, that it is building; extension builds go to a per-virtualenv directory."""
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,22 @@ def test_one_process_cpu_run_builds_no_extension(tmp_path):
     rng = np.random.default_rng(0)
     write_shard(data / "t_train_000000.bin", rng.integers(0, 512, 10 * 32 + 1))
     write_shard(data / "t_val_000000.bin", rng.integers(0, 512, 8 * 32 + 1))
-    p = subprocess.run([sys.executable, "-c", CHILD, *TINY, f"data.dir={data}", "schedule.max_steps=1",
-                        f"checkpoint.dir={tmp_path / 'ck'}"], capture_output=True, text=True, timeout=300,
-                       env=_env(TORCH_EXTENSIONS_DIR=str(ext)), cwd=tmp_path)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            *TINY,
+            f"data.dir={data}",
+            "schedule.max_steps=1",
+            f"checkpoint.dir={tmp_path / 'ck'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(TORCH_EXTENSIONS_DIR=str(ext)),
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert not ext.exists() or not list(ext.rglob(f"{ds.SHM_OP}*")), list(ext.rglob("*"))
     assert "building" not in p.stderr

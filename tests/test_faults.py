@@ -3,6 +3,7 @@ checkpoint save, the final export, a shard write, a random step, a unit of evalu
 elapsed time, so every trial is killed mid-run however loaded the machine), rerun the same command, and demand the
 uninterrupted run's output exactly: shard bytes for prep-data, losses for train (1 process and 2 gloo ranks under
 the launcher, process group killed), results.json for eval."""
+
 from __future__ import annotations
 
 import pytest

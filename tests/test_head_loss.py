@@ -1,6 +1,7 @@
 """The fused, chunked LM-head objective (pipeline/model/head_loss.py, docs/design.md §7) equals the plain path of
 materialised logits + F.cross_entropy + F.mse_loss: loss, parts and every parameter's gradient, over several
 chunks, with ignored targets, under bf16, and keeps no (B, T, V) tensor for backward nor reads the host."""
+
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,9 @@ def test_fused_objective_equals_the_plain_path_over_several_chunks(variant, extr
     fused, g_f = _run(m, x, y, True)
     ref, g_r = _run(m, x, y, False)
     assert calls == [V] and fused.logits is None and ref.logits.shape == (2, 20, V)
-    assert fused.parts.keys() == ref.parts.keys() == ({"loss_L", "loss_S", "loss_align"} if m.cfg.shortcut else {"loss_L"})
+    assert (
+        fused.parts.keys() == ref.parts.keys() == ({"loss_L", "loss_S", "loss_align"} if m.cfg.shortcut else {"loss_L"})
+    )
     torch.testing.assert_close(fused.loss, ref.loss, rtol=1e-5, atol=0)
     for n in ref.parts:
         torch.testing.assert_close(fused.parts[n], ref.parts[n], rtol=RTOL[n], atol=0, msg=n)
@@ -172,8 +175,10 @@ def test_nothing_of_size_tokens_x_vocab_is_kept_for_backward():
 
 
 def test_no_extra_host_read():
-    model_files = tuple(str(Path(head_loss.__file__).parent / f) for f in ("looped.py", "layers.py", "router.py",
-                                                                           "schedule.py", "head_loss.py"))
+    model_files = tuple(
+        str(Path(head_loss.__file__).parent / f)
+        for f in ("looped.py", "layers.py", "router.py", "schedule.py", "head_loss.py")
+    )
     for variant, expected in (("t-loopformer", 1), ("loopformer", 0)):
         m = _model(variant)
         x, y = _batch()

@@ -1,6 +1,7 @@
 """Recursion-wise KV cache exactness (docs/design.md §2): prefill + token-by-token decode = one full forward at every
 position (fp32, atol 1e-5) for every tiny preset, M < L, and batches whose rows differ in depth and length;
 plus proofs that a cache attending to an empty slot fails those checks."""
+
 import numpy as np
 import pytest
 import torch
@@ -112,8 +113,9 @@ def test_compact_cache_reading_an_empty_slot_fails():
     seqs, lens = sequences(lengths=(1,), total=12)
     dec = Decoder(model, loops=4)
     attn = model.layers[0].attn
-    dec._new_cache = lambda B, dev: _OneSlotTooMany(4, len(model.layers), B, attn.n_heads, attn.head_dim,
-                                                    torch.float32, dev)
+    dec._new_cache = lambda B, dev: _OneSlotTooMany(
+        4, len(model.layers), B, attn.n_heads, attn.head_dim, torch.float32, dev
+    )
     err, *_ = run(model, 4, seqs, lens, dec=dec)
     assert err > 10 * ATOL, f"reading an empty slot went unnoticed (max error {err})"
 
@@ -187,8 +189,10 @@ def test_partial_batches_take_both_read_paths_exactly():
             v = begin(i, rows)
             kinds.append((len(rows), v.full_read))
             return v
+
         cache.begin_loop = rec
         return cache
+
     dec._new_cache = recording_cache
     err, *_ = run(model, 4, seqs, lens, dec=dec)
     assert err <= ATOL
@@ -197,6 +201,7 @@ def test_partial_batches_take_both_read_paths_exactly():
 
 def test_each_decoder_builds_its_own_tables_from_the_current_weights():
     from pipeline.inference.decode import modulation_tables
+
     model = make("loopformer")
     a, b = Decoder(model, loops=4).tables, Decoder(model, loops=2).tables
     assert len(a[0]) == 10 and len(b[0]) == 3  # K = M(M+1)/2 rows per layer
@@ -217,14 +222,14 @@ def test_decoding_follows_weight_changes_that_bypass_autograd(change):
         for p, q in zip(model.parameters(), other.parameters()):
             p.data.copy_(q.data)
     else:
-        torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(other.parameters()),
-                                            model.parameters())
+        torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(other.parameters()), model.parameters())
     logits, _ = Decoder(model, loops=4).prefill(idx, all_logits=True)
     assert (logits - model(idx, loops=4).logits).abs().max().item() <= ATOL
 
 
 def test_generate_after_a_dtype_change_uses_tables_of_the_new_dtype():
     from pipeline.inference.generate import generate
+
     model = make("t-loopformer")
     prompts = [[5, 6, 7, 8], [9, 10]]
     generate(model, prompts, max_new_tokens=3, temperature=0)  # fp32 use first

@@ -1,4 +1,5 @@
 """generate() (the API evaluation uses), sampling filters and `tlf generate` from a saved export."""
+
 import re
 
 import pytest
@@ -63,8 +64,14 @@ def test_sampling_seed_stream_stop_and_vocab_limit():
     c = generate(model, prompts, max_new_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=8)
     assert a.tokens == b.tokens and a.tokens != c.tokens
     seen = []
-    out = generate(model, [[1, 2, 3]], max_new_tokens=6, seed=0, vocab_limit=1000,
-                   callback=lambda s, t, d: seen.append((s, t[0], d[0])))
+    out = generate(
+        model,
+        [[1, 2, 3]],
+        max_new_tokens=6,
+        seed=0,
+        vocab_limit=1000,
+        callback=lambda s, t, d: seen.append((s, t[0], d[0])),
+    )
     assert [t for _, t, _ in seen] == out.tokens[0] and [d for *_, d in seen] == out.depths[0]
     assert [s for s, *_ in seen] == list(range(6)) and max(out.tokens[0]) < 1000
     first = out.tokens[0][2]  # stop at the third token: the row ends there, with the stop token
@@ -91,8 +98,9 @@ def _byte_tokenizer():
     ranks = {bytes([i]): i for i in range(256)}
     for r in range(256, 50256):
         ranks[bytes(divmod(r - 256, 256))] = r  # 196 x 256 distinct two-byte tokens
-    return tiktoken.Encoding("bytes-test", pat_str=r"\s?\S+|\s+", mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": 50256})
+    return tiktoken.Encoding(
+        "bytes-test", pat_str=r"\s?\S+|\s+", mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256}
+    )
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ run as scripts with bench/ on sys.path): those count as bench. A module named in
 too. There is no exception: `tlf`'s subcommands register themselves as `tlf.commands` entry points (setup.py),
 which the `tlf` command loads without naming their packages.
 """
+
 import ast
 import re
 from pathlib import Path
@@ -41,8 +42,11 @@ def imported_packages(source: str, filename: str = "<src>"):
 
 def named_modules(source: str, filename: str = "<src>"):
     """[(line, top-level layer, string)] for every string constant that is a dotted module path of LAYERS."""
-    return [(n.lineno, n.value.split(".")[0], repr(n.value)) for n in ast.walk(ast.parse(source, filename))
-            if isinstance(n, ast.Constant) and isinstance(n.value, str) and MODULE_STRING.match(n.value)]
+    return [
+        (n.lineno, n.value.split(".")[0], repr(n.value))
+        for n in ast.walk(ast.parse(source, filename))
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and MODULE_STRING.match(n.value)
+    ]
 
 
 def violations(root: Path = ROOT):
@@ -62,12 +66,15 @@ def test_imports_run_one_way():
     assert not bad, "imports against data_prep <- pipeline <- evaluation <- bench:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("src,expected", [
-    ("import evaluation.report\n", [(1, "evaluation")]),
-    ("def g():\n    from bench.interleave import write_json\n", [(2, "bench")]),
-    ("from interleave import run_cases\n", [(1, "bench")]),
-    ("from . import x\nimport os\nfrom torch import nn\n", []),
-])
+@pytest.mark.parametrize(
+    "src,expected",
+    [
+        ("import evaluation.report\n", [(1, "evaluation")]),
+        ("def g():\n    from bench.interleave import write_json\n", [(2, "bench")]),
+        ("from interleave import run_cases\n", [(1, "bench")]),
+        ("from . import x\nimport os\nfrom torch import nn\n", []),
+    ],
+)
 def test_walker_sees_every_kind_of_import(src, expected):
     assert [(ln, top) for ln, top, _ in imported_packages(src)] == expected
 
@@ -76,12 +83,15 @@ def test_violation_names_file_line_and_import(tmp_path):
     for pkg in LAYERS:
         (tmp_path / pkg).mkdir()
     (tmp_path / "data_prep" / "x.py").write_text("import os\n\ndef f():\n    from pipeline.config import Config\n")
-    (tmp_path / "pipeline" / "y.py").write_text('import importlib\nm = importlib.import_module("evaluation.cli")\n'
-                                                'DIRS = ("pipeline", "evaluation")  # directory names are fine\n')
+    (tmp_path / "pipeline" / "y.py").write_text(
+        'import importlib\nm = importlib.import_module("evaluation.cli")\n'
+        'DIRS = ("pipeline", "evaluation")  # directory names are fine\n'
+    )
     (tmp_path / "bench" / "ok.py").write_text("from evaluation import report\nfrom data_prep import shards\n")
     assert violations(tmp_path) == [
         "data_prep/x.py:4: data_prep must not import pipeline: from pipeline.config import Config",
-        "pipeline/y.py:2: pipeline must not import evaluation: 'evaluation.cli'"]
+        "pipeline/y.py:2: pipeline must not import evaluation: 'evaluation.cli'",
+    ]
 
 
 def test_every_package_registers_its_own_tlf_commands():
@@ -116,7 +126,7 @@ def test_training_modules_do_not_import_each_other_in_a_cycle():
     def cycle_from(n, path):
         for d in graph[n]:
             if d in path:
-                return path[path.index(d):] + [d]
+                return path[path.index(d) :] + [d]
             found = cycle_from(d, path + [d])
             if found:
                 return found

@@ -1,4 +1,5 @@
 """Per-level scoring on a depth-hops directory: counts, accuracy and depths recomputed independently."""
+
 import numpy as np
 import torch
 from helpers import perturbed_tiny, spread_router
@@ -11,8 +12,11 @@ from evaluation.levels import level_scores
 
 
 def _data(tmp_path):
-    cfg = load_prep_config(None, {"source": "depth-hops", "out": str(tmp_path / "d"), "progress": False},
-                           ["depth_docs=100", "depth_chains=6", "depth_queries=6", "val_every=2"])
+    cfg = load_prep_config(
+        None,
+        {"source": "depth-hops", "out": str(tmp_path / "d"), "progress": False},
+        ["depth_docs=100", "depth_chains=6", "depth_queries=6", "val_every=2"],
+    )
     prepare(cfg, log=lambda m: None)
     return str(tmp_path / "d")
 
@@ -45,6 +49,7 @@ def test_level_scores_match_a_direct_recount(tmp_path):
 
 def test_levels_travel_through_the_results_schema(tmp_path):
     from evaluation import results
+
     d = _data(tmp_path)
     model, _ = perturbed_tiny("tiny/t-loopformer")
     lv = level_scores(spread_router(model), d, 4, max_windows=4)
@@ -56,18 +61,29 @@ def test_levels_travel_through_the_results_schema(tmp_path):
 
 def test_compare_plots_accuracy_against_loop_work(tmp_path):
     from evaluation.compare import Run, Selection, plot_all
+
     lv = lambda d, a: {"levels": {"work": d, "accuracy": a}}
     res = {"budgets": [{"loops": 1, **lv(1.0, 0.3)}, {"loops": 4, **lv(2.5, 0.9)}]}
-    sel = Selection(eval={"t-loopformer": Run("r1", "t-loopformer", "n", 0, {}, {}, res),
-                          "loopformer": Run("r2", "loopformer", "n", 0, {}, {}, {"budgets": []})})
+    sel = Selection(
+        eval={
+            "t-loopformer": Run("r1", "t-loopformer", "n", 0, {}, {}, res),
+            "loopformer": Run("r2", "loopformer", "n", 0, {}, {}, {"budgets": []}),
+        }
+    )
     paths = plot_all(sel, None, tmp_path)
     assert [p.name for p in paths] == ["accuracy_vs_work.png"] and paths[0].stat().st_size > 0
 
 
 def test_level_depth_table_is_printed_in_percent_of_each_level():
     from evaluation.levels import describe_levels
-    lv = {"accuracy": 0.5, "accuracy_by_level": {1: 1.0, 2: 0.0}, "work": 1.5, "spearman": 1.0,
-          "level_depth": [[3, 1], [1, 3]]}
+
+    lv = {
+        "accuracy": 0.5,
+        "accuracy_by_level": {1: 1.0, 2: 0.0},
+        "work": 1.5,
+        "spearman": 1.0,
+        "level_depth": [[3, 1], [1, 3]],
+    }
     lines = describe_levels(lv, 2)
     assert "L1 1.000, L2 0.000" in lines[0] and "rho(depth, level) 1.000" in lines[0]
     assert lines[2].split("|")[1].split() == ["75.0", "25.0"] and lines[2].endswith("100.0%")

@@ -1,5 +1,6 @@
 """MFU is reported only where a peak is known: logging.peak_flops, or an A100's on CUDA by default; a CPU run
 without it logs no `mfu` (the console and `tlf compare` show none, rather than `MFU 0.00%` against an A100)."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -15,8 +16,9 @@ from pipeline.train.callbacks import Speed
 def _mfu(device_kind: str, *overrides: str) -> dict:
     cfg = load_config("tiny/t-loopformer", list(overrides))
     sp = Speed()
-    sp.trainer = SimpleNamespace(cfg=cfg, model=LoopedLM(cfg.model), tokens_per_step=1000, ws=1,
-                                 device_kind=device_kind)
+    sp.trainer = SimpleNamespace(
+        cfg=cfg, model=LoopedLM(cfg.model), tokens_per_step=1000, ws=1, device_kind=device_kind
+    )
     sp.pre_train()
     metrics: dict = {}
     sp.post_step(1, metrics)

@@ -1,5 +1,6 @@
 """LoopedLM invariants (docs/design.md §1): gather-scatter = dense reference, router semantics, STE, shortcut
 schedules, zero-init identity, causality and forward/backward for every preset."""
+
 import itertools
 
 import pytest
@@ -40,8 +41,15 @@ def grads(model):
 
 
 # --------------------------------------------------------------------------------- gather-scatter
-@pytest.mark.parametrize("variant,overrides", [("t-loopformer", []), ("t-loopformer", ["model.router_recipe=budget"]),
-                                               ("loopformer", []), ("base-loop-ee-align", [])])
+@pytest.mark.parametrize(
+    "variant,overrides",
+    [
+        ("t-loopformer", []),
+        ("t-loopformer", ["model.router_recipe=budget"]),
+        ("loopformer", []),
+        ("base-loop-ee-align", []),
+    ],
+)
 def test_gather_scatter_equals_dense_reference(variant, overrides):
     model = make(variant, *overrides)
     idx, tgt = batch()
@@ -211,7 +219,9 @@ def test_budget_init_spreads_depth_and_gives_the_router_gradient_at_step_one():
     assert float(r.logits.detach().std(dim=(0, 1)).max()) < 1e-2
     paper(idx, tgt, shortcut=k).loss.backward()
     assert float(paper.router.fc1.weight.grad.abs().sum()) == 0.0
-    model = make("t-loopformer", "model.router_recipe=budget", "model.router_target_depth=2.5", perturb=False, seed=0).train()
+    model = make(
+        "t-loopformer", "model.router_recipe=budget", "model.router_target_depth=2.5", perturb=False, seed=0
+    ).train()
     r = model.route(model.embed(idx))
     pi_mean = torch.softmax(r.logits.float(), -1).mean((0, 1))
     q = depth_prior(4, 2.5).float()
@@ -261,8 +271,8 @@ def test_zero_initialised_modulator_is_identity():
 def test_time_table_and_shortcut_schedules():
     t, dt = time_table(torch.tensor([0.25, 0.25, 0.5], dtype=torch.float64))
     # (m, i) order: (1,1) (2,1) (2,2) (3,1) (3,2) (3,3); per-token renormalisation
-    torch.testing.assert_close(dt, torch.tensor([1, .5, .5, .25, .25, .5], dtype=torch.float64))
-    torch.testing.assert_close(t, torch.tensor([0, 0, .5, 0, .25, .5], dtype=torch.float64))
+    torch.testing.assert_close(dt, torch.tensor([1, 0.5, 0.5, 0.25, 0.25, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(t, torch.tensor([0, 0, 0.5, 0, 0.25, 0.5], dtype=torch.float64))
     assert int(table_index(torch.tensor(3), 2)) == 4
     L = 8
     g = torch.Generator().manual_seed(0)
@@ -308,7 +318,9 @@ def test_every_preset_forward_backward(variant):
     out = model(idx, tgt)
     assert out.logits is None and torch.isfinite(out.loss)  # the fused objective materialises no logits
     out.loss.backward()
-    assert all(p.grad is not None for n, p in model.named_parameters() if not n.startswith("router.") or model.cfg.router_ste)
+    assert all(
+        p.grad is not None for n, p in model.named_parameters() if not n.startswith("router.") or model.cfg.router_ste
+    )
     expect = {"loss_L", "loss_S", "loss_align"} if model.cfg.shortcut else {"loss_L"}
     assert set(out.parts) == expect
     assert out.stats["full/depth_hist"].shape == (model.cfg.loops,)
@@ -350,6 +362,7 @@ def test_depth_at_a_smaller_budget_is_the_full_depth_clipped():
     """The shortcut pass reuses the full pass's |A_i| (one host read per forward): that needs
     depth(S) == min(depth(L), S) for every S, i.e. continue probabilities non-increasing in i."""
     from pipeline.model.router import Router
+
     torch.manual_seed(0)
     r = Router(16, 8, 6)
     with torch.no_grad():
@@ -368,8 +381,12 @@ def test_straight_through_matches_the_formula():
     from pipeline.model.looped import _StraightThrough
 
     g = torch.Generator().manual_seed(0)
-    h, out, s, gy = (torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g),
-                     torch.rand(2, 5, 1, generator=g), torch.randn(2, 5, 8, generator=g))
+    h, out, s, gy = (
+        torch.randn(2, 5, 8, generator=g),
+        torch.randn(2, 5, 8, generator=g),
+        torch.rand(2, 5, 1, generator=g),
+        torch.randn(2, 5, 8, generator=g),
+    )
     res = []
     for f in (lambda a, b, c: a + (b - a) * (1 + c - c.detach()), _StraightThrough.apply):
         a, b, c = (t.clone().requires_grad_() for t in (h, out, s))
@@ -386,6 +403,7 @@ def test_router_defaults_agree_with_model_config():
 
     from pipeline.config import ModelConfig
     from pipeline.model.router import Router
+
     defaults = {k: p.default for k, p in inspect.signature(Router).parameters.items() if p.default is not p.empty}
     mc = ModelConfig()
     for k, v in defaults.items():

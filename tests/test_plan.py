@@ -1,5 +1,6 @@
 """`tlf plan` (pipeline/plan/): the meta-device trace against what the real step measures at CPU sizes, its
 FLOPs against model.flops_per_token, and the command's output and one-line errors."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,13 @@ from pipeline.plan.trace import trace_step
 from pipeline.train.ds import build_optimizer
 
 B = 4
-OVR = ["model.vocab_size=8192", f"train.micro_batch_size={B}", f"train.global_batch_size={B}",
-       "train.grad_accum_steps=1", "train.precision=fp32"]
+OVR = [
+    "model.vocab_size=8192",
+    f"train.micro_batch_size={B}",
+    f"train.global_batch_size={B}",
+    "train.grad_accum_steps=1",
+    "train.precision=fp32",
+]
 
 
 def _measured(cfg):
@@ -44,7 +50,8 @@ def _measured(cfg):
 
     step()  # Adam's state exists, as after the bench's warm-up
     persistent = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
+        v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+    )
     peak = persistent + tensor_peak_mib(step) * 2**20
     counts = None
     if model.router is not None:
@@ -93,13 +100,16 @@ def test_planned_peak_under_activation_checkpointing_matches_the_measured_step(a
     from pipeline.model import looped
     from pipeline.train.ac import apply_ac
 
-    cfg = load_config("small/loopformer", OVR + ["model.vocab_size=256", "model.block_size=256",
-                                                  f"train.activation_checkpointing={ac}"])
+    cfg = load_config(
+        "small/loopformer",
+        OVR + ["model.vocab_size=256", "model.block_size=256", f"train.activation_checkpointing={ac}"],
+    )
     init = looped.LoopedLM.__init__
 
     def checkpointed(self, c):  # the model _measured builds, checkpointed as the trainer does
         init(self, c)
         apply_ac(self, ac)
+
     monkeypatch.setattr(looped.LoopedLM, "__init__", checkpointed)
     peak, _, _ = _measured(cfg)
     monkeypatch.undo()
@@ -118,16 +128,32 @@ def test_router_depth_lowers_the_plan():
 
 def test_plan_command_json_and_sweep(tmp_path):
     out = tmp_path / "plan.json"
-    r = CliRunner().invoke(plan_cmd, ["tiny/t-loopformer", "--gpus", "2", "--gpu", "h100-80gb",
-                                      "train.micro_batch_size=2", "--json", str(out)])
+    r = CliRunner().invoke(
+        plan_cmd,
+        ["tiny/t-loopformer", "--gpus", "2", "--gpu", "h100-80gb", "train.micro_batch_size=2", "--json", str(out)],
+    )
     assert r.exit_code == 0, r.output
     assert "FITS" in r.output and "GPU-hours" in r.output
     p = json.loads(out.read_text())
     assert p["precision"] == "bf16" and p["grad_accum"] == 1 and p["memory"]["fits"]
     assert set(p["checkpointing_modes"]) == {"none", "loop", "layer"}
     assert p["memory"]["peak"] > p["memory"]["params"] + p["memory"]["optimizer"]
-    r = CliRunner().invoke(plan_cmd, ["tiny/t-loopformer", "--gpus", "1", "--gpu", "cpu", "--sweep", "zero=0,3",
-                                      "--sweep", "ac=none,layer", "--json", "-"])
+    r = CliRunner().invoke(
+        plan_cmd,
+        [
+            "tiny/t-loopformer",
+            "--gpus",
+            "1",
+            "--gpu",
+            "cpu",
+            "--sweep",
+            "zero=0,3",
+            "--sweep",
+            "ac=none,layer",
+            "--json",
+            "-",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads(r.output)["rows"]
     assert len(rows) == 4
@@ -135,14 +161,30 @@ def test_plan_command_json_and_sweep(tmp_path):
     assert by[(0, "layer")] < by[(0, "none")]
 
 
-@pytest.mark.parametrize("args, msg", [
-    (["tiny/t-loopformer", "--gpu", "v100"], "unknown GPU 'v100'"),
-    (["tiny/t-loopformer", "--gpus", "3", "--gpu", "cpu"], "not a multiple of train.micro_batch_size=4 x 3 GPUs"),
-    (["tiny/t-loopformer", "--sweep", "zero=5"], "zero=5 is not one of"),
-    (["tiny/t-loopformer", "train.nope=1"], "train.nope"),
-    (["tiny/base", "--gpus", "1", "--gpu", "cpu", "train.global_batch_size=1", "train.micro_batch_size=1",
-      "model.d_model=8192", "model.n_heads=64", "model.d_ff=32768"], "does not fit on cpu"),
-])
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["tiny/t-loopformer", "--gpu", "v100"], "unknown GPU 'v100'"),
+        (["tiny/t-loopformer", "--gpus", "3", "--gpu", "cpu"], "not a multiple of train.micro_batch_size=4 x 3 GPUs"),
+        (["tiny/t-loopformer", "--sweep", "zero=5"], "zero=5 is not one of"),
+        (["tiny/t-loopformer", "train.nope=1"], "train.nope"),
+        (
+            [
+                "tiny/base",
+                "--gpus",
+                "1",
+                "--gpu",
+                "cpu",
+                "train.global_batch_size=1",
+                "train.micro_batch_size=1",
+                "model.d_model=8192",
+                "model.n_heads=64",
+                "model.d_ff=32768",
+            ],
+            "does not fit on cpu",
+        ),
+    ],
+)
 def test_bad_input_is_one_line(args, msg):
     r = CliRunner().invoke(plan_cmd, args)
     assert r.exit_code != 0 and msg in r.output and "Traceback" not in r.output, r.output

@@ -8,6 +8,7 @@ state after the step.
 
 This file is also the worker script: `deepspeed --no_local_rank --num_gpus 2 tests/test_plan_zero.py OUT DATA TMP`.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,13 +51,22 @@ def held(engine, part: str) -> int:
     bucket), 'bucket' (ZeRO-2's ipg buffer), 'optimizer' (the fp32 master partition and AdamW's two moments)."""
     opt, params = engine.optimizer, list(engine.module.parameters())
     if part == "params":
-        return _bytes([p.data for p in params] + [getattr(p, "ds_tensor", None) for p in params]
-                      + _listed(opt, "bit16_groups_flat", "fp16_partitioned_groups_flat", "lp_param_buffer"))
+        return _bytes(
+            [p.data for p in params]
+            + [getattr(p, "ds_tensor", None) for p in params]
+            + _listed(opt, "bit16_groups_flat", "fp16_partitioned_groups_flat", "lp_param_buffer")
+        )
     if part == "grads":
-        return _bytes([p.grad for p in params] + _listed(opt, "averaged_gradients", "grads_in_partition",
-                                                         "grad_partitions_flat_buffer", "all_grad_tensors"))
+        return _bytes(
+            [p.grad for p in params]
+            + _listed(
+                opt, "averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer", "all_grad_tensors"
+            )
+        )
     if part == "bucket":
-        return _bytes(_listed(opt, "ipg_buffer") + _flat([getattr(b, "buffer", None) for b in _listed(opt, "ipg_buckets")]))
+        return _bytes(
+            _listed(opt, "ipg_buffer") + _flat([getattr(b, "buffer", None) for b in _listed(opt, "ipg_buckets")])
+        )
     moments = [v for st in opt.optimizer.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
     return _bytes(moments + _listed(opt, "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"))
 
@@ -70,10 +80,15 @@ def _before_reduction(engine) -> dict:
     def wrap(f):
         def wrapped(*a, **k):
             if not before:
-                before.update(grads=held(engine, "grads"), bucket=held(engine, "bucket"),
-                              full=sum(q.grad.numel() * q.grad.element_size()
-                                       for q in engine.module.parameters() if q.grad is not None))
+                before.update(
+                    grads=held(engine, "grads"),
+                    bucket=held(engine, "bucket"),
+                    full=sum(
+                        q.grad.numel() * q.grad.element_size() for q in engine.module.parameters() if q.grad is not None
+                    ),
+                )
             return f(*a, **k)
+
         return wrapped
 
     for name in ("independent_gradient_partition_epilogue", "overlapping_partition_gradients_reduce_epilogue"):
@@ -85,9 +100,19 @@ def _before_reduction(engine) -> dict:
 def _cfg(tmp: str, data: str, stage: int):
     from pipeline.config import load_config
 
-    return load_config("tiny/t-loopformer", TINY + DIST + [
-        f"data.dir={data}", f"checkpoint.dir={tmp}/z{stage}", f"train.zero_stage={stage}", "schedule.max_steps=1",
-        "checkpoint.interval=0", "train.eval_interval=0"])
+    return load_config(
+        "tiny/t-loopformer",
+        TINY
+        + DIST
+        + [
+            f"data.dir={data}",
+            f"checkpoint.dir={tmp}/z{stage}",
+            f"train.zero_stage={stage}",
+            "schedule.max_steps=1",
+            "checkpoint.interval=0",
+            "train.eval_interval=0",
+        ],
+    )
 
 
 def worker(out: str, data: str, tmp: str) -> None:
@@ -103,14 +128,23 @@ def worker(out: str, data: str, tmp: str) -> None:
         x, y = tr.loader.next()
         before = _before_reduction(engine)
         engine.backward(engine(x, y).loss)
-        r = {"grads_before_reduction": before.get("grads"), "grads_full": before.get("full"),
-             "grads": held(engine, "grads"), "bucket": held(engine, "bucket"), "bucket_before": before.get("bucket"),
-             "partition": sum(t.numel() * t.element_size() for t in _listed(engine.optimizer, "averaged_gradients")
-                              if t is not None)}
+        r = {
+            "grads_before_reduction": before.get("grads"),
+            "grads_full": before.get("full"),
+            "grads": held(engine, "grads"),
+            "bucket": held(engine, "bucket"),
+            "bucket_before": before.get("bucket"),
+            "partition": sum(
+                t.numel() * t.element_size() for t in _listed(engine.optimizer, "averaged_gradients") if t is not None
+            ),
+        }
         engine.step()
-        r.update(params=held(engine, "params"), optimizer=held(engine, "optimizer"),
-                 P=sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
-                 sizes=sorted(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()))
+        r.update(
+            params=held(engine, "params"),
+            optimizer=held(engine, "optimizer"),
+            P=sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
+            sizes=sorted(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
+        )
         res[stage] = r
     both = [None, None]
     torch.distributed.all_gather_object(both, res)
@@ -125,8 +159,14 @@ def test_planned_model_states_equal_what_deepspeed_holds_on_two_ranks(tmp_path):
 
     data = make_shards(tmp_path / "data", windows=4)
     out = tmp_path / "out.json"
-    p = subprocess.run(_launcher("--no_local_rank", __file__, str(out), str(data), str(tmp_path / "ck")),
-                       capture_output=True, text=True, timeout=600, env=clean_env(), cwd=tmp_path)
+    p = subprocess.run(
+        _launcher("--no_local_rank", __file__, str(out), str(data), str(tmp_path / "ck")),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(),
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
     both = json.loads(out.read_text())
     cfg = _cfg(str(tmp_path / "ck"), str(data), 1)
@@ -139,19 +179,31 @@ def test_planned_model_states_equal_what_deepspeed_holds_on_two_ranks(tmp_path):
             # each tensor to a multiple of N, so a rank's partition holds at most 2N elements more per tensor
             # (stage_1_and_2.py, stage3.py); at most 3 fp32 copies of a partition (master, exp_avg, exp_avg_sq)
             pad = 3 * 4 * 2 * 2 * len(r["sizes"])
-            want = {"params": plan["params"], "optimizer": plan["optimizer"],
-                    # gradients: ZeRO-1 holds the full gradients until the reduction at the end of backward (at
-                    # the accumulation boundary; as views into the reduction bucket), ZeRO-2/3 their partition
-                    "grads_full" if stage == 1 else "partition": plan["grads"]}
+            want = {
+                "params": plan["params"],
+                "optimizer": plan["optimizer"],
+                # gradients: ZeRO-1 holds the full gradients until the reduction at the end of backward (at
+                # the accumulation boundary; as views into the reduction bucket), ZeRO-2/3 their partition
+                "grads_full" if stage == 1 else "partition": plan["grads"],
+            }
             for part, planned in want.items():
                 assert 0 <= r[part] - planned <= pad, (stage, rank, part, r[part], planned, pad)
             assert r["partition"] == r["optimizer"] // 3  # the reduced gradients fill the rank's fp32 partition
             # the reduction buffers ZeRO-1/2/3 allocate whole (reduce_bucket_size elements, two with overlap_comm):
             # ZeRO-1/2 during backward (released after the reduction), ZeRO-3 from its construction on
             bucket = max(r["bucket"], r["bucket_before"] or 0)
-            assert bucket == plan["reduce_buffers"], (stage, rank, r["bucket"], r["bucket_before"], plan["reduce_buffers"])
-            print(f"ZeRO-{stage} rank {rank}: " + ", ".join(f"{k} {r[k]} (planned {v:.0f})" for k, v in want.items())
-                  + f"; reduction bucket {r['bucket_before']}")
+            assert bucket == plan["reduce_buffers"], (
+                stage,
+                rank,
+                r["bucket"],
+                r["bucket_before"],
+                plan["reduce_buffers"],
+            )
+            print(
+                f"ZeRO-{stage} rank {rank}: "
+                + ", ".join(f"{k} {r[k]} (planned {v:.0f})" for k, v in want.items())
+                + f"; reduction bucket {r['bucket_before']}"
+            )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """prep-data from an unreachable Hub fails fast and cleanly: a whole message (its reason shortened at a word
 boundary, never mid-word), no progress bar drawn, and nothing left behind (no manifest.json or .lock that would
 make the next command refuse the directory)."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,14 @@ REPO = Path(__file__).resolve().parent.parent
 def _prep(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(HF_ENDPOINT="http://127.0.0.1:9", PYTHONPATH=str(REPO))  # nothing listens on port 9
-    return subprocess.run([sys.executable, "-m", "data_prep", "prep-data", *args], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "data_prep", "prep-data", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
 
 
 def test_unreachable_hub_leaves_nothing_behind(tmp_path):

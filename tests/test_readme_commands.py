@@ -3,6 +3,7 @@ its `deepspeed ... $(which tlf) train ...` / `--module pipeline.train` lines) na
 exist (Click's own parameters, as `--help` shows them), presets and config keys that exist, and paths one command
 writes where the next reads them; the same data set is prepared with the same options everywhere; a few cheap ones
 run for real, as written, in a fresh directory."""
+
 from __future__ import annotations
 
 import re
@@ -35,8 +36,11 @@ def readme_commands() -> list[tuple[int, list[str]]]:
                 i += 1
                 ln = ln.rstrip()[:-1] + " " + lines[i].strip()
             ln = re.sub(r"\[(--[^\]]*)\]", r"\1", ln)
-            m = (re.match(r"\s*tlf\s+(.*)", ln) or re.search(r"\$\(which tlf\)\s+(.*)", ln)
-                 or re.search(r"--module pipeline\.train\s+(.*)", ln))
+            m = (
+                re.match(r"\s*tlf\s+(.*)", ln)
+                or re.search(r"\$\(which tlf\)\s+(.*)", ln)
+                or re.search(r"--module pipeline\.train\s+(.*)", ln)
+            )
             if m:
                 toks = shlex.split(m.group(1), comments=True)
                 cut = next((k for k, t in enumerate(toks) if t in (">", "&&", "|", ";")), len(toks))
@@ -137,8 +141,9 @@ def test_paths_one_command_writes_are_what_the_next_reads():
 def test_each_data_set_is_prepared_the_same_way_everywhere():
     _, data, _ = _written_and_read()
     for out, uses in data.items():
-        assert len({tuple(a) for _, a in uses}) == 1, f"{out} is prepared differently at README lines " \
-                                                      f"{[n for n, _ in uses]}"
+        assert len({tuple(a) for _, a in uses}) == 1, (
+            f"{out} is prepared differently at README lines {[n for n, _ in uses]}"
+        )
 
 
 def _run(argv: list[str]):

@@ -10,6 +10,7 @@ only by the order of fp32 sums.
 
 This file is also the worker script: `deepspeed --no_local_rank --num_gpus 2 tests/test_reshard.py OUT DATA TMP`.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,18 @@ RTOL = 1e-5  # fp32 reduction order (measured: see docs/design.md)
 
 def _args(tmp: str, d: str, data: str, stage: int, *extra: str) -> list[str]:
     return TINY + [
-        "train.micro_batch_size=2", "train.global_batch_size=4", f"data.dir={data}", f"checkpoint.dir={tmp}/{d}",
-        f"train.zero_stage={stage}", "schedule.max_steps=4", "checkpoint.interval=2", "checkpoint.keep_last=3",
-        "train.eval_interval=0", "train.deterministic=true", *extra]
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        f"data.dir={data}",
+        f"checkpoint.dir={tmp}/{d}",
+        f"train.zero_stage={stage}",
+        "schedule.max_steps=4",
+        "checkpoint.interval=2",
+        "checkpoint.keep_last=3",
+        "train.eval_interval=0",
+        "train.deterministic=true",
+        *extra,
+    ]
 
 
 def _cfg(tmp: str, d: str, data: str, stage: int, *extra: str):
@@ -56,8 +66,10 @@ def _runs(tmp: str, data: str, world: str, fresh: int | None, resume: int | None
     other = "one" if world == "two" else "two"
     out = {}
     for s in STAGES[world] if fresh else ():
-        out[f"{world}{s}"] = {"loss": run(_cfg(tmp, f"{world}{s}", data, s, f"train.grad_accum_steps={fresh}")).losses,
-                              "pos": _position(tmp, f"{world}{s}")}
+        out[f"{world}{s}"] = {
+            "loss": run(_cfg(tmp, f"{world}{s}", data, s, f"train.grad_accum_steps={fresh}")).losses,
+            "pos": _position(tmp, f"{world}{s}"),
+        }
     pairs = {s: t for a, b in PAIRS.items() for s, t in ((a, b), (b, a)) if s in STAGES[other]}
     for s, t in pairs.items() if resume else ():
         src = f"{tmp}/{other}{s}/global_step2"
@@ -98,8 +110,14 @@ def test_resume_one_rank_on_two_and_two_on_one_zero_0_1_2_3_with_stage_changes(t
     tmp = str(tmp_path)
     one = _runs(tmp, str(data), "one", 2, None)  # no 2-rank checkpoints yet
     out = tmp_path / "two.json"
-    p = subprocess.run(_launcher("--no_local_rank", __file__, str(out), str(data), tmp), capture_output=True,
-                       text=True, timeout=600, env=clean_env(), cwd=tmp_path)
+    p = subprocess.run(
+        _launcher("--no_local_rank", __file__, str(out), str(data), tmp),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(),
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
     two = json.loads(out.read_text())
     back = _runs(tmp, str(data), "one", None, 1)  # on the 2-rank command line (accum 1): it adapts to 2
@@ -115,12 +133,27 @@ def test_resume_one_rank_on_two_and_two_on_one_zero_0_1_2_3_with_stage_changes(t
     from pipeline.train import cli
 
     monkeypatch.setattr(cli, "_exit", lambda code: sys.exit(code))
-    r = CliRunner().invoke(main, ["train", "tiny/base-loop", *_args(tmp, "cli", str(data), 1, "train.grad_accum_steps=1",
-                                                                     "schedule.max_steps=3",
-                                                                     f"checkpoint.resume={tmp}/two2/global_step2")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "tiny/base-loop",
+            *_args(
+                tmp,
+                "cli",
+                str(data),
+                1,
+                "train.grad_accum_steps=1",
+                "schedule.max_steps=3",
+                f"checkpoint.resume={tmp}/two2/global_step2",
+            ),
+        ],
+    )
     assert r.exit_code == 0, r.output
-    assert "resuming a checkpoint of 2 ranks under ZeRO-2 on 1 ranks under ZeRO-1: global batch 4 = micro-batch 2 x " \
-           "grad-accum 2 x 1 ranks" in r.output, r.output
+    assert (
+        "resuming a checkpoint of 2 ranks under ZeRO-2 on 1 ranks under ZeRO-1: global batch 4 = micro-batch 2 x "
+        "grad-accum 2 x 1 ranks" in r.output
+    ), r.output
     worst = max(_check(one), _check(two))
     print(f"max relative loss difference after a resume on another world size/stage: {worst:.2e}")
 

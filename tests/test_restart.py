@@ -6,6 +6,7 @@ losses after the resume and the final weights bit-equal to an uninterrupted run 
 
 This file is also the worker script: `torchrun --standalone --nproc-per-node 2 tests/test_restart.py OUT DATA CKPT [KILL_MICRO]`.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,22 @@ def worker(out: str, data: str, ck: str, kill: str = "-1") -> None:
             return orig(self)
 
         TrainLoader.next = nxt
-    res = run(load_config("tiny/t-loopformer", TINY + [
-        "train.micro_batch_size=2", "train.global_batch_size=4", f"data.dir={data}", f"checkpoint.dir={ck}",
-        f"schedule.max_steps={STEPS}", "checkpoint.interval=2", "train.eval_interval=0", "train.deterministic=true"]))
+    res = run(
+        load_config(
+            "tiny/t-loopformer",
+            TINY
+            + [
+                "train.micro_batch_size=2",
+                "train.global_batch_size=4",
+                f"data.dir={data}",
+                f"checkpoint.dir={ck}",
+                f"schedule.max_steps={STEPS}",
+                "checkpoint.interval=2",
+                "train.eval_interval=0",
+                "train.deterministic=true",
+            ],
+        )
+    )
     if os.environ["RANK"] == "0":
         Path(out, f"attempt{attempt}.json").write_text(json.dumps({"start": res.start_step, "losses": res.losses}))
     _exit(0)
@@ -49,8 +63,21 @@ def _torchrun(out: Path, data: Path, ck: Path, *extra: str) -> subprocess.Comple
     out.mkdir()
     # --standalone: a c10d rendezvous on a free local port, a fresh round per restart (a static --master-port
     # rendezvous hands the restarted gloo ranks the dead attempt's addresses: "connectFullMesh failed")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
-           __file__, str(out), str(data), str(ck), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        __file__,
+        str(out),
+        str(data),
+        str(ck),
+        *extra,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env(), cwd=out)
 
 

@@ -1,5 +1,6 @@
 """evaluation/results.py: results.json round-trips, the MLflow keys flatten and read back to the same structure
 (tests/test_compare.py: compare gives the same tables from a run's metrics as from its results.json artifact)."""
+
 import copy
 import json
 
@@ -16,20 +17,53 @@ def _task(acc, norm=None):
 
 def results_fixture() -> R.Results:
     def budget(M, scale):
-        return {"loops": M, "effective_loops": M,
-                "tasks": {"copa": _task(0.5 * scale), "piqa": _task(0.6 * scale, 0.7 * scale),
-                          "lambada_openai": {**_task(0.3 * scale), "perplexity": 80.0 / scale, "note": "n"}},
-                "avg_acc": 0.123 * scale, "avg_acc_tasks": 3,
-                "perplexity": [{"set": s, "ppl": 40.0 / scale + i, "mean_nll": 3.5 - scale + i, "tokens": 512,
-                                "dir": f"data/{s}", "split": "val", "context": 64, "stride": 0, "protocol": "p"}
-                               for i, s in enumerate(("demo", "demo-enwiki"))],
-                "depth": {"mean": 1.0 + scale, "share": [0.1 * scale, 0.5, 0.4 - 0.1 * scale][:M],
-                          "ppl": [10.0] * M, "set": "demo", "chart": f"depth_M{M}.png"},
-                "latency": {"ttft_ms": {"31": 2.0 * M}, "tpot_ms": {"1": 0.5 * M, "2": 0.7 * M},
-                            "decode_mean_depth": 1.5, "protocol": "median"},
-                "timing_s": {"copa": 0.1}}
-    return {"model": {"variant": "t-loopformer", "n_layers": 2, "loops": 3, "router": True}, "table_metric": "acc",
-            "ppl_sets": ["demo", "demo-enwiki"], "budgets": [budget(2, 1.0), budget(3, 1.1)], "limit": 40}
+        return {
+            "loops": M,
+            "effective_loops": M,
+            "tasks": {
+                "copa": _task(0.5 * scale),
+                "piqa": _task(0.6 * scale, 0.7 * scale),
+                "lambada_openai": {**_task(0.3 * scale), "perplexity": 80.0 / scale, "note": "n"},
+            },
+            "avg_acc": 0.123 * scale,
+            "avg_acc_tasks": 3,
+            "perplexity": [
+                {
+                    "set": s,
+                    "ppl": 40.0 / scale + i,
+                    "mean_nll": 3.5 - scale + i,
+                    "tokens": 512,
+                    "dir": f"data/{s}",
+                    "split": "val",
+                    "context": 64,
+                    "stride": 0,
+                    "protocol": "p",
+                }
+                for i, s in enumerate(("demo", "demo-enwiki"))
+            ],
+            "depth": {
+                "mean": 1.0 + scale,
+                "share": [0.1 * scale, 0.5, 0.4 - 0.1 * scale][:M],
+                "ppl": [10.0] * M,
+                "set": "demo",
+                "chart": f"depth_M{M}.png",
+            },
+            "latency": {
+                "ttft_ms": {"31": 2.0 * M},
+                "tpot_ms": {"1": 0.5 * M, "2": 0.7 * M},
+                "decode_mean_depth": 1.5,
+                "protocol": "median",
+            },
+            "timing_s": {"copa": 0.1},
+        }
+
+    return {
+        "model": {"variant": "t-loopformer", "n_layers": 2, "loops": 3, "router": True},
+        "table_metric": "acc",
+        "ppl_sets": ["demo", "demo-enwiki"],
+        "budgets": [budget(2, 1.0), budget(3, 1.1)],
+        "limit": 40,
+    }
 
 
 def test_file_round_trip_and_the_mlflow_keys(tmp_path):
@@ -54,8 +88,9 @@ def test_flatten_then_read_gives_the_measured_structure():
     for b in want["budgets"]:  # what MLflow carries: the numbers
         for k in ("effective_loops", "avg_acc_tasks", "timing_s"):
             del b[k]
-        b["tasks"] = {t: {k: float(v) for k, v in r.items() if isinstance(v, (int, float))}
-                      for t, r in b["tasks"].items()}
+        b["tasks"] = {
+            t: {k: float(v) for k, v in r.items() if isinstance(v, (int, float))} for t, r in b["tasks"].items()
+        }
         b["perplexity"] = [{k: p[k] for k in ("set", "ppl", "mean_nll", "tokens")} for p in b["perplexity"]]
         b["depth"] = {k: b["depth"][k] for k in ("mean", "share")}
         b["latency"].pop("protocol")
@@ -80,7 +115,9 @@ def test_run_record_and_bad_files(tmp_path):
     from pipeline.train.checkpoint import RunRecord, read_run_record
 
     assert read_run_record(tmp_path) is None
-    (tmp_path / "run.json").write_text(json.dumps({"mlflow_run_id": "a" * 32, "tracking_uri": "sqlite:///x", "step": 7}))
+    (tmp_path / "run.json").write_text(
+        json.dumps({"mlflow_run_id": "a" * 32, "tracking_uri": "sqlite:///x", "step": 7})
+    )
     assert read_run_record(tmp_path) == RunRecord("a" * 32, "sqlite:///x", 7)
     (tmp_path / "run.json").write_text("{not json")
     assert read_run_record(tmp_path) is None

@@ -1,4 +1,5 @@
 """Scoring that shares contexts (tree packing) against the unshared path and against unpacked forwards."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,13 @@ from helpers import perturbed_tiny, spread_router
 
 from bench.testkit import count_forwards
 
-CASES = [("tiny/t-loopformer", True), ("tiny/t-loopformer", False), ("tiny/loopformer", True),
-         ("tiny/loopformer", False), ("tiny/base", True)]
+CASES = [
+    ("tiny/t-loopformer", True),
+    ("tiny/t-loopformer", False),
+    ("tiny/loopformer", True),
+    ("tiny/loopformer", False),
+    ("tiny/base", True),
+]
 
 
 def model_for(name: str, gather_scatter: bool):
@@ -30,9 +36,24 @@ def requests(seed: int = 3) -> list[tuple[list[int], list[int]]]:
     r = lambda n: torch.randint(0, 50257, (n,), generator=g).tolist()
     c1, c2, c3, long1, long2 = r(12), r(30), r(5), r(80), r(60)
     one = r(1)
-    reqs = [(c1, one), (c1, r(3)), (c1, r(7)), (c1, r(1)), (c1, one), (c2, r(2)), (c2, r(5)), (c2, r(11)),
-            encode_pair("", " hello world"), encode_pair("", " hi"),
-            (long1, r(4)), (long1, r(4)), (long1, r(9)), (long2, r(3)), (long2, r(6)), (r(70), r(70))]
+    reqs = [
+        (c1, one),
+        (c1, r(3)),
+        (c1, r(7)),
+        (c1, r(1)),
+        (c1, one),
+        (c2, r(2)),
+        (c2, r(5)),
+        (c2, r(11)),
+        encode_pair("", " hello world"),
+        encode_pair("", " hi"),
+        (long1, r(4)),
+        (long1, r(4)),
+        (long1, r(9)),
+        (long2, r(3)),
+        (long2, r(6)),
+        (r(70), r(70)),
+    ]
     reqs += [(c3, r(20)) for _ in range(5)]  # 95 branch tokens after one prefix: more than one row
     lead = r(3)
     reqs += [(c2, lead + r(4)), (c2, lead[:1] + r(5)), (c2, lead + r(2))]  # shared leading tokens: one trie

@@ -1,6 +1,7 @@
 """The small helpers that exist once (issue 13): config machinery, files, device, launcher argv, memory, Hub probe,
 router spreading. Each is checked where it lives (that nobody re-implements them is kept by review and `duplicates`;
 the layering test checks only the direction of imports)."""
+
 import json
 import os
 import time
@@ -25,16 +26,20 @@ from pipeline.train.ds import strip_local_rank
 
 def test_one_config_machinery_for_both_configs(tmp_path):
     assert pconfig.ConfigError is configlib.ConfigError and pconfig.apply_overrides is configlib.apply_overrides
-    with pytest.raises(configlib.ConfigError, match=r"command line \(shard_tokns=5\): unknown config key "
-                                                     r"'shard_tokns' \(did you mean 'shard_tokens'\?\)"):
+    with pytest.raises(
+        configlib.ConfigError,
+        match=r"command line \(shard_tokns=5\): unknown config key "
+        r"'shard_tokns' \(did you mean 'shard_tokens'\?\)",
+    ):
         load_prep_config(values={"source": "demo", "out": str(tmp_path)}, overrides=["shard_tokns=5"])
     with pytest.raises(configlib.ConfigError, match=r"'train.seed' expects int, got 'x'"):
         load_config("tiny/t-loopformer", ["train.seed=x"])
 
 
 def test_write_json_is_atomic_and_plain(tmp_path):
-    p = write_json(tmp_path / "new" / "r.json", {"b": np.float32(0.5), "a": torch.tensor(3), "p": tmp_path},
-                   sort_keys=True)
+    p = write_json(
+        tmp_path / "new" / "r.json", {"b": np.float32(0.5), "a": torch.tensor(3), "p": tmp_path}, sort_keys=True
+    )
     text = p.read_text()
     assert json.loads(text) == {"a": 3, "b": 0.5, "p": str(tmp_path)} and text.index('"a"') < text.index('"b"')
     assert [q.name for q in p.parent.iterdir()] == ["r.json"]  # no temp file left behind
@@ -81,6 +86,7 @@ def test_hub_probe_offline_and_unreachable(monkeypatch):
     monkeypatch.delenv("HF_DATASETS_OFFLINE")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     from huggingface_hub import constants
+
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on port 9
     t = time.monotonic()
     why = hub_problem(2.0)

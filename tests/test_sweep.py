@@ -1,5 +1,6 @@
 """`tlf sweep`: the plan for all eight variants (seven trainings: naive-loop-ee reads the base-loop checkpoint),
 the orchestrator it shares with the demo, and a real (tiny) sweep end to end."""
+
 import numpy as np
 from click.testing import CliRunner
 
@@ -12,20 +13,38 @@ TRAINED = [v for v in VARIANTS if v != "naive-loop-ee"]
 
 
 def test_sweep_prints_every_launch_command():
-    r = CliRunner().invoke(main, ["sweep", "paper", "--print", "--launcher", "deepspeed --num_gpus 8 --hostfile hosts",
-                                  "--eval-args", "--loops 2,4,8", "train.zero_stage=2"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "sweep",
+            "paper",
+            "--print",
+            "--launcher",
+            "deepspeed --num_gpus 8 --hostfile hosts",
+            "--eval-args",
+            "--loops 2,4,8",
+            "train.zero_stage=2",
+        ],
+    )
     assert r.exit_code == 0, r.output
     lines = r.output.strip().splitlines()
     assert len(lines) == len(TRAINED) + len(VARIANTS) + 1
     for v, line in zip(TRAINED, lines):
-        assert line == (f"deepspeed --num_gpus 8 --hostfile hosts $(which tlf) train paper/{v} "
-                        f"checkpoint.dir=runs/sweep-paper/checkpoints/{v} logging.experiment=sweep-paper train.zero_stage=2")
-    evals = lines[len(TRAINED):-1]
-    assert evals[0].startswith("tlf eval runs/sweep-paper/checkpoints/base --out runs/sweep-paper/eval/base --loops 2,4,8")
+        assert line == (
+            f"deepspeed --num_gpus 8 --hostfile hosts $(which tlf) train paper/{v} "
+            f"checkpoint.dir=runs/sweep-paper/checkpoints/{v} logging.experiment=sweep-paper train.zero_stage=2"
+        )
+    evals = lines[len(TRAINED) : -1]
+    assert evals[0].startswith(
+        "tlf eval runs/sweep-paper/checkpoints/base --out runs/sweep-paper/eval/base --loops 2,4,8"
+    )
     assert [e.split()[2].rsplit("/", 1)[1] for e in evals] == [
-        "base-loop" if v == "naive-loop-ee" else v for v in VARIANTS]  # each variant's trained checkpoint
-    assert ("tlf eval runs/sweep-paper/checkpoints/base-loop --variant naive-loop-ee --out runs/sweep-paper/eval/"
-            "naive-loop-ee --loops 2,4,8") in r.output
+        "base-loop" if v == "naive-loop-ee" else v for v in VARIANTS
+    ]  # each variant's trained checkpoint
+    assert (
+        "tlf eval runs/sweep-paper/checkpoints/base-loop --variant naive-loop-ee --out runs/sweep-paper/eval/"
+        "naive-loop-ee --loops 2,4,8"
+    ) in r.output
     assert lines[-1] == "tlf compare --experiment sweep-paper --out runs/sweep-paper/compare"
 
 
@@ -34,22 +53,30 @@ def test_naive_loop_ee_alone_still_trains_base_loop_once():
     assert r.exit_code == 0, r.output
     lines = r.output.strip().splitlines()
     assert [x for x in lines if " train " in x] == [
-        "tlf train tiny/base-loop checkpoint.dir=runs/sweep-tiny/checkpoints/base-loop logging.experiment=sweep-tiny"]
+        "tlf train tiny/base-loop checkpoint.dir=runs/sweep-tiny/checkpoints/base-loop logging.experiment=sweep-tiny"
+    ]
     assert [x.split(" --out ")[0] for x in lines if " eval " in x] == [
         "tlf eval runs/sweep-tiny/checkpoints/base-loop --variant naive-loop-ee",
-        "tlf eval runs/sweep-tiny/checkpoints/base-loop"]
+        "tlf eval runs/sweep-tiny/checkpoints/base-loop",
+    ]
 
 
 def test_demo_and_sweep_run_through_the_one_orchestrator(monkeypatch, tmp_path):
     plans = []
     monkeypatch.setattr(orchestrate, "run", lambda stages, announce, fail: plans.append(stages) or [])
-    r = CliRunner().invoke(main, ["sweep", "tiny", "--variants", "base-loop,naive-loop-ee", "--out", str(tmp_path / "sw")])
+    r = CliRunner().invoke(
+        main, ["sweep", "tiny", "--variants", "base-loop,naive-loop-ee", "--out", str(tmp_path / "sw")]
+    )
     assert r.exit_code == 0, r.output
     demo.main(["--variants", "base-loop,naive-loop-ee", "--work", str(tmp_path / "demo")])
     (sweep, shown) = plans
     for stages, scale in ((sweep, "tiny"), (shown[2:], "small")):  # the demo first makes its two data sets
-        assert [s.title for s in stages] == [f"train {scale}/base-loop", f"eval {scale}/base-loop",
-                                             f"eval {scale}/naive-loop-ee (the base-loop checkpoint)", "compare"]
+        assert [s.title for s in stages] == [
+            f"train {scale}/base-loop",
+            f"eval {scale}/base-loop",
+            f"eval {scale}/naive-loop-ee (the base-loop checkpoint)",
+            "compare",
+        ]
         assert [s.args[0] for s in stages] == ["train", "eval", "eval", "compare"]
     assert [s.args[0] for s in shown[:2]] == ["prep-data", "prep-data"]
 
@@ -68,9 +95,24 @@ def test_tiny_sweep_runs_end_to_end(tmp_path, monkeypatch):
     write_shard(tmp_path / "shards" / "t_train_000000.bin", rng.integers(0, 50256, 20000))
     write_shard(tmp_path / "shards" / "t_val_000000.bin", rng.integers(0, 50256, 4000))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    r = CliRunner().invoke(main, ["sweep", "tiny", "--variants", "t-loopformer", "--out", "sw", "--tracking-uri", uri,
-                                  "--eval-args", "--tasks none --no-latency --ppl-tokens 512 --loops 2,4",
-                                  "schedule.max_steps=3", "train.eval_interval=0", f"data.dir={tmp_path / 'shards'}"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "sweep",
+            "tiny",
+            "--variants",
+            "t-loopformer",
+            "--out",
+            "sw",
+            "--tracking-uri",
+            uri,
+            "--eval-args",
+            "--tasks none --no-latency --ppl-tokens 512 --loops 2,4",
+            "schedule.max_steps=3",
+            "train.eval_interval=0",
+            f"data.dir={tmp_path / 'shards'}",
+        ],
+    )
     assert r.exit_code == 0, r.output
     md = (tmp_path / "sw" / "compare" / "compare.md").read_text()
     assert "t-loopformer (M=2)" in md and "t-loopformer (M=4)" in md

@@ -2,6 +2,7 @@
 the model (all |A_i| of a pass from one read) and one per optimizer step in the training loop. Counted with
 `bench.testkit.count_host_reads`, which records `.item()/.cpu()/.tolist()/float()/int()/bool()` calls made
 from tlf's own files: on a GPU each of those waits for the device's queue."""
+
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,14 @@ from pipeline.config import load_config
 from bench.testkit import count_host_reads
 from pipeline.model import LoopedLM
 
-MODEL = tuple(str(Path(__file__).resolve().parent.parent / "pipeline" / "model" / f)  # the forward's files
-              for f in ("looped.py", "layers.py", "router.py", "schedule.py", "head_loss.py"))
+MODEL = tuple(
+    str(Path(__file__).resolve().parent.parent / "pipeline" / "model" / f)  # the forward's files
+    for f in ("looped.py", "layers.py", "router.py", "schedule.py", "head_loss.py")
+)
 # the loop's files: trainer.py and validation.py (its sum_over_ranks is where the step's read happens)
-TRAINER = tuple(str(Path(__file__).resolve().parent.parent / "pipeline" / "train" / f)
-                for f in ("trainer.py", "validation.py"))
+TRAINER = tuple(
+    str(Path(__file__).resolve().parent.parent / "pipeline" / "train" / f) for f in ("trainer.py", "validation.py")
+)
 
 
 def _tiny(variant: str, *extra: str) -> LoopedLM:
@@ -23,12 +27,15 @@ def _tiny(variant: str, *extra: str) -> LoopedLM:
     return LoopedLM(load_config(f"tiny/{variant}", list(extra)).model)
 
 
-@pytest.mark.parametrize("variant,extra,expected", [
-    ("t-loopformer", (), 1),  # full + shortcut pass: one read of every loop's |A_i|
-    ("t-loopformer", ("model.gather_scatter=false",), 0),  # the dense oracle needs no sizes
-    ("loopformer", (), 0),  # no router: every token runs every loop
-    ("base-loop", (), 0),
-])
+@pytest.mark.parametrize(
+    "variant,extra,expected",
+    [
+        ("t-loopformer", (), 1),  # full + shortcut pass: one read of every loop's |A_i|
+        ("t-loopformer", ("model.gather_scatter=false",), 0),  # the dense oracle needs no sizes
+        ("loopformer", (), 0),  # no router: every token runs every loop
+        ("base-loop", (), 0),
+    ],
+)
 def test_one_host_read_per_forward_pass(variant, extra, expected):
     m = _tiny(variant, *extra).train()
     x, y = torch.randint(0, 100, (2, 16)), torch.randint(0, 100, (2, 16))
@@ -54,9 +61,17 @@ def test_training_loop_reads_once_per_optimizer_step(tmp_path, data):
 
     from pipeline.train.callbacks import PlannedMemory, default_callbacks
     from pipeline.train.trainer import Trainer
+
     steps, accum = 3, 2
-    cfg = tiny_cfg(tmp_path, data, f"schedule.max_steps={steps}", "train.eval_interval=0", "checkpoint.interval=0",
-                   f"train.grad_accum_steps={accum}", f"train.global_batch_size={2 * accum}")
+    cfg = tiny_cfg(
+        tmp_path,
+        data,
+        f"schedule.max_steps={steps}",
+        "train.eval_interval=0",
+        "checkpoint.interval=0",
+        f"train.grad_accum_steps={accum}",
+        f"train.global_batch_size={2 * accum}",
+    )
     with count_host_reads(TRAINER) as loop_reads, count_host_reads(MODEL) as model_reads:
         # the loop's reads only: PlannedMemory's one trace of the step before training (tlf plan) reads its own
         # depth map on the host once
@@ -70,6 +85,7 @@ def test_training_loop_reads_once_per_optimizer_step(tmp_path, data):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     from test_train import make_shards
+
     return make_shards(tmp_path_factory.mktemp("shards"), windows=10)
 
 
@@ -80,13 +96,18 @@ def test_step_meter_means_flags_and_padded_histograms(tmp_path):
 
     from pipeline.model.looped import LoopedLMOutput
     from pipeline.train.trainer import StepMeter
+
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     m = StepMeter(3, "cpu")
     for k, (loss, hist) in enumerate([(2.0, [0.5, 0.5]), (4.0, [0.2, 0.3, 0.5]), (float("nan"), [1.0])]):
-        out = LoopedLMOutput(logits=torch.zeros(1), depth=torch.zeros(1), loss=torch.tensor(loss),
-                             parts={"loss_L": torch.tensor(loss), "loss_router": torch.tensor(0.1 * (k + 1))},
-                             stats={"short/depth_hist": torch.tensor(hist), "full/mean_depth": torch.tensor(2.0)})
+        out = LoopedLMOutput(
+            logits=torch.zeros(1),
+            depth=torch.zeros(1),
+            loss=torch.tensor(loss),
+            parts={"loss_L": torch.tensor(loss), "loss_router": torch.tensor(0.1 * (k + 1))},
+            stats={"short/depth_hist": torch.tensor(hist), "full/mean_depth": torch.tensor(2.0)},
+        )
         m.add(out, k)
     m.grad_norm = torch.tensor(3.0)
     with count_host_reads() as reads:

@@ -3,6 +3,7 @@ restarted (started with the README's shared-server command, reached with a non-l
 the trainer before and after its first checkpoint (one MLflow entry per step, no run left RUNNING), the local
 metrics file that `tlf compare --run-dir` reads, and one-line errors for a dead server. Every kill and restart is
 triggered by something the programs report (a line, the metrics file, the store), never by elapsed time."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,13 @@ from tests.test_train import TINY, clean_env, make_shards
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-QUICK = [o for o in TINY if not o.startswith(("logging.mlflow", "schedule.max_steps", "train.log_interval",
-                                                "train.eval_interval", "checkpoint.interval"))]
+QUICK = [
+    o
+    for o in TINY
+    if not o.startswith(
+        ("logging.mlflow", "schedule.max_steps", "train.log_interval", "train.eval_interval", "checkpoint.interval")
+    )
+]
 QUICK += ["train.log_interval=1", "train.eval_interval=0", "logging.experiment=t"]
 
 
@@ -45,8 +51,9 @@ class Proc:
     """A child in its own process group whose stdout and stderr are collected by threads as they come."""
 
     def __init__(self, cmd, **kw) -> None:
-        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  start_new_session=True, **kw)
+        self.p = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw
+        )
         self.out, self.err = [], []
         for src, dst in ((self.p.stdout, self.out), (self.p.stderr, self.err)):
             threading.Thread(target=lambda s=src, d=dst: d.extend(iter(s.readline, "")), daemon=True).start()
@@ -67,9 +74,20 @@ class Proc:
 
 
 def train(tmp: Path, data: Path, uri: str, *extra: str) -> Proc:
-    return Proc([str(BIN / "tlf"), "train", "tiny/t-loopformer", *QUICK, f"data.dir={data}",
-                 f"checkpoint.dir={tmp / 'ck'}", f"logging.tracking_uri={uri}", *extra],
-                cwd=tmp, env=clean_env())
+    return Proc(
+        [
+            str(BIN / "tlf"),
+            "train",
+            "tiny/t-loopformer",
+            *QUICK,
+            f"data.dir={data}",
+            f"checkpoint.dir={tmp / 'ck'}",
+            f"logging.tracking_uri={uri}",
+            *extra,
+        ],
+        cwd=tmp,
+        env=clean_env(),
+    )
 
 
 def steps_in(path: Path) -> list[int]:
@@ -121,8 +139,11 @@ def test_kills_leave_one_entry_per_step_and_no_run_running(tmp_path, data):
 
 
 def readme_server_command() -> str:
-    cmds = [ln for ln in (REPO / "README.md").read_text().splitlines() if ln.startswith("mlflow server ")
-            and "--allowed-hosts" in ln]
+    cmds = [
+        ln
+        for ln in (REPO / "README.md").read_text().splitlines()
+        if ln.startswith("mlflow server ") and "--allowed-hosts" in ln
+    ]
     assert len(cmds) == 1, cmds
     return cmds[0].split("  #")[0].strip()
 
@@ -190,13 +211,25 @@ def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data):
 
 def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, data):
     dead = f"http://127.0.0.1:{free_port()}"
-    p = subprocess.run([str(BIN / "tlf"), "compare", "--tracking-uri", dead, "--out", str(tmp_path / "c")],
-                       capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=300)
+    p = subprocess.run(
+        [str(BIN / "tlf"), "compare", "--tracking-uri", dead, "--out", str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=clean_env(),
+        timeout=300,
+    )
     assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert dead in p.stderr and "Traceback" not in p.stderr
     # the same from the environment variable, which a run with no tracking_uri honours too
-    p = subprocess.run([str(BIN / "tlf"), "compare", "--out", str(tmp_path / "c")], capture_output=True, text=True,
-                       cwd=tmp_path, env=clean_env(MLFLOW_TRACKING_URI=dead), timeout=300)
+    p = subprocess.run(
+        [str(BIN / "tlf"), "compare", "--out", str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=clean_env(MLFLOW_TRACKING_URI=dead),
+        timeout=300,
+    )
     assert p.returncode != 0 and dead in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
     # logging.mlflow=false: the metrics file alone, and tlf compare reads it
@@ -205,13 +238,34 @@ def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, da
     assert not (tmp_path / "mlflow.db").exists()
     # tlf eval: the dead server (from MLFLOW_TRACKING_URI, the checkpoint's logging.tracking_uri being empty) is
     # one line before the evaluation starts
-    p = subprocess.run([str(BIN / "tlf"), "eval", str(tmp_path / "ck"), "--tasks", "none", "--no-ppl", "--no-latency",
-                        "--out", str(tmp_path / "e")], capture_output=True, text=True, cwd=tmp_path,
-                       env=clean_env(MLFLOW_TRACKING_URI=dead), timeout=300)
+    p = subprocess.run(
+        [
+            str(BIN / "tlf"),
+            "eval",
+            str(tmp_path / "ck"),
+            "--tasks",
+            "none",
+            "--no-ppl",
+            "--no-latency",
+            "--out",
+            str(tmp_path / "e"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=clean_env(MLFLOW_TRACKING_URI=dead),
+        timeout=300,
+    )
     assert p.returncode == 1 and dead in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "Traceback" not in p.stderr
-    p = subprocess.run([str(BIN / "tlf"), "compare", "--run-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "c")],
-                       capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=300)
+    p = subprocess.run(
+        [str(BIN / "tlf"), "compare", "--run-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=clean_env(),
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     assert "t-loopformer" in p.stdout and "Table 3" in p.stdout
     assert (tmp_path / "c" / "loss_curves.png").is_file()

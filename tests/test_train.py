@@ -1,5 +1,6 @@
 """Training in one process (world size 1, gloo): DeepSpeed config, schedule, loader, checkpoints, bit-exact resume,
 signals, faults (NaN, full disk, killed save), MLflow. The 2-rank launcher tests are in test_train_dist.py."""
+
 from __future__ import annotations
 
 import errno
@@ -11,7 +12,9 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("DS_BUILD_OPS", "0")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "torch_extensions"))
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "torch_extensions")
+)
 
 import numpy as np
 import pytest
@@ -24,7 +27,6 @@ REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 
-
 RUN_FILES = {"metrics.jsonl", "tracking.json"}  # the run's metrics spool and MLflow pointer, beside the checkpoints
 
 
@@ -35,15 +37,37 @@ def checkpoint_names(root) -> list[str]:
 
 def clean_env(**extra) -> dict:
     """The environment for a child process, without the process-group variables an in-process run has set."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     return {**env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **extra}
 
+
 # A model small enough that a step takes milliseconds on CPU (the vocabulary is what makes tiny/* slow).
-TINY = ["model.vocab_size=512", "model.block_size=32", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
-        "model.n_layers=2", "model.loops=3", "model.fourier_dim=16", "train.micro_batch_size=2",
-        "train.global_batch_size=2", "schedule.warmup_steps=2", "schedule.max_steps=8", "train.eval_interval=4",
-        "train.eval_batches=2", "train.log_interval=4", "checkpoint.interval=4", "checkpoint.keep_last=2",
-        "optim.lr=1e-2", "logging.mlflow=false", "train.device=cpu"]
+TINY = [
+    "model.vocab_size=512",
+    "model.block_size=32",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.d_ff=64",
+    "model.n_layers=2",
+    "model.loops=3",
+    "model.fourier_dim=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "schedule.warmup_steps=2",
+    "schedule.max_steps=8",
+    "train.eval_interval=4",
+    "train.eval_batches=2",
+    "train.log_interval=4",
+    "checkpoint.interval=4",
+    "checkpoint.keep_last=2",
+    "optim.lr=1e-2",
+    "logging.mlflow=false",
+    "train.device=cpu",
+]
 
 
 def make_shards(directory: Path, windows: int, seq_len: int = 32, seed: int = 0, vocab: int = 512) -> Path:
@@ -78,12 +102,23 @@ def test_ds_config_is_built_from_train_config(tmp_path):
     from pipeline.train.ds import build_ds_config
 
     for stage in range(4):
-        cfg = load_config("tiny/t-loopformer", [f"train.zero_stage={stage}", "train.micro_batch_size=3",
-                                                "train.grad_accum_steps=2", "train.global_batch_size=12",
-                                                "optim.grad_clip=0.5"])
+        cfg = load_config(
+            "tiny/t-loopformer",
+            [
+                f"train.zero_stage={stage}",
+                "train.micro_batch_size=3",
+                "train.grad_accum_steps=2",
+                "train.global_batch_size=12",
+                "optim.grad_clip=0.5",
+            ],
+        )
         ds = build_ds_config(cfg, world_size=2, precision="bf16" if stage % 2 else "fp32")
         assert ds["zero_optimization"]["stage"] == stage
-        assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (12, 3, 2)
+        assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+            12,
+            3,
+            2,
+        )
         assert ds["gradient_clipping"] == 0.5 and ds["bf16"]["enabled"] == bool(stage % 2)
         assert "optimizer" not in ds and "scheduler" not in ds
     with pytest.raises(ConfigError) as e:
@@ -125,7 +160,8 @@ def test_param_groups_decay_matrices_only():
     assert opt.param_groups[0]["weight_decay"] == cfg.optim.weight_decay and opt.param_groups[1]["weight_decay"] == 0
     assert "wte.weight" in plain and "wpe.weight" in plain and not any(n.startswith(("wte", "wpe")) for n in decay)
     assert all(model.get_parameter(n).dim() >= 2 for n in decay) and all(
-        model.get_parameter(n).dim() < 2 for n in plain - {"wte.weight", "wpe.weight"})
+        model.get_parameter(n).dim() < 2 for n in plain - {"wte.weight", "wpe.weight"}
+    )
 
 
 def test_optimizer_implementation(monkeypatch):
@@ -158,7 +194,9 @@ def test_optimizer_implementation(monkeypatch):
 
     monkeypatch.setattr(torch.optim, "AdamW", no_fused)
     opt, w = step("auto")
-    assert not opt.defaults["fused"] and opt.defaults["foreach"] is False and torch.allclose(w, ref, rtol=1e-6, atol=1e-7)
+    assert (
+        not opt.defaults["fused"] and opt.defaults["foreach"] is False and torch.allclose(w, ref, rtol=1e-6, atol=1e-7)
+    )
     with pytest.raises(ConfigError, match="optim.implementation=fused"):
         step("fused")
 
@@ -169,8 +207,16 @@ def test_single_process_skips_the_identity_all_reduce(tmp_path, data):
     from pipeline.train.trainer import Trainer
 
     def weights(allreduce):
-        cfg = tiny_cfg(tmp_path / str(allreduce), data, "train.grad_accum_steps=2", "train.global_batch_size=4",
-                       "train.deterministic=true", "logging.mlflow=false", "checkpoint.interval=0", "train.eval_interval=0")
+        cfg = tiny_cfg(
+            tmp_path / str(allreduce),
+            data,
+            "train.grad_accum_steps=2",
+            "train.global_batch_size=4",
+            "train.deterministic=true",
+            "logging.mlflow=false",
+            "checkpoint.interval=0",
+            "train.eval_interval=0",
+        )
         t = Trainer.build(cfg, callbacks=[])
         assert t.engine.enable_backward_allreduce is False
         t.engine.enable_backward_allreduce = allreduce
@@ -263,8 +309,16 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch)
 def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
     from pipeline.train.trainer import run
 
-    extra = [f"model.router_recipe={recipe}", "train.zero_stage=2", "train.grad_accum_steps=2", "train.global_batch_size=4", "train.micro_batch_size=2",
-             "schedule.max_steps=6", "checkpoint.interval=3", "train.eval_interval=0"]
+    extra = [
+        f"model.router_recipe={recipe}",
+        "train.zero_stage=2",
+        "train.grad_accum_steps=2",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "schedule.max_steps=6",
+        "checkpoint.interval=3",
+        "train.eval_interval=0",
+    ]
     full = run(tiny_cfg(tmp_path / "a", data, *extra))
     part = run(tiny_cfg(tmp_path / "b", data, *extra, f"checkpoint.resume={tmp_path / 'a' / 'global_step3'}"))
     assert part.losses == full.losses[3:]
@@ -279,8 +333,18 @@ def test_budget_recipe_lands_on_its_target_depth(tmp_path, target):
     from pipeline.train.trainer import run
 
     data = make_shards(tmp_path / "data", windows=64)  # 2k tokens: nearly every id of the 512 is trained on
-    run(tiny_cfg(tmp_path / "run", data, "model.router_recipe=budget", f"model.router_target_depth={target}",
-                 "schedule.max_steps=40", "train.eval_interval=0", "checkpoint.interval=0", "train.log_interval=40"))
+    run(
+        tiny_cfg(
+            tmp_path / "run",
+            data,
+            "model.router_recipe=budget",
+            f"model.router_target_depth={target}",
+            "schedule.max_steps=40",
+            "train.eval_interval=0",
+            "checkpoint.interval=0",
+            "train.log_interval=40",
+        )
+    )
     model, cfg = load_model(tmp_path / "run")
     idx = torch.cat([x for x, _ in ValLoader(str(data), "val", 32, 8, 0, 1, 512).batches(1)])
     with torch.no_grad():
@@ -296,8 +360,14 @@ def test_mlflow_run_holds_params_metrics_and_tags(tmp_path, data):
     from pipeline.train.trainer import run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = tiny_cfg(tmp_path / "ck", data, "logging.mlflow=true", f"logging.tracking_uri={uri}",
-                   "logging.experiment=t", "schedule.max_steps=4")
+    cfg = tiny_cfg(
+        tmp_path / "ck",
+        data,
+        "logging.mlflow=true",
+        f"logging.tracking_uri={uri}",
+        "logging.experiment=t",
+        "schedule.max_steps=4",
+    )
     res = run(cfg)
     client = MlflowClient(uri)
     r = client.get_run(res.run_id)
@@ -308,15 +378,35 @@ def test_mlflow_run_holds_params_metrics_and_tags(tmp_path, data):
     hist = client.get_metric_history(res.run_id, "loss")
     assert [m.step for m in sorted(hist, key=lambda m: m.step)] == [1, 2, 3, 4]
     assert [m.value for m in sorted(hist, key=lambda m: m.step)] == res.losses
-    want = {"loss_L", "loss_S", "loss_align", "lr", "grad_norm", "tokens_per_s", "mem/peak_rss_gb", "val/loss",
-            "router/full/mean_depth", "router/full/depth_share_1", "router/short/mean_depth", "router/full/compute_ratio"}
+    want = {
+        "loss_L",
+        "loss_S",
+        "loss_align",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "mem/peak_rss_gb",
+        "val/loss",
+        "router/full/mean_depth",
+        "router/full/depth_share_1",
+        "router/short/mean_depth",
+        "router/full/compute_ratio",
+    }
     assert want <= set(r.data.metrics)
     assert r.data.metrics["lr"] == pytest.approx(3e-4 + 0.5 * (1e-2 - 3e-4) * (1 + np.cos(np.pi * (3 - 2) / (4 - 2))))
     assert r.data.metrics["tokens_per_s"] > 0 and "mfu" not in r.data.metrics  # CPU, no logging.peak_flops
     assert sum(r.data.metrics[f"router/full/depth_share_{i}"] for i in (1, 2, 3)) == pytest.approx(1.0)
     # resuming (a longer schedule) continues the same MLflow run
-    res2 = run(tiny_cfg(tmp_path / "ck", data, "logging.mlflow=true", f"logging.tracking_uri={uri}",
-                        "logging.experiment=t", "schedule.max_steps=6"))
+    res2 = run(
+        tiny_cfg(
+            tmp_path / "ck",
+            data,
+            "logging.mlflow=true",
+            f"logging.tracking_uri={uri}",
+            "logging.experiment=t",
+            "schedule.max_steps=6",
+        )
+    )
     assert res2.run_id == res.run_id and res2.start_step == 4
     assert sorted(m.step for m in client.get_metric_history(res.run_id, "loss")) == [1, 2, 3, 4, 5, 6]
 
@@ -390,8 +480,6 @@ def test_full_disk_during_save_leaves_previous_checkpoint(tmp_path, data, monkey
     assert checkpoint_names(root) == ["global_step2", "global_step3", "latest"]
 
 
-
-
 def test_killed_save_leaves_a_loadable_checkpoint(tmp_path, data):
     from pipeline.model.io import load_model
     from pipeline.train.trainer import run
@@ -399,8 +487,10 @@ def test_killed_save_leaves_a_loadable_checkpoint(tmp_path, data):
     root = tmp_path / "ck"
     args = TINY + [f"data.dir={data}", f"checkpoint.dir={root}", "checkpoint.interval=2"]
     from bench.faults import CHILD  # dies inside the save of step 4: DeepSpeed's files and the rank state written
-    p = subprocess.run([PY, "-c", CHILD, *args], capture_output=True, text=True, timeout=300,
-                       env=clean_env(KILL_IN_SAVE="4"))
+
+    p = subprocess.run(
+        [PY, "-c", CHILD, *args], capture_output=True, text=True, timeout=300, env=clean_env(KILL_IN_SAVE="4")
+    )
     assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
     assert (root / "latest").read_text() == "global_step2"
     assert checkpoint_names(root) == [".tmp-global_step4", "global_step2", "latest"]
@@ -412,14 +502,41 @@ def test_killed_save_leaves_a_loadable_checkpoint(tmp_path, data):
 
 def test_cli_errors_are_clear(tmp_path, data):
     env = clean_env(WORLD_SIZE="1")
-    p = subprocess.run([PY, "-m", "pipeline.train", "tiny/t-loopformer", "train.global_batch_size=8"],
-                       capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run(
+        [PY, "-m", "pipeline.train", "tiny/t-loopformer", "train.global_batch_size=8"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 2
-    assert "train.global_batch_size=8" in p.stderr and "train.micro_batch_size=4" in p.stderr and "world_size=1" in p.stderr
-    p = subprocess.run([PY, "-m", "pipeline.train", "tiny/t-loopformer", "train.bogus=1"], capture_output=True,
-                       text=True, timeout=120, env=clean_env())
+    assert (
+        "train.global_batch_size=8" in p.stderr
+        and "train.micro_batch_size=4" in p.stderr
+        and "world_size=1" in p.stderr
+    )
+    p = subprocess.run(
+        [PY, "-m", "pipeline.train", "tiny/t-loopformer", "train.bogus=1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(),
+    )
     assert p.returncode == 2 and "unknown config key 'train.bogus'" in p.stderr
-    p = subprocess.run([PY, "-m", "pipeline.train", "tiny/t-loopformer", *TINY, f"data.dir={tmp_path}/nothing",
-                        f"checkpoint.dir={tmp_path}/ck"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                       env=clean_env())
+    p = subprocess.run(
+        [
+            PY,
+            "-m",
+            "pipeline.train",
+            "tiny/t-loopformer",
+            *TINY,
+            f"data.dir={tmp_path}/nothing",
+            f"checkpoint.dir={tmp_path}/ck",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=clean_env(),
+    )
     assert p.returncode == 1 and "nothing: no 'train' shards" in p.stderr

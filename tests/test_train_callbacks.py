@@ -1,6 +1,7 @@
 """The Trainer and its callbacks (pipeline.train.trainer.Trainer, pipeline.train.callbacks): hooks in order,
 errors reach on_error and end the MLflow run FAILED, the MLflow keys, tags and console lines of a run stay
 those `tlf train` has always written, and the trainer plus its callbacks read the device once per step."""
+
 from __future__ import annotations
 
 import re
@@ -15,16 +16,50 @@ from test_train import make_shards, one_thread, tiny_cfg  # noqa: F401 (one_thre
 TRAIN = Path(__file__).resolve().parent.parent / "pipeline" / "train"
 
 # What a 2-step tiny t-loopformer run (budget recipe, one extra validation dir "x") logs: the keys of today.
-METRICS = {"epoch", "grad_norm", "loss", "loss_L", "loss_S", "loss_align", "loss_router", "lr", "mem/peak_rss_gb",
-           "mem/rss_gb", "router/balance_kl", "router/entropy", "router/full/active_tokens",
-           "router/full/compute_ratio", "router/full/depth_share_1", "router/full/depth_share_2",
-           "router/full/depth_share_3", "router/full/mean_depth", "router/short/active_tokens",
-           "router/short/compute_ratio", "router/short/depth_share_1", "router/short/depth_share_2",
-           "router/short/loops", "router/short/mean_depth", "router/soft_depth", "step_time_s", "tokens_per_s",
-           "val/loss", "val/x", "plan/predicted_peak_gb"}  # no mfu (nor plan/mfu) on CPU
-TAGS = {"variant": "t-loopformer", "preset": "tiny/t-loopformer", "scale": "tiny", "world_size": "1", "device": "cpu",
-        "precision": "fp32", "zero_stage": "0", "activation_checkpointing": "none", "compile": "False",
-        "final_step": "2"}
+METRICS = {
+    "epoch",
+    "grad_norm",
+    "loss",
+    "loss_L",
+    "loss_S",
+    "loss_align",
+    "loss_router",
+    "lr",
+    "mem/peak_rss_gb",
+    "mem/rss_gb",
+    "router/balance_kl",
+    "router/entropy",
+    "router/full/active_tokens",
+    "router/full/compute_ratio",
+    "router/full/depth_share_1",
+    "router/full/depth_share_2",
+    "router/full/depth_share_3",
+    "router/full/mean_depth",
+    "router/short/active_tokens",
+    "router/short/compute_ratio",
+    "router/short/depth_share_1",
+    "router/short/depth_share_2",
+    "router/short/loops",
+    "router/short/mean_depth",
+    "router/soft_depth",
+    "step_time_s",
+    "tokens_per_s",
+    "val/loss",
+    "val/x",
+    "plan/predicted_peak_gb",
+}  # no mfu (nor plan/mfu) on CPU
+TAGS = {
+    "variant": "t-loopformer",
+    "preset": "tiny/t-loopformer",
+    "scale": "tiny",
+    "world_size": "1",
+    "device": "cpu",
+    "precision": "fp32",
+    "zero_stage": "0",
+    "activation_checkpointing": "none",
+    "compile": "False",
+    "final_step": "2",
+}
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +116,19 @@ def test_callbacks_see_the_hooks_in_order_and_one_read_per_step(tmp_path, data):
         res = trainer.fit()
     assert len(reads) == 3, reads  # the step's one read; no callback reads the device
     per_step = lambda s: [("pre_step", s), ("post_step", s), ("log_metrics", s)]
-    assert rec.events == [("pre_train",), *per_step(1), ("end_step", 1),
-                          *per_step(2), ("post_checkpoint_saved", 2), ("end_step", 2),  # Checkpointer runs first
-                          *per_step(3), ("end_step", 3), ("post_checkpoint_saved", 3), ("post_train",),
-                          ("close", "FINISHED")]
+    assert rec.events == [
+        ("pre_train",),
+        *per_step(1),
+        ("end_step", 1),
+        *per_step(2),
+        ("post_checkpoint_saved", 2),
+        ("end_step", 2),  # Checkpointer runs first
+        *per_step(3),
+        ("end_step", 3),
+        ("post_checkpoint_saved", 3),
+        ("post_train",),
+        ("close", "FINISHED"),
+    ]
     assert res.step == 3 and res.checkpoint.endswith("global_step3")
 
 
@@ -105,13 +149,24 @@ def test_an_error_in_the_step_reaches_on_error_and_the_mlflow_run_fails(tmp_path
     monkeypatch.setattr(TrainLoader, "next", nxt)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     rec = Recorder()
-    cfg = tiny_cfg(tmp_path / "ck", data, "logging.mlflow=true", f"logging.tracking_uri={uri}", "logging.experiment=e",
-                   "train.eval_interval=0")
+    cfg = tiny_cfg(
+        tmp_path / "ck",
+        data,
+        "logging.mlflow=true",
+        f"logging.tracking_uri={uri}",
+        "logging.experiment=e",
+        "train.eval_interval=0",
+    )
     trainer = Trainer.build(cfg, default_callbacks() + [rec])
     with pytest.raises(RuntimeError, match="disk gone"):
         trainer.fit()
-    assert rec.events[-5:] == [("log_metrics", 1), ("end_step", 1), ("pre_step", 2),
-                               ("on_error", "RuntimeError", "disk gone"), ("close", "FAILED")]
+    assert rec.events[-5:] == [
+        ("log_metrics", 1),
+        ("end_step", 1),
+        ("pre_step", 2),
+        ("on_error", "RuntimeError", "disk gone"),
+        ("close", "FAILED"),
+    ]
     run = MlflowClient(uri).get_run(trainer.run_id)
     assert run.info.status == "FAILED" and run.data.tags["final_step"] == "1"
 
@@ -123,22 +178,37 @@ def test_mlflow_keys_tags_and_console_lines_are_unchanged(tmp_path, data, capsys
 
     extra = make_shards(tmp_path / "x", windows=4, seed=3)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    res = run(tiny_cfg(tmp_path / "ck", data, "logging.mlflow=true", f"logging.tracking_uri={uri}",
-                       "logging.experiment=k", "schedule.max_steps=2", "train.eval_interval=2",
-                       "model.router_recipe=budget", f"data.extra_val_dirs=[{extra}]"))
+    res = run(
+        tiny_cfg(
+            tmp_path / "ck",
+            data,
+            "logging.mlflow=true",
+            f"logging.tracking_uri={uri}",
+            "logging.experiment=k",
+            "schedule.max_steps=2",
+            "train.eval_interval=2",
+            "model.router_recipe=budget",
+            f"data.extra_val_dirs=[{extra}]",
+        )
+    )
     r = MlflowClient(uri).get_run(res.run_id)
     assert set(r.data.metrics) == METRICS
     assert {k: v for k, v in r.data.tags.items() if not k.startswith("mlflow.")} == {**TAGS, "tracking_uri": uri}
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[tlf]")]
     num = r"[\d.e+-]+"
-    want = [rf"\[tlf\] MLflow run {res.run_id} in experiment 'k' at {re.escape(uri)}",
-            rf"\[tlf\] tiny/t-loopformer: {num}M params, 1 rank\(s\) on cpu \(fp32, ZeRO-0\), global batch 2 x 32 "
-            rf"tokens, checkpoints in {re.escape(str(tmp_path / 'ck'))}",
-            rf"\[tlf\] plan: predicted peak {num} GiB per GPU \(tlf plan; ZeRO-0, activation checkpointing none, "
-            rf"micro-batch 2\)",
-            *[rf"\[tlf\] step {s}/2 \| loss {num} \(L {num} S {num} align {num}\) \| lr {num} \| gnorm {num} \| "
-              rf"[\d,]+ tok/s \| depth {num} \| 0:00:\d\d elapsed, ETA 0:00:\d\d" for s in (1, 2)],
-            rf"\[tlf\] checkpoint {re.escape(str(tmp_path / 'ck' / 'global_step2'))}"]
+    want = [
+        rf"\[tlf\] MLflow run {res.run_id} in experiment 'k' at {re.escape(uri)}",
+        rf"\[tlf\] tiny/t-loopformer: {num}M params, 1 rank\(s\) on cpu \(fp32, ZeRO-0\), global batch 2 x 32 "
+        rf"tokens, checkpoints in {re.escape(str(tmp_path / 'ck'))}",
+        rf"\[tlf\] plan: predicted peak {num} GiB per GPU \(tlf plan; ZeRO-0, activation checkpointing none, "
+        rf"micro-batch 2\)",
+        *[
+            rf"\[tlf\] step {s}/2 \| loss {num} \(L {num} S {num} align {num}\) \| lr {num} \| gnorm {num} \| "
+            rf"[\d,]+ tok/s \| depth {num} \| 0:00:\d\d elapsed, ETA 0:00:\d\d"
+            for s in (1, 2)
+        ],
+        rf"\[tlf\] checkpoint {re.escape(str(tmp_path / 'ck' / 'global_step2'))}",
+    ]
     want.insert(4, rf"\[tlf\] step 2: val/loss {num}, val/x {num}")
     assert len(lines) == len(want), lines
     for pat, line in zip(want, lines):

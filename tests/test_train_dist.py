@@ -3,6 +3,7 @@ with 2 ranks, and `tlf train` itself runs under the launcher (SIGTERM saves and 
 
 This file is also the worker script: `deepspeed --no_local_rank --num_gpus 2 tests/test_train_dist.py OUT DATA TMP`.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,15 +44,28 @@ def worker(out: str, data_rep: str, data_many: str, tmp: str) -> None:
         return load_config("tiny/t-loopformer", TINY + DIST + [f"data.dir={data}", f"checkpoint.dir={tmp}/{d}", *extra])
 
     for stage in (1, 2, 3):  # a tiny repeated batch (the split holds exactly one global batch): loss must fall
-        res = run(cfg(f"z{stage}", data_rep, f"train.zero_stage={stage}", "schedule.max_steps=10",
-                      "checkpoint.interval=0", "train.eval_interval=0"))
+        res = run(
+            cfg(
+                f"z{stage}",
+                data_rep,
+                f"train.zero_stage={stage}",
+                "schedule.max_steps=10",
+                "checkpoint.interval=0",
+                "train.eval_interval=0",
+            )
+        )
         result[f"z{stage}"] = res.losses
     for stage in (1, 3):  # bit-exact resume with 2 ranks
         extra = [f"train.zero_stage={stage}", "schedule.max_steps=6", "checkpoint.interval=3", "train.eval_interval=3"]
         full = run(cfg(f"full{stage}", data_many, *extra))
         part = run(cfg(f"part{stage}", data_many, *extra, f"checkpoint.resume={tmp}/full{stage}/global_step3"))
-        result[f"resume{stage}"] = {"full": full.losses, "part": part.losses, "full_val": full.val_losses[6],
-                                    "part_val": part.val_losses[6], "start": part.start_step}
+        result[f"resume{stage}"] = {
+            "full": full.losses,
+            "part": part.losses,
+            "full_val": full.val_losses[6],
+            "part_val": part.val_losses[6],
+            "start": part.start_step,
+        }
     st = torch.load(f"{tmp}/full1/global_step6/rank{rank}_state.pt", weights_only=False)
     result["rank_state"] = {"rank": st["rank"], "micro": st["loader"]["micro"]}
     all_results = [None, None]
@@ -76,8 +90,14 @@ def test_two_gloo_ranks_zero_1_2_3_learn_and_resume_bit_exact(tmp_path):
     many = make_shards(tmp_path / "many", windows=14, seed=1)
     out = tmp_path / "out.json"
     before = shm_buffers()
-    p = subprocess.run(_launcher("--no_local_rank", __file__, str(out), str(rep), str(many), str(tmp_path / "ck")),
-                       capture_output=True, text=True, timeout=600, env=clean_env(), cwd=tmp_path)
+    p = subprocess.run(
+        _launcher("--no_local_rank", __file__, str(out), str(rep), str(many), str(tmp_path / "ck")),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(),
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
     assert shm_buffers() <= before  # DeepSpeed's shared-memory all-reduce buffers do not outlive the run
     r0, r1 = json.loads(out.read_text())
@@ -103,14 +123,30 @@ def test_tlf_train_under_the_launcher_sigterm_then_module_resume(tmp_path):
 
     data = make_shards(tmp_path / "data", windows=20)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    common = TINY + DIST + [f"data.dir={data}", f"checkpoint.dir={tmp_path / 'ck'}", "train.zero_stage=2",
-                            "logging.mlflow=true", f"logging.tracking_uri={uri}", "train.log_interval=1",
-                            "checkpoint.interval=0", "train.eval_interval=0"]
+    common = (
+        TINY
+        + DIST
+        + [
+            f"data.dir={data}",
+            f"checkpoint.dir={tmp_path / 'ck'}",
+            "train.zero_stage=2",
+            "logging.mlflow=true",
+            f"logging.tracking_uri={uri}",
+            "train.log_interval=1",
+            "checkpoint.interval=0",
+            "train.eval_interval=0",
+        ]
+    )
     tlf = shutil.which("tlf", path=str(Path(PY).parent))
-    proc = subprocess.Popen(_launcher("--no_local_rank", tlf, "train", "tiny/t-loopformer", *common,
-                                      "schedule.max_steps=100000"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(), cwd=tmp_path,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        _launcher("--no_local_rank", tlf, "train", "tiny/t-loopformer", *common, "schedule.max_steps=100000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=clean_env(),
+        cwd=tmp_path,
+        start_new_session=True,
+    )
     lines = []
     deadline = time.time() + 400
     for line in proc.stdout:
@@ -139,6 +175,7 @@ def test_tlf_train_under_the_launcher_sigterm_then_module_resume(tmp_path):
     assert stop >= 3
     assert {p.name for p in (ck / f"global_step{stop}").glob("rank*_state.pt")} == {"rank0_state.pt", "rank1_state.pt"}
     from pipeline.train.checkpoint import damage, newest_intact
+
     assert newest_intact(ck) == ck / f"global_step{stop}" and damage(ck / f"global_step{stop}") is None
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("tlf").experiment_id])
@@ -146,9 +183,22 @@ def test_tlf_train_under_the_launcher_sigterm_then_module_resume(tmp_path):
     assert run.data.params["train.global_batch_size"] == "4"
 
     # the module form, resume auto, two more steps: exit 0 and the same MLflow run continues
-    p = subprocess.run(_launcher("--module", "pipeline.train", "tiny/t-loopformer", *common,
-                                 f"schedule.max_steps={stop + 2}", "--resume", "auto"),
-                       capture_output=True, text=True, timeout=400, env=clean_env(), cwd=tmp_path)
+    p = subprocess.run(
+        _launcher(
+            "--module",
+            "pipeline.train",
+            "tiny/t-loopformer",
+            *common,
+            f"schedule.max_steps={stop + 2}",
+            "--resume",
+            "auto",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=clean_env(),
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
     assert f"resumed from {ck / f'global_step{stop}'}" in p.stdout
     assert (ck / "latest").read_text() == f"global_step{stop + 2}"

@@ -1,4 +1,5 @@
 """Files a user may receive from elsewhere are loaded without unpickling arbitrary objects."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,6 +30,7 @@ def test_rank_state_loads_weights_only_and_a_trap_is_an_error_naming_the_file(tm
     import random
 
     import numpy as np
+
     got = (torch.rand(3), random.random(), np.random.random())
     ckpt.set_rng_state(state["rng"])
     assert torch.equal(got[0], torch.rand(3)) and got[1] == random.random() and got[2] == np.random.random()

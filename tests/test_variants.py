@@ -1,17 +1,21 @@
 """The variant table: every variant name is checked against the flags that define it (README "Presets")."""
+
 import pytest
 
 from pipeline.config import VARIANT_TABLE, VARIANTS, ConfigError, load_config, trained_variant
 
 
-@pytest.mark.parametrize("name,override,key", [
-    ("tiny/base-loop", "model.shortcut=true", "model.shortcut"),
-    ("tiny/loopformer", "model.router=true", "model.router"),
-    ("tiny/t-loopformer", "model.conditioning=time", "model.conditioning"),
-    ("tiny/tmlt-ee", "model.shortcut=false", "model.shortcut"),
-    ("tiny/base", "model.loops=2", "model.loops"),
-    ("tiny/naive-loop-ee", "model.conditioning=time_step", "model.conditioning"),
-])
+@pytest.mark.parametrize(
+    "name,override,key",
+    [
+        ("tiny/base-loop", "model.shortcut=true", "model.shortcut"),
+        ("tiny/loopformer", "model.router=true", "model.router"),
+        ("tiny/t-loopformer", "model.conditioning=time", "model.conditioning"),
+        ("tiny/tmlt-ee", "model.shortcut=false", "model.shortcut"),
+        ("tiny/base", "model.loops=2", "model.loops"),
+        ("tiny/naive-loop-ee", "model.conditioning=time_step", "model.conditioning"),
+    ],
+)
 def test_a_variant_name_that_contradicts_its_flags_is_a_one_line_error(name, override, key):
     with pytest.raises(ConfigError) as e:
         load_config(name, [override])

@@ -80,8 +80,17 @@ class TLFForCausalLM(TLFPreTrainedModel, GenerationMixin):
     def _logits(self, ids, M):  # (B, T) -> (B, T, V)
         return self.model(ids, loops=M).logits
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, loops=None, past_key_values=None,
-                use_cache=None, return_dict=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        labels=None,
+        loops=None,
+        past_key_values=None,
+        use_cache=None,
+        return_dict=None,
+        **kwargs,
+    ):
         M = loops or self.config.loops_budget or self.config.tlf_model["loops"]
         if attention_mask is None or bool(attention_mask.bool().all()):
             logits = self._logits(input_ids, M)
@@ -89,7 +98,7 @@ class TLFForCausalLM(TLFPreTrainedModel, GenerationMixin):
             keep = attention_mask.bool()  # (B, T)
             logits = None
             for b in range(input_ids.shape[0]):
-                row = self._logits(input_ids[b:b + 1, keep[b]], M)[0]  # (n_b, V)
+                row = self._logits(input_ids[b : b + 1, keep[b]], M)[0]  # (n_b, V)
                 if logits is None:
                     logits = row.new_zeros(*input_ids.shape, row.shape[-1])
                 logits[b, keep[b]] = row

@@ -14,6 +14,7 @@ Two exact layouts, one class:
 Tensors: K/V of loop i, layer j are (B, H, cap_i, hd); capacities grow by doubling. Lengths are kept
 both on the device (for masks) and on the host (for shapes and early exit, so a decode step syncs once).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import torch
 @dataclass
 class LoopView:
     """What one loop of one decode step needs, for the rows that run (or write) it."""
+
     rows: torch.Tensor | None  # (R,) batch rows, None = every row (no gather)
     slot: torch.Tensor  # (R,) where each row writes its new entry
     S: int  # entries to read (max over the rows, new entry included)
@@ -33,9 +35,19 @@ class LoopView:
 
 
 class RecursionKVCache:
-    def __init__(self, loops: int, layers: int, batch: int, heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, layout: str = "compact", mask_empty: bool = True,
-                 max_len: int | None = None):
+    def __init__(
+        self,
+        loops: int,
+        layers: int,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        layout: str = "compact",
+        mask_empty: bool = True,
+        max_len: int | None = None,
+    ):
         assert layout in ("compact", "slots"), layout
         self.M, self.J, self.B, self.H, self.hd = loops, layers, batch, heads, head_dim
         self.dtype, self.device, self.layout, self.mask_empty = dtype, torch.device(device), layout, mask_empty
@@ -72,8 +84,9 @@ class RecursionKVCache:
         self.cap[i] = cap
 
     # ------------------------------------------------------------------------------------ prefill
-    def prefill_store(self, i: int, j: int, k: torch.Tensor, v: torch.Tensor, order: torch.Tensor | None,
-                      n: np.ndarray, reserve: int) -> None:
+    def prefill_store(
+        self, i: int, j: int, k: torch.Tensor, v: torch.Tensor, order: torch.Tensor | None, n: np.ndarray, reserve: int
+    ) -> None:
         """Loop i (1-based), layer j of a prefill. k, v (B, H, Tm, hd) of the compacted active tokens (row
         b's first n[b] are real, the rest tail padding); order (B, Tm) their original positions (None:
         identity, no compaction)."""
@@ -86,7 +99,7 @@ class RecursionKVCache:
             return
         T = int(self.pos_host.max(initial=0))
         self._ensure(i0, T + reserve)
-        real = (torch.arange(Tm, device=self.device)[None] < torch.as_tensor(n, device=self.device)[:, None])
+        real = torch.arange(Tm, device=self.device)[None] < torch.as_tensor(n, device=self.device)[:, None]
         keep = real[:, None, :, None].to(k.dtype)  # padding never lands in a slot
         if order is None:
             order = torch.arange(Tm, device=self.device)[None].expand(self.B, Tm)
@@ -179,13 +192,19 @@ class RecursionKVCache:
 
     def nbytes(self) -> int:
         """Bytes allocated by all K/V tensors (capacity, i.e. the longest row of each loop, plus headroom)."""
-        return sum(t.numel() * t.element_size() for store in (self.k, self.v) for row in store for t in row
-                   if t is not None)
+        return sum(
+            t.numel() * t.element_size() for store in (self.k, self.v) for row in store for t in row if t is not None
+        )
 
     def memory(self) -> dict:
         """Entries (sum_i |A_i|), the dense M * T count it replaces, and bytes used and allocated."""
         per_entry = 2 * self.J * self.H * self.hd * torch.empty((), dtype=self.dtype).element_size()
         dense = self.M * int(self.pos_host.sum())
-        return {"entries": self.entries(), "entries_per_loop": self.entries_per_loop(), "dense_entries": dense,
-                "ratio_to_dense": self.entries() / dense if dense else 0.0,
-                "bytes_used": self.entries() * per_entry, "bytes_allocated": self.nbytes()}
+        return {
+            "entries": self.entries(),
+            "entries_per_loop": self.entries_per_loop(),
+            "dense_entries": dense,
+            "ratio_to_dense": self.entries() / dense if dense else 0.0,
+            "bytes_used": self.entries() * per_entry,
+            "bytes_allocated": self.nbytes(),
+        }

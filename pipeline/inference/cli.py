@@ -1,4 +1,5 @@
 """`tlf generate CHECKPOINT --prompt ...`: streams sampled text from an exported model (GPT-2 BPE)."""
+
 from __future__ import annotations
 
 import codecs
@@ -26,7 +27,8 @@ def _load_tokenizer():
     except Exception as e:  # noqa: BLE001 - any failure to find the BPE files is a usage problem here
         raise click.ClickException(
             f"GPT-2 tokenizer unavailable ({type(e).__name__}: {e}). Point TIKTOKEN_CACHE_DIR at the BPE files "
-            "(docs/design.md §4) or run `tlf prep-data` once to set them up.") from None
+            "(docs/design.md §4) or run `tlf prep-data` once to set them up."
+        ) from None
 
 
 class _Stream:
@@ -48,22 +50,31 @@ class _Stream:
 @click.command("generate")
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--prompt", "-p", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
-@click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(min=1),
-              help="Tokens to generate per prompt.")
+@click.option(
+    "--max-new-tokens",
+    "-n",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tokens to generate per prompt.",
+)
 @click.option("--temperature", "-t", default=1.0, show_default=True, help="Softmax temperature (0: greedy).")
 @click.option("--top-k", default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass (1: off).")
-@click.option("--loops", "-M", type=click.IntRange(min=1), default=None,
-              help="Loop budget M <= L (default: the training L).")
+@click.option(
+    "--loops", "-M", type=click.IntRange(min=1), default=None, help="Loop budget M <= L (default: the training L)."
+)
 @click.option("--threshold", type=float, default=None, help="Router threshold theta (default: the config's).")
 @click.option("--seed", type=int, default=None, help="Sampling seed (reproducible output).")
 @click.option("--show-depth", is_flag=True, help="Print every generated token with its loop count, as text[m].")
 @click.option("--stop/--no-stop", default=True, show_default=True, help="Stop a prompt at <|endoftext|>.")
 @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
-def generate(checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loops, threshold, seed, show_depth,
-             stop, device):
+def generate(
+    checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loops, threshold, seed, show_depth, stop, device
+):
     """Generate text from CHECKPOINT (an export dir, a checkpoint dir with model/, or a run dir)."""
     from pipeline.model.io import load_model
+
     try:
         dev = resolve_device(device, "--device", indexed=True)
     except ConfigError as e:
@@ -82,8 +93,16 @@ def generate(checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loo
         check_lengths([len(i) for i in ids], max_new_tokens, model.cfg.block_size)
     except ValueError as e:
         raise click.UsageError(f"--prompt: {e}") from None
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-              stop_token=EOT if stop else None, vocab_limit=enc.n_vocab, decoder=decoder)  # budget: the decoder's
+    kw = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop_token=EOT if stop else None,
+        vocab_limit=enc.n_vocab,
+        decoder=decoder,
+    )  # budget: the decoder's
     try:
         if len(prompts) == 1:  # one prompt: stream as it is produced
             click.echo(prompts[0], nl=False)
@@ -94,14 +113,18 @@ def generate(checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loo
             out = generate_tokens(model, ids, **kw)
             for b, p in enumerate(prompts):
                 toks, deps = out.tokens[b], out.depths[b]
-                text = (("".join(f"{enc.decode([t])}[{d}]" for t, d in zip(toks, deps))) if show_depth
-                        else enc.decode(toks))
+                text = (
+                    ("".join(f"{enc.decode([t])}[{d}]" for t, d in zip(toks, deps))) if show_depth else enc.decode(toks)
+                )
                 click.echo(f"--- [{b}] ---\n{p}{text}")
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     if show_depth:
         d = [x for row in out.depths for x in row]
         mem = out.cache
-        click.echo(f"mean depth {sum(d) / max(len(d), 1):.2f} of M={decoder.M}; KV cache "
-                   f"{mem['entries']} entries per layer vs {mem['dense_entries']} dense "
-                   f"({mem['ratio_to_dense']:.2f})", err=True)
+        click.echo(
+            f"mean depth {sum(d) / max(len(d), 1):.2f} of M={decoder.M}; KV cache "
+            f"{mem['entries']} entries per layer vs {mem['dense_entries']} dense "
+            f"({mem['ratio_to_dense']:.2f})",
+            err=True,
+        )

@@ -21,6 +21,7 @@ from it (one qkv projection per layer) so later tokens attend to all tokens at e
 state propagation; the paper's "without recursion-wise KV cache"). Its outputs differ from the model's
 whenever depths differ; with every depth = M it is the ordinary cache.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -74,8 +75,16 @@ class Decoder:
     """One batch's generation state: the cache and the modulation tables of its budget M (built here, from the
     model's current weights)."""
 
-    def __init__(self, model, loops: int | None = None, threshold: float | None = None, layout: str = "compact",
-                 mask_empty: bool = True, full_depth: bool = False, router: bool = True):
+    def __init__(
+        self,
+        model,
+        loops: int | None = None,
+        threshold: float | None = None,
+        layout: str = "compact",
+        mask_empty: bool = True,
+        full_depth: bool = False,
+        router: bool = True,
+    ):
         cfg = model.cfg
         self.model, self.M = model, cfg.loops if loops is None else int(loops)
         if not 1 <= self.M <= cfg.loops:
@@ -108,8 +117,18 @@ class Decoder:
     def _new_cache(self, B: int, device) -> RecursionKVCache:
         m = self.model
         attn = m.layers[0].attn
-        return RecursionKVCache(self.M, len(m.layers), B, attn.n_heads, attn.head_dim, m.wte.weight.dtype, device,
-                                layout=self.layout, mask_empty=self.mask_empty, max_len=m.cfg.block_size)
+        return RecursionKVCache(
+            self.M,
+            len(m.layers),
+            B,
+            attn.n_heads,
+            attn.head_dim,
+            m.wte.weight.dtype,
+            device,
+            layout=self.layout,
+            mask_empty=self.mask_empty,
+            max_len=m.cfg.block_size,
+        )
 
     # ----------------------------------------------------------------------------------- prefill
     @torch.no_grad()

@@ -3,6 +3,7 @@
 Depth reported per generated token = the loops run by the position whose logits produced it (the
 previous token's router depth, or the last prompt token's for the first generated token).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,8 +23,13 @@ class Generation:
     cache: dict = field(default_factory=dict)  # RecursionKVCache.memory() at the end
 
 
-def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """logits (B, V) -> tokens (B,). temperature 0 = greedy; top_k 0 and top_p 1 disable those filters."""
     logits = logits.float()
     if temperature <= 0:
@@ -47,16 +53,29 @@ def check_lengths(lengths: list[int], max_new_tokens: int, block_size: int) -> N
         raise ValueError("max_new_tokens must be >= 1")
     longest = max(lengths)
     if longest + max_new_tokens - 1 > block_size:
-        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context "
-                         f"model.block_size={block_size}")
+        raise ValueError(
+            f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context "
+            f"model.block_size={block_size}"
+        )
 
 
 @torch.no_grad()
-def generate(model, prompts, max_new_tokens: int = 32, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int | None = None, loops: int | None = None,
-             threshold: float | None = None, stop_token: int | None = None, vocab_limit: int | None = None,
-             callback: Callable[[int, list, list], None] | None = None, decoder: Decoder | None = None,
-             router: bool = True) -> Generation:
+def generate(
+    model,
+    prompts,
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    loops: int | None = None,
+    threshold: float | None = None,
+    stop_token: int | None = None,
+    vocab_limit: int | None = None,
+    callback: Callable[[int, list, list], None] | None = None,
+    decoder: Decoder | None = None,
+    router: bool = True,
+) -> Generation:
     """Generates up to max_new_tokens per prompt (list of token-id lists, any lengths).
 
     loops: budget M <= L (default L; schedule uniform 1/M, router depth clipped at M); threshold: router

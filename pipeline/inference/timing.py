@@ -9,6 +9,7 @@
 token write every loop's cache (ablation (b)). `clock` is time.perf_counter by default (time.process_time
 measures this process's CPU time, steadier on a loaded machine). CUDA is synchronised around each timing.
 """
+
 from __future__ import annotations
 
 import time
@@ -24,8 +25,15 @@ def _sync(dev: torch.device) -> None:
 
 
 @torch.no_grad()
-def ttft(model, M: int, prompt: torch.Tensor, cache: bool = True, full_depth: bool = False,
-         clock=time.perf_counter, router: bool = True) -> tuple[float, torch.Tensor]:
+def ttft(
+    model,
+    M: int,
+    prompt: torch.Tensor,
+    cache: bool = True,
+    full_depth: bool = False,
+    clock=time.perf_counter,
+    router: bool = True,
+) -> tuple[float, torch.Tensor]:
     dec = Decoder(model, loops=M, full_depth=full_depth, router=router)
     _sync(prompt.device)
     t = clock()
@@ -35,8 +43,16 @@ def ttft(model, M: int, prompt: torch.Tensor, cache: bool = True, full_depth: bo
 
 
 @torch.no_grad()
-def tpot(model, M: int, prompts: torch.Tensor, feed: torch.Tensor, cache: bool = True, full_depth: bool = False,
-         clock=time.perf_counter, router: bool = True) -> tuple[float, torch.Tensor, dict | None]:
+def tpot(
+    model,
+    M: int,
+    prompts: torch.Tensor,
+    feed: torch.Tensor,
+    cache: bool = True,
+    full_depth: bool = False,
+    clock=time.perf_counter,
+    router: bool = True,
+) -> tuple[float, torch.Tensor, dict | None]:
     dec = Decoder(model, loops=M, full_depth=full_depth, router=router)
     n = feed.shape[1]
     if not cache:
@@ -44,10 +60,10 @@ def tpot(model, M: int, prompts: torch.Tensor, feed: torch.Tensor, cache: bool =
         _sync(prompts.device)
         t = clock()
         for s in range(n):
-            seq = torch.cat([seq, feed[:, s: s + 1]], 1)
+            seq = torch.cat([seq, feed[:, s : s + 1]], 1)
             logits, depth = dec.prefill(seq, use_cache=False)
             logits.argmax(-1).cpu()
-        return (clock() - t) / n, depth[:, prompts.shape[1]:], None
+        return (clock() - t) / n, depth[:, prompts.shape[1] :], None
     dec.prefill(prompts, reserve=n)
     depths = []
     _sync(prompts.device)

@@ -20,6 +20,7 @@ Precision: matmuls in the autocast dtype under autocast (else the inputs' dtype)
 input's dtype (fp32 master W under autocast, bf16 everywhere in DeepSpeed's bf16 model). ignore_index is -1;
 a batch with no target gives nan losses, like F.cross_entropy. No host read: N stays on the device.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,24 +44,37 @@ class LMHead(nn.Linear):
     def __init__(self, d_model: int, vocab_size: int):
         super().__init__(d_model, vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, x_short: torch.Tensor | None = None,
-                lambda_short: float = 0.0, lambda_align: float | None = None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        x_short: torch.Tensor | None = None,
+        lambda_short: float = 0.0,
+        lambda_align: float | None = None,
+    ):
         if targets is None:
             return F.linear(x, self.weight)  # (..., V)
         return head_objective(x, self.weight, targets, x_short, lambda_short, lambda_align)
 
 
-def head_objective(hf: torch.Tensor, W: torch.Tensor, targets: torch.Tensor, hs: torch.Tensor | None = None,
-                   lambda_short: float = 0.0, lambda_align: float | None = None,
-                   chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def head_objective(
+    hf: torch.Tensor,
+    W: torch.Tensor,
+    targets: torch.Tensor,
+    hs: torch.Tensor | None = None,
+    lambda_short: float = 0.0,
+    lambda_align: float | None = None,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """hf (B, T, d) full-pass states, W (V, d), targets (B, T) (-1 ignored), hs (B, T, d) shortcut-pass states
     or None (no shortcut pass: loss = CE of hf alone); lambda_align None: no logits alignment (the caller adds
     its own, e.g. on the hidden states). chunk: rows per chunk (default `rows_per_chunk(V)`). Returns the
     differentiable loss () and its detached parts (3,) fp32: loss_L, loss_S, loss_align (0 where absent)."""
     cdt = _compute_dtype(hf)
     chunk = int(chunk or rows_per_chunk(W.shape[0]))
-    return _HeadObjective.apply(hf, W, targets, hs, float(lambda_short),
-                                None if lambda_align is None else float(lambda_align), chunk, cdt)
+    return _HeadObjective.apply(
+        hf, W, targets, hs, float(lambda_short), None if lambda_align is None else float(lambda_align), chunk, cdt
+    )
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:

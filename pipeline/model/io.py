@@ -7,6 +7,7 @@ atomically. Without the `safetensors` package (`pip install tlf[hf]`) the weight
 exports holding `model.pt` (older runs) still load, through `torch.load(weights_only=True)`: loading never
 unpickles arbitrary objects.
 """
+
 from __future__ import annotations
 
 import io
@@ -79,8 +80,10 @@ def find_export(path: str | os.PathLike) -> Path:
     latest = p / "latest"
     if latest.is_file():
         return find_export(p / latest.read_text().strip())
-    raise FileNotFoundError(f"{p}: no model export (expected model.safetensors or model.pt, and config.yaml, "
-                            f"or a checkpoint dir with model/)")
+    raise FileNotFoundError(
+        f"{p}: no model export (expected model.safetensors or model.pt, and config.yaml, "
+        f"or a checkpoint dir with model/)"
+    )
 
 
 def load_state(f: Path) -> dict[str, torch.Tensor]:
@@ -100,7 +103,9 @@ def load_state(f: Path) -> dict[str, torch.Tensor]:
         raise ConfigError(f"{f}: unreadable weights ({type(e).__name__}{': ' + first if first else ''})") from None
 
 
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", overrides: list[str] = ()) -> tuple[LoopedLM, Config]:
+def load_model(
+    path: str | os.PathLike, device: str | torch.device = "cpu", overrides: list[str] = ()
+) -> tuple[LoopedLM, Config]:
     d = find_export(path)
     raw = read_yaml_mapping(d / "config.yaml")  # bad YAML or another shape: a ConfigError naming the file
     cfg = config_from_dict(raw, source=str(d / "config.yaml"))
@@ -115,9 +120,13 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", over
         raise ConfigError(f"{f}: weights do not match its config.yaml ({why.rstrip('.')})") from None
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
-        raise ConfigError(f"{f}: {len(bad)} of {len(state)} weight tensors hold NaN or inf (first: {bad[0]}); the "
-                          "run diverged or the file is corrupt: use an earlier checkpoint")
+        raise ConfigError(
+            f"{f}: {len(bad)} of {len(state)} weight tensors hold NaN or inf (first: {bad[0]}); the "
+            "run diverged or the file is corrupt: use an earlier checkpoint"
+        )
     missing = [k for k in missing if k != "lm_head.weight" or not cfg.model.tie_embeddings]
     if missing or unexpected:
-        raise ConfigError(f"{f}: weights do not match its config.yaml (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise ConfigError(
+            f"{f}: weights do not match its config.yaml (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
     return model.to(device).eval(), cfg

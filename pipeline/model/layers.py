@@ -3,6 +3,7 @@
 Shapes: B batch, T tokens (possibly a compacted active set), d model width, H heads, K distinct
 conditioning values (depth, loop) pairs of one pass.
 """
+
 from __future__ import annotations
 
 import math
@@ -89,6 +90,7 @@ class MLP(nn.Module):
 class RowMod(NamedTuple):
     """Per-token modulation given by reference: row idx[b, t] of a (K, 4d) table (K = the distinct (depth, loop)
     pairs of a pass). Layers scale by the picked rows without materialising (B, T, 4d) for backward."""
+
     table: torch.Tensor  # (K, 4d)
     idx: torch.Tensor  # (B, T) int64 row of each token
 
@@ -147,8 +149,9 @@ class Layer(nn.Module):
         if modulated:
             self.modulator = nn.Sequential(nn.SiLU(), nn.Linear(cfg.d_model, 4 * cfg.d_model))
 
-    def forward(self, x: torch.Tensor, mod: torch.Tensor | None, mask: torch.Tensor | None = None,
-                attend=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mod: torch.Tensor | None, mask: torch.Tensor | None = None, attend=None
+    ) -> torch.Tensor:
         """x (B, T, d); mod: per-token modulation as a tensor (B, T, 4d) or (1, 1, 4d), or a RowMod (table
         rows by index: nothing per token kept for backward), None for plain layers; attend: optional
         attention override passed to Attention.forward (KV cache)."""
@@ -172,8 +175,9 @@ class SharedBlock(nn.ModuleList):
     names (layers.{j}.*); activation checkpointing and compilation wrap this module or its layers from outside
     (pipeline/train/ac.py, pipeline/train/compile.py): nothing here knows about them."""
 
-    def forward(self, h: torch.Tensor, mods: list | None = None, mask: torch.Tensor | None = None,
-                attends: list | None = None) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, mods: list | None = None, mask: torch.Tensor | None = None, attends: list | None = None
+    ) -> torch.Tensor:
         """h (B, T, d); mods: per layer a modulation as Layer.forward takes it, or None; attends: per layer an
         attention override (the KV cache), or None."""
         for j, layer in enumerate(self):

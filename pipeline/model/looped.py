@@ -20,6 +20,7 @@ budget router recipe; its statistics join `stats`). By default (`fused_loss=True
 run fused by chunks of tokens in `LMHead` (pipeline/model/head_loss.py): no (B, T, V) logits are materialised or
 kept for backward, and `out.logits` is None; `fused_loss=False` is the plain reference path.
 """
+
 from __future__ import annotations
 
 import math
@@ -92,7 +93,9 @@ class _MaskHooks:
         if i != self.loop:
             m, T = self.mask, self.mask.shape[-1]
             if order is not None:  # (B, Tm, Tm) among loop i's compacted tokens
-                m = m.gather(1, order[..., None].expand(-1, -1, T)).gather(2, order[:, None, :].expand(-1, order.shape[1], -1))
+                m = m.gather(1, order[..., None].expand(-1, -1, T)).gather(
+                    2, order[:, None, :].expand(-1, order.shape[1], -1)
+                )
             self.loop, self.cur = i, (m & torch.ones(m.shape[-2:], dtype=torch.bool, device=m.device).tril())[:, None]
         cur = self.cur
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=cur)
@@ -124,9 +127,20 @@ class LoopedLM(nn.Module):
             self.phi_t = FourierEmbedding(d, cfg.fourier_dim, cfg.fourier_max_period)
         if cfg.conditioning == "time_step":
             self.phi_dt = FourierEmbedding(d, cfg.fourier_dim, cfg.fourier_max_period)
-        self.router = Router(d, cfg.router_hidden or max(d // 4, 1), cfg.loops, cfg.router_recipe, cfg.router_target_depth,
-                             cfg.router_init_std, cfg.router_balance_weight, cfg.router_entropy_weight) \
-            if cfg.router else None
+        self.router = (
+            Router(
+                d,
+                cfg.router_hidden or max(d // 4, 1),
+                cfg.loops,
+                cfg.router_recipe,
+                cfg.router_target_depth,
+                cfg.router_init_std,
+                cfg.router_balance_weight,
+                cfg.router_entropy_weight,
+            )
+            if cfg.router
+            else None
+        )
         self.norm_f = RMSNorm(d, cfg.norm_eps, affine=True)
         self.lm_head = LMHead(d, cfg.vocab_size)  # (V, d); also computes the fused objective (head_loss.py)
         if cfg.tie_embeddings:
@@ -142,7 +156,11 @@ class LoopedLM(nn.Module):
                 continue
             if ".modulator." in name:
                 continue
-            s = std / math.sqrt(2 * cfg.n_layers * cfg.loops) if name.endswith(("out_proj.weight", "mlp.proj.weight")) else std
+            s = (
+                std / math.sqrt(2 * cfg.n_layers * cfg.loops)
+                if name.endswith(("out_proj.weight", "mlp.proj.weight"))
+                else std
+            )
             nn.init.normal_(p, 0.0, s)
         for layer in self.layers:  # zero-initialised modulator: every modulated layer starts as the identity
             if layer.modulated:
@@ -165,8 +183,14 @@ class LoopedLM(nn.Module):
         return [layer.modulator(c) for layer in self.layers]
 
     # ------------------------------------------------------------------------------------ the loops
-    def loop_mods(self, tables: list[torch.Tensor] | None, i: int, M: int, depth: torch.Tensor | None = None,
-                  by_index: bool = True) -> list | None:
+    def loop_mods(
+        self,
+        tables: list[torch.Tensor] | None,
+        i: int,
+        M: int,
+        depth: torch.Tensor | None = None,
+        by_index: bool = True,
+    ) -> list | None:
         """Per layer modulation of loop i in a pass of budget M from its `modulation_tables`: None for plain
         layers; with depth None (every token at depth M) the one table row, broadcast (1, 1, 4d); else each
         token's row for its (depth, i) pair: by index (RowMod, nothing per token kept for backward) or, with
@@ -179,9 +203,17 @@ class LoopedLM(nn.Module):
         ti = table_index(depth, i)  # (B, T)
         return [RowMod(tb, ti) if by_index else tb[ti] for tb in tables]
 
-    def run_loops(self, h0: torch.Tensor, delta: torch.Tensor, depth: torch.Tensor | None,
-                  cont: torch.Tensor | None, tables: list[torch.Tensor] | None = None, hooks=None,
-                  counts: np.ndarray | None = None, gather_scatter: bool | None = None) -> torch.Tensor:
+    def run_loops(
+        self,
+        h0: torch.Tensor,
+        delta: torch.Tensor,
+        depth: torch.Tensor | None,
+        cont: torch.Tensor | None,
+        tables: list[torch.Tensor] | None = None,
+        hooks=None,
+        counts: np.ndarray | None = None,
+        gather_scatter: bool | None = None,
+    ) -> torch.Tensor:
         """Runs M = len(delta) loops from h0 (B, T, d). depth (B, T) in 0..M (0: a token that runs no loop,
         e.g. padding) or None (every token depth M); cont (B, T, L) continue probabilities for the
         straight-through estimator (None: no STE). tables: precomputed `modulation_tables(delta)` (decoding
@@ -262,14 +294,20 @@ class LoopedLM(nn.Module):
         then runs the whole budget: with the same weights, t-loopformer becomes loopformer)."""
         return self.router(h0) if (self.router is not None and router) else None
 
-
     def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hf = self.norm_f(h)
         return self.lm_head(hf), hf
 
-    def final_states(self, h0: torch.Tensor, r: RouterOutput | None, delta: torch.Tensor,
-                     counts: np.ndarray | None = None, threshold: float | None = None,
-                     gather_scatter: bool | None = None, hooks=None):
+    def final_states(
+        self,
+        h0: torch.Tensor,
+        r: RouterOutput | None,
+        delta: torch.Tensor,
+        counts: np.ndarray | None = None,
+        threshold: float | None = None,
+        gather_scatter: bool | None = None,
+        hooks=None,
+    ):
         """One pass with schedule delta (budget M = len(delta)) from h0 (B, T, d): returns the final states
         before the norm (B, T, d) and the per-token depth (B, T) int64 in 1..M (all M without a router).
         counts: `active_counts` of a depth map of budget >= M from the same router output (None: read here).
@@ -286,9 +324,16 @@ class LoopedLM(nn.Module):
     def _theta(self, threshold: float | None) -> float:
         return self.cfg.router_threshold if threshold is None else float(threshold)
 
-    def hidden_states(self, idx: torch.Tensor, loops: int, positions: torch.Tensor | None = None,
-                      mask: torch.Tensor | None = None, *, router: bool = True,
-                      threshold: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def hidden_states(
+        self,
+        idx: torch.Tensor,
+        loops: int,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        *,
+        router: bool = True,
+        threshold: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward(idx, loops=M)` without the head: final states before the norm (B, T, d) and depth (B, T) in
         1..M (schedule 1/M). positions (B, T): each token's position (default 0..T-1). mask (B, T, T) bool, True
         on the diagonal and only where key <= query in row order: query tau may attend key tau' iff
@@ -302,18 +347,35 @@ class LoopedLM(nn.Module):
         hooks = None if mask is None else _MaskHooks(mask)
         return self.final_states(h0, self.route(h0, router), uniform(M), threshold=threshold, hooks=hooks)
 
-    def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor, counts=None, threshold=None, gather_scatter=None,
-              logits: bool = True):
+    def _pass(
+        self,
+        h0,
+        r: RouterOutput | None,
+        delta: torch.Tensor,
+        counts=None,
+        threshold=None,
+        gather_scatter=None,
+        logits: bool = True,
+    ):
         """(logits (B, T, V) or None with logits=False, final-normed states hf (B, T, d), depth (B, T))."""
         h, depth = self.final_states(h0, r, delta, counts, threshold, gather_scatter)
         if not logits:
             return None, self.norm_f(h), depth
         return (*self.head(h), depth)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loops: int | None = None,
-                objective: bool | None = None, shortcut: torch.Tensor | None = None, *, router: bool = True,
-                threshold: float | None = None, gather_scatter: bool | None = None,
-                fused_loss: bool = True) -> LoopedLMOutput:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        loops: int | None = None,
+        objective: bool | None = None,
+        shortcut: torch.Tensor | None = None,
+        *,
+        router: bool = True,
+        threshold: float | None = None,
+        gather_scatter: bool | None = None,
+        fused_loss: bool = True,
+    ) -> LoopedLMOutput:
         """idx (B, T) tokens; targets (B, T) next tokens (-1 ignored) or None; loops = budget M <= L
         (default L; elastic inference uses the uniform schedule 1/M and clips router depth at M).
         objective: compute the training objective (full + shortcut pass + alignment + the router's
@@ -353,7 +415,9 @@ class LoopedLM(nn.Module):
                 k = sample_shortcut(L)  # positive, sums to L by construction
             else:
                 k = shortcut
-                assert int(k.sum()) == L and bool((k > 0).all()), f"shortcut schedule {k.tolist()} must be positive, sum {L}"
+                assert int(k.sum()) == L and bool((k > 0).all()), (
+                    f"shortcut schedule {k.tolist()} must be positive, sum {L}"
+                )
             logits_s, hf_s, depth_s = self._pass(h0, r, k.double() / L, counts, threshold, gs, logits=not fused)
             out.stats.update({f"short/{k_}": v for k_, v in depth_stats(depth_s, k.numel()).items()})
             out.stats["short/loops"] = torch.tensor(float(k.numel()))
@@ -371,8 +435,11 @@ class LoopedLM(nn.Module):
             out.loss = out.loss + self.cfg.lambda_short * loss_S
             out.parts["loss_S"] = loss_S.detach()
         if short and not (fused and on_logits):  # the fused call's alignment is inside it; on hf it is cheap here
-            align = F.mse_loss(logits_s.float(), logits.detach().float()) if on_logits \
+            align = (
+                F.mse_loss(logits_s.float(), logits.detach().float())
+                if on_logits
                 else F.mse_loss(hf_s.float(), hf.detach().float())
+            )
             out.loss = out.loss + self.cfg.lambda_align * align
             out.parts["loss_align"] = align.detach()
         if objective and r is not None:  # the router's own loss (budget recipe); its stats log as router/<name>
@@ -391,8 +458,9 @@ class LoopedLM(nn.Module):
             n -= self.wte.weight.numel() + self.wpe.weight.numel()
         return n
 
-    def flops_per_token(self, loops_executed: float | None = None, seq_len: int | None = None,
-                        lm_heads: int = 1, backward: bool = True) -> float:
+    def flops_per_token(
+        self, loops_executed: float | None = None, seq_len: int | None = None, lm_heads: int = 1, backward: bool = True
+    ) -> float:
         """Matmul FLOPs per token, counting only executed loops:
 
             F = c * [ 2 * (P_layer * J * m + d * V * heads + P_router) + 4 * J * m * d * T ]
@@ -405,9 +473,12 @@ class LoopedLM(nn.Module):
         c = self.cfg
         m = float(c.loops if loops_executed is None else loops_executed)
         T = c.block_size if seq_len is None else seq_len
-        p_layer = 4 * c.d_model ** 2 + 2 * c.d_model * c.d_ff
+        p_layer = 4 * c.d_model**2 + 2 * c.d_model * c.d_ff
         p_router = sum(p.numel() for p in self.router.parameters()) if self.router is not None else 0
-        fwd = 2 * (p_layer * c.n_layers * m + c.d_model * c.vocab_size * lm_heads + p_router) + 4 * c.n_layers * m * c.d_model * T
+        fwd = (
+            2 * (p_layer * c.n_layers * m + c.d_model * c.vocab_size * lm_heads + p_router)
+            + 4 * c.n_layers * m * c.d_model * T
+        )
         return (3 if backward else 1) * fwd
 
     def param_groups(self, weight_decay: float) -> list[dict]:

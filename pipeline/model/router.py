@@ -23,6 +23,7 @@ Two training recipes (`model.router_recipe`):
   mean `router_target_depth` (q_l proportional to exp(beta * l)): every depth gets mass, none more than the
   target forces.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,10 +51,16 @@ def depth_stats(depth: torch.Tensor, M: int) -> dict[str, torch.Tensor]:
     """
     d = depth.detach().reshape(-1)
     n = d.numel()
-    hist = (d[:, None] == torch.arange(1, M + 1, device=d.device)).sum(0).float() / max(n, 1)  # no bincount: it syncs on GPUs
+    hist = (d[:, None] == torch.arange(1, M + 1, device=d.device)).sum(0).float() / max(
+        n, 1
+    )  # no bincount: it syncs on GPUs
     active = d.sum().float()
-    return {"depth_hist": hist, "mean_depth": active / max(n, 1), "active_tokens": active,
-            "compute_ratio": active / max(M * n, 1)}
+    return {
+        "depth_hist": hist,
+        "mean_depth": active / max(n, 1),
+        "active_tokens": active,
+        "compute_ratio": active / max(M * n, 1),
+    }
 
 
 def depth_prior(L: int, mean: float) -> torch.Tensor:
@@ -81,8 +88,17 @@ class Router(nn.Module):
     (module doc); the budget recipe normalises h0 and owns a prior over depths (`prior`, a buffer)
     whose mean is `target_depth`."""
 
-    def __init__(self, d: int, hidden: int, max_loops: int, recipe: str = "paper", target_depth: float = 0.0,
-                 init_std: float = 2.0, balance_weight: float = 1.0, entropy_weight: float = 0.1):
+    def __init__(
+        self,
+        d: int,
+        hidden: int,
+        max_loops: int,
+        recipe: str = "paper",
+        target_depth: float = 0.0,
+        init_std: float = 2.0,
+        balance_weight: float = 1.0,
+        entropy_weight: float = 0.1,
+    ):
         super().__init__()
         self.fc1 = nn.Linear(d, hidden)
         self.fc2 = nn.Linear(hidden, max_loops)

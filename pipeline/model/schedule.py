@@ -5,6 +5,7 @@ steps renormalised: delta_{m,i} = delta_i / sum_{j<=m} delta_j and t_{m,i} = sum
 The conditioning depends only on (m, i) with 1 <= i <= m <= M: K = M(M+1)/2 distinct values, stored in
 the order (1,1), (2,1), (2,2), (3,1), ... so that (m, i) sits at index m(m-1)/2 + i - 1.
 """
+
 from __future__ import annotations
 
 import torch

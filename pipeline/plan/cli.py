@@ -1,5 +1,6 @@
 """`tlf plan CONFIG [OVERRIDES] --gpus N --gpu NAME`: the plan of a run before spending GPU time on it
 (pipeline/plan/core.py; README "Planning a run")."""
+
 from __future__ import annotations
 
 import json
@@ -19,13 +20,15 @@ def parse_sweep(items: tuple[str, ...]) -> dict[str, list]:
     for item in items:
         key, _, vals = item.partition("=")
         if key not in SWEEP_KEYS or not vals:
-            raise click.BadParameter(f"{item!r}: expected KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}",
-                                     param_hint="--sweep")
+            raise click.BadParameter(
+                f"{item!r}: expected KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}", param_hint="--sweep"
+            )
         try:
             grid[key] = [SWEEP_KEYS[key](v) for v in vals.split(",")]
         except ValueError:
             raise click.BadParameter(f"{item!r}: {key} takes integers", param_hint="--sweep") from None
     from pipeline.train.ac import MODES
+
     for ac in grid.get("ac", []):
         if ac not in MODES:
             raise click.BadParameter(f"ac={ac!r} is not one of {', '.join(MODES)}", param_hint="--sweep")
@@ -41,50 +44,88 @@ def _gb(x: float) -> str:
 
 def print_plan(p: dict) -> None:
     m, cap = p["memory"], p["capacity"]
-    click.echo(f"{p['config']} on {p['gpus']} x {p['gpu']} ({p['precision']}, ZeRO-{p['zero_stage']}, activation "
-               f"checkpointing {p['activation_checkpointing']}, micro-batch {p['micro_batch']} x grad-accum "
-               f"{p['grad_accum']})" + (f", router mean depth {p['mean_depth']:.2f}" if p["mean_depth"] else ""))
+    click.echo(
+        f"{p['config']} on {p['gpus']} x {p['gpu']} ({p['precision']}, ZeRO-{p['zero_stage']}, activation "
+        f"checkpointing {p['activation_checkpointing']}, micro-batch {p['micro_batch']} x grad-accum "
+        f"{p['grad_accum']})" + (f", router mean depth {p['mean_depth']:.2f}" if p["mean_depth"] else "")
+    )
     click.echo("per-GPU memory (GiB):")
-    for label, key in [("parameters", "params"), ("gradients", "grads"), ("optimizer state", "optimizer"),
-                       ("ZeRO gradient reduction buffers", "reduce_buffers"),
-                       ("activations kept for backward, loops", "activations_loops"),
-                       ("  embeddings + router", "embed_router"), ("  fused LM heads + losses", "heads"),
-                       ("transient (peak - the above)", "transient")]:
+    for label, key in [
+        ("parameters", "params"),
+        ("gradients", "grads"),
+        ("optimizer state", "optimizer"),
+        ("ZeRO gradient reduction buffers", "reduce_buffers"),
+        ("activations kept for backward, loops", "activations_loops"),
+        ("  embeddings + router", "embed_router"),
+        ("  fused LM heads + losses", "heads"),
+        ("transient (peak - the above)", "transient"),
+    ]:
         click.echo(f"  {label:<40}{_gb(m[key])}")
     per = "  ".join(f"{k} {v / GiB:.2f}" for k, v in m["activations_per_loop"].items())
     if per:
         click.echo(f"  per loop application: {per}")
     verdict = "FITS" if m["fits"] else "DOES NOT FIT"
-    click.echo(f"  {'peak':<40}{_gb(m['peak'])} of {cap / GiB:.1f}: {verdict} "
-               f"(headroom {m['headroom'] / GiB:+.2f} GiB)")
-    click.echo(f"FLOPs per optimizer step per GPU {p['flops_per_step_per_gpu']:.3e} "
-               f"({p['flops_per_token']:.3e} per token, traced)")
-    click.echo(f"step time {p['step_time_s']:.3f} s at MFU {100 * p['mfu']:.0f}% ({p['step_time_roofline_s']:.3f} s "
-               f"at the roofline), {p['tokens_per_s']:,.0f} tokens/s")
-    click.echo(f"{p['tokens'] / 1e9:.2f}B tokens ({p['steps']} steps): {fmt_duration(p['wall_clock_s'])} wall clock, "
-               f"{p['gpu_hours']:,.0f} GPU-hours at MFU {100 * p['mfu']:.0f}% "
-               f"({fmt_duration(p['wall_clock_roofline_s'])} at the roofline)")
-    click.echo("largest micro-batch that fits, per activation-checkpointing mode "
-               f"(ZeRO-{p['zero_stage']}; keeping global batch):")
+    click.echo(
+        f"  {'peak':<40}{_gb(m['peak'])} of {cap / GiB:.1f}: {verdict} (headroom {m['headroom'] / GiB:+.2f} GiB)"
+    )
+    click.echo(
+        f"FLOPs per optimizer step per GPU {p['flops_per_step_per_gpu']:.3e} "
+        f"({p['flops_per_token']:.3e} per token, traced)"
+    )
+    click.echo(
+        f"step time {p['step_time_s']:.3f} s at MFU {100 * p['mfu']:.0f}% ({p['step_time_roofline_s']:.3f} s "
+        f"at the roofline), {p['tokens_per_s']:,.0f} tokens/s"
+    )
+    click.echo(
+        f"{p['tokens'] / 1e9:.2f}B tokens ({p['steps']} steps): {fmt_duration(p['wall_clock_s'])} wall clock, "
+        f"{p['gpu_hours']:,.0f} GPU-hours at MFU {100 * p['mfu']:.0f}% "
+        f"({fmt_duration(p['wall_clock_roofline_s'])} at the roofline)"
+    )
+    click.echo(
+        "largest micro-batch that fits, per activation-checkpointing mode "
+        f"(ZeRO-{p['zero_stage']}; keeping global batch):"
+    )
     for ac, r in p["checkpointing_modes"].items():
-        keep = (f"micro-batch {r['micro_batch']} x grad-accum {r['grad_accum']}" if r["micro_batch"]
-                else "does not fit")
+        keep = f"micro-batch {r['micro_batch']} x grad-accum {r['grad_accum']}" if r["micro_batch"] else "does not fit"
         click.echo(f"  {ac:<6} max {r['max_micro_batch']:>4}  -> {keep}")
 
 
 @click.command("plan", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("config")
 @click.argument("overrides", nargs=-1)
-@click.option("--gpus", type=click.IntRange(min=1), default=8, show_default=True, help="World size (data-parallel ranks).")
-@click.option("--gpu", "gpu_name", default="a100-80gb", show_default=True,
-              help="Device of pipeline/plan/hardware.py: a100-40gb, a100-80gb, h100-80gb, h200, cpu.")
-@click.option("--mfu", type=click.FloatRange(0, 1, min_open=True), default=0.4, show_default=True,
-              help="Model FLOPs utilisation assumed for the step time.")
-@click.option("--mean-depth", type=float, default=None,
-              help="Router mean depth (default: the router's prior mean, model.router_target_depth or (L+1)/2).")
-@click.option("--sweep", "sweep_items", multiple=True, metavar="KEY=V1,V2",
-              help="A table over zero=..., ac=..., mb=... (repeatable) instead of the single plan.")
-@click.option("--json", "json_out", default=None, metavar="PATH", help="Also write the plan as JSON (- for stdout only).")
+@click.option(
+    "--gpus", type=click.IntRange(min=1), default=8, show_default=True, help="World size (data-parallel ranks)."
+)
+@click.option(
+    "--gpu",
+    "gpu_name",
+    default="a100-80gb",
+    show_default=True,
+    help="Device of pipeline/plan/hardware.py: a100-40gb, a100-80gb, h100-80gb, h200, cpu.",
+)
+@click.option(
+    "--mfu",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=0.4,
+    show_default=True,
+    help="Model FLOPs utilisation assumed for the step time.",
+)
+@click.option(
+    "--mean-depth",
+    type=float,
+    default=None,
+    help="Router mean depth (default: the router's prior mean, model.router_target_depth or (L+1)/2).",
+)
+@click.option(
+    "--sweep",
+    "sweep_items",
+    multiple=True,
+    metavar="KEY=V1,V2",
+    help="A table over zero=..., ac=..., mb=... (repeatable) instead of the single plan.",
+)
+@click.option(
+    "--json", "json_out", default=None, metavar="PATH", help="Also write the plan as JSON (- for stdout only)."
+)
 def plan_cmd(config, overrides, gpus, gpu_name, mfu, mean_depth, sweep_items, json_out):
     """Plan CONFIG's run on GPUS x GPU: per-GPU peak memory with its parts, FITS / DOES NOT FIT, FLOPs, step
     time, wall clock and GPU-hours, from the real training step traced on the meta device (nothing allocated).
@@ -116,9 +157,11 @@ def plan_cmd(config, overrides, gpus, gpu_name, mfu, mean_depth, sweep_items, js
             click.echo(f"{cfg.name} on {gpus} x {hw.name}: per-GPU peak (GiB) of {hw.memory / GiB:.1f}")
             click.echo(f"{'ZeRO':>4} {'ckpt':>6} {'mb':>4} {'peak':>8} {'headroom':>9} {'max mb':>7}  verdict")
             for r in out["rows"]:
-                click.echo(f"{r['zero_stage']:>4} {r['activation_checkpointing']:>6} {r['micro_batch']:>4} "
-                           f"{r['peak'] / GiB:8.2f} {r['headroom'] / GiB:+9.2f} {r['max_micro_batch']:>7}  "
-                           f"{'FITS' if r['fits'] else 'DOES NOT FIT'}")
+                click.echo(
+                    f"{r['zero_stage']:>4} {r['activation_checkpointing']:>6} {r['micro_batch']:>4} "
+                    f"{r['peak'] / GiB:8.2f} {r['headroom'] / GiB:+9.2f} {r['max_micro_batch']:>7}  "
+                    f"{'FITS' if r['fits'] else 'DOES NOT FIT'}"
+                )
         else:
             print_plan(out)
     if json_out:

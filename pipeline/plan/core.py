@@ -2,6 +2,7 @@
 the run's wall clock and GPU-hours, and the largest micro-batch per activation-checkpointing mode, from traces
 of the real training step (pipeline/plan/trace.py) and DeepSpeed's partitioning rules (pipeline/plan/zero.py).
 docs/design.md §8 explains the accounting."""
+
 from __future__ import annotations
 
 import copy
@@ -81,8 +82,14 @@ class Planner:
         if key not in self._cache:
             L = self.cfg.model.loops
             sc = (worst_shortcut(L) if worst else mean_shortcut(L)) if self.cfg.model.shortcut else None
-            self._cache[key] = trace_step(with_settings(self.cfg, activation_checkpointing=ac), batch, self.dtype,
-                                          self.counts, sc, count_flops=not worst)
+            self._cache[key] = trace_step(
+                with_settings(self.cfg, activation_checkpointing=ac),
+                batch,
+                self.dtype,
+                self.counts,
+                sc,
+                count_flops=not worst,
+            )
         return self._cache[key]
 
     def reduce_bucket(self, zero: int, ranks: int, key: str = "reduce_bucket_size", default: float = 5e8) -> int:
@@ -128,8 +135,9 @@ class Planner:
     def memory(self, zero: int, ac: str, batch: int, ranks: int) -> dict:
         """Per-GPU bytes: parts and peak."""
         tr = self.trace(ac, batch)
-        keep, gather = persistent_numel(tr.sizes, self.reduce_bucket(zero, ranks, "stage3_param_persistence_threshold",
-                                                                    1e5))
+        keep, gather = persistent_numel(
+            tr.sizes, self.reduce_bucket(zero, ranks, "stage3_param_persistence_threshold", 1e5)
+        )
         st = model_state_bytes(tr.params, zero, ranks, self.bf16, gather, keep)
         share = 1.0 / ranks if zero >= 2 else 1.0  # run-dtype gradients held per rank
         # ZeRO-1/2 allocate their reduction buffers at backward's first gradient, when forward's activations are
@@ -143,12 +151,20 @@ class Planner:
         peak = st["params"] + st["optimizer"] + held_fp32_grads + ipg + step_peak
         saved = sum(tr.saved.values())
         loops = {k: v for k, v in tr.saved.items() if k.startswith(("full/", "short/"))}
-        return {"peak": peak, "params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
-                "reduce_buffers": ipg,
-                "activations_loops": sum(loops.values()), "activations_per_loop": loops,
-                "embed_router": tr.saved.get("embed+router", 0), "heads": tr.saved.get("heads+losses", 0),
-                "transient": peak - st["params"] - st["optimizer"] - st["grads"] - ipg - saved,
-                "fits": peak <= self.hw.memory, "headroom": self.hw.memory - peak}
+        return {
+            "peak": peak,
+            "params": st["params"],
+            "grads": st["grads"],
+            "optimizer": st["optimizer"],
+            "reduce_buffers": ipg,
+            "activations_loops": sum(loops.values()),
+            "activations_per_loop": loops,
+            "embed_router": tr.saved.get("embed+router", 0),
+            "heads": tr.saved.get("heads+losses", 0),
+            "transient": peak - st["params"] - st["optimizer"] - st["grads"] - ipg - saved,
+            "fits": peak <= self.hw.memory,
+            "headroom": self.hw.memory - peak,
+        }
 
     def max_micro_batch(self, zero: int, ac: str, ranks: int) -> int:
         """The largest micro-batch whose peak fits; 0 if 1 does not fit. The traced peak of the step is linear in
@@ -184,15 +200,24 @@ def largest_dividing(cfg: Config, cap: int, ranks: int) -> int:
     return next((b for b in range(min(cap, per_rank), 0, -1) if per_rank % b == 0), 0)
 
 
-def plan(cfg: Config, ranks: int, hw: GPU, mfu: float = 0.4, mean_depth: float | None = None,
-         counts: np.ndarray | None = None, planner: Planner | None = None) -> dict:
+def plan(
+    cfg: Config,
+    ranks: int,
+    hw: GPU,
+    mfu: float = 0.4,
+    mean_depth: float | None = None,
+    counts: np.ndarray | None = None,
+    planner: Planner | None = None,
+) -> dict:
     """The plan of cfg as configured (train.zero_stage, train.activation_checkpointing, train.micro_batch_size)
     on `ranks` GPUs `hw`: memory, FLOPs, time, and the largest micro-batch per checkpointing mode."""
     t = cfg.train
     accum = grad_accum_for(cfg, t.micro_batch_size, ranks)
     if accum is None:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
-                          f"train.micro_batch_size={t.micro_batch_size} x {ranks} GPUs")
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size={t.micro_batch_size} x {ranks} GPUs"
+        )
     t.grad_accum_steps = accum
     cfg.check_world_size(ranks)
     pl = planner or Planner(cfg, hw, mean_depth, counts)
@@ -202,9 +227,11 @@ def plan(cfg: Config, ranks: int, hw: GPU, mfu: float = 0.4, mean_depth: float |
         b = largest_dividing(cfg, cap, ranks)
         modes[ac] = {"max_micro_batch": cap, "micro_batch": b, "grad_accum": grad_accum_for(cfg, b, ranks)}
     if not any(r["max_micro_batch"] for r in modes.values()):
-        raise PlanError(f"{cfg.name or 'the model'} does not fit on {hw.name} at ZeRO-{t.zero_stage} on {ranks} GPUs "
-                        f"with micro-batch 1 under any activation-checkpointing mode (try a higher ZeRO stage, more "
-                        f"GPUs or a larger GPU)")
+        raise PlanError(
+            f"{cfg.name or 'the model'} does not fit on {hw.name} at ZeRO-{t.zero_stage} on {ranks} GPUs "
+            f"with micro-batch 1 under any activation-checkpointing mode (try a higher ZeRO stage, more "
+            f"GPUs or a larger GPU)"
+        )
     mem = pl.memory(t.zero_stage, t.activation_checkpointing, t.micro_batch_size, ranks)
     tokens_mb = t.micro_batch_size * cfg.model.block_size
     flops_step = pl.flops_per_micro_batch(t.micro_batch_size) * accum  # per GPU per optimizer step
@@ -212,17 +239,31 @@ def plan(cfg: Config, ranks: int, hw: GPU, mfu: float = 0.4, mean_depth: float |
     step_s = roof_s / mfu
     steps = cfg.schedule.max_steps
     tokens = steps * t.global_batch_size * cfg.model.block_size
-    return {"config": cfg.name, "gpu": hw.name, "gpus": ranks, "precision": "bf16" if pl.bf16 else "fp32",
-            "zero_stage": t.zero_stage, "activation_checkpointing": t.activation_checkpointing,
-            "micro_batch": t.micro_batch_size, "grad_accum": accum, "capacity": hw.memory,
-            "mean_depth": None if pl.counts is None else float(pl.counts.sum() / cfg.model.block_size),
-            "memory": mem, "flops_per_step_per_gpu": flops_step,
-            "flops_per_token": flops_step / (tokens_mb * accum), "mfu": mfu,
-            "step_time_s": step_s, "step_time_roofline_s": roof_s,
-            "tokens_per_s": t.global_batch_size * cfg.model.block_size / step_s,
-            "tokens": tokens, "steps": steps, "wall_clock_s": steps * step_s,
-            "wall_clock_roofline_s": steps * roof_s, "gpu_hours": steps * step_s * ranks / 3600,
-            "checkpointing_modes": modes}
+    return {
+        "config": cfg.name,
+        "gpu": hw.name,
+        "gpus": ranks,
+        "precision": "bf16" if pl.bf16 else "fp32",
+        "zero_stage": t.zero_stage,
+        "activation_checkpointing": t.activation_checkpointing,
+        "micro_batch": t.micro_batch_size,
+        "grad_accum": accum,
+        "capacity": hw.memory,
+        "mean_depth": None if pl.counts is None else float(pl.counts.sum() / cfg.model.block_size),
+        "memory": mem,
+        "flops_per_step_per_gpu": flops_step,
+        "flops_per_token": flops_step / (tokens_mb * accum),
+        "mfu": mfu,
+        "step_time_s": step_s,
+        "step_time_roofline_s": roof_s,
+        "tokens_per_s": t.global_batch_size * cfg.model.block_size / step_s,
+        "tokens": tokens,
+        "steps": steps,
+        "wall_clock_s": steps * step_s,
+        "wall_clock_roofline_s": steps * roof_s,
+        "gpu_hours": steps * step_s * ranks / 3600,
+        "checkpointing_modes": modes,
+    }
 
 
 def sweep(cfg: Config, ranks: int, hw: GPU, grid: dict[str, list], mean_depth: float | None = None) -> list[dict]:
@@ -234,7 +275,15 @@ def sweep(cfg: Config, ranks: int, hw: GPU, grid: dict[str, list], mean_depth: f
         for ac in grid.get("ac", [t.activation_checkpointing]):
             for mb in grid.get("mb", [t.micro_batch_size]):
                 m = pl.memory(int(z), ac, int(mb), ranks)
-                rows.append({"zero_stage": int(z), "activation_checkpointing": ac, "micro_batch": int(mb),
-                             "peak": m["peak"], "fits": m["fits"], "headroom": m["headroom"],
-                             "max_micro_batch": pl.max_micro_batch(int(z), ac, ranks)})
+                rows.append(
+                    {
+                        "zero_stage": int(z),
+                        "activation_checkpointing": ac,
+                        "micro_batch": int(mb),
+                        "peak": m["peak"],
+                        "fits": m["fits"],
+                        "headroom": m["headroom"],
+                        "max_micro_batch": pl.max_micro_batch(int(z), ac, ranks),
+                    }
+                )
     return rows

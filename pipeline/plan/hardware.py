@@ -5,6 +5,7 @@ peak_flops: dense (no sparsity) bf16 tensor-core FLOP/s; memory: capacity in byt
 The CPU row is this project's CI machine class, for planning the CPU runs the tests make (its FLOP/s is the
 figure `logging.peak_flops` defaults to on CPU runs in README "MFU": an order of magnitude, not a datasheet).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,20 +21,53 @@ class GPU:
     source: str
 
 
-GPUS = {g.name: g for g in [
-    GPU("a100-40gb", 312e12, 40e9, 1.555e12, True,
-        "NVIDIA A100 Tensor Core GPU Datasheet (A100 40GB SXM: BF16 312 TFLOPS dense, 40 GB HBM2, 1,555 GB/s)"),
-    GPU("a100-80gb", 312e12, 80e9, 2.039e12, True,
-        "NVIDIA A100 Tensor Core GPU Datasheet (A100 80GB SXM: BF16 312 TFLOPS dense, 80 GB HBM2e, 2,039 GB/s)"),
-    GPU("h100-80gb", 989e12, 80e9, 3.35e12, True,
-        "NVIDIA H100 Tensor Core GPU Datasheet (H100 SXM: BF16 1,979 TFLOPS with sparsity = 989 dense, "
-        "80 GB HBM3, 3.35 TB/s)"),
-    GPU("h200", 989e12, 141e9, 4.8e12, True,
-        "NVIDIA H200 Tensor Core GPU Datasheet (H200 SXM: BF16 1,979 TFLOPS with sparsity = 989 dense, "
-        "141 GB HBM3e, 4.8 TB/s)"),
-    GPU("cpu", 1e12, 16e9, 20e9, False,
-        "not a datasheet: an order-of-magnitude CPU host (1 TFLOP/s fp32, 16 GB, 20 GB/s) for planning CPU runs"),
-]}
+GPUS = {
+    g.name: g
+    for g in [
+        GPU(
+            "a100-40gb",
+            312e12,
+            40e9,
+            1.555e12,
+            True,
+            "NVIDIA A100 Tensor Core GPU Datasheet (A100 40GB SXM: BF16 312 TFLOPS dense, 40 GB HBM2, 1,555 GB/s)",
+        ),
+        GPU(
+            "a100-80gb",
+            312e12,
+            80e9,
+            2.039e12,
+            True,
+            "NVIDIA A100 Tensor Core GPU Datasheet (A100 80GB SXM: BF16 312 TFLOPS dense, 80 GB HBM2e, 2,039 GB/s)",
+        ),
+        GPU(
+            "h100-80gb",
+            989e12,
+            80e9,
+            3.35e12,
+            True,
+            "NVIDIA H100 Tensor Core GPU Datasheet (H100 SXM: BF16 1,979 TFLOPS with sparsity = 989 dense, "
+            "80 GB HBM3, 3.35 TB/s)",
+        ),
+        GPU(
+            "h200",
+            989e12,
+            141e9,
+            4.8e12,
+            True,
+            "NVIDIA H200 Tensor Core GPU Datasheet (H200 SXM: BF16 1,979 TFLOPS with sparsity = 989 dense, "
+            "141 GB HBM3e, 4.8 TB/s)",
+        ),
+        GPU(
+            "cpu",
+            1e12,
+            16e9,
+            20e9,
+            False,
+            "not a datasheet: an order-of-magnitude CPU host (1 TFLOP/s fp32, 16 GB, 20 GB/s) for planning CPU runs",
+        ),
+    ]
+}
 
 
 def gpu(name: str) -> GPU:

@@ -14,6 +14,7 @@ Meta tensors have shapes but no values, so the one data-dependent step of the mo
 read on the host (`pipeline.model.looped.active_counts`: |A_i| of each row and loop), is replaced by the plan's
 depth map (`counts`). The rest of the forward runs unchanged (docs/design.md §8).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -65,6 +66,7 @@ def _on_cpu(fn):
     def run(*args, **kwargs):
         with torch.device("cpu"):
             return fn(*args, **kwargs)
+
     return run
 
 
@@ -87,7 +89,7 @@ class LiveBytes(TorchDispatchMode):
         if func in SCRATCH:  # a temporary the kernel allocates and frees inside itself
             self.samples.append((self.live + SCRATCH[func](*args), self.grads))
         out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else [out]):
+        for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor):
                 s = t.untyped_storage()
                 key = s._cdata
@@ -115,13 +117,18 @@ def on_meta(counts: np.ndarray | None):
 
     real = looped.active_counts, head_loss._compute_dtype, torch.autocast, F.scaled_dot_product_attention
     if counts is not None:
-        looped.active_counts = lambda depth, M: (counts[:, :M] if len(counts) == depth.shape[0] else
-                                                 np.broadcast_to(counts[:1, :M], (depth.shape[0], M))).copy()
+        looped.active_counts = lambda depth, M: (
+            counts[:, :M] if len(counts) == depth.shape[0] else np.broadcast_to(counts[:1, :M], (depth.shape[0], M))
+        ).copy()
     head_loss._compute_dtype = lambda t: t.dtype
-    torch.autocast = lambda device_type, *a, **k: nullcontext() if device_type == "meta" else real[2](device_type, *a, **k)
+    torch.autocast = lambda device_type, *a, **k: (
+        nullcontext() if device_type == "meta" else real[2](device_type, *a, **k)
+    )
     F.scaled_dot_product_attention = lambda q, k, v, attn_mask=None, is_causal=False, **kw: (
-        real[3](q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw) if attn_mask is not None
-        else torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=is_causal)[0])
+        real[3](q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+        if attn_mask is not None
+        else torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=is_causal)[0]
+    )
     try:
         yield
     finally:
@@ -143,9 +150,11 @@ def _flash_cpu_backward(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> i
 # What torch's flop counter leaves out and this model runs: the fused heads' in-place gradient accumulation
 # (addmm_) and the flash attention kernel the plan traces (`on_meta`); attention counted without a causal
 # discount, as torch counts it and as model.flops_per_token does
-EXTRA_FLOPS = {torch.ops.aten.addmm_: _addmm,
-               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu,
-               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_cpu_backward}
+EXTRA_FLOPS = {
+    torch.ops.aten.addmm_: _addmm,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_cpu_backward,
+}
 
 
 @dataclass
@@ -160,8 +169,14 @@ class StepTrace:
     sizes: tuple = ()  # numel of every parameter tensor (ZeRO-3 keeps the small ones whole: zero.py)
 
 
-def trace_step(cfg, batch: int, dtype: torch.dtype, counts: np.ndarray | None,
-               shortcut: torch.Tensor | None, count_flops: bool = False) -> StepTrace:
+def trace_step(
+    cfg,
+    batch: int,
+    dtype: torch.dtype,
+    counts: np.ndarray | None,
+    shortcut: torch.Tensor | None,
+    count_flops: bool = False,
+) -> StepTrace:
     """Forward of the objective and backward for a micro-batch of `batch` x block_size tokens on meta tensors.
     shortcut: the shortcut pass's schedule (None: the model samples one). count_flops: count FLOPs (flops stays 0
     otherwise); then the bytes are not the step's: the flop counter's module tracker wraps the modules' outputs,
@@ -200,8 +215,13 @@ def trace_step(cfg, batch: int, dtype: torch.dtype, counts: np.ndarray | None,
         del loss
     for h in hooks:
         h.remove()
-    return StepTrace(params=sum(p.numel() for p in params), largest_param=max(p.numel() for p in params),
-                     sizes=tuple(p.numel() for p in params),
-                     param_bytes=sum(p.numel() * p.element_size() for p in params),
-                     grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-                     live=live, saved=dict(saved.by_label), flops=float(flops.get_total_flops()) if flops else 0.0)
+    return StepTrace(
+        params=sum(p.numel() for p in params),
+        largest_param=max(p.numel() for p in params),
+        sizes=tuple(p.numel() for p in params),
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        live=live,
+        saved=dict(saved.by_label),
+        flops=float(flops.get_total_flops()) if flops else 0.0,
+    )

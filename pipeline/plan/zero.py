@@ -18,11 +18,13 @@ The rules follow DeepSpeed's own code and estimators:
   DeepSpeed's `BF16_Optimizer` (bf16_optimizer.py): bf16 weights and gradients, a full fp32 gradient
   accumulator, and the fp32 master and moments partitioned over the ranks as under ZeRO-1.
 """
+
 from __future__ import annotations
 
 
-def model_state_bytes(P: int, stage: int, ranks: int, bf16: bool, largest_param: int = 0,
-                      persistent: int = 0) -> dict[str, float]:
+def model_state_bytes(
+    P: int, stage: int, ranks: int, bf16: bool, largest_param: int = 0, persistent: int = 0
+) -> dict[str, float]:
     """{params, grads, optimizer} bytes per rank for P parameters. ZeRO-3: largest_param, the numel of the largest
     non-persistent tensor (gathered whole while its layer runs); persistent, the numel of the persistent ones
     (`persistent_numel`)."""
@@ -39,8 +41,11 @@ def model_state_bytes(P: int, stage: int, ranks: int, bf16: bool, largest_param:
     if stage == 2:
         return {"params": float(w * P), "grads": w * P / N + 4 * P / N * bf16, "optimizer": master + adam}
     # stage 3: partitioned weights + the persistent ones whole + the largest other tensor gathered while it runs
-    return {"params": w * P / N + w * persistent + w * largest_param, "grads": w * P / N + 4 * P / N * bf16,
-            "optimizer": master + adam}
+    return {
+        "params": w * P / N + w * persistent + w * largest_param,
+        "grads": w * P / N + 4 * P / N * bf16,
+        "optimizer": master + adam,
+    }
 
 
 def persistent_numel(sizes, threshold: int) -> tuple[int, int]:

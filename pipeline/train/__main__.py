@@ -1,5 +1,6 @@
 """`python -m pipeline.train CONFIG [OVERRIDES]`, also under `deepspeed --module pipeline.train ...`
 (the launcher's `--local_rank=N` argument is accepted and dropped; LOCAL_RANK comes from the environment)."""
+
 import sys
 
 

@@ -12,6 +12,7 @@ asks whether it is checkpointed.
 under no_grad run the plain forward). Parameter names and state dicts are unchanged, so checkpoints move
 freely between runs with and without it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,6 +26,7 @@ def _checkpointed(forward):
         if torch.is_grad_enabled():
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return forward(*args, **kwargs)
+
     run.tlf_checkpointed = True
     return run
 

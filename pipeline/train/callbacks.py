@@ -7,6 +7,7 @@ post_checkpoint_saved(step, path), on_error(exc), close(status). `metrics` holds
 one device read is done before post_step): a callback that reads a device tensor adds a host sync per step.
 The router statistics are not a callback: they travel in the step's one all-reduce (StepMeter).
 """
+
 from __future__ import annotations
 
 import time
@@ -40,9 +41,17 @@ def scale_tag(cfg) -> str:
 def run_tags(t) -> dict:
     """The tags of a training run (how `tlf compare` finds runs)."""
     c = t.cfg
-    return {"variant": c.model.variant, "preset": c.name, "scale": scale_tag(c), "world_size": t.ws,
-            "device": t.device_kind, "precision": t.precision, "zero_stage": c.train.zero_stage,
-            "activation_checkpointing": c.train.activation_checkpointing, "compile": c.train.compile}
+    return {
+        "variant": c.model.variant,
+        "preset": c.name,
+        "scale": scale_tag(c),
+        "world_size": t.ws,
+        "device": t.device_kind,
+        "precision": t.precision,
+        "zero_stage": c.train.zero_stage,
+        "activation_checkpointing": c.train.activation_checkpointing,
+        "compile": c.train.compile,
+    }
 
 
 class Speed(Callback):
@@ -58,8 +67,9 @@ class Speed(Callback):
         dt, self.t_last = now - self.t_last, now
         metrics.update(tokens_per_s=t.tokens_per_step / dt, step_time_s=dt)
         loops = metrics.get("router/full/mean_depth", t.cfg.model.loops) + metrics.get("router/short/mean_depth", 0.0)
-        fpt = t.model.flops_per_token(loops_executed=loops, seq_len=t.cfg.model.block_size,
-                                      lm_heads=2 if "router/short/loops" in metrics else 1)
+        fpt = t.model.flops_per_token(
+            loops_executed=loops, seq_len=t.cfg.model.block_size, lm_heads=2 if "router/short/loops" in metrics else 1
+        )
         peak = t.cfg.logging.peak_flops or (gpu("a100-80gb").peak_flops if t.device_kind == "cuda" else 0.0)
         if peak:  # on CPU no MFU unless logging.peak_flops says what the peak is (an A100's would read 0.00%)
             metrics["mfu"] = metrics["tokens_per_s"] * fpt / (peak * t.ws)
@@ -95,10 +105,13 @@ class PlannedMemory(Callback):
             cfg.train.precision = t.precision
             c = cfg.train
             mem = Planner(cfg, gpu("cpu" if t.device_kind == "cpu" else "a100-80gb")).memory(
-                c.zero_stage, c.activation_checkpointing, c.micro_batch_size, t.ws)
+                c.zero_stage, c.activation_checkpointing, c.micro_batch_size, t.ws
+            )
             self.predicted = mem["peak"] / 2**30
-            log.info(f"plan: predicted peak {self.predicted:.2f} GiB per GPU (tlf plan; ZeRO-{c.zero_stage}, "
-                     f"activation checkpointing {c.activation_checkpointing}, micro-batch {c.micro_batch_size})")
+            log.info(
+                f"plan: predicted peak {self.predicted:.2f} GiB per GPU (tlf plan; ZeRO-{c.zero_stage}, "
+                f"activation checkpointing {c.activation_checkpointing}, micro-batch {c.micro_batch_size})"
+            )
         except Exception as e:  # noqa: BLE001 - the plan is advice: training goes on without it
             log.warn(f"plan: no prediction ({type(e).__name__}: {e})")
 
@@ -165,10 +178,12 @@ class Console(Callback):
     def pre_train(self) -> None:
         t, c = self.trainer, self.trainer.cfg
         self.t_start, self.ema = time.time(), None
-        log.info(f"{c.name or c.model.variant}: {t.model.num_params() / 1e6:.2f}M params, {t.ws} rank(s) on "
-                 f"{t.device_kind} ({t.precision}, ZeRO-{c.train.zero_stage}), global batch "
-                 f"{c.train.global_batch_size} x {c.model.block_size} tokens, checkpoints in {t.root}"
-                 + (f", resumed from {t.resume_from}" if t.resume_from else ""))
+        log.info(
+            f"{c.name or c.model.variant}: {t.model.num_params() / 1e6:.2f}M params, {t.ws} rank(s) on "
+            f"{t.device_kind} ({t.precision}, ZeRO-{c.train.zero_stage}), global batch "
+            f"{c.train.global_batch_size} x {c.model.block_size} tokens, checkpoints in {t.root}"
+            + (f", resumed from {t.resume_from}" if t.resume_from else "")
+        )
 
     def log_metrics(self, step: int, m: dict) -> None:
         t, c = self.trainer, self.trainer.cfg
@@ -181,8 +196,10 @@ class Console(Callback):
         gns = f" | gnorm {m['grad_norm']:.3f}" if "grad_norm" in m else ""
         speed = f" | {m['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in m else ""
         speed += f" | MFU {100 * m['mfu']:.2f}%" if "mfu" in m else ""  # none on CPU without logging.peak_flops
-        log.info(f"step {step}/{t.max_steps} | loss {m['loss']:.4f}{extra} | lr {m['lr']:.2e}{gns}{speed}{depth}"
-                 f" | {fmt_duration(time.time() - self.t_start)} elapsed, ETA {fmt_duration(self.ema * (t.max_steps - step))}")
+        log.info(
+            f"step {step}/{t.max_steps} | loss {m['loss']:.4f}{extra} | lr {m['lr']:.2e}{gns}{speed}{depth}"
+            f" | {fmt_duration(time.time() - self.t_start)} elapsed, ETA {fmt_duration(self.ema * (t.max_steps - step))}"
+        )
 
     def post_checkpoint_saved(self, step: int, path) -> None:
         log.info(f"checkpoint {path}")

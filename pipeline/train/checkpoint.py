@@ -21,6 +21,7 @@ written before files.json existed: `legacy_damage` checks the files the resume n
 `client_state` comes back from rank 0's file only under ZeRO 0-2 (docs/design.md §6), which is why each rank's own
 state lives in its own file.
 """
+
 from __future__ import annotations
 
 import io
@@ -93,7 +94,9 @@ def find_resume(cfg: Config, root: Path, warn=None) -> Path | None:
     raise CheckpointError(f"checkpoint.resume={r}: no intact checkpoint there (expected global_step<N>/rank0_state.pt)")
 
 
-FILES = "files.json"  # {relative path: size in bytes} of every file of a checkpoint, written by rank 0 before the rename
+FILES = (
+    "files.json"  # {relative path: size in bytes} of every file of a checkpoint, written by rank 0 before the rename
+)
 
 
 def record_files(ck: Path) -> None:
@@ -138,8 +141,11 @@ def legacy_damage(ck: Path) -> str | None:
         return f"rank0_state.pt unreadable ({type(e).__name__})"
     need = [f"rank{r}_state.pt" for r in range(ws)] + ["mp_rank_00_model_states.pt"]
     if stage >= 1:
-        need += [f"{'bf16_' if (ck / 'bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt').is_file() else ''}"
-                 f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(ws)]
+        need += [
+            f"{'bf16_' if (ck / 'bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt').is_file() else ''}"
+            f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+            for r in range(ws)
+        ]
     if stage == 3:
         need = [n for n in need if n != "mp_rank_00_model_states.pt"]
         need += [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(ws)]
@@ -180,8 +186,10 @@ def newest_intact(root: Path, warn=None) -> Path | None:
         if why is None:
             return done[i]
         if warn is not None:
-            warn(f"checkpoint {done[i]} is damaged ({why}); "
-                 + (f"falling back to {done[i - 1]}" if i else "no earlier complete checkpoint to fall back to"))
+            warn(
+                f"checkpoint {done[i]} is damaged ({why}); "
+                + (f"falling back to {done[i - 1]}" if i else "no earlier complete checkpoint to fall back to")
+            )
     return None
 
 
@@ -189,17 +197,20 @@ def newest_intact(root: Path, warn=None) -> Path | None:
 def rng_state() -> dict:
     """Every RNG's state as tensors and plain Python types, so the state file loads with weights_only=True."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(),
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    return {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 def set_rng_state(s: dict) -> None:
     random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in s["python"]))
     kind, keys, pos, has_gauss, gauss = s["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), int(pos), int(has_gauss),
-                         float(gauss)))
+    np.random.set_state(
+        (kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), int(pos), int(has_gauss), float(gauss))
+    )
     torch.set_rng_state(s["torch"])
     if s.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
@@ -250,6 +261,7 @@ def write_run_record(directory: Path, cfg: Config, run_id: str | None, step: int
 @dataclass(frozen=True)
 class RunRecord:
     """run.json beside a model export (`write_run_record`): the training run it came from."""
+
     mlflow_run_id: str | None
     tracking_uri: str
     step: int
@@ -307,9 +319,12 @@ def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: i
     else:
         short = False
     if _collective_any(short):
-        raise CheckpointError(f"not saving {final}: about {need / 2**20:.1f} MiB needed but only {free / 2**20:.1f} MiB "
-                              f"free on {root}; {prev_msg}" if rank == 0 else
-                              f"not saving {final}: rank 0 found too little free disk space; {prev_msg}")
+        raise CheckpointError(
+            f"not saving {final}: about {need / 2**20:.1f} MiB needed but only {free / 2**20:.1f} MiB "
+            f"free on {root}; {prev_msg}"
+            if rank == 0
+            else f"not saving {final}: rank 0 found too little free disk space; {prev_msg}"
+        )
     try:
         engine.save_checkpoint(str(root), tag=tmp.name, client_state={"step": step}, save_latest=False)
         buf = io.BytesIO()
@@ -332,7 +347,7 @@ def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: i
         os.replace(tmp, final)
         _fsync_dir(root)
         atomic_write_bytes(root / "latest", [tag.encode()])
-        for _, old in complete_checkpoints(root)[:-cfg.checkpoint.keep_last]:
+        for _, old in complete_checkpoints(root)[: -cfg.checkpoint.keep_last]:
             _remove_tree(old)
     torch.distributed.barrier()
     return final
@@ -368,14 +383,18 @@ def read_state(path: Path, rank: int, world_size: int | None) -> dict:
     f = path / f"rank{rank}_state.pt"
     if not f.is_file():
         have = sorted(p.name for p in path.glob("rank*_state.pt"))
-        raise CheckpointError(f"{path}: no {f.name} (it holds {', '.join(have) or 'no rank files'}); "
-                              f"resume with the world size that wrote it")
+        raise CheckpointError(
+            f"{path}: no {f.name} (it holds {', '.join(have) or 'no rank files'}); "
+            f"resume with the world size that wrote it"
+        )
     try:
         state = torch.load(f, map_location="cpu", weights_only=True)  # never unpickles arbitrary objects
     except Exception as e:  # truncated, foreign or tampered file: name it
-        raise CheckpointError(f"{f}: not a readable training state ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); resume from another checkpoint "
-                              f"or set checkpoint.resume=none") from e
+        raise CheckpointError(
+            f"{f}: not a readable training state ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); resume from another checkpoint "
+            f"or set checkpoint.resume=none"
+        ) from e
     if world_size is not None and state["world_size"] != world_size:
         raise CheckpointError(f"{path} was written by {state['world_size']} ranks; this run has {world_size}")
     return state
@@ -383,7 +402,8 @@ def read_state(path: Path, rank: int, world_size: int | None) -> dict:
 
 def load_engine(engine, path: Path) -> None:
     """Restores DeepSpeed's module, optimizer, scheduler and step counters from checkpoint dir `path`."""
-    loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                       load_lr_scheduler_states=True)
+    loaded, _ = engine.load_checkpoint(
+        str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if loaded is None:
         raise CheckpointError(f"{path}: DeepSpeed could not load this checkpoint")

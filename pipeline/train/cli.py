@@ -1,4 +1,5 @@
 """`tlf train CONFIG [OVERRIDES]` (also `python -m pipeline.train CONFIG [OVERRIDES]`): a thin wrapper over run()."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,12 @@ def _exit(code: int) -> None:
 @click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("config")
 @click.argument("overrides", nargs=-1)
-@click.option("--resume", default=None, metavar="auto|none|PATH",
-              help="Shorthand for checkpoint.resume=...: auto (newest complete checkpoint), none, or a path.")
+@click.option(
+    "--resume",
+    default=None,
+    metavar="auto|none|PATH",
+    help="Shorthand for checkpoint.resume=...: auto (newest complete checkpoint), none, or a path.",
+)
 def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     """Train CONFIG (a preset such as tiny/t-loopformer, or a YAML file) with OVERRIDES (section.key=value).
 

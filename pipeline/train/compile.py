@@ -4,6 +4,7 @@ does not recompile. PyTorch still specialises sizes 0 and 1, so a layer holds a 
 (loop 1 uncompacted or a compacted loop; a one-row modulation table, i.e. a shortcut pass of S = 1; a loop
 with a single active token per row) and compiles nothing new once it has met them. The model's code stays
 plain eager PyTorch; this module is the only place that knows."""
+
 from __future__ import annotations
 
 
@@ -17,4 +18,5 @@ def apply_compile(model, backend: str | object = "inductor") -> None:
 def compile_count() -> int:
     """Graphs compiled so far in this process (dynamo's counter): stays flat once a run is warm."""
     from torch._dynamo.utils import counters
+
     return int(counters["stats"]["unique_graphs"])

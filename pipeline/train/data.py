@@ -11,6 +11,7 @@ draws one more). So the windows of each optimizer step, their order, and the epo
 W): a checkpoint written by N ranks resumes on M ranks (grad-accum adapting, same G) at the same sequence, none
 skipped or repeated. `micro` counts the draws of this loader (this run's units, for fault hooks and tests).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,8 +21,9 @@ from data_prep.depthtask import levels_at, task_of
 from data_prep.shards import ShardError, ShardSet
 
 
-def _to_batch(rows: list[np.ndarray], vocab_size: int, where: str, task: dict | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _to_batch(
+    rows: list[np.ndarray], vocab_size: int, where: str, task: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets), each (mb, T) int64. For a depth-hops directory (`task`, from its manifest) only the
     answers are scored: a target whose input is not a level marker becomes the ignore index -1."""
     arr = np.stack(rows).astype(np.int64)
@@ -38,8 +40,19 @@ def _to_batch(rows: list[np.ndarray], vocab_size: int, where: str, task: dict | 
 class TrainLoader:
     """Deterministic, disjoint per-rank micro-batches of (inputs, targets), each (mb, T) int64."""
 
-    def __init__(self, directory: str, split: str, seq_len: int, micro_batch: int, rank: int, world_size: int,
-                 seed: int, vocab_size: int, verify: bool = False, global_batch: int | None = None):
+    def __init__(
+        self,
+        directory: str,
+        split: str,
+        seq_len: int,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        vocab_size: int,
+        verify: bool = False,
+        global_batch: int | None = None,
+    ):
         self.shards = ShardSet(directory, split, (rank, world_size) if verify else None)
         self.task = task_of(directory)
         self.T, self.mb, self.rank, self.ws = seq_len, micro_batch, rank, world_size
@@ -52,7 +65,8 @@ class TrainLoader:
         if self.micros_per_epoch < 1:
             raise ShardError(
                 f"{directory} '{split}': {self.shards.num_tokens} tokens give {self.windows} sequences of {seq_len}+1 "
-                f"tokens, fewer than one global micro-batch ({micro_batch} x {world_size} ranks = {self.per_micro})")
+                f"tokens, fewer than one global micro-batch ({micro_batch} x {world_size} ranks = {self.per_micro})"
+            )
         self.micro, self.epoch_no, self.offset = 0, 0, 0
         self._perm_epoch, self._perm = -1, None
 
@@ -66,13 +80,13 @@ class TrainLoader:
         """Window indices this rank reads for global micro-batch number `micro`."""
         epoch, k = divmod(micro, self.micros_per_epoch)
         start = k * self.per_micro + self.rank * self.mb
-        return self._order(epoch)[start:start + self.mb]
+        return self._order(epoch)[start : start + self.mb]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.offset + self.per_micro > self.usable:  # this epoch's windows are used up
             self.epoch_no, self.offset = self.epoch_no + 1, 0
         start = self.offset + self.rank * self.mb
-        ids = self._order(self.epoch_no)[start:start + self.mb]
+        ids = self._order(self.epoch_no)[start : start + self.mb]
         self.micro += 1
         self.offset += self.per_micro
         rows = [self.shards.read(int(w) * self.T, self.T + 1) for w in ids]
@@ -83,38 +97,62 @@ class TrainLoader:
         return self.epoch_no + self.offset / self.usable
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch_no, "offset": self.offset, "micro": self.micro, "seed": self.seed,
-                "per_micro": self.per_micro, "global_batch": self.global_batch, "windows": self.windows}
+        return {
+            "epoch": self.epoch_no,
+            "offset": self.offset,
+            "micro": self.micro,
+            "seed": self.seed,
+            "per_micro": self.per_micro,
+            "global_batch": self.global_batch,
+            "windows": self.windows,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restores the global position; a state of another world size (per_micro) fits when G is the same."""
         if "offset" not in state:  # written before the position was global: (micro, per_micro) of that run
-            state = {**state, "global_batch": self.global_batch if state["per_micro"] == self.per_micro else 0,
-                     **dict(zip(("epoch", "offset"), divmod(state["micro"], state["windows"] // state["per_micro"])))}
+            state = {
+                **state,
+                "global_batch": self.global_batch if state["per_micro"] == self.per_micro else 0,
+                **dict(zip(("epoch", "offset"), divmod(state["micro"], state["windows"] // state["per_micro"]))),
+            }
             state["offset"] *= state["per_micro"]
         for k in ("seed", "global_batch", "windows"):
             if state[k] != getattr(self, k):
-                raise ShardError(f"checkpointed data position does not fit this run's data.dir={self.shards.dir} "
-                                 f"'{self.shards.split}': {k} was {state[k]}, now "
-                                 f"{getattr(self, k)} (same data, train.seed and train.global_batch_size needed)")
+                raise ShardError(
+                    f"checkpointed data position does not fit this run's data.dir={self.shards.dir} "
+                    f"'{self.shards.split}': {k} was {state[k]}, now "
+                    f"{getattr(self, k)} (same data, train.seed and train.global_batch_size needed)"
+                )
         self.epoch_no, self.offset = int(state["epoch"]), int(state["offset"])
         same = state["per_micro"] == self.per_micro
-        self.micro = int(state["micro"]) if same else self.epoch_no * self.micros_per_epoch + self.offset // self.per_micro
+        self.micro = (
+            int(state["micro"]) if same else self.epoch_no * self.micros_per_epoch + self.offset // self.per_micro
+        )
 
 
 class ValLoader:
     """The same fixed validation micro-batches at every evaluation: batch b of rank r is windows
     [(b * ws + r) * mb, ... + mb) of the split in order (wrapping around a small split)."""
 
-    def __init__(self, directory: str, split: str, seq_len: int, micro_batch: int, rank: int, world_size: int,
-                 vocab_size: int, verify: bool = False):
+    def __init__(
+        self,
+        directory: str,
+        split: str,
+        seq_len: int,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        vocab_size: int,
+        verify: bool = False,
+    ):
         self.shards = ShardSet(directory, split, (rank, world_size) if verify else None)
         self.task = task_of(directory)
         self.T, self.mb, self.rank, self.ws, self.vocab_size = seq_len, micro_batch, rank, world_size, vocab_size
         self.windows = (self.shards.num_tokens - 1) // seq_len
         if self.windows < 1:
-            raise ShardError(f"{directory} '{split}': {self.shards.num_tokens} tokens, fewer than one sequence of "
-                             f"{seq_len}+1 tokens")
+            raise ShardError(
+                f"{directory} '{split}': {self.shards.num_tokens} tokens, fewer than one sequence of {seq_len}+1 tokens"
+            )
 
     def batches(self, n: int):
         for b in range(n):

@@ -8,6 +8,7 @@ intra-op thread per rank: with more than one, CPU reductions split their work by
 (hence the last bits of the loss) can differ from run to run. Off: nothing is changed and resume is as exact as any
 rerun (see the README).
 """
+
 from __future__ import annotations
 
 import os

@@ -8,6 +8,7 @@ train_batch_size = train.global_batch_size (checked: micro x accum x world size)
 optim.grad_clip, bf16.enabled = (precision is bf16). A template that fixes a batch size or a ZeRO stage different
 from ours is an error naming both values.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,11 @@ from data_prep.files import read_json
 from pipeline.config import Config, ConfigError
 from pipeline.device import resolve_device as _resolve_device
 
-BATCH_KEYS = {"train_batch_size": "global_batch_size", "train_micro_batch_size_per_gpu": "micro_batch_size",
-              "gradient_accumulation_steps": "grad_accum_steps"}
+BATCH_KEYS = {
+    "train_batch_size": "global_batch_size",
+    "train_micro_batch_size_per_gpu": "micro_batch_size",
+    "gradient_accumulation_steps": "grad_accum_steps",
+}
 
 
 def ds_config_dir() -> Path:
@@ -55,8 +59,10 @@ def build_ds_config(cfg: Config, world_size: int, precision: str) -> dict:
         want = getattr(t, ours)
         have = ds.get(key, "auto")
         if have != "auto" and have != want:
-            raise ConfigError(f"{path}: {key}={have} but train.{ours}={want}; batch sizes live in train.* "
-                              f"(set it to \"auto\" in the template)")
+            raise ConfigError(
+                f"{path}: {key}={have} but train.{ours}={want}; batch sizes live in train.* "
+                f'(set it to "auto" in the template)'
+            )
         ds[key] = want
     if ds.get("gradient_clipping", "auto") == "auto":
         ds["gradient_clipping"] = float(cfg.optim.grad_clip)
@@ -103,7 +109,7 @@ def build_optimizer(cfg: Config, model) -> tuple[torch.optim.Optimizer, torch.op
     groups = model.param_groups(o.weight_decay)
     impl = o.implementation
     kw = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
-    for name in (["fused", "for-loop"] if impl == "auto" else [impl]):
+    for name in ["fused", "for-loop"] if impl == "auto" else [impl]:
         try:
             opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kw[name])
             break
@@ -165,9 +171,14 @@ def _shm_op(world_size: int, local_rank: int):
     def build():
         built = [*root.glob(f"{SHM_OP}/{SHM_OP}*.so"), *root.glob(f"*/{SHM_OP}/{SHM_OP}*.so")]  # torch's layouts
         if local_rank == 0 and not built:
-            print(f"[tlf] building DeepSpeed's {SHM_OP} op into {root} (once per virtualenv; about 30 s, needs "
-                  f"g++ and ninja)", file=sys.stderr, flush=True)
+            print(
+                f"[tlf] building DeepSpeed's {SHM_OP} op into {root} (once per virtualenv; about 30 s, needs "
+                f"g++ and ninja)",
+                file=sys.stderr,
+                flush=True,
+            )
         return real()
+
     return build
 
 
@@ -181,13 +192,17 @@ def init_distributed(device: str) -> tuple[int, int, int]:
 
     acc = get_accelerator().device_name()
     if (device == "cpu") != (acc == "cpu"):
-        raise ConfigError(f"train.device resolves to {device} but DeepSpeed's accelerator is {acc} "
-                          f"(set DS_ACCELERATOR={device} before the run)")
+        raise ConfigError(
+            f"train.device resolves to {device} but DeepSpeed's accelerator is {acc} "
+            f"(set DS_ACCELERATOR={device} before the run)"
+        )
     if not torch.distributed.is_initialized():
         ds_torch = _ds_torch()
         extensions_dir()
-        real_build, ds_torch.build_shm_op = ds_torch.build_shm_op, _shm_op(
-            int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+        real_build, ds_torch.build_shm_op = (
+            ds_torch.build_shm_op,
+            _shm_op(int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))),
+        )
         try:
             _init_group(device, deepspeed)
         finally:
@@ -215,8 +230,14 @@ def _init_group(device: str, deepspeed) -> None:
         # would inherit and try to rendezvous on a port this process still holds. Only LOCAL_RANK, which the
         # DeepSpeed engine reads, is set.
         os.environ.setdefault("LOCAL_RANK", "0")
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                                   init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        deepspeed.init_distributed(
+            dist_backend=backend,
+            auto_mpi_discovery=False,
+            verbose=False,
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+        )
 
 
 def _init_elastic(backend: str) -> None:
@@ -227,8 +248,13 @@ def _init_elastic(backend: str) -> None:
 
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts the store, else rank 0
-    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ws,
-                                       is_master=not agent and rank == 0, timeout=timedelta(minutes=30))
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        ws,
+        is_master=not agent and rank == 0,
+        timeout=timedelta(minutes=30),
+    )
     store = torch.distributed.PrefixStore(f"tlf/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=ws)
 
@@ -240,8 +266,10 @@ def _unlink_shm_buffer() -> None:
     buffer (`init_distributed` returns after that; the barrier makes it true for all ranks), each rank removes its
     own buffer's name: the mappings stay valid, and the memory goes back when the last process exits."""
     torch.distributed.barrier()
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}")
+    name = (
+        f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+        f"{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}"
+    )
     try:
         os.unlink(Path("/dev/shm") / name)
     except OSError:  # no shm op (not built, ranks on several machines) or another OS: nothing to remove
@@ -257,8 +285,7 @@ def initialize(model, optimizer, scheduler, ds_config: dict):
     their optimizer's partitions are filled by that reduction."""
     import deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     if engine.dp_world_size == 1 and engine.zero_optimization_stage() == 0:
         engine.enable_backward_allreduce = False
     return engine

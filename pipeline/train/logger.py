@@ -9,6 +9,7 @@ experiment `logging.experiment`; the resolved config (`cfg.flat()`) is logged as
 the tags the caller passes (pipeline.train.callbacks.run_tags), and the metrics go from the file to the server on
 a background thread (pipeline.train.spool: the file is the spool of an outage, replayed on the next start).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,9 @@ class RunLogger:
         self.end("FAILED")
         self.active = False
 
-    def start(self, cfg, tags: dict, resume_run_id: str | None = None, root: Path | None = None,
-              step: int = 0) -> str | None:
+    def start(
+        self, cfg, tags: dict, resume_run_id: str | None = None, root: Path | None = None, step: int = 0
+    ) -> str | None:
         """On rank 0 after `open`: the local metrics file `root`/metrics.jsonl (its lines after `step`, the start
         step, dropped: they are run again) and, with logging.mlflow, the MLflow run (`resume_run_id` reopened, else
         a new one) with its sender thread; returns the run id (None without MLflow; when the server cannot be reached
@@ -61,12 +63,16 @@ class RunLogger:
                 after = self._open_run(cfg, tags, resume_run_id, uri)
                 self._end_dead_run(prev, uri)
         except Exception as e:  # noqa: BLE001 - the outside service failing never stops training
-            self.warn(f"MLflow at {uri} cannot be used ({tracking.one_line(e)}); this run's metrics are only in "
-                      f"{self._file.name if self._file else 'the console'}")
+            self.warn(
+                f"MLflow at {uri} cannot be used ({tracking.one_line(e)}); this run's metrics are only in "
+                f"{self._file.name if self._file else 'the console'}"
+            )
             self.client, self.run_id = None, resume_run_id  # kept in checkpoints: the next start reopens and replays
         if root is not None:
-            write_json(Path(root) / tracking.RUN_FILE, {"run_id": self.run_id, "tracking_uri": uri,
-                                                        "name": self._name(cfg), "tags": tags})
+            write_json(
+                Path(root) / tracking.RUN_FILE,
+                {"run_id": self.run_id, "tracking_uri": uri, "name": self._name(cfg), "tags": tags},
+            )
         if self.client is None:
             return self.run_id
         self.info(f"MLflow run {self.run_id} in experiment '{cfg.logging.experiment}' at {uri}")
@@ -97,7 +103,7 @@ class RunLogger:
         self.run_id = run.info.run_id
         params = [Param(k, str(v)[:6000]) for k, v in cfg.flat().items()]
         for i in range(0, len(params), 100):
-            self.client.log_batch(self.run_id, params=params[i:i + 100])
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
         self.client.log_batch(self.run_id, tags=[RunTag("tracking_uri", uri)])
         return 0
 
@@ -122,8 +128,10 @@ class RunLogger:
         if self._sender is not None:
             sender, self._sender = self._sender, None
             if not sender.stop(self.drain_s):
-                self.warn(f"MLflow still unreachable; the unsent steps stay in {sender.path} and are sent by the "
-                          f"next start of this run")
+                self.warn(
+                    f"MLflow still unreachable; the unsent steps stay in {sender.path} and are sent by the "
+                    f"next start of this run"
+                )
                 self.client = None
         if self.client is not None and self.run_id:
             try:

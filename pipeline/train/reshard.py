@@ -13,6 +13,7 @@ partitions from them), the moments into the optimizer's partitions after it (`lo
 per-parameter state under stage 0, this rank's slice of each flat group under ZeRO 1/2 (`bit16_groups` order,
 padded, `dp` equal partitions) and of each parameter's partition under ZeRO-3 (`ds_tensor` layout).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -105,9 +106,13 @@ def load_optimizer(engine, model, full: dict, rank: int) -> None:
     elif stage <= 2:
         for i, group in enumerate(zo.bit16_groups):
             part = zo.single_partition_of_fp32_groups[i]
-            zo.optimizer.state[part] = {"step": _like_step(step),
-                                        **{m: _slice([full["params"][names[id(p)]][m] for p in group],
-                                                     rank * part.numel(), part.numel()) for m in MOMENTS}}
+            zo.optimizer.state[part] = {
+                "step": _like_step(step),
+                **{
+                    m: _slice([full["params"][names[id(p)]][m] for p in group], rank * part.numel(), part.numel())
+                    for m in MOMENTS
+                },
+            }
     else:
         for j, flat in enumerate(zo.fp32_partitioned_groups_flat):
             group = zo.fp16_groups[j]
@@ -132,8 +137,8 @@ def _slice(tensors: list[torch.Tensor], start: int, numel: int) -> torch.Tensor:
     """Elements [start, start + numel) of the tensors flattened one after another, zero-padded at the end."""
     flat = torch.cat([t.reshape(-1).float() for t in tensors])
     out = torch.zeros(numel, dtype=torch.float32)
-    piece = flat[start:start + numel]
-    out[:piece.numel()] = piece
+    piece = flat[start : start + numel]
+    out[: piece.numel()] = piece
     return out
 
 

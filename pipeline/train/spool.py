@@ -8,6 +8,7 @@ retries every `retry_s` and says when it is back; what is still unsent at the en
 file and is replayed by the next start (`RunLogger.start`). Steps at or below `after_step` are already in the
 run (sent by an earlier process) and are skipped: after a resume the history holds each step once.
 """
+
 from __future__ import annotations
 
 import json
@@ -98,8 +99,9 @@ class Sender(threading.Thread):
                     return False
                 self.offset, batch = end, []
         if self.down_since is not None:
-            self.say("info", f"MLflow is back after {time.monotonic() - self.down_since:.0f} s; the spooled steps "
-                             f"were sent")
+            self.say(
+                "info", f"MLflow is back after {time.monotonic() - self.down_since:.0f} s; the spooled steps were sent"
+            )
             self.down_since = None
         return True
 
@@ -110,8 +112,11 @@ class Sender(threading.Thread):
         except Exception as e:  # noqa: BLE001 - any failure of the outside service: spool, never raise into training
             if self.down_since is None:
                 self.down_since = time.monotonic()
-                self.say("warn", f"MLflow unreachable ({tracking.one_line(e)}); training goes on, metrics are "
-                                 f"spooled in {self.path} and sent when the server is back")
+                self.say(
+                    "warn",
+                    f"MLflow unreachable ({tracking.one_line(e)}); training goes on, metrics are "
+                    f"spooled in {self.path} and sent when the server is back",
+                )
             return False
 
 

@@ -14,6 +14,7 @@ each backward, so it reads one flag per micro-batch (all-reduced) and drops a ba
 one (at most train.nan_skip_limit in a row). SIGTERM/SIGINT end the run after the current step with a
 checkpoint. A non-finite gradient norm always stops.
 """
+
 from __future__ import annotations
 
 import math
@@ -115,9 +116,13 @@ class StepMeter:
         a = len(self.bad)
         n = max(self.n, 1)
         n_loss = 1 + len(self.PARTS)
-        losses, bad, rest = v[:n_loss], v[n_loss:n_loss + a], v[n_loss + a:]
-        out = {"loss": losses[0] / ws / n, **{p: x / ws / n for p, x in zip(self.PARTS, losses[1:])},
-               "bad_micro_batch": next((k + 1 for k, b in enumerate(bad) if b > 0), 0), "signal": rest[0] > 0}
+        losses, bad, rest = v[:n_loss], v[n_loss : n_loss + a], v[n_loss + a :]
+        out = {
+            "loss": losses[0] / ws / n,
+            **{p: x / ws / n for p, x in zip(self.PARTS, losses[1:])},
+            "bad_micro_batch": next((k + 1 for k, b in enumerate(bad) if b > 0), 0),
+            "signal": rest[0] > 0,
+        }
         rest = rest[1:]
         if gn is not None:
             out["grad_norm"], rest = rest[0] / ws, rest[1:]
@@ -125,7 +130,7 @@ class StepMeter:
             out["grad_norm"] = grad_norm
         metrics = {}
         for key in keys:
-            vals, rest = rest[: self.stats[key].numel()], rest[self.stats[key].numel():]
+            vals, rest = rest[: self.stats[key].numel()], rest[self.stats[key].numel() :]
             if len(vals) == 1:
                 metrics[f"router/{key}"] = vals[0] / ws / n
             else:  # depth_hist: share of tokens per depth 1..M
@@ -144,17 +149,33 @@ class Trainer:
     over, also after a stop signal); post_checkpoint_saved(step, path) from `save_checkpoint`; on_error(exc) when
     anything raises; close(status) always, last (status FINISHED, KILLED after a signal, FAILED)."""
 
-    def __init__(self, cfg: Config, *, rank: int, world_size: int, device_kind: str, precision: str, root: Path,
-                 loader, val: list, model, engine, step: int, run_id: str | None, resume_from: Path | None,
-                 callbacks: list) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        rank: int,
+        world_size: int,
+        device_kind: str,
+        precision: str,
+        root: Path,
+        loader,
+        val: list,
+        model,
+        engine,
+        step: int,
+        run_id: str | None,
+        resume_from: Path | None,
+        callbacks: list,
+    ) -> None:
         self.cfg, self.rank, self.ws, self.device_kind, self.precision = cfg, rank, world_size, device_kind, precision
         self.root, self.loader, self.val, self.model, self.engine = root, loader, val, model, engine
         self.device, self.accum = engine.device, cfg.train.grad_accum_steps
         self.step, self.run_id, self.resume_from = step, run_id, resume_from
         self.max_steps = cfg.schedule.max_steps
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
-        self.result = TrainResult(start_step=step, step=step, checkpoint=str(resume_from) if resume_from else None,
-                                  run_id=run_id)
+        self.result = TrainResult(
+            start_step=step, step=step, checkpoint=str(resume_from) if resume_from else None, run_id=run_id
+        )
         self.last_saved = step if resume_from is not None else -1
         self.consecutive_bad = 0  # nan_policy=skip: non-finite micro-batches in a row
         self._signals: _Signals | None = None
@@ -188,13 +209,27 @@ class Trainer:
         T, mb = cfg.model.block_size, cfg.train.micro_batch_size
 
         if loader is None:
-            loader = TrainLoader(cfg.data.dir, cfg.data.train_split, T, mb, rank, ws, cfg.train.seed,
-                                 cfg.model.vocab_size, cfg.data.verify, global_batch=cfg.train.global_batch_size)
+            loader = TrainLoader(
+                cfg.data.dir,
+                cfg.data.train_split,
+                T,
+                mb,
+                rank,
+                ws,
+                cfg.train.seed,
+                cfg.model.vocab_size,
+                cfg.data.verify,
+                global_batch=cfg.train.global_batch_size,
+            )
         val = []
         if cfg.train.eval_interval > 0:
-            val = [(f"val/{Path(d).name or d}", ValLoader(d, cfg.data.val_split, T, mb, rank, ws, cfg.model.vocab_size,
-                                                          cfg.data.verify))
-                   for d in [cfg.data.dir] + list(cfg.data.extra_val_dirs)]
+            val = [
+                (
+                    f"val/{Path(d).name or d}",
+                    ValLoader(d, cfg.data.val_split, T, mb, rank, ws, cfg.model.vocab_size, cfg.data.verify),
+                )
+                for d in [cfg.data.dir] + list(cfg.data.extra_val_dirs)
+            ]
             val[0] = ("val/loss", val[0][1])
 
         # Same seed on every rank: identical initial weights, and the same shortcut schedule sampled on every rank
@@ -205,10 +240,12 @@ class Trainer:
         apply_ac(model, cfg.train.activation_checkpointing)
         if cfg.train.compile:
             from pipeline.train.compile import apply_compile
+
             apply_compile(model)
         full = None
         if note:  # resharding: the full weights go in before the engine partitions them
             from pipeline.train import reshard
+
             _check_compatible(cfg, saved["config"], resume_from)
             full = reshard.full_state(resume_from)
             reshard.load_weights(model, full)
@@ -228,10 +265,25 @@ class Trainer:
             ckpt.set_rng_state(state["rng"])
             step, run_id = int(state["step"]), state.get("mlflow_run_id")
             if engine.global_steps != step:
-                raise ckpt.CheckpointError(f"{resume_from}: DeepSpeed is at step {engine.global_steps}, our state at {step}")
-        trainer = cls(cfg, rank=rank, world_size=ws, device_kind=device_kind, precision=precision, root=root,
-                      loader=loader, val=val, model=model, engine=engine, step=step, run_id=run_id,
-                      resume_from=resume_from, callbacks=default_callbacks() if callbacks is None else callbacks)
+                raise ckpt.CheckpointError(
+                    f"{resume_from}: DeepSpeed is at step {engine.global_steps}, our state at {step}"
+                )
+        trainer = cls(
+            cfg,
+            rank=rank,
+            world_size=ws,
+            device_kind=device_kind,
+            precision=precision,
+            root=root,
+            loader=loader,
+            val=val,
+            model=model,
+            engine=engine,
+            step=step,
+            run_id=run_id,
+            resume_from=resume_from,
+            callbacks=default_callbacks() if callbacks is None else callbacks,
+        )
         trainer.resume_note = note
         return trainer
 
@@ -269,8 +321,10 @@ class Trainer:
         self.result.skipped += 1
         log.warn(f"{msg}; skipped (train.nan_policy=skip, {self.consecutive_bad} in a row)")
         if self.consecutive_bad >= self.cfg.train.nan_skip_limit:
-            raise NonFiniteError(f"{msg}: {self.consecutive_bad} non-finite batches in a row "
-                                 f"(train.nan_skip_limit); stopping. Last good checkpoint: {self.last_good()}")
+            raise NonFiniteError(
+                f"{msg}: {self.consecutive_bad} non-finite batches in a row "
+                f"(train.nan_skip_limit); stopping. Last good checkpoint: {self.last_good()}"
+            )
         return True
 
     def read(self, meter: StepMeter) -> dict:
@@ -286,8 +340,15 @@ class Trainer:
         return step % self.cfg.train.log_interval == 0 or step == self.max_steps or step == self.result.start_step + 1
 
     def save_checkpoint(self) -> Path:
-        state = {"step": self.step, "world_size": self.ws, "rank": self.rank, "loader": self.loader.state_dict(),
-                 "rng": ckpt.rng_state(), "config": self.cfg.to_dict(), "mlflow_run_id": self.run_id}
+        state = {
+            "step": self.step,
+            "world_size": self.ws,
+            "rank": self.rank,
+            "loader": self.loader.state_dict(),
+            "rng": ckpt.rng_state(),
+            "config": self.cfg.to_dict(),
+            "mlflow_run_id": self.run_id,
+        }
         path = ckpt.save(self.engine, self.model, self.cfg, self.root, self.step, state, self.rank)
         self.last_saved, self.result.checkpoint = self.step, str(path)
         self._call("post_checkpoint_saved", self.step, path)
@@ -307,14 +368,18 @@ class Trainer:
                     self._call("pre_step", self.step + 1)
                     r = self.read(self.train_step())
                     if r["bad_micro_batch"]:
-                        raise NonFiniteError(f"non-finite loss at step {self.step + 1} (micro-batch "
-                                             f"{r['bad_micro_batch']}/{self.accum}); stopping. Last good checkpoint: "
-                                             f"{self.last_good()}")
+                        raise NonFiniteError(
+                            f"non-finite loss at step {self.step + 1} (micro-batch "
+                            f"{r['bad_micro_batch']}/{self.accum}); stopping. Last good checkpoint: "
+                            f"{self.last_good()}"
+                        )
                     self.step += 1
                     res.losses.append(r["loss"])
                     if r["grad_norm"] is not None and not math.isfinite(r["grad_norm"]):
-                        raise NonFiniteError(f"non-finite gradient norm at step {self.step}; stopping. Last good "
-                                             f"checkpoint: {self.last_good()}")
+                        raise NonFiniteError(
+                            f"non-finite gradient norm at step {self.step}; stopping. Last good "
+                            f"checkpoint: {self.last_good()}"
+                        )
                     metrics = self._metrics(r)
                     self._call("post_step", self.step, metrics)
                     self._call("log_metrics", self.step, metrics)
@@ -400,20 +465,30 @@ def _adapt_to_layout(cfg: Config, saved: dict | None, ws: int) -> str:
     if was_ws == ws and was_stage == t.zero_stage:
         return ""
     per = t.micro_batch_size * ws
-    if was_ws != ws and t.global_batch_size % per == 0 and t.micro_batch_size * t.grad_accum_steps * ws != t.global_batch_size:
+    if (
+        was_ws != ws
+        and t.global_batch_size % per == 0
+        and t.micro_batch_size * t.grad_accum_steps * ws != t.global_batch_size
+    ):
         t.grad_accum_steps = t.global_batch_size // per
-    return (f"resuming a checkpoint of {was_ws} ranks under ZeRO-{was_stage} on {ws} ranks under ZeRO-{t.zero_stage}: "
-            f"global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x grad-accum {t.grad_accum_steps} "
-            f"x {ws} ranks; weights, AdamW moments, LR schedule and data position carried over")
+    return (
+        f"resuming a checkpoint of {was_ws} ranks under ZeRO-{was_stage} on {ws} ranks under ZeRO-{t.zero_stage}: "
+        f"global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x grad-accum {t.grad_accum_steps} "
+        f"x {ws} ranks; weights, AdamW moments, LR schedule and data position carried over"
+    )
 
 
 def _check_compatible(cfg: Config, saved: dict, path: Path) -> None:
     """Resuming needs the same model; other sections (schedule length, logging, ...) may change."""
     now = cfg.to_dict()
-    diff = [f"model.{k} ({saved['model'][k]!r} -> {v!r})" for k, v in now["model"].items() if saved["model"].get(k) != v]
+    diff = [
+        f"model.{k} ({saved['model'][k]!r} -> {v!r})" for k, v in now["model"].items() if saved["model"].get(k) != v
+    ]
     for k in ("micro_batch_size", "global_batch_size", "seed"):  # world size and ZeRO stage may change
         if saved["train"].get(k) != now["train"][k]:
             diff.append(f"train.{k} ({saved['train'].get(k)!r} -> {now['train'][k]!r})")
     if diff:
-        raise ConfigError(f"cannot resume from {path}: config differs in {', '.join(diff)} "
-                          "(use checkpoint.resume=none or another checkpoint.dir)")
+        raise ConfigError(
+            f"cannot resume from {path}: config differs in {', '.join(diff)} "
+            "(use checkpoint.resume=none or another checkpoint.dir)"
+        )

@@ -1,5 +1,6 @@
 """The validation loss (`evaluate`, run by the Validation callback) and the all-reduce-and-read both it and the
 trainer use (`sum_over_ranks`). Its own module, so callbacks.py and trainer.py do not import each other."""
+
 from __future__ import annotations
 
 import torch
