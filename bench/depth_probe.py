@@ -1,0 +1,232 @@
+"""Depth-hops learnability probe: can the task's model learn the task at all, given far more steps than a CPU
+study affords, and which optimiser settings and task sizes make it learnable?
+
+A plain training loop (AdamW, constant LR after a short warmup, no DeepSpeed) on the real `LoopedLM` of a
+`depth/*` preset, on fresh depth-hops documents (data_prep/depthtask.py make_document, the generator
+`tlf prep-data --source depth-hops` writes), one process per probe, for `--minutes` of wall time each, all
+probes at once. Every `--eval-every` steps: answer accuracy by level at every loop budget M on 512 held-out
+documents. This measures the task and the architecture, not the trainer: `bench/depth_need.py` is the study
+through the project's trainer.
+
+    python bench/depth_probe.py --device cuda --minutes 7.4 --eval-every 1000          # grid 1, on one GPU
+    python bench/depth_probe.py --device cuda --minutes 4.2 --eval-every 500 --grid 2  # grid 2
+    python bench/depth_probe.py --device cpu --grid 3 --steps 3000 --minutes 60 --jobs 2  # grid 3, on 2 CPU cores
+    python bench/depth_probe.py --device cpu --minutes 1 --probes base-loop            # smoke
+
+Writes `<out>/depth_probe.json` (out: bench/results/depth_probe): per probe its settings, steps run, and the
+accuracy curve [{step, acc: {M: [overall, level 1..L]}}].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from interleave import write_json  # noqa: E402  (after the sys.path lines above)
+
+D128 = ["model.d_model=128", "model.n_heads=4", "model.d_ff=512"]
+# name -> (preset, model overrides, probe settings); task: chains R, levels L, queries Q.
+# Grid 1: what makes the task learnable (optimiser, width, task size, which variants); grid 2: the router on
+# the sizes grid 1 found learnable.
+GRID1 = {
+    "base-loop": ("depth/base-loop", [], {}),
+    "base-loop lr1e-3": ("depth/base-loop", [], {"lr": 1e-3}),
+    "base-loop d128": ("depth/base-loop", ["model.d_model=128", "model.n_heads=4", "model.d_ff=512"], {"lr": 1e-3}),
+    "base-loop wd0.1 b2.95": ("depth/base-loop", [], {"wd": 0.1, "beta2": 0.95}),
+    "base-loop R4": ("depth/base-loop", [], {"R": 4}),
+    "base-loop L3": ("depth/base-loop", [], {"L": 3, "Q": 3}),
+    "base-loop 2 layers": ("depth/base-loop", ["model.n_layers=2"], {}),
+    "base (4 layers)": ("depth/base", [], {}),
+    "loopformer": ("depth/loopformer", [], {}),
+    "tmlt": ("depth/tmlt", [], {}),
+    "base-loop batch64": ("depth/base-loop", [], {"batch": 64}),
+    "base-loop lr1e-2": ("depth/base-loop", [], {"lr": 1e-2}),
+    "base-loop L2": ("depth/base-loop", [], {"L": 2}),
+    "base-loop d128 L2": (
+        "depth/base-loop",
+        ["model.d_model=128", "model.n_heads=4", "model.d_ff=512"],
+        {"L": 2, "lr": 1e-3},
+    ),
+    "loopformer d128": ("depth/loopformer", ["model.d_model=128", "model.n_heads=4", "model.d_ff=512"], {"lr": 1e-3}),
+}
+GRID2 = {
+    "L2 loopformer": ("depth/loopformer", [], {"L": 2}),
+    "L2 loopformer s1": ("depth/loopformer", [], {"L": 2, "seed": 1}),
+    "L2 t-loopformer budget need": ("depth/t-loopformer", ["model.router_recipe=budget"], {"L": 2, "target": "need"}),
+    "L2 t-loopformer budget need s1": (
+        "depth/t-loopformer",
+        ["model.router_recipe=budget"],
+        {"L": 2, "target": "need", "seed": 1},
+    ),
+    "L2 t-loopformer paper": ("depth/t-loopformer", ["model.router_recipe=paper"], {"L": 2}),
+    "L3 loopformer d128": ("depth/loopformer", D128, {"L": 3, "Q": 3, "lr": 1e-3}),
+    "L3 t-loopformer d128 budget need": (
+        "depth/t-loopformer",
+        [*D128, "model.router_recipe=budget"],
+        {"L": 3, "Q": 3, "lr": 1e-3, "target": "need"},
+    ),
+    "L3 t-loopformer d128 paper": (
+        "depth/t-loopformer",
+        [*D128, "model.router_recipe=paper"],
+        {"L": 3, "Q": 3, "lr": 1e-3},
+    ),
+}
+# Grid 3: at L = 2 (learnt by base-loop in 2-4k steps), which part of the LoopFormer recipe stops learning:
+# time conditioning alone, the shortcut pass + alignment alone, conditioning with zero-weight auxiliary losses,
+# and the router on top of that.
+NO_AUX = ["model.lambda_short=0", "model.lambda_align=0"]
+GRID3 = {
+    "L2 base-loop": ("depth/base-loop", [], {"L": 2}),
+    "L2 tmlt": ("depth/tmlt", [], {"L": 2}),
+    "L2 base-loop-ee-align": ("depth/base-loop-ee-align", [], {"L": 2}),
+    "L2 loopformer no aux": ("depth/loopformer", NO_AUX, {"L": 2}),
+    "L2 t-loopformer budget need no aux": (
+        "depth/t-loopformer",
+        [*NO_AUX, "model.router_recipe=budget"],
+        {"L": 2, "target": "need"},
+    ),
+}
+GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3}
+GRID = {**GRID1, **GRID2, **GRID3}
+DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
+
+
+def documents(seed: int, start: int, n: int, R: int, L: int, Q: int) -> np.ndarray:
+    from data_prep.depthtask import make_document
+
+    return np.stack([make_document(seed, start + i, R, L, Q) for i in range(n)])
+
+
+def probe(args) -> dict:
+    """One probe; a failure comes back as {"name", "error"} so the others' results survive."""
+    try:
+        return _probe(*args)
+    except Exception as e:  # noqa: BLE001  (a probe's failure is data; the grid goes on)
+        return {"name": args[0], "error": f"{type(e).__name__}: {e}"}
+
+
+def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device, log) -> dict:
+    torch.set_num_threads(1)
+    from data_prep.depthtask import doc_length, layout, levels_at, mean_need
+    from pipeline.config import load_config
+    from pipeline.model.looped import LoopedLM
+
+    s = {**DEFAULTS, **settings}
+    R, L, Q = s["R"], s["L"], s["Q"]
+    task = layout(R, L)
+    T = doc_length(R, L, Q)
+    depth_key = "model.n_layers" if preset == "depth/base" else "model.loops"  # base: L distinct layers, one pass
+    extra = [f"model.router_target_depth={mean_need(R, L, Q)}"] if s.get("target") == "need" else []
+    cfg = load_config(preset, [*overrides, *extra, f"model.block_size={T - 1}", f"{depth_key}={L}"])
+    torch.manual_seed(s["seed"])
+    model = LoopedLM(cfg.model).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, s["beta2"]), weight_decay=s["wd"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s["warmup"]))
+
+    def batch(docs):
+        x, y = docs[:, :-1], docs[:, 1:].copy()
+        lev = levels_at(x, task)  # (B, T-1): level of the target at each position
+        y[lev == 0] = -1
+        return torch.from_numpy(x).to(device), torch.from_numpy(y).to(device), lev
+
+    val = batch(documents(10_000 + s["seed"], 0, 512, R, L, Q))
+    pool = documents(s["seed"], 0, 20_000, R, L, Q)  # fresh documents are drawn below; this one is the first
+    Lm = cfg.model.loops
+
+    @torch.no_grad()
+    def evaluate():
+        model.eval()
+        x, y, lev = val
+        acc = {}
+        for M in range(1, Lm + 1):
+            out = model(x, loops=M)
+            pred = out.logits.argmax(-1).cpu().numpy()
+            if M == Lm and model.router is not None:  # executed depth by level: mean, and share at depth >= level
+                d = out.depth.cpu().numpy()
+                acc["depth_mean"] = [float(d[lev == k].mean()) for k in range(1, L + 1)]
+                acc["depth_ge_level"] = [float((d[lev == k] >= k).mean()) for k in range(1, L + 1)]
+                acc["depth_all_tokens"] = float(d.mean())
+            ok = pred == y.cpu().numpy()
+            acc[M] = [float(ok[lev > 0].mean())] + [float(ok[lev == k].mean()) for k in range(1, L + 1)]
+        model.train()
+        return acc
+
+    curve, step, t0, rng = [], 0, time.time(), np.random.default_rng(s["seed"])
+    next_doc = 20_000
+    model.train()
+    while time.time() - t0 < minutes * 60 and (not steps or step < steps):
+        if step % 50 == 0 and step > 0:  # refresh part of the pool: mostly fresh documents
+            pool[rng.integers(0, len(pool), 512)] = documents(s["seed"], next_doc, 512, R, L, Q)
+            next_doc += 512
+        x, y, _ = batch(pool[rng.integers(0, len(pool), s["batch"])])
+        out = model(x, y, objective=True)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        if step % eval_every == 0:
+            curve.append({"step": step, "seconds": round(time.time() - t0, 1), "acc": evaluate()})
+            with open(log, "a") as fh:  # progress survives a killed run: one line per point, appended
+                fh.write(json.dumps({"name": name, **curve[-1]}) + "\n")
+            a = curve[-1]["acc"][Lm]
+            print(
+                f"[{name}] step {step} M={Lm} acc {a[0]:.3f} by level " + " ".join(f"{v:.2f}" for v in a[1:]),
+                flush=True,
+            )
+    curve.append({"step": step, "seconds": round(time.time() - t0, 1), "acc": evaluate()})
+    return {"name": name, "preset": preset, "overrides": overrides, "settings": s, "steps": step, "curve": curve}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="1", help="which grid to run (default 1)")
+    ap.add_argument("--probes", default="", help="comma-separated probe names from either grid (instead of --grid)")
+    ap.add_argument("--minutes", type=float, default=7.0, help="wall time per probe")
+    ap.add_argument("--steps", type=int, default=0, help="stop a probe after this many steps (0: time only)")
+    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--jobs", type=int, default=0, help="processes at once (default: all probes)")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/depth_probe"))
+    a = ap.parse_args(argv)
+    names = [n.strip() for n in a.probes.split(",") if n.strip()] or list(GRIDS[a.grid])
+    unknown = [n for n in names if n not in GRID]
+    if unknown:
+        ap.error(f"unknown probe(s) {unknown}; known: {', '.join(GRID)}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "depth_probe.jsonl"
+    log.unlink(missing_ok=True)
+    jobs = [(n, *GRID[n], a.minutes, a.steps, a.eval_every, a.device, str(log)) for n in names]
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(a.jobs or len(jobs)) as pool:
+        results = pool.map(probe, jobs)
+    res = {
+        "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
+        "minutes": a.minutes,
+        "probes": results,
+    }
+    write_json(out / "depth_probe.json", res)
+    for r in results:
+        if "error" in r:
+            print(f"{r['name']:<24} FAILED {r['error']}")
+            continue
+        last = r["curve"][-1]["acc"]
+        print(f"{r['name']:<24} steps {r['steps']:>6}  " + "  ".join(f"M={M}: {v}" for M, v in last.items()))
+    return res
+
+
+if __name__ == "__main__":
+    main()
