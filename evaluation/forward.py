@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.model.interface import LoopedNetwork
+
 
 @torch.no_grad()
 def hidden_states(
-    model,
+    model: LoopedNetwork,
     idx: torch.Tensor,
     loops: int,
     positions: torch.Tensor | None = None,
@@ -31,6 +33,6 @@ def hidden_states(
 
 
 @torch.no_grad()
-def logits_at(model, h: torch.Tensor) -> torch.Tensor:
+def logits_at(model: LoopedNetwork, h: torch.Tensor) -> torch.Tensor:
     """Logits (..., V) in fp32 for states h (..., d)."""
     return model.head(h)[0].float()

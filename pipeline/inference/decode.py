@@ -31,10 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.inference.cache import LoopView, RecursionKVCache
+from pipeline.model.interface import LoopedNetwork
 from pipeline.model.schedule import uniform
 
 
-def modulation_tables(model, M: int):
+def modulation_tables(model: LoopedNetwork, M: int):
     """The per-layer (K, 4d) modulation tables of budget M (K = M(M+1)/2), built from the model's weights as
     they are now, in their dtype and on their device. Each `Decoder` builds its own: a table kept across
     decoders could go stale when weights change in ways no cheap stamp sees (`.data` writes, a distributed
@@ -58,8 +59,9 @@ def pad_prompts(prompts, device) -> tuple[torch.Tensor, np.ndarray]:
 
 
 class _PrefillHooks:
-    """Connects LoopedLM.run_loops to the cache during a prefill: every layer's k/v of the compacted active
-    tokens is stored (then attention runs causally among them), and each finished loop records |A_i|."""
+    """Connects LoopedLM.run_loops to the cache during a prefill (the `LoopHooks` of pipeline/model/interface.py):
+    every layer's k/v of the compacted active tokens is stored (then attention runs causally among them), and
+    each finished loop records |A_i|."""
 
     def __init__(self, dec: "Decoder", reserve: int):
         self.dec, self.reserve = dec, reserve
@@ -77,7 +79,7 @@ class Decoder:
 
     def __init__(
         self,
-        model,
+        model: LoopedNetwork,
         loops: int | None = None,
         threshold: float | None = None,
         layout: str = "compact",
