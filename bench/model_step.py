@@ -62,7 +62,7 @@ def _worker(args: dict, conn) -> None:
 
     def step():
         with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
-            res = model(idx, tgt, shortcut=k if cfg.shortcut else None)
+            res = model(idx, tgt, objective=True, shortcut=k if cfg.shortcut else None)
         res.loss.backward()
         model.zero_grad(set_to_none=True)
         if dev.type == "cuda":

@@ -210,7 +210,7 @@ def _saved_breakdown(model, x, y, L: int) -> dict:
     acc.label = "embed+router"
     torch.manual_seed(0)
     with acc, count_host_reads() as reads:
-        out = model(x, y)
+        out = model(x, y, objective=True)
     del out
     for h in hooks:
         h.remove()

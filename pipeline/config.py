@@ -16,7 +16,7 @@ import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 
@@ -119,6 +119,23 @@ class ModelConfig:
     norm_eps: float = f(1e-5, "RMSNorm epsilon.")
     init_std: float = f(0.02, "Std of the normal init (residual projections scaled by 1/sqrt(2*J*L)).")
     tie_embeddings: bool = f(True, "Tie the LM head to the token embedding.")
+
+    # What a resume may change (README 'Determinism contract'): the objective's settings (loss weights, the router's
+    # auxiliary losses and init, the straight-through estimator, which changes gradients only) and the execution
+    # knobs (the dense reference path, the router's exit threshold). Every other field defines the network: its
+    # parameters and what a forward pass computes from them, so a resume refuses to change it.
+    RESUMABLE: ClassVar[tuple[str, ...]] = (
+        "lambda_short",
+        "lambda_align",
+        "align_target",
+        "router_ste",
+        "router_target_depth",
+        "router_balance_weight",
+        "router_entropy_weight",
+        "router_init_std",
+        "gather_scatter",
+        "router_threshold",
+    )
 
     def validate(self) -> None:
         if self.variant not in VARIANTS:

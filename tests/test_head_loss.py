@@ -44,7 +44,7 @@ def _run(m, x, y, fused, autocast=False):
     m.zero_grad()
     k = torch.tensor([1, 3]) if m.cfg.shortcut else None
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-        out = m(x, y, shortcut=k, fused_loss=fused)
+        out = m(x, y, objective=True, shortcut=k, fused_loss=fused)
     out.loss.backward()
     return out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
@@ -164,7 +164,7 @@ def test_nothing_of_size_tokens_x_vocab_is_kept_for_backward():
     for fused in (True, False):
         acc = _Shapes()
         with acc:
-            m(x, y, shortcut=torch.tensor([1, 3]), fused_loss=fused)
+            m(x, y, objective=True, shortcut=torch.tensor([1, 3]), fused_loss=fused)
         kept[fused] = acc
     with_v = [s for s in kept[True].shapes if V in s]
     assert with_v == [(V, d)], with_v  # the weight's gradient, computed in forward; no (B, T, V) tensor
@@ -184,7 +184,7 @@ def test_no_extra_host_read():
         x, y = _batch()
         for fused in (True, False):
             with count_host_reads(model_files) as reads:
-                m(x, y, fused_loss=fused).loss.backward()
+                m(x, y, objective=True, fused_loss=fused).loss.backward()
             assert len(reads) == expected, (variant, fused, reads)
 
 

@@ -55,7 +55,7 @@ def test_gather_scatter_equals_dense_reference(variant, overrides):
     idx, tgt = batch()
     k = torch.tensor([1, 2, 1])  # a fixed shortcut schedule so both paths see the same objective
     model.train()
-    out_gs = model(idx, tgt, shortcut=k)
+    out_gs = model(idx, tgt, objective=True, shortcut=k)
     out_gs.loss.backward()
     g_gs = grads(model)
     if variant == "t-loopformer":  # rows really differ in depth pattern, several depths present
@@ -63,7 +63,7 @@ def test_gather_scatter_equals_dense_reference(variant, overrides):
         assert len(d.unique()) >= 3 and not torch.equal(d[0], d[1])
         assert not torch.equal((d >= 2).sum(1), (d >= 2).sum(1)[:1].expand(3))  # different |A_2| per row
     model.zero_grad()
-    out_dense = model(idx, tgt, shortcut=k, gather_scatter=False)
+    out_dense = model(idx, tgt, objective=True, shortcut=k, gather_scatter=False)
     out_dense.loss.backward()
     g_dense = grads(model)
     torch.testing.assert_close(out_gs.parts, out_dense.parts, atol=1e-5, rtol=0)  # both passes' losses
@@ -89,13 +89,13 @@ def test_activation_checkpointing_is_exact(mode):
     idx, tgt = batch(B=2, T=24)
     k = torch.tensor([2, 2])
     model.train()
-    model(idx, tgt, shortcut=k).loss.backward()
+    model(idx, tgt, objective=True, shortcut=k).loss.backward()
     ref = grads(model)
     sd = {k_: v.clone() for k_, v in model.state_dict().items()}
     model.zero_grad()
     apply_ac(model, mode)
     assert checkpointed_mode(model) == mode
-    model(idx, tgt, shortcut=k).loss.backward()
+    model(idx, tgt, objective=True, shortcut=k).loss.backward()
     for n, g in grads(model).items():
         torch.testing.assert_close(g, ref[n], atol=1e-6, rtol=0, msg=n)
     # applied from outside: names and state dict unchanged, so checkpoints load either way
@@ -131,7 +131,7 @@ def test_router_off_equals_loopformer_exactly():
     k = torch.tensor([3, 1])
     for m in (t, lf):
         m.train()
-    a, b = t(idx, tgt, shortcut=k, router=False), lf(idx, tgt, shortcut=k)
+    a, b = t(idx, tgt, objective=True, shortcut=k, router=False), lf(idx, tgt, objective=True, shortcut=k)
     assert torch.equal(a.loss, b.loss) and a.parts.keys() == b.parts.keys()
     assert all(torch.equal(a.parts[n], b.parts[n]) for n in a.parts)
     t.eval(), lf.eval()
@@ -172,13 +172,13 @@ def test_straight_through_estimator():
     idx, tgt = batch()
     model.train()
     k = torch.tensor([2, 2])
-    with_ste = model(idx, tgt, shortcut=k)
+    with_ste = model(idx, tgt, objective=True, shortcut=k)
     with_ste.loss.backward()
     g = model.router.fc1.weight.grad
     assert g is not None and float(g.abs().sum()) > 0  # the router receives gradient
     model.zero_grad()
     model.cfg.router_ste = False
-    without = model(idx, tgt, shortcut=k)
+    without = model(idx, tgt, objective=True, shortcut=k)
     without.loss.backward()
     torch.testing.assert_close(with_ste.parts, without.parts, atol=1e-6, rtol=0)  # forward unchanged
     assert torch.equal(with_ste.depth, without.depth)
@@ -217,7 +217,7 @@ def test_budget_init_spreads_depth_and_gives_the_router_gradient_at_step_one():
     paper = make("t-loopformer", perturb=False, seed=0).train()
     r = paper.route(paper.embed(idx))
     assert float(r.logits.detach().std(dim=(0, 1)).max()) < 1e-2
-    paper(idx, tgt, shortcut=k).loss.backward()
+    paper(idx, tgt, objective=True, shortcut=k).loss.backward()
     assert float(paper.router.fc1.weight.grad.abs().sum()) == 0.0
     model = make(
         "t-loopformer", "model.router_recipe=budget", "model.router_target_depth=2.5", perturb=False, seed=0
@@ -228,12 +228,12 @@ def test_budget_init_spreads_depth_and_gives_the_router_gradient_at_step_one():
     assert float((q * (q / pi_mean).log()).sum()) < 0.1
     assert float(r.logits.detach().std(dim=(0, 1)).min()) > 0.3
     assert len(r.depth(4, 0.5).unique()) >= 2
-    out = model(idx, tgt, shortcut=k)
+    out = model(idx, tgt, objective=True, shortcut=k)
     assert set(out.parts) == {"loss_L", "loss_S", "loss_align", "loss_router"}
     assert {"balance_kl", "entropy", "soft_depth"} <= set(out.stats)
     out.loss.backward()
     assert float(model.router.fc1.weight.grad.abs().sum()) > 0
-    model.eval()  # evaluation: the loss is the cross-entropy alone
+    # evaluation: without the objective (the default, in either mode) the loss is the cross-entropy alone
     ev = model(idx, tgt)
     assert "loss_router" not in ev.parts and torch.equal(ev.loss, ev.parts["loss_L"])
 
@@ -315,7 +315,7 @@ def test_causality(variant):
 def test_every_preset_forward_backward(variant):
     model = make(variant, perturb=False).train()
     idx, tgt = batch(B=2, T=32)
-    out = model(idx, tgt)
+    out = model(idx, tgt, objective=True)
     assert out.logits is None and torch.isfinite(out.loss)  # the fused objective materialises no logits
     out.loss.backward()
     assert all(
@@ -408,3 +408,17 @@ def test_router_defaults_agree_with_model_config():
     mc = ModelConfig()
     for k, v in defaults.items():
         assert getattr(mc, f"router_{k}") == v, k
+
+
+def test_forward_does_not_depend_on_training_mode():
+    """`model(x, y)` is the same call in train and eval mode: the objective is asked for, never inferred."""
+    model = make("t-loopformer", "model.router_recipe=budget", perturb=False)
+    idx, tgt = batch(B=2, T=32)
+    k = torch.tensor([1, 3])
+    with torch.no_grad():
+        for kw in ({}, {"objective": True, "shortcut": k}):
+            a, b = model.train()(idx, tgt, **kw), model.eval()(idx, tgt, **kw)
+            assert torch.equal(a.loss, b.loss) and a.parts.keys() == b.parts.keys()
+    assert set(a.parts) == {"loss_L", "loss_S", "loss_align", "loss_router"}
+    with pytest.raises(ValueError, match="targets"):
+        model(idx, objective=True)

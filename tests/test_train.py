@@ -270,7 +270,7 @@ def _sigterm_at(monkeypatch, micro: int) -> None:
     monkeypatch.setattr(TrainLoader, "next", nxt)
 
 
-def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch):
+def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch, capfd):
     from pipeline.model.io import load_model
     from pipeline.train.trainer import run
 
@@ -286,9 +286,22 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch)
     saved = torch.load(root / "global_step8" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     assert all(torch.equal(model.state_dict()[k], v.float()) for k, v in saved.items())
 
-    # resuming needs the same model: an error names what differs
-    with pytest.raises(ConfigError, match=r"model.d_ff \(64 -> 48\)"):
-        run(tiny_cfg(root, data, "model.d_ff=48", "schedule.max_steps=9"))
+    # resuming needs the same network: an error names every key that differs, not the resumable ones
+    with pytest.raises(ConfigError, match=r"differs in model.n_heads \(2 -> 1\), model.d_ff \(64 -> 48\) \("):
+        run(tiny_cfg(root, data, "model.d_ff=48", "model.n_heads=1", "model.lambda_short=0.5", "schedule.max_steps=9"))
+    # the objective's weights and the execution knobs may change: the run continues and says so
+    changed = ("model.lambda_short=0.5", "model.router_threshold=0.4", "model.gather_scatter=false")
+    more = run(
+        tiny_cfg(tmp_path / "d", data, f"checkpoint.resume={root / 'global_step8'}", "schedule.max_steps=9", *changed)
+    )
+    assert more.start_step == 8 and more.step == 9 and np.isfinite(more.losses).all()
+    out = capfd.readouterr()
+    note = [
+        line for line in (out.out + out.err).splitlines() if "resuming with the objective or execution changed" in line
+    ]
+    assert len(note) == 1 and all(
+        k in note[0] for k in ("router_threshold 0.5 -> 0.4", "gather_scatter True -> False", "lambda_short 0.1 -> 0.5")
+    ), note
 
     # resume from step 4 into another dir: steps 5..8 are bit-identical
     part = run(tiny_cfg(tmp_path / "b", data, f"checkpoint.resume={root / 'global_step4'}"))

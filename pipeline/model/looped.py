@@ -12,9 +12,9 @@ see a pad key), runs the shared block on it and scatters the rows back. The dens
 (`gather_scatter=false`) runs every token with a mask (query tau may attend tau' iff tau' <= tau and
 tau' in A_i) and keeps inactive tokens' states: it is the test oracle and the ablation.
 
-Training (`objective=True`, the default in train mode) computes in one call the full pass (M=L, uniform
-schedule, CE loss L_L) and, for shortcut variants, a shortcut pass (S ~ U{1..L-1}, integer schedule;
-CE loss L_S) and the alignment MSE of the shortcut pass to the stop-gradient full pass:
+Training (`objective=True`, which the trainer passes; never inferred from train mode) computes in one call the
+full pass (M=L, uniform schedule, CE loss L_L) and, for shortcut variants, a shortcut pass (S ~ U{1..L-1},
+integer schedule; CE loss L_S) and the alignment MSE of the shortcut pass to the stop-gradient full pass:
 loss = L_L + lambda_short * L_S + lambda_align * L_align (+ the router's own loss, `Router.aux_loss`, under the
 budget router recipe; its statistics join `stats`). By default (`fused_loss=True`) both passes' heads and losses
 run fused by chunks of tokens in `LMHead` (pipeline/model/head_loss.py): no (B, T, V) logits are materialised or
@@ -114,6 +114,9 @@ class LoopedLMOutput:
 
 
 class LoopedLM(nn.Module):
+    """The looped network. What code outside pipeline/model may use of it is `LoopedNetwork`
+    (pipeline/model/interface.py, checked by tests/test_interface.py)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         cfg.validate()
@@ -368,7 +371,7 @@ class LoopedLM(nn.Module):
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         loops: int | None = None,
-        objective: bool | None = None,
+        objective: bool = False,
         shortcut: torch.Tensor | None = None,
         *,
         router: bool = True,
@@ -379,8 +382,10 @@ class LoopedLM(nn.Module):
         """idx (B, T) tokens; targets (B, T) next tokens (-1 ignored) or None; loops = budget M <= L
         (default L; elastic inference uses the uniform schedule 1/M and clips router depth at M).
         objective: compute the training objective (full + shortcut pass + alignment + the router's
-        auxiliary loss); default = training mode with targets and M = L. shortcut: (S,) positive ints
-        summing to L (default: sampled from torch's global RNG). The ablations' switches are arguments of the call, never model state:
+        auxiliary loss; needs targets); default False: the loss is the cross-entropy of this pass. Nothing here
+        depends on `self.training`: the trainer and the planner ask for the objective. shortcut: (S,) positive
+        ints summing to L (default: sampled from torch's global RNG). The ablations' switches are arguments of
+        the call, never model state:
         router=False runs every token through the whole budget (the router is not consulted); threshold
         overrides `cfg.router_threshold`; gather_scatter overrides `cfg.gather_scatter` (False: the dense
         masked reference); fused_loss=False computes the training objective from materialised logits (the
@@ -389,9 +394,9 @@ class LoopedLM(nn.Module):
         L = self.cfg.loops
         M = loops or L
         assert 1 <= M <= L, f"loop budget {M} must lie in 1..{L}"
-        if objective is None:
-            objective = self.training and targets is not None and M == L
-        fused = bool(objective and fused_loss and targets is not None)
+        if objective and targets is None:
+            raise ValueError("forward(objective=True) needs targets")
+        fused = objective and fused_loss
         h0 = self.embed(idx)
         r = self.route(h0, router)
         # |A_i| of every loop of both passes from one host read: the shortcut pass's depth at budget S is

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import Config, ConfigError
+from pipeline.config import Config, ConfigError, ModelConfig
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.logger import log
 from pipeline.train.validation import sum_over_ranks
@@ -204,7 +204,9 @@ class Trainer:
         log.open(rank)  # so a damaged newest checkpoint is reported (once, by rank 0) as it is passed over
         resume_from = ckpt.find_resume(cfg, root, log.warn)
         saved = ckpt.read_state(resume_from, 0, None) if resume_from is not None else None
-        note = _adapt_to_layout(cfg, saved, ws)  # another world size or ZeRO stage: grad-accum adapts
+        changed = _check_compatible(cfg, saved["config"], resume_from) if saved is not None else ""
+        layout = _adapt_to_layout(cfg, saved, ws)  # another world size or ZeRO stage: grad-accum adapts
+        note = "; ".join(n for n in (layout, changed) if n)  # logged when the run starts
         ds_config = ds.build_ds_config(cfg, ws, precision)  # checks the batch sizes against ws (check_world_size)
         T, mb = cfg.model.block_size, cfg.train.micro_batch_size
 
@@ -243,10 +245,9 @@ class Trainer:
 
             apply_compile(model)
         full = None
-        if note:  # resharding: the full weights go in before the engine partitions them
+        if layout:  # resharding: the full weights go in before the engine partitions them
             from pipeline.train import reshard
 
-            _check_compatible(cfg, saved["config"], resume_from)
             full = reshard.full_state(resume_from)
             reshard.load_weights(model, full)
         optimizer, scheduler = ds.build_optimizer(cfg, model)
@@ -256,7 +257,6 @@ class Trainer:
         if resume_from is not None:
             # another world size: every rank continues from rank 0's state (RNG states are the same on every rank)
             state = ckpt.read_state(resume_from, rank, ws) if saved["world_size"] == ws else saved
-            _check_compatible(cfg, state["config"], resume_from)
             if full is not None:
                 reshard.load_optimizer(engine, model, full, rank)
             else:
@@ -297,7 +297,7 @@ class Trainer:
         done, zero0_norm = 0, None
         while done < self.accum:
             x, y = self.loader.next()  # (B, T) each
-            out = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            out = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True), objective=True)
             if self.cfg.train.nan_policy == "skip" and self._skip(out.loss, done):
                 del out
                 continue
@@ -478,12 +478,14 @@ def _adapt_to_layout(cfg: Config, saved: dict | None, ws: int) -> str:
     )
 
 
-def _check_compatible(cfg: Config, saved: dict, path: Path) -> None:
-    """Resuming needs the same model; other sections (schedule length, logging, ...) may change."""
-    now = cfg.to_dict()
-    diff = [
-        f"model.{k} ({saved['model'][k]!r} -> {v!r})" for k, v in now["model"].items() if saved["model"].get(k) != v
-    ]
+def _check_compatible(cfg: Config, saved: dict, path: Path) -> str:
+    """Resuming needs the same network and data order: a `model` field outside `ModelConfig.RESUMABLE`, or the
+    batch sizes or seed, that differs from the checkpoint's is an error naming each key. Objective settings and
+    execution knobs may change (the other sections too: schedule length, logging, ...); returns a note naming
+    those that did ("" when none)."""
+    now, was = cfg.to_dict(), saved["model"]
+    changed = {k: (was.get(k), v) for k, v in now["model"].items() if was.get(k) != v}
+    diff = [f"model.{k} ({a!r} -> {b!r})" for k, (a, b) in changed.items() if k not in ModelConfig.RESUMABLE]
     for k in ("micro_batch_size", "global_batch_size", "seed"):  # world size and ZeRO stage may change
         if saved["train"].get(k) != now["train"][k]:
             diff.append(f"train.{k} ({saved['train'].get(k)!r} -> {now['train'][k]!r})")
@@ -492,3 +494,5 @@ def _check_compatible(cfg: Config, saved: dict, path: Path) -> None:
             f"cannot resume from {path}: config differs in {', '.join(diff)} "
             "(use checkpoint.resume=none or another checkpoint.dir)"
         )
+    kept = [f"model.{k} {a!r} -> {b!r}" for k, (a, b) in changed.items() if k in ModelConfig.RESUMABLE]
+    return f"resuming with the objective or execution changed: {', '.join(kept)}" if kept else ""
