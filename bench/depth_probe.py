@@ -84,7 +84,7 @@ GRID2 = {
 }
 # Grid 3: at L = 2 (learnt by base-loop in 2-4k steps), which part of the LoopFormer recipe stops learning:
 # time conditioning alone, the shortcut pass + alignment alone, conditioning with zero-weight auxiliary losses,
-# and the router on top of that.
+# the router on top of that; and the same with the modulated layers' gates initialised at 1.
 NO_AUX = ["model.lambda_short=0", "model.lambda_align=0"]
 GRID3 = {
     "L2 base-loop": ("depth/base-loop", [], {"L": 2}),
@@ -94,6 +94,14 @@ GRID3 = {
     "L2 t-loopformer budget need no aux": (
         "depth/t-loopformer",
         [*NO_AUX, "model.router_recipe=budget"],
+        {"L": 2, "target": "need"},
+    ),
+    # modulated layers starting as plain pre-norm layers (gates 1) instead of the identity (adaLN-zero)
+    "L2 tmlt gate1": ("depth/tmlt", ["model.gate_init=1"], {"L": 2}),
+    "L2 loopformer gate1": ("depth/loopformer", ["model.gate_init=1"], {"L": 2}),
+    "L2 t-loopformer budget need gate1": (
+        "depth/t-loopformer",
+        ["model.gate_init=1", "model.router_recipe=budget"],
         {"L": 2, "target": "need"},
     ),
 }

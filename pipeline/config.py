@@ -114,6 +114,10 @@ class ModelConfig:
     )
     lambda_short: float = f(0.1, "Weight lambda1 of the shortcut pass's CE loss L_S.")
     lambda_align: float = f(0.1, "Weight lambda2 of the alignment loss L_align.")
+    gate_init: float = f(
+        0.0,
+        "Modulated layers: initial output gates a_msa, a_mlp (their modulator rows' bias). 0 (default): each layer starts as the identity (adaLN-zero); 1: as a plain pre-norm layer.",
+    )
     fourier_dim: int = f(256, "Sinusoidal Fourier features of the time/step embeddings.")
     fourier_max_period: float = f(10000.0, "Max period of the Fourier features.")
     norm_eps: float = f(1e-5, "RMSNorm epsilon.")
@@ -121,7 +125,7 @@ class ModelConfig:
     tie_embeddings: bool = f(True, "Tie the LM head to the token embedding.")
 
     # What a resume may change (README 'Determinism contract'): the objective's settings (loss weights, the router's
-    # auxiliary losses and init, the straight-through estimator, which changes gradients only) and the execution
+    # auxiliary losses, inits, the straight-through estimator, which changes gradients only) and the execution
     # knobs (the dense reference path, the router's exit threshold). Every other field defines the network: its
     # parameters and what a forward pass computes from them, so a resume refuses to change it.
     RESUMABLE: ClassVar[tuple[str, ...]] = (
@@ -133,6 +137,7 @@ class ModelConfig:
         "router_balance_weight",
         "router_entropy_weight",
         "router_init_std",
+        "gate_init",
         "gather_scatter",
         "router_threshold",
     )

@@ -422,3 +422,20 @@ def test_forward_does_not_depend_on_training_mode():
     assert set(a.parts) == {"loss_L", "loss_S", "loss_align", "loss_router"}
     with pytest.raises(ValueError, match="targets"):
         model(idx, objective=True)
+
+
+@pytest.mark.parametrize("gate", [0.0, 1.0])
+def test_gate_init_starts_modulated_layers_as_identity_or_plain(gate):
+    """gate_init 0 (adaLN-zero): the loops start as the identity; 1: each modulated layer starts as a plain
+    pre-norm layer x + MHSA(norm(x)), then + FFN(norm(.)), for every (depth, loop) pair of a pass."""
+    model = make("tmlt", f"model.gate_init={gate}", perturb=False)
+    d, L = model.cfg.d_model, model.cfg.loops
+    tables = model.modulation_tables(uniform(L))
+    for tb in tables:  # (K, 4d): a_msa, a_mlp at the gate, g_msa, g_mlp at 0
+        assert torch.equal(tb[:, : 2 * d], torch.full_like(tb[:, : 2 * d], gate))
+        assert torch.equal(tb[:, 2 * d :], torch.zeros_like(tb[:, 2 * d :]))
+    x = torch.randn(2, 8, d)
+    layer, mod = model.layers[0], tables[0][:1].view(1, 1, -1)
+    plain = x + layer.attn(layer.norm1(x), None)
+    plain = plain + layer.mlp(layer.norm2(plain))
+    torch.testing.assert_close(layer(x, mod), plain if gate else x, rtol=0, atol=1e-6)

@@ -165,10 +165,12 @@ class LoopedLM(nn.Module):
                 else std
             )
             nn.init.normal_(p, 0.0, s)
-        for layer in self.layers:  # zero-initialised modulator: every modulated layer starts as the identity
-            if layer.modulated:
+        for layer in self.layers:  # zero-initialised modulator: every modulated layer starts as the identity,
+            if layer.modulated:  # or, with gate_init 1, as a plain pre-norm layer (its output gates a_msa, a_mlp)
                 nn.init.zeros_(layer.modulator[1].weight)
                 nn.init.zeros_(layer.modulator[1].bias)
+                with torch.no_grad():
+                    layer.modulator[1].bias[: 2 * cfg.d_model].fill_(cfg.gate_init)
         if self.router is not None:
             self.router.reset_parameters()  # the budget recipe's defined init; a no-op for the paper recipe
 
