@@ -68,7 +68,19 @@ def _slug(label: str) -> str:
     return label.replace(" ", "_")
 
 
-def prepare(data: Path, docs: int, log=print) -> dict:
+# --recipe probe: what bench/depth_probe.py found the task needs (bench/README `### depth-probe`): no weight
+# decay, beta2 0.99, a constant learning rate after 100 warm-up steps, and modulated layers that start as plain
+# pre-norm layers (model.gate_init=1) rather than as the identity.
+PROBE_RECIPE = [
+    "optim.weight_decay=0",
+    "optim.beta2=0.99",
+    "schedule.decay=constant",
+    "schedule.warmup_steps=100",
+    "model.gate_init=1",
+]
+
+
+def prepare(data: Path, docs: int, levels: int = 4, log=print) -> dict:
     """The task's shards (made once with the real CLI; a rerun with the same options is a no-op)."""
     cmd = [
         sys.executable,
@@ -80,6 +92,7 @@ def prepare(data: Path, docs: int, log=print) -> dict:
         "--out",
         str(data),
         f"depth_docs={docs}",
+        f"depth_levels={levels}",
         "seed=0",
         "--no-progress",
     ]
@@ -238,7 +251,15 @@ def figures(res: dict, out: Path) -> list[Path]:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=3000, help="training steps per case (64 documents each)")
+    ap.add_argument("--steps", type=int, default=3000, help="training steps per case")
+    ap.add_argument("--batch", type=int, default=64, help="documents per step")
+    ap.add_argument("--levels", type=int, default=4, help="task levels 1..L = the models' loops L (base: L layers)")
+    ap.add_argument(
+        "--recipe",
+        choices=["preset", "probe"],
+        default="preset",
+        help="optimiser and init: the presets' or the probe's",
+    )
     ap.add_argument("--seeds", default="0,1,2", help="training seeds (comma-separated); cases are paired by seed")
     ap.add_argument(
         "--targets", default="need,2.5", help="budget recipe's target mean depths; `need`: the task's mean need"
@@ -252,9 +273,10 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    data = out / "data"
-    mb = 64
-    task = prepare(data, docs=a.steps * mb + 20 * a.windows)
+    data = out / f"data_L{a.levels}"
+    mb = a.batch
+    task = prepare(data, docs=a.steps * mb + 20 * a.windows, levels=a.levels)
+    shape = [f"model.block_size={task['doc_tokens']}"] + (PROBE_RECIPE if a.recipe == "probe" else [])
     need = round(float(task["mean_need"]), 3)
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
     chosen = cases([t.strip() for t in a.targets.split(",") if t.strip()])
@@ -266,7 +288,8 @@ def main(argv=None) -> dict:
         chosen = {k: v for k, v in chosen.items() if k in keep}
     specs = {}
     for label, (preset, ov) in chosen.items():
-        ov = [o.replace("=need", f"={need}") for o in ov]
+        ov = [o.replace("=need", f"={need}") for o in ov] + shape
+        ov.append(f"model.n_layers={a.levels}" if preset == "depth/base" else f"model.loops={a.levels}")
         for s in seeds:
             specs[(label, s)] = {
                 "preset": preset,
@@ -294,6 +317,7 @@ def main(argv=None) -> dict:
         "command": "python bench/depth_need.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "steps": a.steps,
         "documents_per_step": mb,
+        "recipe": a.recipe,
         "seeds": seeds,
         "task": task,
         "mean_need": need,

@@ -14,7 +14,8 @@ through the project's trainer.
     python bench/depth_probe.py --device cpu --minutes 1 --probes base-loop            # smoke
 
 Writes `<out>/depth_probe.json` (out: bench/results/depth_probe): per probe its settings, steps run, and the
-accuracy curve [{step, acc: {M: [overall, level 1..L]}}].
+accuracy curve [{step, acc: {M: [overall, level 1..L]}}]; `<out>/<probe>.pt`: the trained weights, preset and
+overrides.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ GRID3 = {
     ),
     # modulated layers starting as plain pre-norm layers (gates 1) instead of the identity (adaLN-zero)
     "L2 tmlt gate1": ("depth/tmlt", ["model.gate_init=1"], {"L": 2}),
+    "L2 one layer": ("depth/base", [], {"L": 2, "layers": 1}),
     "L2 loopformer gate1": ("depth/loopformer", ["model.gate_init=1"], {"L": 2}),
     "L2 t-loopformer budget need gate1": (
         "depth/t-loopformer",
@@ -136,7 +138,12 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     T = doc_length(R, L, Q)
     depth_key = "model.n_layers" if preset == "depth/base" else "model.loops"  # base: L distinct layers, one pass
     extra = [f"model.router_target_depth={mean_need(R, L, Q)}"] if s.get("target") == "need" else []
-    cfg = load_config(preset, [*overrides, *extra, f"model.block_size={T - 1}", f"{depth_key}={L}"])
+    if "layers" in s:  # base with another number of layers than L (e.g. one: what one layer can do)
+        depth_key, L_model = "model.n_layers", s["layers"]
+    else:
+        L_model = L
+    cfg_overrides = [*overrides, *extra, f"model.block_size={T - 1}", f"{depth_key}={L_model}"]
+    cfg = load_config(preset, cfg_overrides)
     torch.manual_seed(s["seed"])
     model = LoopedLM(cfg.model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, s["beta2"]), weight_decay=s["wd"])
@@ -195,6 +202,10 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
                 flush=True,
             )
     curve.append({"step": step, "seconds": round(time.time() - t0, 1), "acc": evaluate()})
+    torch.save(
+        {"state": model.state_dict(), "overrides": cfg_overrides, "preset": preset, "settings": s},
+        Path(log).parent / f"{name.replace(' ', '_')}.pt",
+    )
     return {"name": name, "preset": preset, "overrides": overrides, "settings": s, "steps": step, "curve": curve}
 
 
