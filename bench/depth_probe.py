@@ -100,6 +100,7 @@ GRID3 = {
     # modulated layers starting as plain pre-norm layers (gates 1) instead of the identity (adaLN-zero)
     "L2 tmlt gate1": ("depth/tmlt", ["model.gate_init=1"], {"L": 2}),
     "L2 one layer": ("depth/base", [], {"L": 2, "layers": 1}),
+    "L2 loopformer gate1 scored": ("depth/loopformer", ["model.gate_init=1", "model.align_positions=scored"], {"L": 2}),
     "L2 loopformer gate1": ("depth/loopformer", ["model.gate_init=1"], {"L": 2}),
     "L2 t-loopformer budget need gate1": (
         "depth/t-loopformer",

@@ -112,6 +112,10 @@ class ModelConfig:
     align_target: Literal["logits", "hidden"] = f(
         "logits", "Alignment MSE on per-token logits (paper) or on final-normed hidden states (LoopFormer code)."
     )
+    align_positions: Literal["all", "scored"] = f(
+        "all",
+        "Positions the alignment loss averages over: all (the paper's) or scored, only those with a target (the same on text, where every position has one).",
+    )
     lambda_short: float = f(0.1, "Weight lambda1 of the shortcut pass's CE loss L_S.")
     lambda_align: float = f(0.1, "Weight lambda2 of the alignment loss L_align.")
     gate_init: float = f(
@@ -132,6 +136,7 @@ class ModelConfig:
         "lambda_short",
         "lambda_align",
         "align_target",
+        "align_positions",
         "router_ste",
         "router_target_depth",
         "router_balance_weight",

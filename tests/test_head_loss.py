@@ -20,7 +20,14 @@ V = 50304  # the tiny presets' vocabulary
 # the logits alignment is the mean square of a small gap between two matmuls' outputs: the matmul's blocking
 # (a chunk's rows or all rows) moves it more, relatively, than the losses
 RTOL = {"loss_L": 1e-5, "loss_S": 1e-5, "loss_align": 1e-4}
-CASES = [("t-loopformer", ()), ("loopformer", ()), ("base", ()), ("t-loopformer", ("model.align_target=hidden",))]
+CASES = [
+    ("t-loopformer", ()),
+    ("loopformer", ()),
+    ("base", ()),
+    ("t-loopformer", ("model.align_target=hidden",)),
+    ("loopformer", ("model.align_positions=scored",)),
+    ("t-loopformer", ("model.align_target=hidden", "model.align_positions=scored")),
+]
 
 
 def _model(variant, *extra, dtype=torch.float32):
@@ -78,9 +85,11 @@ def test_fused_objective_equals_the_plain_path_over_several_chunks(variant, extr
         assert len(fused.depth.unique()) >= 3
 
 
-@pytest.mark.parametrize("short,align", [(False, None), (True, None), (True, 0.3)])
+@pytest.mark.parametrize(
+    "short,align,scored", [(False, None, False), (True, None, False), (True, 0.3, False), (True, 0.3, True)]
+)
 @pytest.mark.parametrize("chunk", [1, 5, 64, None])
-def test_head_objective_equals_autograd_of_the_plain_losses(short, align, chunk):
+def test_head_objective_equals_autograd_of_the_plain_losses(short, align, scored, chunk):
     g = torch.Generator().manual_seed(2)
     B, T, d, Vs = 2, 9, 8, 97
     hf, hs = (torch.randn(B, T, d, generator=g, requires_grad=True) for _ in range(2))
@@ -94,11 +103,12 @@ def test_head_objective_equals_autograd_of_the_plain_losses(short, align, chunk)
         ce_s = F.cross_entropy(ls.flatten(0, 1), y.flatten(), ignore_index=-1)
         want, parts[1] = want + 0.2 * ce_s, ce_s.detach()
         if align is not None:
-            mse = F.mse_loss(ls, lf.detach())
+            keep = (y != -1) if scored else torch.ones_like(y, dtype=torch.bool)  # scored: rows with a target
+            mse = F.mse_loss(ls[keep], lf.detach()[keep])
             want, parts[2] = want + align * mse, mse.detach()
     ins = (hf, W, hs) if short else (hf, W)
     grads = torch.autograd.grad(want, ins)
-    loss, got_parts = head_objective(hf, W, y, hs if short else None, 0.2, align, chunk)
+    loss, got_parts = head_objective(hf, W, y, hs if short else None, 0.2, align, chunk, align_scored=scored)
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
     torch.testing.assert_close(got_parts, torch.stack(parts), rtol=1e-5, atol=1e-7)
     for a, b in zip(torch.autograd.grad(loss, ins), grads):
@@ -195,6 +205,19 @@ def test_calls_without_the_objective_keep_their_logits():
         assert out.logits.shape == (2, 20, V) and set(out.parts) == {"loss_L"}
         torch.testing.assert_close(out.loss, F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=-1))
     assert list(m.state_dict()).count("lm_head.weight") == 1 and m.lm_head.weight is m.wte.weight  # tied, same name
+
+
+def test_scored_alignment_equals_all_when_every_position_has_a_target():
+    m = _model("loopformer")
+    x, y = _batch(ignored=0)
+    a, ga = _run(m, x, y, True)
+    m.cfg.align_positions = "scored"
+    b, gb = _run(m, x, y, True)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=0)
+    for n in ga:
+        _close(gb[n], ga[n], 1e-5, n)
+    y[0, :5] = -1  # with ignored targets the two differ
+    assert not torch.allclose(_run(m, x, y, True)[0].parts["loss_align"], a.parts["loss_align"])
 
 
 @torch.no_grad()

@@ -51,10 +51,11 @@ class LMHead(nn.Linear):
         x_short: torch.Tensor | None = None,
         lambda_short: float = 0.0,
         lambda_align: float | None = None,
+        align_scored: bool = False,
     ):
         if targets is None:
             return F.linear(x, self.weight)  # (..., V)
-        return head_objective(x, self.weight, targets, x_short, lambda_short, lambda_align)
+        return head_objective(x, self.weight, targets, x_short, lambda_short, lambda_align, align_scored=align_scored)
 
 
 def head_objective(
@@ -65,15 +66,25 @@ def head_objective(
     lambda_short: float = 0.0,
     lambda_align: float | None = None,
     chunk: int | None = None,
+    align_scored: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hf (B, T, d) full-pass states, W (V, d), targets (B, T) (-1 ignored), hs (B, T, d) shortcut-pass states
-    or None (no shortcut pass: loss = CE of hf alone); lambda_align None: no logits alignment (the caller adds
-    its own, e.g. on the hidden states). chunk: rows per chunk (default `rows_per_chunk(V)`). Returns the
-    differentiable loss () and its detached parts (3,) fp32: loss_L, loss_S, loss_align (0 where absent)."""
+        or None (no shortcut pass: loss = CE of hf alone); lambda_align None: no logits alignment (the caller adds
+        its own, e.g. on the hidden states); align_scored: the alignment averages over the rows with a target only
+    (default: every row). chunk: rows per chunk (default `rows_per_chunk(V)`). Returns the
+        differentiable loss () and its detached parts (3,) fp32: loss_L, loss_S, loss_align (0 where absent)."""
     cdt = _compute_dtype(hf)
     chunk = int(chunk or rows_per_chunk(W.shape[0]))
     return _HeadObjective.apply(
-        hf, W, targets, hs, float(lambda_short), None if lambda_align is None else float(lambda_align), chunk, cdt
+        hf,
+        W,
+        targets,
+        hs,
+        float(lambda_short),
+        None if lambda_align is None else float(lambda_align),
+        chunk,
+        cdt,
+        bool(align_scored),
     )
 
 
@@ -108,9 +119,9 @@ def _acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 class _HeadObjective(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hf, W, targets, hs, lam_s, lam_a, chunk, cdt):
+    def forward(ctx, hf, W, targets, hs, lam_s, lam_a, chunk, cdt, scored):
         with torch.autocast(hf.device.type, enabled=False):
-            loss, parts, saved = _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, ctx.needs_input_grad)
+            loss, parts, saved = _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, ctx.needs_input_grad, scored)
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(parts)
         return loss, parts
@@ -119,12 +130,12 @@ class _HeadObjective(torch.autograd.Function):
     def backward(ctx, g, _g_parts):
         g_hf, g_W, g_hs = ctx.saved_tensors
         scale = lambda t: None if t is None else t * g
-        return scale(g_hf), scale(g_W), None, scale(g_hs), None, None, None, None
+        return scale(g_hf), scale(g_W), None, scale(g_hs), None, None, None, None, None
 
 
-def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs):
+def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored=False):
     """The forward of `_HeadObjective`: (loss, parts, (grad_hf, grad_W, grad_hs)) with None for a gradient
-    not needed."""
+    not needed. scored: the alignment over rows with a target only (mean over count * V entries)."""
     B, T, d = hf.shape
     V = W.shape[0]
     n = B * T
@@ -154,8 +165,13 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs):
             ce, gls = _ce_grad_(ls, yc, vc * inv * lam_s, vc)
             sums[1] += ce
             if gap is not None:
+                if scored:
+                    gap.mul_(vc[:, None])  # rows without a target leave the alignment
                 gap2 += torch.linalg.vector_norm(gap, dim=-1).double().square().sum()  # (r,): no (r, V) temporary
-                gls.add_(gap, alpha=2.0 * lam_a / (n * V))
+                if scored:  # the mean over count * V entries: count is on the device
+                    gls.add_(gap.mul_(inv * (2.0 * lam_a / V)))
+                else:
+                    gls.add_(gap, alpha=2.0 * lam_a / (n * V))
                 del gap
         ce, glf = _ce_grad_(lf, yc, vc * inv, vc)
         sums[0] += ce
@@ -171,7 +187,8 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs):
             if g_W is not None:
                 _acc_(g_W, gls.t(), xsc)
         del lf, glf, gls
-    parts = torch.stack([sums[0] / count, sums[1] / count, (gap2 / (n * V)).float()])  # loss_L, loss_S, loss_align
+    align = gap2 * inv.double() / V if scored else gap2 / (n * V)
+    parts = torch.stack([sums[0] / count, sums[1] / count, align.float()])  # loss_L, loss_S, loss_align
     loss = sums[0] / count  # (): not a view of parts (a separate output)
     if xs is not None:
         loss = loss + lam_s * parts[1] + (lam_a * parts[2] if lam_a is not None else 0.0)

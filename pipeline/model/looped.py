@@ -104,6 +104,15 @@ class _MaskHooks:
         pass
 
 
+def _align_mse(a: torch.Tensor, b: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    """Mean squared difference of a and b (B, T, D): over every position, or (targets given) only over those
+    with a target (targets != -1)."""
+    if targets is None:
+        return F.mse_loss(a, b)
+    keep = (targets != -1)[..., None].to(a.dtype)  # (B, T, 1)
+    return ((a - b).square() * keep).sum() / (keep.sum().clamp_min(1.0) * a.shape[-1])
+
+
 @dataclass
 class LoopedLMOutput:
     logits: torch.Tensor | None  # (B, T, V) of the full pass (budget M); None after a fused training objective
@@ -431,7 +440,8 @@ class LoopedLM(nn.Module):
         on_logits = self.cfg.align_target == "logits"
         if fused:  # both heads, CE losses and the logits alignment in one chunked call through the head module
             lam_a = self.cfg.lambda_align if on_logits else None
-            out.loss, parts = self.lm_head(hf, targets, hf_s if short else None, self.cfg.lambda_short, lam_a)
+            scored = self.cfg.align_positions == "scored"
+            out.loss, parts = self.lm_head(hf, targets, hf_s if short else None, self.cfg.lambda_short, lam_a, scored)
             out.parts["loss_L"] = parts[0]
             if short:
                 out.parts["loss_S"] = parts[1]
@@ -442,11 +452,8 @@ class LoopedLM(nn.Module):
             out.loss = out.loss + self.cfg.lambda_short * loss_S
             out.parts["loss_S"] = loss_S.detach()
         if short and not (fused and on_logits):  # the fused call's alignment is inside it; on hf it is cheap here
-            align = (
-                F.mse_loss(logits_s.float(), logits.detach().float())
-                if on_logits
-                else F.mse_loss(hf_s.float(), hf.detach().float())
-            )
+            a, b = (logits_s, logits) if on_logits else (hf_s, hf)
+            align = _align_mse(a.float(), b.detach().float(), targets if self.cfg.align_positions == "scored" else None)
             out.loss = out.loss + self.cfg.lambda_align * align
             out.parts["loss_align"] = align.detach()
         if objective and r is not None:  # the router's own loss (budget recipe); its stats log as router/<name>
