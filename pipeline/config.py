@@ -114,7 +114,7 @@ class ModelConfig:
     )
     align_positions: Literal["all", "scored"] = f(
         "all",
-        "Positions the alignment loss averages over: all (the paper's) or scored, only those with a target (the same on text, where every position has one).",
+        "Positions the alignment loss averages over: all (default) or scored, only those with a target (the same on text, where every position has one).",
     )
     lambda_short: float = f(0.1, "Weight lambda1 of the shortcut pass's CE loss L_S.")
     lambda_align: float = f(0.1, "Weight lambda2 of the alignment loss L_align.")
