@@ -43,7 +43,7 @@ D128 = ["model.d_model=128", "model.n_heads=4", "model.d_ff=512"]
 GRID1 = {
     "base-loop": ("depth/base-loop", [], {}),
     "base-loop lr1e-3": ("depth/base-loop", [], {"lr": 1e-3}),
-    "base-loop d128": ("depth/base-loop", ["model.d_model=128", "model.n_heads=4", "model.d_ff=512"], {"lr": 1e-3}),
+    "base-loop d128": ("depth/base-loop", D128, {"lr": 1e-3}),
     "base-loop wd0.1 b2.95": ("depth/base-loop", [], {"wd": 0.1, "beta2": 0.95}),
     "base-loop R4": ("depth/base-loop", [], {"R": 4}),
     "base-loop L3": ("depth/base-loop", [], {"L": 3, "Q": 3}),
@@ -56,10 +56,10 @@ GRID1 = {
     "base-loop L2": ("depth/base-loop", [], {"L": 2}),
     "base-loop d128 L2": (
         "depth/base-loop",
-        ["model.d_model=128", "model.n_heads=4", "model.d_ff=512"],
+        D128,
         {"L": 2, "lr": 1e-3},
     ),
-    "loopformer d128": ("depth/loopformer", ["model.d_model=128", "model.n_heads=4", "model.d_ff=512"], {"lr": 1e-3}),
+    "loopformer d128": ("depth/loopformer", D128, {"lr": 1e-3}),
 }
 GRID2 = {
     "L2 loopformer": ("depth/loopformer", [], {"L": 2}),
@@ -132,31 +132,30 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     from data_prep.depthtask import doc_length, layout, levels_at, mean_need
     from pipeline.config import load_config
     from pipeline.model.looped import LoopedLM
+    from pipeline.train.data import _to_batch
 
     s = {**DEFAULTS, **settings}
     R, L, Q = s["R"], s["L"], s["Q"]
     task = layout(R, L)
     T = doc_length(R, L, Q)
-    depth_key = "model.n_layers" if preset == "depth/base" else "model.loops"  # base: L distinct layers, one pass
-    extra = [f"model.router_target_depth={mean_need(R, L, Q)}"] if s.get("target") == "need" else []
-    if "layers" in s:  # base with another number of layers than L (e.g. one: what one layer can do)
-        depth_key, L_model = "model.n_layers", s["layers"]
+    if preset == "depth/base":  # L distinct layers, one pass (settings "layers": another count, e.g. one)
+        depth = f"model.n_layers={s.get('layers', L)}"
     else:
-        L_model = L
-    cfg_overrides = [*overrides, *extra, f"model.block_size={T - 1}", f"{depth_key}={L_model}"]
+        depth = f"model.loops={L}"
+    extra = [f"model.router_target_depth={mean_need(R, L, Q)}"] if s.get("target") == "need" else []
+    cfg_overrides = [*overrides, *extra, f"model.block_size={T - 1}", depth]
     cfg = load_config(preset, cfg_overrides)
     torch.manual_seed(s["seed"])
     model = LoopedLM(cfg.model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, s["beta2"]), weight_decay=s["wd"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s["warmup"]))
 
-    def batch(docs):
-        x, y = docs[:, :-1], docs[:, 1:].copy()
-        lev = levels_at(x, task)  # (B, T-1): level of the target at each position
-        y[lev == 0] = -1
-        return torch.from_numpy(x).to(device), torch.from_numpy(y).to(device), lev
+    def batch(docs):  # the training loader's batch: only the answers scored (-1 elsewhere)
+        x, y = _to_batch(docs, cfg.model.vocab_size, name, task)
+        return x.to(device), y.to(device)
 
-    val = batch(documents(10_000 + s["seed"], 0, 512, R, L, Q))
+    val_docs = documents(10_000 + s["seed"], 0, 512, R, L, Q)
+    val = (*batch(val_docs), levels_at(val_docs[:, :-1], task))  # levels_at: (B, T-1) level of each target
     pool = documents(s["seed"], 0, 20_000, R, L, Q)  # fresh documents are drawn below; this one is the first
     Lm = cfg.model.loops
 
@@ -185,7 +184,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         if step % 50 == 0 and step > 0:  # refresh part of the pool: mostly fresh documents
             pool[rng.integers(0, len(pool), 512)] = documents(s["seed"], next_doc, 512, R, L, Q)
             next_doc += 512
-        x, y, _ = batch(pool[rng.integers(0, len(pool), s["batch"])])
+        x, y = batch(pool[rng.integers(0, len(pool), s["batch"])])
         out = model(x, y, objective=True)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()

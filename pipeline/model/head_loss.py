@@ -69,10 +69,10 @@ def head_objective(
     align_scored: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hf (B, T, d) full-pass states, W (V, d), targets (B, T) (-1 ignored), hs (B, T, d) shortcut-pass states
-        or None (no shortcut pass: loss = CE of hf alone); lambda_align None: no logits alignment (the caller adds
-        its own, e.g. on the hidden states); align_scored: the alignment averages over the rows with a target only
-    (default: every row). chunk: rows per chunk (default `rows_per_chunk(V)`). Returns the
-        differentiable loss () and its detached parts (3,) fp32: loss_L, loss_S, loss_align (0 where absent)."""
+    or None (no shortcut pass: loss = CE of hf alone); lambda_align None: no logits alignment (the caller adds
+    its own, e.g. on the hidden states); align_scored: the alignment averages over the rows with a target only
+    (default: every row). chunk: rows per chunk (default `rows_per_chunk(V)`). Returns the differentiable
+    loss () and its detached parts (3,) fp32: loss_L, loss_S, loss_align (0 where absent)."""
     cdt = _compute_dtype(hf)
     chunk = int(chunk or rows_per_chunk(W.shape[0]))
     return _HeadObjective.apply(

@@ -438,9 +438,9 @@ class LoopedLM(nn.Module):
             out.stats.update({f"short/{k_}": v for k_, v in depth_stats(depth_s, k.numel()).items()})
             out.stats["short/loops"] = torch.tensor(float(k.numel()))
         on_logits = self.cfg.align_target == "logits"
+        scored = self.cfg.align_positions == "scored"  # the alignment over positions with a target only
         if fused:  # both heads, CE losses and the logits alignment in one chunked call through the head module
             lam_a = self.cfg.lambda_align if on_logits else None
-            scored = self.cfg.align_positions == "scored"
             out.loss, parts = self.lm_head(hf, targets, hf_s if short else None, self.cfg.lambda_short, lam_a, scored)
             out.parts["loss_L"] = parts[0]
             if short:
@@ -453,7 +453,7 @@ class LoopedLM(nn.Module):
             out.parts["loss_S"] = loss_S.detach()
         if short and not (fused and on_logits):  # the fused call's alignment is inside it; on hf it is cheap here
             a, b = (logits_s, logits) if on_logits else (hf_s, hf)
-            align = _align_mse(a.float(), b.detach().float(), targets if self.cfg.align_positions == "scored" else None)
+            align = _align_mse(a.float(), b.detach().float(), targets if scored else None)
             out.loss = out.loss + self.cfg.lambda_align * align
             out.parts["loss_align"] = align.detach()
         if objective and r is not None:  # the router's own loss (budget recipe); its stats log as router/<name>
