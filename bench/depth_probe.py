@@ -108,8 +108,36 @@ GRID3 = {
         {"L": 2, "target": "need"},
     ),
 }
-GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3}
-GRID = {**GRID1, **GRID2, **GRID3}
+# Grid 4: many chains. At R = 6 one layer of width 64 answers two-hop queries in one loop (it binds the few
+# entries' positions and contents in superposition), so d* was not a lower bound; with R = 16 or 32 chains the
+# map a query would have to hold grows past the width. Does the looped model still learn, does one layer fail?
+G1 = ["model.gate_init=1"]
+R32 = {"R": 32, "Q": 16}
+GRID4 = {
+    "L2R32 base-loop": ("depth/base-loop", [], {"L": 2, **R32}),
+    "L2R32 one layer": ("depth/base", [], {"L": 2, "layers": 1, **R32}),
+    "L2R32 two layers": ("depth/base", [], {"L": 2, "layers": 2, **R32}),
+    "L2R32 base-loop batch64": ("depth/base-loop", [], {"L": 2, "batch": 64, **R32}),
+    "L2R16 base-loop": ("depth/base-loop", [], {"L": 2, "R": 16, "Q": 8}),
+    "L2R16 one layer": ("depth/base", [], {"L": 2, "layers": 1, "R": 16, "Q": 8}),
+    "L2R32 loopformer gate1 scored": ("depth/loopformer", [*G1, "model.align_positions=scored"], {"L": 2, **R32}),
+    "L2R32 t-loopformer budget need gate1 scored": (
+        "depth/t-loopformer",
+        [*G1, "model.align_positions=scored", "model.router_recipe=budget"],
+        {"L": 2, "target": "need", **R32},
+    ),
+    "L3R32 base-loop": ("depth/base-loop", [], {"L": 3, **R32}),
+    "L3R32 loopformer gate1 scored": ("depth/loopformer", [*G1, "model.align_positions=scored"], {"L": 3, **R32}),
+    "L3R32 t-loopformer budget need gate1 scored": (
+        "depth/t-loopformer",
+        [*G1, "model.align_positions=scored", "model.router_recipe=budget"],
+        {"L": 3, "target": "need", **R32},
+    ),
+    "L4R32 base-loop": ("depth/base-loop", [], {"L": 4, **R32}),
+    "L3R32 base-loop d128": ("depth/base-loop", D128, {"L": 3, "lr": 1e-3, **R32}),
+}
+GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4}
+GRID = {**GRID1, **GRID2, **GRID3, **GRID4}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
 
 
@@ -143,7 +171,8 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     else:
         depth = f"model.loops={L}"
     extra = [f"model.router_target_depth={mean_need(R, L, Q)}"] if s.get("target") == "need" else []
-    cfg_overrides = [*overrides, *extra, f"model.block_size={T - 1}", depth]
+    vocab = -(-task["vocab_needed"] // 32) * 32  # the task's ids, rounded up (the preset's 64 holds R = 6, L = 4)
+    cfg_overrides = [*overrides, *extra, f"model.block_size={T - 1}", f"model.vocab_size={max(64, vocab)}", depth]
     cfg = load_config(preset, cfg_overrides)
     torch.manual_seed(s["seed"])
     model = LoopedLM(cfg.model).to(device)
