@@ -135,6 +135,20 @@ GRID4 = {
     ),
     "L4R32 base-loop": ("depth/base-loop", [], {"L": 4, **R32}),
     "L3R32 base-loop d128": ("depth/base-loop", D128, {"L": 3, "lr": 1e-3, **R32}),
+    "L2R8 base-loop": ("depth/base-loop", [], {"L": 2, "R": 8, "Q": 4}),
+    "L2R8 one layer": ("depth/base", [], {"L": 2, "layers": 1, "R": 8, "Q": 4}),
+    "L2R12 base-loop": ("depth/base-loop", [], {"L": 2, "R": 12, "Q": 6}),
+    "L2R12 one layer": ("depth/base", [], {"L": 2, "layers": 1, "R": 12, "Q": 6}),
+    "L2R12 loopformer gate1 scored": (
+        "depth/loopformer",
+        [*G1, "model.align_positions=scored"],
+        {"L": 2, "R": 12, "Q": 6},
+    ),
+    "L2R12 t-loopformer budget need gate1 scored": (
+        "depth/t-loopformer",
+        [*G1, "model.align_positions=scored", "model.router_recipe=budget"],
+        {"L": 2, "target": "need", "R": 12, "Q": 6},
+    ),
 }
 GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4}
 GRID = {**GRID1, **GRID2, **GRID3, **GRID4}
