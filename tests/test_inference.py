@@ -90,12 +90,23 @@ def test_slot_layout_with_validity_mask_is_exact():
         assert err <= ATOL
 
 
+class _EmptySlotsVisible(RecursionKVCache):
+    """The authors' public code: slots at original positions, empty (zero) for exited tokens, no mask mu."""
+
+    def _slot_mask(self, causal, i0, ridx, S):
+        return causal
+
+
 def test_attending_to_empty_slots_fails():
-    """The authors' public code: slots at original positions, empty (zero) for exited tokens, no mask mu.
-    The same checks that pass above must fail for it."""
+    """The same checks that pass above must fail for the authors' slots."""
     model = make()
     seqs, lens = sequences(lengths=(3, 9, 6))
-    err, *_ = run(model, 4, seqs, lens, layout="slots", mask_empty=False)
+    dec = Decoder(model, loops=4, layout="slots")
+    attn = model.layers[0].attn
+    dec._new_cache = lambda B, dev: _EmptySlotsVisible(
+        4, len(model.layers), B, attn.n_heads, attn.head_dim, torch.float32, dev, layout="slots"
+    )
+    err, *_ = run(model, 4, seqs, lens, dec=dec)
     assert err > 10 * ATOL, f"attending to empty slots went unnoticed (max error {err})"
 
 

@@ -8,8 +8,8 @@ Two exact layouts, one class:
   needed and the cache holds sum_i |A_i| entries per layer instead of M * T.
 * ``slots`` (the paper's layout): loop i's cache has a slot at every original position and a validity
   mask mu_i[b, t] = [m_t >= i]. Exited tokens leave their slot empty (zeros) and the mask hides it.
-  ``mask_empty=False`` reproduces the authors' public code, which attends to those empty slots: that is a
-  bug (the exactness tests show it fails), kept only so the tests can prove they would catch it.
+  The authors' public code attends to those empty slots: a bug, which tests/test_inference.py reproduces by
+  overriding `_slot_mask` to show that the exactness checks catch it.
 
 Tensors: K/V of loop i, layer j are (B, H, cap_i, hd); capacities grow by doubling. Lengths are kept
 both on the device (for masks) and on the host (for shapes and early exit, so a decode step syncs once).
@@ -45,12 +45,11 @@ class RecursionKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         layout: str = "compact",
-        mask_empty: bool = True,
         max_len: int | None = None,
     ):
         assert layout in ("compact", "slots"), layout
         self.M, self.J, self.B, self.H, self.hd = loops, layers, batch, heads, head_dim
-        self.dtype, self.device, self.layout, self.mask_empty = dtype, torch.device(device), layout, mask_empty
+        self.dtype, self.device, self.layout = dtype, torch.device(device), layout
         self.max_len = max_len  # the model's block size: capacities never grow past it
         self.k: list[list[torch.Tensor | None]] = [[None] * layers for _ in range(loops)]
         self.v: list[list[torch.Tensor | None]] = [[None] * layers for _ in range(loops)]
@@ -156,8 +155,11 @@ class RecursionKVCache:
         self.n[i0, ridx] += 1
         self.valid[i0][ridx, slot] = True
         causal = torch.arange(S, device=self.device)[None] <= slot[:, None]  # (R, S)
-        mask = causal & self.valid[i0][ridx, :S] if self.mask_empty else causal
-        return LoopView(rows, slot, S, mask[:, None, None])
+        return LoopView(rows, slot, S, self._slot_mask(causal, i0, ridx, S)[:, None, None])
+
+    def _slot_mask(self, causal: torch.Tensor, i0: int, ridx: torch.Tensor, S: int) -> torch.Tensor:
+        """(R, S) bool: the slots a row may read in loop i0 + 1, causal and valid (mu_i) ones only."""
+        return causal & self.valid[i0][ridx, :S]
 
     def write(self, i: int, j: int, view: LoopView, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (R, H, 1, hd) of the new token at loop i (1-based), layer j."""

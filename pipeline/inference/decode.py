@@ -83,7 +83,6 @@ class Decoder:
         loops: int | None = None,
         threshold: float | None = None,
         layout: str = "compact",
-        mask_empty: bool = True,
         full_depth: bool = False,
         router: bool = True,
     ):
@@ -93,7 +92,7 @@ class Decoder:
             raise ValueError(f"loop budget {self.M} must lie in 1..{cfg.loops}")
         self.theta = cfg.router_threshold if threshold is None else threshold
         self.router = router  # False: every token runs the whole budget (the router is not consulted)
-        self.layout, self.mask_empty, self.full_depth = layout, mask_empty, full_depth
+        self.layout, self.full_depth = layout, full_depth
         self.tables = modulation_tables(model, self.M)  # per layer (K, 4d) or None
         self.cache: RecursionKVCache | None = None
 
@@ -128,7 +127,6 @@ class Decoder:
             m.wte.weight.dtype,
             device,
             layout=self.layout,
-            mask_empty=self.mask_empty,
             max_len=m.cfg.block_size,
         )
 

@@ -161,7 +161,6 @@ EXTRA_FLOPS = {
 class StepTrace:
     params: int  # numel
     largest_param: int  # numel of the largest parameter tensor
-    param_bytes: int  # as traced (run dtype, unpartitioned)
     grad_bytes: int
     live: LiveBytes
     saved: dict = field(default_factory=dict)  # label -> bytes kept for backward
@@ -219,7 +218,6 @@ def trace_step(
         params=sum(p.numel() for p in params),
         largest_param=max(p.numel() for p in params),
         sizes=tuple(p.numel() for p in params),
-        param_bytes=sum(p.numel() * p.element_size() for p in params),
         grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
         live=live,
         saved=dict(saved.by_label),

@@ -24,7 +24,7 @@ class Sender(threading.Thread):
         super().__init__(name="tlf-mlflow-sender", daemon=True)
         self.path, self.client, self.run_id, self.after = Path(path), client, run_id, after_step
         self.say, self.retry_s = say, retry_s  # say(kind, msg): kind "info" or "warn"
-        self.offset, self.down_since, self.sent_steps = 0, None, 0
+        self.offset, self.down_since = 0, None
         self._wake, self._stopping, self._lock, self.drain_s = threading.Event(), False, threading.Lock(), 0.0
 
     # --------------------------------------------------------------------------- called by the training thread
