@@ -150,15 +150,25 @@ GRID4 = {
         {"L": 2, "target": "need", "R": 12, "Q": 6},
     ),
 }
-GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4}
-GRID = {**GRID1, **GRID2, **GRID3, **GRID4}
+# Grid 5: labels nearest-first, so an entry may read its parent's entry and chains can be followed by pointer
+# doubling (each loop, every entry replaces its pointer by its pointer's pointer): a level-k query then needs
+# 1 + ceil(log2 k) loops of one layer, the same operation in every loop.
+NEAR8 = {"order": "near", "R": 8, "Q": 4, "levels": 4}
+GRID5 = {
+    "near L3 lv4 R8 base-loop": ("depth/base-loop", [], {"L": 3, **NEAR8}),
+    "near lv4 R8 one layer": ("depth/base", [], {"L": 3, "layers": 1, **NEAR8}),
+    "near lv4 R8 two layers": ("depth/base", [], {"L": 3, "layers": 2, **NEAR8}),
+    "near L3 lv4 R8 base-loop d128": ("depth/base-loop", D128, {"L": 3, "lr": 1e-3, **NEAR8}),
+}
+GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5}
+GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
 
 
-def documents(seed: int, start: int, n: int, R: int, L: int, Q: int) -> np.ndarray:
+def documents(seed: int, start: int, n: int, R: int, L: int, Q: int, order: str = "far") -> np.ndarray:
     from data_prep.depthtask import make_document
 
-    return np.stack([make_document(seed, start + i, R, L, Q) for i in range(n)])
+    return np.stack([make_document(seed, start + i, R, L, Q, order) for i in range(n)])
 
 
 def probe(args) -> dict:
@@ -178,13 +188,14 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
 
     s = {**DEFAULTS, **settings}
     R, L, Q = s["R"], s["L"], s["Q"]
-    task = layout(R, L)
-    T = doc_length(R, L, Q)
+    Lt, order = s.get("levels", L), s.get("order", "far")  # the task's levels (default: one per loop), label order
+    task = layout(R, Lt, order)
+    T = doc_length(R, Lt, Q)
     if preset == "depth/base":  # L distinct layers, one pass (settings "layers": another count, e.g. one)
         depth = f"model.n_layers={s.get('layers', L)}"
     else:
         depth = f"model.loops={L}"
-    extra = [f"model.router_target_depth={mean_need(R, L, Q)}"] if s.get("target") == "need" else []
+    extra = [f"model.router_target_depth={mean_need(R, Lt, Q)}"] if s.get("target") == "need" else []
     vocab = -(-task["vocab_needed"] // 32) * 32  # the task's ids, rounded up (the preset's 64 holds R = 6, L = 4)
     cfg_overrides = [*overrides, *extra, f"model.block_size={T - 1}", f"model.vocab_size={max(64, vocab)}", depth]
     cfg = load_config(preset, cfg_overrides)
@@ -197,9 +208,9 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         x, y = _to_batch(docs, cfg.model.vocab_size, name, task)
         return x.to(device), y.to(device)
 
-    val_docs = documents(10_000 + s["seed"], 0, 512, R, L, Q)
+    val_docs = documents(10_000 + s["seed"], 0, 512, R, Lt, Q, order)
     val = (*batch(val_docs), levels_at(val_docs[:, :-1], task))  # levels_at: (B, T-1) level of each target
-    pool = documents(s["seed"], 0, 20_000, R, L, Q)  # fresh documents are drawn below; this one is the first
+    pool = documents(s["seed"], 0, 20_000, R, Lt, Q, order)  # fresh documents are drawn below; this one is the first
     Lm = cfg.model.loops
 
     @torch.no_grad()
@@ -212,11 +223,11 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
             pred = out.logits.argmax(-1).cpu().numpy()
             if M == Lm and model.router is not None:  # executed depth by level: mean, and share at depth >= level
                 d = out.depth.cpu().numpy()
-                acc["depth_mean"] = [float(d[lev == k].mean()) for k in range(1, L + 1)]
-                acc["depth_ge_level"] = [float((d[lev == k] >= k).mean()) for k in range(1, L + 1)]
+                acc["depth_mean"] = [float(d[lev == k].mean()) for k in range(1, Lt + 1)]
+                acc["depth_ge_level"] = [float((d[lev == k] >= k).mean()) for k in range(1, Lt + 1)]
                 acc["depth_all_tokens"] = float(d.mean())
             ok = pred == y.cpu().numpy()
-            acc[M] = [float(ok[lev > 0].mean())] + [float(ok[lev == k].mean()) for k in range(1, L + 1)]
+            acc[M] = [float(ok[lev > 0].mean())] + [float(ok[lev == k].mean()) for k in range(1, Lt + 1)]
         model.train()
         return acc
 
@@ -225,7 +236,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     model.train()
     while time.time() - t0 < minutes * 60 and (not steps or step < steps):
         if step % 50 == 0 and step > 0:  # refresh part of the pool: mostly fresh documents
-            pool[rng.integers(0, len(pool), 512)] = documents(s["seed"], next_doc, 512, R, L, Q)
+            pool[rng.integers(0, len(pool), 512)] = documents(s["seed"], next_doc, 512, R, Lt, Q, order)
             next_doc += 512
         x, y = batch(pool[rng.integers(0, len(pool), s["batch"])])
         out = model(x, y, objective=True)

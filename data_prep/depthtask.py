@@ -28,6 +28,11 @@ for a router's budget (`need_at`, the manifest's `mean_need`): a level-k query k
 node at distance j >= 1, L - j + 1 loops (a level-L query reads it in loop L - j + 1, and only tokens still
 looping are visible to a loop's attention); everything else (BOS, the roots' entries, ASK, answers) 1.
 
+`order="near"` (make_document and layout; bench/depth_probe.py grid 5 only, not a prep-data option) numbers the
+labels nearest the root first instead, so every entry comes after its parent's: a model may then follow chains by
+pointer doubling (each loop, every entry replaces its pointer by its pointer's pointer) and a level-k query needs
+1 + ceil(log2 k) loops of one layer rather than k. `need_at` and `mean_need` describe the default order only.
+
 Token ids are small, so a task model can use a small vocabulary: BOS 1, ASK 2, S(s) = SYM_BASE + s;
 `layout(R, L)["vocab_needed"]` is one past the largest. Deterministic in `seed`: document i is drawn from
 numpy's default_rng((seed, i)), so any document can be regenerated alone and the shards are byte-identical for
@@ -47,12 +52,16 @@ MAX_LEVELS = 16
 MAX_CHAINS = 64
 
 
-def layout(R: int, L: int) -> dict:
+ORDERS = ("far", "near")  # labels numbered farthest from the root first (no doubling) or nearest first
+
+
+def layout(R: int, L: int, order: str = "far") -> dict:
     """The task's token ranges for R chains and L levels (stored in the manifest as `depth_task`)."""
     n = R * (L + 1)
     return {
         "chains": R,
         "levels": L,
+        "order": order,
         "symbols": n,
         "bos": BOS,
         "ask": ASK,
@@ -66,11 +75,14 @@ def doc_length(R: int, L: int, queries: int) -> int:
     return 1 + R * (L + 1) + 3 * queries
 
 
-def make_document(seed: int, index: int, R: int, L: int, queries: int) -> np.ndarray:
-    """Document `index` of the stream for `seed`: (doc_length,) int64 tokens."""
+def make_document(seed: int, index: int, R: int, L: int, queries: int, order: str = "far") -> np.ndarray:
+    """Document `index` of the stream for `seed`: (doc_length,) int64 tokens. order "far": distance j holds
+    labels (L - j) R .. (L - j + 1) R - 1 (the module docstring); "near": labels j R .. (j + 1) R - 1, so every
+    entry comes after its parent's and a model may follow chains by pointer doubling."""
     rng, n = np.random.default_rng((seed, index)), R * (L + 1)
-    # chain[c, j]: the symbol at distance j from chain c's root; distance j holds labels (L - j) R .. (L - j + 1) R - 1
-    chain = np.stack([(L - j) * R + rng.permutation(R) for j in range(L + 1)], axis=1)  # (R, L + 1)
+    group = (lambda j: L - j) if order == "far" else (lambda j: j)
+    # chain[c, j]: the symbol at distance j from chain c's root
+    chain = np.stack([group(j) * R + rng.permutation(R) for j in range(L + 1)], axis=1)  # (R, L + 1)
     parent = np.empty(n, dtype=np.int64)
     parent[chain[:, 1:]] = chain[:, :-1]
     parent[chain[:, 0]] = chain[:, 0]
@@ -94,12 +106,15 @@ def levels_at(tokens: np.ndarray, task: dict) -> np.ndarray:
     sym = t - int(task["sym_base"])
     asked = np.zeros(t.shape, dtype=bool)
     asked[..., 1:] = t[..., :-1] == int(task["ask"])
-    return np.where(asked & (sym >= 0) & (sym < R * (L + 1)), L - sym // R, 0)  # labels g R.. hold distance L - g
+    dist = L - sym // R if task.get("order", "far") == "far" else sym // R  # labels g R.. hold distance L - g or g
+    return np.where(asked & (sym >= 0) & (sym < R * (L + 1)), dist, 0)
 
 
 def need_at(tokens: np.ndarray, task: dict) -> np.ndarray:
     """Loops each position needs (..., T) int >= 1, as the module docstring says. Takes whole documents
     (..., doc_length): an entry's distance is read from its position (labels are numbered by distance)."""
+    if task.get("order", "far") != "far":
+        raise ValueError("need_at describes the default label order ('far') only")
     t = np.asarray(tokens).astype(np.int64)
     R, L = int(task["chains"]), int(task["levels"])
     need = np.maximum(levels_at(t, task), 1)

@@ -36,11 +36,12 @@ def test_deterministic_in_seed():
     assert not np.array_equal(a, make_document(3, 6, 8, 4, 4))
 
 
+@pytest.mark.parametrize("order", ["far", "near"])
 @pytest.mark.parametrize("R,L,Q", [(6, 4, 4), (5, 6, 5), (12, 3, 7)])
-def test_every_label_recomputed_and_level_at_predicting_position(R, L, Q):
-    lay = layout(R, L)
+def test_every_label_recomputed_and_level_at_predicting_position(R, L, Q, order):
+    lay = layout(R, L, order)
     for i in range(50):
-        doc = make_document(11, i, R, L, Q)
+        doc = make_document(11, i, R, L, Q, order)
         assert doc.size == doc_length(R, L, Q) and doc.max() < lay["vocab_needed"]
         sol = solve(doc, R, L)
         assert len(sol) == Q
@@ -61,6 +62,16 @@ def test_no_entry_sees_its_parents_entry():
         parent = doc[1:41] - 16
         for a, b in enumerate(parent):
             assert b == a or b > a
+
+
+def test_near_order_puts_every_parent_before_its_child():
+    """order="near" (pointer doubling allowed): every non-root entry comes after its parent's entry, and the
+    same seed draws the same chains under new labels (the two orders are one task, numbered two ways)."""
+    for i in range(30):
+        near, far = make_document(2, i, 8, 4, 4, "near"), make_document(2, i, 8, 4, 4, "far")
+        parent = near[1:41] - 16
+        assert all(b == a or b < a for a, b in enumerate(parent))
+        assert [k for _, k, _ in solve(near, 8, 4)] == [k for _, k, _ in solve(far, 8, 4)]
 
 
 def test_chains_are_drawn_per_document():
