@@ -161,6 +161,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     from pipeline.config import load_config
     from pipeline.model.looped import LoopedLM
     from pipeline.train.data import _to_batch
+    from pipeline.train.objective import Objective
 
     s = {**DEFAULTS, **settings}
     R, L, Q = s["R"], s["L"], s["Q"]
@@ -176,6 +177,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     cfg = load_config(preset, cfg_overrides)
     torch.manual_seed(s["seed"])
     model = LoopedLM(cfg.model).to(device)
+    objective = Objective(model, cfg.model)
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, s["beta2"]), weight_decay=s["wd"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s["warmup"]))
 
@@ -214,7 +216,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
             pool[rng.integers(0, len(pool), 512)] = documents(s["seed"], next_doc, 512, R, L, Q)
             next_doc += 512
         x, y = batch(pool[rng.integers(0, len(pool), s["batch"])])
-        out = model(x, y, objective=True)
+        out = objective(x, y)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

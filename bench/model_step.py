@@ -32,6 +32,7 @@ def _worker(args: dict, conn) -> None:
     from pipeline.config import load_config
     from pipeline.memory import region_peak_mib, region_start
     from pipeline.model import LoopedLM
+    from pipeline.train.objective import Objective
     from testkit import spread_router
 
     torch.manual_seed(0)
@@ -51,6 +52,7 @@ def _worker(args: dict, conn) -> None:
     else:
         cfg.n_layers, cfg.loops = o["layers"], o["loops"]
     model = spread_router(LoopedLM(cfg)).to(dev).train()  # depths over 1..L (a trained router's; init is near uniform)
+    objective = Objective(model, cfg)  # the training objective around the network, as `tlf train` builds it
     L = cfg.loops
     k = torch.tensor([L // 2, L - L // 2]) if L >= 2 else None  # fixed shortcut schedule: same work each step
     g = torch.Generator().manual_seed(1)
@@ -62,7 +64,7 @@ def _worker(args: dict, conn) -> None:
 
     def step():
         with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
-            res = model(idx, tgt, objective=True, shortcut=k if cfg.shortcut else None)
+            res = objective(idx, tgt, k if cfg.shortcut else None)
         res.loss.backward()
         model.zero_grad(set_to_none=True)
         if dev.type == "cuda":

@@ -7,6 +7,7 @@ import torch
 
 from helpers import perturbed_tiny, spread_router
 from pipeline.train.compile import apply_compile, compile_count
+from pipeline.train.objective import Objective
 
 
 def _batches(n, T=24):
@@ -26,9 +27,9 @@ def test_compiled_layers_match_eager_and_do_not_recompile_once_warm():
     for k, (x, y) in enumerate(_batches(12)):
         short = warm[k] if k < len(warm) else None
         torch.manual_seed(k)
-        a = eager(x, y, objective=True, shortcut=short)
+        a = Objective(eager, eager.cfg)(x, y, short)
         torch.manual_seed(k)
-        b = comp(x, y, objective=True, shortcut=short)
+        b = Objective(comp, comp.cfg)(x, y, short)
         a.loss.backward(), b.loss.backward()
         torch.testing.assert_close(a.parts, b.parts, atol=1e-5, rtol=0)
         assert torch.equal(a.depth, b.depth)

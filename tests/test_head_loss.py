@@ -14,6 +14,7 @@ from bench.testkit import count_host_reads
 from pipeline.memory import SavedTensors
 from pipeline.model import LoopedLM, head_loss
 from pipeline.model.head_loss import head_objective, rows_per_chunk
+from pipeline.train.objective import Objective
 
 torch.set_num_threads(1)
 V = 50304  # the tiny presets' vocabulary
@@ -51,7 +52,7 @@ def _run(m, x, y, fused, autocast=False):
     m.zero_grad()
     k = torch.tensor([1, 3]) if m.cfg.shortcut else None
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-        out = m(x, y, objective=True, shortcut=k, fused_loss=fused)
+        out = Objective(m, m.cfg)(x, y, k, fused_loss=fused)
     out.loss.backward()
     return out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
@@ -174,7 +175,7 @@ def test_nothing_of_size_tokens_x_vocab_is_kept_for_backward():
     for fused in (True, False):
         acc = _Shapes()
         with acc:
-            m(x, y, objective=True, shortcut=torch.tensor([1, 3]), fused_loss=fused)
+            Objective(m, m.cfg)(x, y, torch.tensor([1, 3]), fused_loss=fused)
         kept[fused] = acc
     with_v = [s for s in kept[True].shapes if V in s]
     assert with_v == [(V, d)], with_v  # the weight's gradient, computed in forward; no (B, T, V) tensor
@@ -188,20 +189,21 @@ def test_no_extra_host_read():
     model_files = tuple(
         str(Path(head_loss.__file__).parent / f)
         for f in ("looped.py", "layers.py", "router.py", "schedule.py", "head_loss.py")
-    )
+    ) + (str(Path(head_loss.__file__).parent.parent / "train" / "objective.py"),)
     for variant, expected in (("t-loopformer", 1), ("loopformer", 0)):
         m = _model(variant)
         x, y = _batch()
         for fused in (True, False):
             with count_host_reads(model_files) as reads:
-                m(x, y, objective=True, fused_loss=fused).loss.backward()
+                Objective(m, m.cfg)(x, y, fused_loss=fused).loss.backward()
             assert len(reads) == expected, (variant, fused, reads)
 
 
 def test_calls_without_the_objective_keep_their_logits():
     m = _model("t-loopformer")
     x, y = _batch()
-    for out in (m(x, y, objective=False), m.eval()(x, y)):
+    obj = Objective(m, m.cfg)
+    for out in (obj(x, y, full_only=True, fused_loss=False), obj.eval()(x, y, full_only=True, fused_loss=False)):
         assert out.logits.shape == (2, 20, V) and set(out.parts) == {"loss_L"}
         torch.testing.assert_close(out.loss, F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=-1))
     assert list(m.state_dict()).count("lm_head.weight") == 1 and m.lm_head.weight is m.wte.weight  # tied, same name

@@ -32,9 +32,11 @@ from pipeline.memory import SavedTensors
 
 
 def loss_of(model, x: torch.Tensor, y: torch.Tensor, shortcut: torch.Tensor | None) -> torch.Tensor:
-    """The training objective of one micro-batch, as the trainer computes it (`engine(x, y)` = model forward):
-    the one call to adapt if the objective moves out of LoopedLM.forward."""
-    return model(x, y, objective=True, shortcut=shortcut).loss
+    """The training objective of one micro-batch, as the trainer computes it (`engine(x, y)`: the `Objective`
+    wrapped around the network)."""
+    from pipeline.train.objective import Objective
+
+    return Objective(model, model.cfg)(x, y, shortcut).loss
 
 
 def build_model(cfg, dtype: torch.dtype):
