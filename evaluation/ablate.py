@@ -49,7 +49,7 @@ def _step_memory_worker(export: str, gather_scatter: bool, batch: int, seq: int,
     base = region_start(dev)
     from pipeline.train.objective import Objective
 
-    Objective(model, cfg.model)(idx, idx, gather_scatter=gather_scatter).loss.backward()
+    Objective(model, cfg.objective)(idx, idx, gather_scatter=gather_scatter).loss.backward()
     q.put(region_peak_mib(dev, base))
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import VARIANTS, load_config, list_presets
+from pipeline.config import VARIANTS, ObjectiveConfig, load_config, list_presets
 from pipeline.model import LoopedLM, RouterOutput
 from pipeline.model.router import depth_prior
 from pipeline.model.schedule import sample_shortcut, table_index, time_table, uniform
@@ -39,8 +39,8 @@ def batch(B=3, T=40, V=50304, seed=1):
 
 
 def objective(model):
-    """The training objective around `model`, with the settings of its config."""
-    return Objective(model, model.cfg)
+    """The training objective around `model`, with the objective settings of its variant's tiny preset."""
+    return Objective(model, load_config(f"tiny/{model.cfg.variant}").objective)
 
 
 def grads(model):
@@ -258,7 +258,8 @@ def test_budget_loss_reaches_depths_no_token_runs():
     cont = torch.cat([torch.ones_like(pi[..., :1]), pi.flip(-1).cumsum(-1).flip(-1)[..., 1:]], -1)
     r = RouterOutput(logits=logits, cont=cont)
     assert int(r.depth(L, 0.5).max()) < L
-    loss, _ = model.router.aux_loss(r, model.cfg.router_balance_weight, model.cfg.router_entropy_weight)
+    c = ObjectiveConfig()
+    loss, _ = model.router.aux_loss(r, c.router_balance_weight, c.router_entropy_weight)
     loss.backward()
     assert bool((logits.grad[..., L - 1] < 0).all())  # descending the loss raises the depth-L logit
 
@@ -330,7 +331,7 @@ def test_every_preset_forward_backward(variant):
     assert all(
         p.grad is not None for n, p in model.named_parameters() if not n.startswith("router.") or obj.cfg.router_ste
     )
-    expect = {"loss_L", "loss_S", "loss_align"} if model.cfg.shortcut else {"loss_L"}
+    expect = {"loss_L", "loss_S", "loss_align"} if obj.cfg.shortcut else {"loss_L"}
     assert set(out.parts) == expect
     assert out.stats["full/depth_hist"].shape == (model.cfg.loops,)
     torch.testing.assert_close(out.stats["full/depth_hist"].sum(), torch.tensor(1.0))

@@ -16,7 +16,7 @@ from pipeline.config import load_config
 from test_train import make_shards, one_thread  # noqa: F401 (one_thread: autouse fixture)
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "pre_objective"
-OBJECTIVE = ["model.lambda_short=0.2"]  # the fixture's objective setting, as this config names it
+OBJECTIVE = ["objective.lambda_short=0.2"]  # the fixture's objective setting, as this config names it
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_an_old_export_loads_and_exports_under_the_same_names(tmp_path):
 
     src = FIX / "zero0" / "global_step2"
     model, cfg = load_model(src)
-    assert cfg.model.d_model == 16 and cfg.model.lambda_short == 0.2
+    assert cfg.model.d_model == 16 and cfg.objective.lambda_short == 0.2  # the config upgraded as it is read
     old = load_file(str(src / "model" / "model.safetensors"))
     new = load_file(str(export(str(src), str(tmp_path / "st")) / "model.safetensors"))
     assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in old)

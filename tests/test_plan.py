@@ -45,7 +45,7 @@ def _measured(cfg):
     opt, _ = build_optimizer(cfg, model)
 
     def step():
-        Objective(model, cfg.model)(x, y, sc).loss.backward()
+        Objective(model, cfg.objective)(x, y, sc).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -60,7 +60,7 @@ def _measured(cfg):
             counts = active_counts(model.route(model.embed(x)).depth(L, model._theta(None)), L)
     saved = SavedTensors()
     with saved:
-        Objective(model, cfg.model)(x, y, sc)
+        Objective(model, cfg.objective)(x, y, sc)
     return peak, counts, saved.total
 
 

@@ -41,7 +41,7 @@ def test_one_host_read_per_forward_pass(variant, extra, expected):
     m = _tiny(variant, *extra).train()
     x, y = torch.randint(0, 100, (2, 16)), torch.randint(0, 100, (2, 16))
     with count_host_reads(MODEL) as reads:
-        Objective(m, m.cfg)(x, y).loss.backward()
+        Objective(m, load_config(f"tiny/{variant}").objective)(x, y).loss.backward()
     assert len(reads) == expected, reads
     m.eval()
     with count_host_reads(MODEL) as reads, torch.no_grad():

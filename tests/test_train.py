@@ -288,9 +288,13 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch,
 
     # resuming needs the same network: an error names every key that differs, not the resumable ones
     with pytest.raises(ConfigError, match=r"differs in model.n_heads \(2 -> 1\), model.d_ff \(64 -> 48\) \("):
-        run(tiny_cfg(root, data, "model.d_ff=48", "model.n_heads=1", "model.lambda_short=0.5", "schedule.max_steps=9"))
+        run(
+            tiny_cfg(
+                root, data, "model.d_ff=48", "model.n_heads=1", "objective.lambda_short=0.5", "schedule.max_steps=9"
+            )
+        )
     # the objective's weights and the execution knobs may change: the run continues and says so
-    changed = ("model.lambda_short=0.5", "model.router_threshold=0.4", "model.gather_scatter=false")
+    changed = ("objective.lambda_short=0.5", "model.router_threshold=0.4", "model.gather_scatter=false")
     more = run(
         tiny_cfg(tmp_path / "d", data, f"checkpoint.resume={root / 'global_step8'}", "schedule.max_steps=9", *changed)
     )

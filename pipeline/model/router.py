@@ -12,15 +12,15 @@ Two training recipes (`model.router_recipe`):
   and every p(i) sits near its uniform value; the STE reaches p(i) only for loops a token runs, so nothing
   ever raises p(L) on its own and nothing weighs depth against compute.
 - `budget`: the router (a) reads RMS-normalised h0 and starts from a defined init: fc1 with unit-gain
-  weights, fc2 with weights of std `router_init_std / sqrt(hidden)` (so logits differ across tokens by about
+  weights, fc2 with weights of std `model.router_init_std / sqrt(hidden)` (so logits differ across tokens by about
   that much) and bias log q, where q is the depth prior below; (b) adds to the training objective
-  `router_balance_weight * KL(q || mean_tau pi_tau)`, a batch-level prior over depths: the batch's mean exit
+  `objective.router_balance_weight * KL(q || mean_tau pi_tau)`, a batch-level prior over depths: the batch's mean exit
   distribution is pulled to q, which gives every pi_l (including depths no token runs) a gradient and fixes
   the expected compute, while single tokens stay free to be confident (depth stays token-dependent); and
-  (c) `router_entropy_weight * mean_tau H(pi_tau)`, which makes each token's exit distribution peaky so that
+  (c) `objective.router_entropy_weight * mean_tau H(pi_tau)`, which makes each token's exit distribution peaky so that
   its thresholded depth (the median of pi) agrees with its expected depth (the mean): the budget, set on
   the distribution, then holds for the executed depth. q is the maximum-entropy distribution over 1..L with
-  mean `router_target_depth` (q_l proportional to exp(beta * l)): every depth gets mass, none more than the
+  mean `model.router_target_depth` (q_l proportional to exp(beta * l)): every depth gets mass, none more than the
   target forces.
 """
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import Config, ConfigError, ModelConfig
+from pipeline.config import Config, ConfigError, ModelConfig, upgrade
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.logger import log
 from pipeline.train.objective import Objective, ObjectiveOutput
@@ -276,7 +276,7 @@ class Trainer:
             full = reshard.full_state(resume_from)
             reshard.load_weights(model, full)
         optimizer, scheduler = ds.build_optimizer(cfg, model)
-        engine = ds.initialize(Objective(model, cfg.model), optimizer, scheduler, ds_config)
+        engine = ds.initialize(Objective(model, cfg.objective), optimizer, scheduler, ds_config)
 
         step, run_id = 0, None
         if resume_from is not None:
@@ -502,19 +502,26 @@ def _adapt_to_layout(cfg: Config, saved: dict | None, ws: int) -> str:
 
 def _check_compatible(cfg: Config, saved: dict, path: Path) -> str:
     """Resuming needs the same network and data order: a `model` field outside `ModelConfig.RESUMABLE`, or the
-    batch sizes or seed, that differs from the checkpoint's is an error naming each key. Objective settings and
-    execution knobs may change (the other sections too: schedule length, logging, ...); returns a note naming
-    those that did ("" when none)."""
-    now, was = cfg.to_dict(), saved["model"]
-    changed = {k: (was.get(k), v) for k, v in now["model"].items() if was.get(k) != v}
-    diff = [f"model.{k} ({a!r} -> {b!r})" for k, (a, b) in changed.items() if k not in ModelConfig.RESUMABLE]
+    batch sizes or seed, that differs from the checkpoint's (its config `upgrade`d: older checkpoints hold the
+    objective under `model`) is an error naming each key. The `objective` section and the execution knobs may
+    change (the other sections too: schedule length, logging, ...); returns a note naming those that did ("" when
+    none)."""
+    now, was = cfg.to_dict(), upgrade(saved)
+    changed = {
+        f"{sec}.{k}": (was.get(sec, {}).get(k), v)
+        for sec in ("model", "objective")
+        for k, v in now[sec].items()
+        if was.get(sec, {}).get(k) != v
+    }
+    free = {f"model.{k}" for k in ModelConfig.RESUMABLE} | {f"objective.{k}" for k in now["objective"]}
+    diff = [f"{k} ({a!r} -> {b!r})" for k, (a, b) in changed.items() if k not in free]
     for k in ("micro_batch_size", "global_batch_size", "seed"):  # world size and ZeRO stage may change
-        if saved["train"].get(k) != now["train"][k]:
-            diff.append(f"train.{k} ({saved['train'].get(k)!r} -> {now['train'][k]!r})")
+        if was["train"].get(k) != now["train"][k]:
+            diff.append(f"train.{k} ({was['train'].get(k)!r} -> {now['train'][k]!r})")
     if diff:
         raise ConfigError(
             f"cannot resume from {path}: config differs in {', '.join(diff)} "
             "(use checkpoint.resume=none or another checkpoint.dir)"
         )
-    kept = [f"model.{k} {a!r} -> {b!r}" for k, (a, b) in changed.items() if k in ModelConfig.RESUMABLE]
+    kept = [f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items() if k in free]
     return f"resuming with the objective or execution changed: {', '.join(kept)}" if kept else ""
