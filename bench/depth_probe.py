@@ -86,7 +86,7 @@ GRID2 = {
 # Grid 3: at L = 2 (learnt by base-loop in 2-4k steps), which part of the LoopFormer recipe stops learning:
 # time conditioning alone, the shortcut pass + alignment alone, conditioning with zero-weight auxiliary losses,
 # the router on top of that; and the same with the modulated layers' gates initialised at 1.
-NO_AUX = ["model.lambda_short=0", "model.lambda_align=0"]
+NO_AUX = ["objective.lambda_short=0", "objective.lambda_align=0"]
 GRID3 = {
     "L2 base-loop": ("depth/base-loop", [], {"L": 2}),
     "L2 tmlt": ("depth/tmlt", [], {"L": 2}),
@@ -100,7 +100,11 @@ GRID3 = {
     # modulated layers starting as plain pre-norm layers (gates 1) instead of the identity (adaLN-zero)
     "L2 tmlt gate1": ("depth/tmlt", ["model.gate_init=1"], {"L": 2}),
     "L2 one layer": ("depth/base", [], {"L": 2, "layers": 1}),
-    "L2 loopformer gate1 scored": ("depth/loopformer", ["model.gate_init=1", "model.align_positions=scored"], {"L": 2}),
+    "L2 loopformer gate1 scored": (
+        "depth/loopformer",
+        ["model.gate_init=1", "objective.align_positions=scored"],
+        {"L": 2},
+    ),
     "L2 loopformer gate1": ("depth/loopformer", ["model.gate_init=1"], {"L": 2}),
     "L2 t-loopformer budget need gate1": (
         "depth/t-loopformer",
@@ -120,17 +124,17 @@ GRID4 = {
     "L2R32 base-loop batch64": ("depth/base-loop", [], {"L": 2, "batch": 64, **R32}),
     "L2R16 base-loop": ("depth/base-loop", [], {"L": 2, "R": 16, "Q": 8}),
     "L2R16 one layer": ("depth/base", [], {"L": 2, "layers": 1, "R": 16, "Q": 8}),
-    "L2R32 loopformer gate1 scored": ("depth/loopformer", [*G1, "model.align_positions=scored"], {"L": 2, **R32}),
+    "L2R32 loopformer gate1 scored": ("depth/loopformer", [*G1, "objective.align_positions=scored"], {"L": 2, **R32}),
     "L2R32 t-loopformer budget need gate1 scored": (
         "depth/t-loopformer",
-        [*G1, "model.align_positions=scored", "model.router_recipe=budget"],
+        [*G1, "objective.align_positions=scored", "model.router_recipe=budget"],
         {"L": 2, "target": "need", **R32},
     ),
     "L3R32 base-loop": ("depth/base-loop", [], {"L": 3, **R32}),
-    "L3R32 loopformer gate1 scored": ("depth/loopformer", [*G1, "model.align_positions=scored"], {"L": 3, **R32}),
+    "L3R32 loopformer gate1 scored": ("depth/loopformer", [*G1, "objective.align_positions=scored"], {"L": 3, **R32}),
     "L3R32 t-loopformer budget need gate1 scored": (
         "depth/t-loopformer",
-        [*G1, "model.align_positions=scored", "model.router_recipe=budget"],
+        [*G1, "objective.align_positions=scored", "model.router_recipe=budget"],
         {"L": 3, "target": "need", **R32},
     ),
     "L4R32 base-loop": ("depth/base-loop", [], {"L": 4, **R32}),
@@ -141,12 +145,12 @@ GRID4 = {
     "L2R12 one layer": ("depth/base", [], {"L": 2, "layers": 1, "R": 12, "Q": 6}),
     "L2R12 loopformer gate1 scored": (
         "depth/loopformer",
-        [*G1, "model.align_positions=scored"],
+        [*G1, "objective.align_positions=scored"],
         {"L": 2, "R": 12, "Q": 6},
     ),
     "L2R12 t-loopformer budget need gate1 scored": (
         "depth/t-loopformer",
-        [*G1, "model.align_positions=scored", "model.router_recipe=budget"],
+        [*G1, "objective.align_positions=scored", "model.router_recipe=budget"],
         {"L": 2, "target": "need", "R": 12, "Q": 6},
     ),
 }
@@ -185,6 +189,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     from pipeline.config import load_config
     from pipeline.model.looped import LoopedLM
     from pipeline.train.data import _to_batch
+    from pipeline.train.objective import Objective
 
     s = {**DEFAULTS, **settings}
     R, L, Q = s["R"], s["L"], s["Q"]
@@ -201,6 +206,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     cfg = load_config(preset, cfg_overrides)
     torch.manual_seed(s["seed"])
     model = LoopedLM(cfg.model).to(device)
+    objective = Objective(model, cfg.objective)
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, s["beta2"]), weight_decay=s["wd"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s["warmup"]))
 
@@ -239,7 +245,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
             pool[rng.integers(0, len(pool), 512)] = documents(s["seed"], next_doc, 512, R, Lt, Q, order)
             next_doc += 512
         x, y = batch(pool[rng.integers(0, len(pool), s["batch"])])
-        out = model(x, y, objective=True)
+        out = objective(x, y)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -32,6 +32,7 @@ def _worker(args: dict, conn) -> None:
     from pipeline.config import load_config
     from pipeline.memory import region_peak_mib, region_start
     from pipeline.model import LoopedLM
+    from pipeline.train.objective import Objective
     from testkit import spread_router
 
     torch.manual_seed(0)
@@ -45,12 +46,16 @@ def _worker(args: dict, conn) -> None:
         f"model.block_size={o['seq']}",
         f"model.vocab_size={o['vocab']}",
     ]
-    cfg = load_config(f"tiny/{o['variant']}", scale_overrides + o["extra"]).model
+    run_cfg = load_config(f"tiny/{o['variant']}", scale_overrides + o["extra"])
+    cfg = run_cfg.model
     if o["variant"] == "base":  # the dense baseline has the looped models' effective depth
         cfg.n_layers, cfg.loops = o["layers"] * o["loops"], 1
     else:
         cfg.n_layers, cfg.loops = o["layers"], o["loops"]
     model = spread_router(LoopedLM(cfg)).to(dev).train()  # depths over 1..L (a trained router's; init is near uniform)
+    objective = Objective(
+        model, run_cfg.objective
+    )  # the training objective around the network, as `tlf train` builds it
     L = cfg.loops
     k = torch.tensor([L // 2, L - L // 2]) if L >= 2 else None  # fixed shortcut schedule: same work each step
     g = torch.Generator().manual_seed(1)
@@ -62,7 +67,7 @@ def _worker(args: dict, conn) -> None:
 
     def step():
         with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
-            res = model(idx, tgt, objective=True, shortcut=k if cfg.shortcut else None)
+            res = objective(idx, tgt, k if run_cfg.objective.shortcut else None)
         res.loss.backward()
         model.zero_grad(set_to_none=True)
         if dev.type == "cuda":
@@ -81,7 +86,7 @@ def _worker(args: dict, conn) -> None:
         elif cmd == "stats":
             T = o["seq"] * o["batch"]
             active = float(out.stats["full/active_tokens"]) + float(out.stats.get("short/active_tokens", 0.0))
-            dense = T * L + (T * len(k) if cfg.shortcut else 0)
+            dense = T * L + (T * len(k) if run_cfg.objective.shortcut else 0)
             peak = region_peak_mib(dev, base)
             conn.send(
                 {

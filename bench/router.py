@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -95,8 +96,8 @@ def evaluate_case(model, loader_batches, L: int) -> dict:
     for M in range(1, L + 1):
         tot, n, dsum = 0.0, 0, 0
         for x, y in loader_batches:
-            out = model(x, y, loops=M)
-            tot += float(out.loss) * y.numel()
+            out = model(x, loops=M)
+            tot += float(F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=-1)) * y.numel()
             n += y.numel()
             dsum += int(out.depth.sum())
             if M == L:

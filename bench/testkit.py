@@ -13,7 +13,7 @@ tensor's `.numpy()` is never a sync: it refuses device tensors), so the count is
 that would synchronise on a GPU.
 
     with count_host_reads() as reads:
-        model(x, y)
+        model(x)
     len(reads)  # -> 1: the one read of all |A_i| of the pass
 """
 

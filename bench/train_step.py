@@ -99,7 +99,7 @@ def _worker(spec: dict, conn) -> None:
     trainer = Trainer.build(cfg, callbacks=[], loader=_FixedBatch(x, y), model=model)
     engine, dev = trainer.engine, trainer.engine.device
     # eager, with the step's activation checkpointing, device and precision
-    breakdown = _saved_breakdown(model, x.to(dev), y.to(dev), cfg.model.loops)
+    breakdown = _saved_breakdown(engine.module, x.to(dev), y.to(dev), cfg.model.loops)
     if compile_:
         apply_compile(model)
     cuda = str(dev).startswith("cuda")
@@ -120,10 +120,10 @@ def _worker(spec: dict, conn) -> None:
             return
         if cuda:
             torch.cuda.synchronize()
-        st = meter.stats  # sums over the step's one micro-batch
-        state["loops"].append(float(st["full/mean_depth"]) + float(st.get("short/mean_depth", 0.0)))
-        state["heads"] = 2 if "short/loops" in st else 1
-        state["depth"] = float(st["full/mean_depth"])
+        # sums over the step's one micro-batch
+        state["loops"].append(float(meter.loops))
+        state["heads"] = meter.lm_heads
+        state["depth"] = float(meter.stats["full/mean_depth"])
 
     for _ in range(spec["warmup"]):
         step()
@@ -135,7 +135,7 @@ def _worker(spec: dict, conn) -> None:
             from pipeline.model.looped import active_counts
 
             with torch.no_grad():
-                m_ = engine.module
+                m_ = engine.module.net
                 state["counts"] = active_counts(
                     m_.route(m_.embed(x.to(dev))).depth(cfg.model.loops, m_._theta(None)), cfg.model.loops
                 ).tolist()
@@ -187,15 +187,17 @@ def _persistent_tensors(engine):
     return out
 
 
-def _saved_breakdown(model, x, y, L: int) -> dict:
-    """One forward of the objective: bytes kept for backward per loop application and per token, the rest
-    (embedding + router, LM heads + losses), and the host reads the model made."""
+def _saved_breakdown(objective, x, y, L: int) -> dict:
+    """One forward of the objective (the trainer's `Objective` around the network): bytes kept for backward per
+    loop application and per token, the rest (embedding + router, LM heads + losses), and the host reads the
+    model made."""
     import torch
 
     from testkit import count_host_reads
     from pipeline.memory import SavedTensors
 
     acc, calls, tokens = SavedTensors(), [0], {}
+    model = objective.net
 
     def loop_start(mod, args):  # layer 0 starts every loop application
         calls[0] += 1
@@ -210,7 +212,7 @@ def _saved_breakdown(model, x, y, L: int) -> dict:
     acc.label = "embed+router"
     torch.manual_seed(0)
     with acc, count_host_reads() as reads:
-        out = model(x, y, objective=True)
+        out = objective(x, y)
     del out
     for h in hooks:
         h.remove()

@@ -47,7 +47,9 @@ def _step_memory_worker(export: str, gather_scatter: bool, batch: int, seq: int,
     dev = model.wte.weight.device
     idx = torch.randint(0, min(cfg.model.vocab_size, 50257), (batch, seq), device=dev)
     base = region_start(dev)
-    model(idx, idx, objective=True, gather_scatter=gather_scatter).loss.backward()
+    from pipeline.train.objective import Objective
+
+    Objective(model, cfg.objective)(idx, idx, gather_scatter=gather_scatter).loss.backward()
     q.put(region_peak_mib(dev, base))
 
 

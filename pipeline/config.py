@@ -1,7 +1,7 @@
 """One config system for tlf: a dataclass per component, YAML files, dotted overrides.
 
-A config file is YAML whose top-level keys are the sections of `Config` (model, data, optim, schedule,
-train, checkpoint, logging, eval) plus an optional `inherit:` list of other YAML files (paths relative
+A config file is YAML whose top-level keys are the sections of `Config` (model, objective, data, optim,
+schedule, train, checkpoint, logging, eval) plus an optional `inherit:` list of other YAML files (paths relative
 to the file) that are merged first, in order. Command-line overrides are `section.key=value` strings,
 parsed as YAML scalars and applied last. Every field is type-checked; an unknown key, a wrong type or an
 inconsistent value raises `ConfigError` naming the key and where it came from (file or command line).
@@ -50,7 +50,7 @@ class Variant:
 
     looped: bool  # model.loops >= 2 (base is the dense J*L x 1 baseline: model.loops == 1)
     conditioning: str  # model.conditioning
-    shortcut: bool  # model.shortcut: the shortcut pass + alignment loss in the objective
+    shortcut: bool  # objective.shortcut: the shortcut pass + alignment loss in the objective
     router: bool  # model.router
     early_exit: bool = False  # its Table-1 rows are budgets M < L of a model trained without early-exit terms
     trains_as: str = ""  # the variant whose trained checkpoint it evaluates (no training run of its own)
@@ -89,35 +89,21 @@ class ModelConfig:
     conditioning: Literal["none", "time", "time_step"] = f(
         "time_step", "Block conditioning: none (plain pre-norm), time (c=phi(t)), time_step (c=phi(t)+phi(Delta))."
     )
-    shortcut: bool = f(True, "Add the shortcut pass (S~U{1..L-1}) and the alignment loss to the objective.")
     router: bool = f(True, "Token-choice router giving each token its own depth (t-loopformer).")
     router_threshold: float = f(0.5, "theta: token runs loop i while its continue probability p(i) > theta.")
     router_hidden: int = f(0, "Router MLP hidden size; 0 means d_model // 4.")
-    router_ste: bool = f(True, "Straight-through estimator: scale active updates by 1 + p(i) - sg(p(i)).")
     router_recipe: Literal["paper", "budget"] = f(
         "paper",
         "Router training: paper (STE only, default init) or budget (defined init + depth prior + entropy loss; README 'Router training').",
     )
     router_target_depth: float = f(
-        0.0, "budget recipe: target mean depth in (1, loops) (loop work = it / loops); 0 means (loops + 1) / 2."
-    )
-    router_balance_weight: float = f(1.0, "budget recipe: weight of KL(prior || batch-mean exit distribution).")
-    router_entropy_weight: float = f(
-        0.1, "budget recipe: weight of the mean per-token entropy of the exit distribution."
+        0.0,
+        "budget recipe: target mean depth in (1, loops) (loop work = it / loops); 0 means (loops + 1) / 2. Sets the router's init and the prior the objective's balance loss pulls to.",
     )
     router_init_std: float = f(
         2.0, "budget recipe: std of the router's output weights x sqrt(hidden) at init (logit spread across tokens)."
     )
     gather_scatter: bool = f(True, "Compute only active tokens per loop (false: dense masked reference path).")
-    align_target: Literal["logits", "hidden"] = f(
-        "logits", "Alignment MSE on per-token logits (paper) or on final-normed hidden states (LoopFormer code)."
-    )
-    align_positions: Literal["all", "scored"] = f(
-        "all",
-        "Positions the alignment loss averages over: all (default) or scored, only those with a target (the same on text, where every position has one).",
-    )
-    lambda_short: float = f(0.1, "Weight lambda1 of the shortcut pass's CE loss L_S.")
-    lambda_align: float = f(0.1, "Weight lambda2 of the alignment loss L_align.")
     gate_init: float = f(
         0.0,
         "Modulated layers: initial output gates a_msa, a_mlp (their modulator rows' bias). 0 (default): each layer starts as the identity (adaLN-zero); 1: as a plain pre-norm layer.",
@@ -128,24 +114,32 @@ class ModelConfig:
     init_std: float = f(0.02, "Std of the normal init (residual projections scaled by 1/sqrt(2*J*L)).")
     tie_embeddings: bool = f(True, "Tie the LM head to the token embedding.")
 
-    # What a resume may change (README 'Determinism contract'): the objective's settings (loss weights, the router's
-    # auxiliary losses, inits, the straight-through estimator, which changes gradients only) and the execution
-    # knobs (the dense reference path, the router's exit threshold). Every other field defines the network: its
-    # parameters and what a forward pass computes from them, so a resume refuses to change it.
+    # What a resume may change (README 'Determinism contract'): the inits (moot once weights are loaded; the
+    # target depth also moves the balance loss's prior) and the execution knobs (the dense reference path, the
+    # router's exit threshold). Every other field defines the network: its parameters and what a forward pass
+    # computes from them, so a resume refuses to change it. The `objective` section may always change.
     RESUMABLE: ClassVar[tuple[str, ...]] = (
-        "lambda_short",
-        "lambda_align",
-        "align_target",
-        "align_positions",
-        "router_ste",
         "router_target_depth",
-        "router_balance_weight",
-        "router_entropy_weight",
         "router_init_std",
         "gate_init",
         "gather_scatter",
         "router_threshold",
     )
+    # Keys that moved to the `objective` section (issue 26): naming one here is an error that names the new key;
+    # configs tlf stored before the move (checkpoints, exports) are read through `upgrade`.
+    MOVED: ClassVar[dict[str, str]] = {
+        k: f"objective.{k}"
+        for k in (
+            "shortcut",
+            "lambda_short",
+            "lambda_align",
+            "align_target",
+            "align_positions",
+            "router_ste",
+            "router_balance_weight",
+            "router_entropy_weight",
+        )
+    }
 
     def validate(self) -> None:
         if self.variant not in VARIANTS:
@@ -158,8 +152,6 @@ class ModelConfig:
                 raise ConfigError(f"model.{k} must be >= 1, got {getattr(self, k)}")
         if self.fourier_dim % 2:
             raise ConfigError(f"model.fourier_dim must be even, got {self.fourier_dim}")
-        if self.shortcut and self.loops < 2:
-            raise ConfigError("model.shortcut=true needs model.loops >= 2 (the shortcut pass has S in 1..L-1)")
         if self.router and self.loops < 2:
             raise ConfigError("model.router=true needs model.loops >= 2")
         if not 0.0 < self.router_threshold < 1.0:
@@ -171,9 +163,8 @@ class ModelConfig:
                 f"model.router_target_depth must be 0 (default) or lie strictly between 1 and "
                 f"model.loops ({self.loops}), got {self.router_target_depth}"
             )
-        for k in ("router_balance_weight", "router_entropy_weight", "router_init_std"):
-            if getattr(self, k) < 0:
-                raise ConfigError(f"model.{k} must be >= 0, got {getattr(self, k)}")
+        if self.router_init_std < 0:
+            raise ConfigError(f"model.router_init_std must be >= 0, got {self.router_init_std}")
 
     def _check_variant_flags(self) -> None:
         """The flags must be the ones VARIANT_TABLE gives the `variant` name (a run's tag is what it trained)."""
@@ -183,13 +174,52 @@ class ModelConfig:
             raise ConfigError(
                 f"model.loops: {self.loops} contradicts model.variant={self.variant} (needs loops {want})"
             )
-        for key in ("conditioning", "shortcut", "router"):
-            if getattr(self, key) != getattr(v, key):
-                raise ConfigError(
-                    f"model.{key}: {_yaml_scalar(getattr(self, key))} contradicts model.variant="
-                    f"{self.variant}, which has {key}={_yaml_scalar(getattr(v, key))} (README 'Presets'); "
-                    "change the flag or the variant name"
-                )
+        for key in ("conditioning", "router"):
+            _check_flag(f"model.{key}", getattr(self, key), self.variant)
+
+
+def _check_flag(key: str, value, variant: str) -> None:
+    """key's value must be the one VARIANT_TABLE gives `variant` (key: model.router, objective.shortcut, ...)."""
+    want = getattr(VARIANT_TABLE[variant], key.split(".")[1])
+    if value != want:
+        raise ConfigError(
+            f"{key}: {_yaml_scalar(value)} contradicts model.variant={variant}, which has "
+            f"{key.split('.')[1]}={_yaml_scalar(want)} (README 'Presets'); change the flag or the variant name"
+        )
+
+
+@dataclass
+class ObjectiveConfig:
+    """The training objective's settings (pipeline/train/objective.py): what the loss is made of, never what the
+    network computes, so a resume may change any of them (README 'The model')."""
+
+    shortcut: bool = f(True, "Add the shortcut pass (S~U{1..L-1}) and the alignment loss to the objective.")
+    lambda_short: float = f(0.1, "Weight lambda1 of the shortcut pass's CE loss L_S.")
+    lambda_align: float = f(0.1, "Weight lambda2 of the alignment loss L_align.")
+    align_target: Literal["logits", "hidden"] = f(
+        "logits", "Alignment MSE on per-token logits (paper) or on final-normed hidden states (LoopFormer code)."
+    )
+    align_positions: Literal["all", "scored"] = f(
+        "all",
+        "Positions the alignment loss averages over: all (default) or scored, only those with a target (the same on text, where every position has one).",
+    )
+    router_ste: bool = f(
+        True,
+        "Straight-through estimator: scale active updates by 1 + p(i) - sg(p(i)) (the router's gradient; values unchanged).",
+    )
+    router_balance_weight: float = f(1.0, "budget router recipe: weight of KL(prior || batch-mean exit distribution).")
+    router_entropy_weight: float = f(
+        0.1, "budget router recipe: weight of the mean per-token entropy of the exit distribution."
+    )
+
+    def validate(self, model: ModelConfig) -> None:
+        if model.variant in VARIANT_TABLE:
+            _check_flag("objective.shortcut", self.shortcut, model.variant)
+        if self.shortcut and model.loops < 2:
+            raise ConfigError("objective.shortcut=true needs model.loops >= 2 (the shortcut pass has S in 1..L-1)")
+        for k in ("router_balance_weight", "router_entropy_weight"):
+            if getattr(self, k) < 0:
+                raise ConfigError(f"objective.{k} must be >= 0, got {getattr(self, k)}")
 
 
 def _yaml_scalar(x) -> str:
@@ -340,7 +370,10 @@ class EvalConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "The LoopedLM."})
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "The LoopedLM (the network)."})
+    objective: ObjectiveConfig = field(
+        default_factory=ObjectiveConfig, metadata={"doc": "The training objective around it."}
+    )
     data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Token shards."})
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"doc": "AdamW."})
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig, metadata={"doc": "Learning-rate schedule."})
@@ -352,6 +385,7 @@ class Config:
 
     def validate(self) -> None:
         self.model.validate()
+        self.objective.validate(self.model)
         t = self.train
         for k in ("micro_batch_size", "grad_accum_steps", "global_batch_size", "log_interval"):
             if getattr(t, k) < 1:
@@ -426,9 +460,24 @@ def load_config(name: Optional[str] = None, overrides: list[str] | tuple = ()) -
     return cfg
 
 
+def upgrade(d: dict) -> dict:
+    """A config dict as tlf stored it (a checkpoint's state, an export's config.yaml), in today's layout: one
+    written before the `objective` section has the objective's keys under `model` (`ModelConfig.MOVED`). A new
+    dict; the input is left as it was."""
+    d = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    model = d.get("model")
+    if isinstance(model, dict):
+        for k, new in ModelConfig.MOVED.items():
+            if k in model:
+                sec, key = new.split(".")
+                d.setdefault(sec, {})[key] = model.pop(k)
+    return d
+
+
 def config_from_dict(d: dict, source: str = "checkpoint") -> Config:
+    """The Config of a dict tlf stored (`upgrade`d first)."""
     cfg = Config()
-    for k, v in d.items():
+    for k, v in upgrade(d).items():
         set_key(cfg, k, v, source)
     cfg.validate()
     return cfg

@@ -83,7 +83,7 @@ class SavedTensors:
 
         acc = SavedTensors()
         with acc:
-            loss = model(x, y).loss
+            loss = objective(x, y).loss  # the training objective around the network
         acc.total, acc.by_label  # bytes, {label: bytes}
     """
 

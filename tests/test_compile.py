@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from helpers import perturbed_tiny, spread_router
+from pipeline.config import load_config
 from pipeline.train.compile import apply_compile, compile_count
+from pipeline.train.objective import Objective
 
 
 def _batches(n, T=24):
@@ -19,6 +21,7 @@ def _batches(n, T=24):
 def test_compiled_layers_match_eager_and_do_not_recompile_once_warm():
     torch._dynamo.reset()
     eager, comp = spread_router(perturbed_tiny()[0]), spread_router(perturbed_tiny()[0])
+    oc = load_config("tiny/t-loopformer").objective
     eager.train(), comp.train()
     apply_compile(comp, backend="aot_eager")
     counts, lengths = [], set()
@@ -26,9 +29,9 @@ def test_compiled_layers_match_eager_and_do_not_recompile_once_warm():
     for k, (x, y) in enumerate(_batches(12)):
         short = warm[k] if k < len(warm) else None
         torch.manual_seed(k)
-        a = eager(x, y, objective=True, shortcut=short)
+        a = Objective(eager, oc)(x, y, short)
         torch.manual_seed(k)
-        b = comp(x, y, objective=True, shortcut=short)
+        b = Objective(comp, oc)(x, y, short)
         a.loss.backward(), b.loss.backward()
         torch.testing.assert_close(a.parts, b.parts, atol=1e-5, rtol=0)
         assert torch.equal(a.depth, b.depth)

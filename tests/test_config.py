@@ -6,7 +6,20 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.config import CONFIG_DIR, SCALES, VARIANTS, Config, ConfigError, field_docs, list_presets, load_config
+from pipeline.config import (
+    CONFIG_DIR,
+    SCALES,
+    VARIANTS,
+    Config,
+    ConfigError,
+    ModelConfig,
+    ObjectiveConfig,
+    config_from_dict,
+    field_docs,
+    list_presets,
+    load_config,
+    upgrade,
+)
 
 
 def test_every_shipped_config_loads():
@@ -34,8 +47,9 @@ def test_variant_flags_match_design_table():
     for scale in SCALES:
         looped = load_config(f"{scale}/base-loop").model
         for v, (cond, sc, rt, is_looped) in want.items():
-            m = load_config(f"{scale}/{v}").model
-            assert (m.conditioning, m.shortcut, m.router) == (cond, sc, rt), (scale, v)
+            c = load_config(f"{scale}/{v}")
+            m = c.model
+            assert (m.conditioning, c.objective.shortcut, m.router) == (cond, sc, rt), (scale, v)
             if is_looped:
                 assert (m.n_layers, m.loops) == (looped.n_layers, looped.loops)
             else:  # the dense baseline has the looped models' effective depth
@@ -88,7 +102,7 @@ def test_overrides_are_typed():
             "model.router_target_depth=4",
             "model.router_target_depth must be 0 (default) or lie strictly between 1 and model.loops (4)",
         ),
-        ("model.router_entropy_weight=-1", "model.router_entropy_weight must be >= 0"),
+        ("objective.router_entropy_weight=-1", "objective.router_entropy_weight must be >= 0"),
         ("eval.loops=[9]", "eval.loops: budget 9"),
         ("model.loops.x=1", "'model.loops' is not a section"),
         ("model", "must look like section.key=value"),
@@ -98,6 +112,28 @@ def test_bad_overrides_name_the_key(override, needle):
     with pytest.raises(ConfigError) as e:
         load_config("tiny/t-loopformer", [override])
     assert needle in str(e.value)
+
+
+def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_key(tmp_path):
+    assert set(ModelConfig.MOVED) == {f.name for f in dataclasses.fields(ObjectiveConfig)}
+    for old, new in ModelConfig.MOVED.items():
+        with pytest.raises(ConfigError) as e:
+            load_config("tiny/t-loopformer", [f"model.{old}=1"])
+        assert str(e.value) == f"command line (model.{old}=1): 'model.{old}' moved to '{new}'"
+    bad = tmp_path / "old.yaml"
+    bad.write_text("inherit: [" + str(CONFIG_DIR / "tiny" / "loopformer.yaml") + "]\nmodel:\n  lambda_align: 0.5\n")
+    with pytest.raises(ConfigError, match=r"old\.yaml: 'model.lambda_align' moved to 'objective.lambda_align'$"):
+        load_config(str(bad))
+
+
+def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
+    """Checkpoints and exports written before the move hold the objective's keys under `model`."""
+    old = Config().to_dict()
+    old["model"].update(old.pop("objective"), lambda_short=0.3, align_target="hidden")
+    before = {k: dict(v) if isinstance(v, dict) else v for k, v in old.items()}
+    cfg = config_from_dict(old, "old checkpoint")
+    assert cfg.objective.lambda_short == 0.3 and cfg.objective.align_target == "hidden"
+    assert cfg.to_dict() == upgrade(old) and old == before  # the stored dict is left as it was
 
 
 def test_yaml_errors_name_the_file(tmp_path):

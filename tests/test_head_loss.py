@@ -14,6 +14,7 @@ from bench.testkit import count_host_reads
 from pipeline.memory import SavedTensors
 from pipeline.model import LoopedLM, head_loss
 from pipeline.model.head_loss import head_objective, rows_per_chunk
+from pipeline.train.objective import Objective
 
 torch.set_num_threads(1)
 V = 50304  # the tiny presets' vocabulary
@@ -24,20 +25,22 @@ CASES = [
     ("t-loopformer", ()),
     ("loopformer", ()),
     ("base", ()),
-    ("t-loopformer", ("model.align_target=hidden",)),
-    ("loopformer", ("model.align_positions=scored",)),
-    ("t-loopformer", ("model.align_target=hidden", "model.align_positions=scored")),
+    ("t-loopformer", ("objective.align_target=hidden",)),
+    ("loopformer", ("objective.align_positions=scored",)),
+    ("t-loopformer", ("objective.align_target=hidden", "objective.align_positions=scored")),
 ]
 
 
 def _model(variant, *extra, dtype=torch.float32):
+    """The training objective (the network is its `.net`) of a tiny preset with perturbed weights."""
     torch.manual_seed(0)
-    m = LoopedLM(load_config(f"tiny/{variant}", list(extra)).model)
+    cfg = load_config(f"tiny/{variant}", list(extra))
+    m = LoopedLM(cfg.model)
     with torch.no_grad():  # non-zero modulators: loops differ
         for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     # a spread router (depths 1..3 here) that is not saturated: a saturated softmax's gradient is all rounding
-    return spread_router(m, 0, scale=1.0).to(dtype).train()
+    return Objective(spread_router(m, 0, scale=1.0).to(dtype).train(), cfg.objective)
 
 
 def _batch(B=2, T=20, ignored=5):
@@ -51,9 +54,9 @@ def _run(m, x, y, fused, autocast=False):
     m.zero_grad()
     k = torch.tensor([1, 3]) if m.cfg.shortcut else None
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-        out = m(x, y, objective=True, shortcut=k, fused_loss=fused)
+        out = m(x, y, k, fused_loss=fused)
     out.loss.backward()
-    return out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    return out, {n: p.grad.clone() for n, p in m.net.named_parameters() if p.grad is not None}
 
 
 def _close(a, b, rtol, msg=""):
@@ -81,7 +84,7 @@ def test_fused_objective_equals_the_plain_path_over_several_chunks(variant, extr
     for n in g_r:
         _close(g_f[n], g_r[n], 1e-5, n)
     assert torch.equal(fused.depth, ref.depth) and fused.stats.keys() == ref.stats.keys()
-    if m.router is not None:
+    if m.net.router is not None:
         assert len(fused.depth.unique()) >= 3
 
 
@@ -169,12 +172,12 @@ def test_nothing_of_size_tokens_x_vocab_is_kept_for_backward():
     m = _model("t-loopformer")
     B, T = 2, 20
     x, y = _batch(B, T)
-    d = m.cfg.d_model
+    d = m.net.cfg.d_model
     kept = {}
     for fused in (True, False):
         acc = _Shapes()
         with acc:
-            m(x, y, objective=True, shortcut=torch.tensor([1, 3]), fused_loss=fused)
+            m(x, y, torch.tensor([1, 3]), fused_loss=fused)
         kept[fused] = acc
     with_v = [s for s in kept[True].shapes if V in s]
     assert with_v == [(V, d)], with_v  # the weight's gradient, computed in forward; no (B, T, V) tensor
@@ -188,23 +191,26 @@ def test_no_extra_host_read():
     model_files = tuple(
         str(Path(head_loss.__file__).parent / f)
         for f in ("looped.py", "layers.py", "router.py", "schedule.py", "head_loss.py")
-    )
+    ) + (str(Path(head_loss.__file__).parent.parent / "train" / "objective.py"),)
     for variant, expected in (("t-loopformer", 1), ("loopformer", 0)):
         m = _model(variant)
         x, y = _batch()
         for fused in (True, False):
             with count_host_reads(model_files) as reads:
-                m(x, y, objective=True, fused_loss=fused).loss.backward()
+                m(x, y, fused_loss=fused).loss.backward()
             assert len(reads) == expected, (variant, fused, reads)
 
 
 def test_calls_without_the_objective_keep_their_logits():
     m = _model("t-loopformer")
     x, y = _batch()
-    for out in (m(x, y, objective=False), m.eval()(x, y)):
+    for out in (m(x, y, full_only=True, fused_loss=False), m.eval()(x, y, full_only=True, fused_loss=False)):
         assert out.logits.shape == (2, 20, V) and set(out.parts) == {"loss_L"}
         torch.testing.assert_close(out.loss, F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=-1))
-    assert list(m.state_dict()).count("lm_head.weight") == 1 and m.lm_head.weight is m.wte.weight  # tied, same name
+    net = m.net
+    assert (
+        list(net.state_dict()).count("lm_head.weight") == 1 and net.lm_head.weight is net.wte.weight
+    )  # tied, same name
 
 
 def test_scored_alignment_equals_all_when_every_position_has_a_target():

@@ -1,5 +1,5 @@
-"""The engine interface (pipeline/model/interface.py): LoopedLM implements it, and the decoder, the scorer and
-the Hugging Face wrapper use nothing of a model outside it."""
+"""The engine interface (pipeline/model/interface.py): LoopedLM implements it, and the training objective, the
+decoder, the scorer and the Hugging Face wrapper use nothing of a model outside it."""
 
 import ast
 import inspect
@@ -16,6 +16,7 @@ METHODS = {k for k, v in vars(LoopedNetwork).items() if callable(v) and (not k.s
 MEMBERS = METHODS | set(LoopedNetwork.__annotations__)
 # file -> the expressions that hold the model there (the decoder binds `m = self.model`)
 USERS = {
+    "pipeline/train/objective.py": ("self.net",),
     "pipeline/inference/decode.py": ("self.model", "m", "model"),
     "evaluation/forward.py": ("model",),
     "evaluation/scorer.py": ("model",),

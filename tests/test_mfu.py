@@ -11,13 +11,19 @@ from pipeline.config import load_config
 from pipeline.model.looped import LoopedLM
 from pipeline.plan.hardware import gpu
 from pipeline.train.callbacks import Speed
+from pipeline.train.trainer import StepWork
 
 
 def _mfu(device_kind: str, *overrides: str) -> dict:
     cfg = load_config("tiny/t-loopformer", list(overrides))
     sp = Speed()
     sp.trainer = SimpleNamespace(
-        cfg=cfg, model=LoopedLM(cfg.model), tokens_per_step=1000, ws=1, device_kind=device_kind
+        cfg=cfg,
+        model=LoopedLM(cfg.model),
+        tokens_per_step=1000,
+        ws=1,
+        device_kind=device_kind,
+        work=StepWork(float(cfg.model.loops), 1),
     )
     sp.pre_train()
     metrics: dict = {}

@@ -5,12 +5,14 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from pipeline.config import VARIANTS, load_config, list_presets
+from pipeline.config import VARIANTS, ObjectiveConfig, load_config, list_presets
 from pipeline.model import LoopedLM, RouterOutput
 from pipeline.model.router import depth_prior
 from pipeline.model.schedule import sample_shortcut, table_index, time_table, uniform
 from pipeline.train.ac import apply_ac, checkpointed_mode
+from pipeline.train.objective import Objective
 from tests.helpers import spread_router
 
 torch.set_num_threads(1)
@@ -36,6 +38,11 @@ def batch(B=3, T=40, V=50304, seed=1):
     return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
 
 
+def objective(model):
+    """The training objective around `model`, with the objective settings of its variant's tiny preset."""
+    return Objective(model, load_config(f"tiny/{model.cfg.variant}").objective)
+
+
 def grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -55,7 +62,7 @@ def test_gather_scatter_equals_dense_reference(variant, overrides):
     idx, tgt = batch()
     k = torch.tensor([1, 2, 1])  # a fixed shortcut schedule so both paths see the same objective
     model.train()
-    out_gs = model(idx, tgt, objective=True, shortcut=k)
+    out_gs = objective(model)(idx, tgt, k)
     out_gs.loss.backward()
     g_gs = grads(model)
     if variant == "t-loopformer":  # rows really differ in depth pattern, several depths present
@@ -63,7 +70,7 @@ def test_gather_scatter_equals_dense_reference(variant, overrides):
         assert len(d.unique()) >= 3 and not torch.equal(d[0], d[1])
         assert not torch.equal((d >= 2).sum(1), (d >= 2).sum(1)[:1].expand(3))  # different |A_2| per row
     model.zero_grad()
-    out_dense = model(idx, tgt, objective=True, shortcut=k, gather_scatter=False)
+    out_dense = objective(model)(idx, tgt, k, gather_scatter=False)
     out_dense.loss.backward()
     g_dense = grads(model)
     torch.testing.assert_close(out_gs.parts, out_dense.parts, atol=1e-5, rtol=0)  # both passes' losses
@@ -89,13 +96,13 @@ def test_activation_checkpointing_is_exact(mode):
     idx, tgt = batch(B=2, T=24)
     k = torch.tensor([2, 2])
     model.train()
-    model(idx, tgt, objective=True, shortcut=k).loss.backward()
+    objective(model)(idx, tgt, k).loss.backward()
     ref = grads(model)
     sd = {k_: v.clone() for k_, v in model.state_dict().items()}
     model.zero_grad()
     apply_ac(model, mode)
     assert checkpointed_mode(model) == mode
-    model(idx, tgt, objective=True, shortcut=k).loss.backward()
+    objective(model)(idx, tgt, k).loss.backward()
     for n, g in grads(model).items():
         torch.testing.assert_close(g, ref[n], atol=1e-6, rtol=0, msg=n)
     # applied from outside: names and state dict unchanged, so checkpoints load either way
@@ -117,7 +124,7 @@ def test_activation_checkpointing_recomputes_only_under_grad():
     n_eval = len(calls)
     calls.clear()
     model.train()
-    model(idx, tgt, loops=2, objective=False).loss.backward()
+    F.cross_entropy(model(idx, loops=2).logits.flatten(0, 1), tgt.flatten()).backward()
     assert n_eval == 2 and len(calls) == 4
 
 
@@ -131,7 +138,7 @@ def test_router_off_equals_loopformer_exactly():
     k = torch.tensor([3, 1])
     for m in (t, lf):
         m.train()
-    a, b = t(idx, tgt, objective=True, shortcut=k, router=False), lf(idx, tgt, objective=True, shortcut=k)
+    a, b = objective(t)(idx, tgt, k, router=False), objective(lf)(idx, tgt, k)
     assert torch.equal(a.loss, b.loss) and a.parts.keys() == b.parts.keys()
     assert all(torch.equal(a.parts[n], b.parts[n]) for n in a.parts)
     t.eval(), lf.eval()
@@ -172,13 +179,14 @@ def test_straight_through_estimator():
     idx, tgt = batch()
     model.train()
     k = torch.tensor([2, 2])
-    with_ste = model(idx, tgt, objective=True, shortcut=k)
+    obj = objective(model)
+    with_ste = obj(idx, tgt, k)
     with_ste.loss.backward()
     g = model.router.fc1.weight.grad
     assert g is not None and float(g.abs().sum()) > 0  # the router receives gradient
     model.zero_grad()
-    model.cfg.router_ste = False
-    without = model(idx, tgt, objective=True, shortcut=k)
+    obj.cfg.router_ste = False
+    without = obj(idx, tgt, k)
     without.loss.backward()
     torch.testing.assert_close(with_ste.parts, without.parts, atol=1e-6, rtol=0)  # forward unchanged
     assert torch.equal(with_ste.depth, without.depth)
@@ -217,7 +225,7 @@ def test_budget_init_spreads_depth_and_gives_the_router_gradient_at_step_one():
     paper = make("t-loopformer", perturb=False, seed=0).train()
     r = paper.route(paper.embed(idx))
     assert float(r.logits.detach().std(dim=(0, 1)).max()) < 1e-2
-    paper(idx, tgt, objective=True, shortcut=k).loss.backward()
+    objective(paper)(idx, tgt, k).loss.backward()
     assert float(paper.router.fc1.weight.grad.abs().sum()) == 0.0
     model = make(
         "t-loopformer", "model.router_recipe=budget", "model.router_target_depth=2.5", perturb=False, seed=0
@@ -228,13 +236,13 @@ def test_budget_init_spreads_depth_and_gives_the_router_gradient_at_step_one():
     assert float((q * (q / pi_mean).log()).sum()) < 0.1
     assert float(r.logits.detach().std(dim=(0, 1)).min()) > 0.3
     assert len(r.depth(4, 0.5).unique()) >= 2
-    out = model(idx, tgt, objective=True, shortcut=k)
+    out = objective(model)(idx, tgt, k)
     assert set(out.parts) == {"loss_L", "loss_S", "loss_align", "loss_router"}
     assert {"balance_kl", "entropy", "soft_depth"} <= set(out.stats)
     out.loss.backward()
     assert float(model.router.fc1.weight.grad.abs().sum()) > 0
-    # evaluation: without the objective (the default, in either mode) the loss is the cross-entropy alone
-    ev = model(idx, tgt)
+    # validation: the full pass's cross-entropy alone
+    ev = objective(model)(idx, tgt, full_only=True)
     assert "loss_router" not in ev.parts and torch.equal(ev.loss, ev.parts["loss_L"])
 
 
@@ -250,7 +258,8 @@ def test_budget_loss_reaches_depths_no_token_runs():
     cont = torch.cat([torch.ones_like(pi[..., :1]), pi.flip(-1).cumsum(-1).flip(-1)[..., 1:]], -1)
     r = RouterOutput(logits=logits, cont=cont)
     assert int(r.depth(L, 0.5).max()) < L
-    loss, _ = model.router.aux_loss(r)
+    c = ObjectiveConfig()
+    loss, _ = model.router.aux_loss(r, c.router_balance_weight, c.router_entropy_weight)
     loss.backward()
     assert bool((logits.grad[..., L - 1] < 0).all())  # descending the loss raises the depth-L logit
 
@@ -315,13 +324,14 @@ def test_causality(variant):
 def test_every_preset_forward_backward(variant):
     model = make(variant, perturb=False).train()
     idx, tgt = batch(B=2, T=32)
-    out = model(idx, tgt, objective=True)
+    obj = objective(model)
+    out = obj(idx, tgt)
     assert out.logits is None and torch.isfinite(out.loss)  # the fused objective materialises no logits
     out.loss.backward()
     assert all(
-        p.grad is not None for n, p in model.named_parameters() if not n.startswith("router.") or model.cfg.router_ste
+        p.grad is not None for n, p in model.named_parameters() if not n.startswith("router.") or obj.cfg.router_ste
     )
-    expect = {"loss_L", "loss_S", "loss_align"} if model.cfg.shortcut else {"loss_L"}
+    expect = {"loss_L", "loss_S", "loss_align"} if obj.cfg.shortcut else {"loss_L"}
     assert set(out.parts) == expect
     assert out.stats["full/depth_hist"].shape == (model.cfg.loops,)
     torch.testing.assert_close(out.stats["full/depth_hist"].sum(), torch.tensor(1.0))
@@ -411,17 +421,21 @@ def test_router_defaults_agree_with_model_config():
 
 
 def test_forward_does_not_depend_on_training_mode():
-    """`model(x, y)` is the same call in train and eval mode: the objective is asked for, never inferred."""
+    """The objective is the same call in train and eval mode (validation asks for its part, never inferred); the
+    network takes no targets and the objective needs them."""
     model = make("t-loopformer", "model.router_recipe=budget", perturb=False)
+    obj = objective(model)
     idx, tgt = batch(B=2, T=32)
     k = torch.tensor([1, 3])
     with torch.no_grad():
-        for kw in ({}, {"objective": True, "shortcut": k}):
-            a, b = model.train()(idx, tgt, **kw), model.eval()(idx, tgt, **kw)
+        for kw in ({"full_only": True}, {"shortcut": k}):
+            a, b = obj.train()(idx, tgt, **kw), obj.eval()(idx, tgt, **kw)
             assert torch.equal(a.loss, b.loss) and a.parts.keys() == b.parts.keys()
     assert set(a.parts) == {"loss_L", "loss_S", "loss_align", "loss_router"}
-    with pytest.raises(ValueError, match="targets"):
-        model(idx, objective=True)
+    with pytest.raises(TypeError, match="targets"):
+        obj(idx)
+    with pytest.raises(TypeError):
+        model(idx, tgt)
 
 
 @pytest.mark.parametrize("gate", [0.0, 1.0])

@@ -20,6 +20,7 @@ from pipeline.plan.core import Planner
 from pipeline.plan.hardware import gpu
 from pipeline.plan.trace import trace_step
 from pipeline.train.ds import build_optimizer
+from pipeline.train.objective import Objective
 
 B = 4
 OVR = [
@@ -44,7 +45,7 @@ def _measured(cfg):
     opt, _ = build_optimizer(cfg, model)
 
     def step():
-        model(x, y, objective=True, shortcut=sc).loss.backward()
+        Objective(model, cfg.objective)(x, y, sc).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -59,7 +60,7 @@ def _measured(cfg):
             counts = active_counts(model.route(model.embed(x)).depth(L, model._theta(None)), L)
     saved = SavedTensors()
     with saved:
-        model(x, y, objective=True, shortcut=sc)
+        Objective(model, cfg.objective)(x, y, sc)
     return peak, counts, saved.total
 
 

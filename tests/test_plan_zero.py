@@ -127,7 +127,7 @@ def worker(out: str, data: str, tmp: str) -> None:
         engine = tr.engine
         x, y = tr.loader.next()
         before = _before_reduction(engine)
-        engine.backward(engine(x, y, objective=True).loss)
+        engine.backward(engine(x, y).loss)
         r = {
             "grads_before_reduction": before.get("grads"),
             "grads_full": before.get("full"),

@@ -11,11 +11,12 @@ import torch
 from pipeline.config import load_config
 from bench.testkit import count_host_reads
 from pipeline.model import LoopedLM
+from pipeline.train.objective import Objective
 
 MODEL = tuple(
     str(Path(__file__).resolve().parent.parent / "pipeline" / "model" / f)  # the forward's files
     for f in ("looped.py", "layers.py", "router.py", "schedule.py", "head_loss.py")
-)
+) + (str(Path(__file__).resolve().parent.parent / "pipeline" / "train" / "objective.py"),)  # the objective's
 # the loop's files: trainer.py and validation.py (its sum_over_ranks is where the step's read happens)
 TRAINER = tuple(
     str(Path(__file__).resolve().parent.parent / "pipeline" / "train" / f) for f in ("trainer.py", "validation.py")
@@ -40,7 +41,7 @@ def test_one_host_read_per_forward_pass(variant, extra, expected):
     m = _tiny(variant, *extra).train()
     x, y = torch.randint(0, 100, (2, 16)), torch.randint(0, 100, (2, 16))
     with count_host_reads(MODEL) as reads:
-        m(x, y, objective=True).loss.backward()
+        Objective(m, load_config(f"tiny/{variant}").objective)(x, y).loss.backward()
     assert len(reads) == expected, reads
     m.eval()
     with count_host_reads(MODEL) as reads, torch.no_grad():
@@ -91,22 +92,27 @@ def data(tmp_path_factory):
 
 def test_step_meter_means_flags_and_padded_histograms(tmp_path):
     """StepMeter: parts (loss_router included) averaged over micro-batches, the first non-finite micro-batch
-    named, shortcut histograms of different S padded, the signal and a device grad norm read with the rest."""
+    named, shortcut histograms of different S padded, the signal and a device grad norm read with the rest, and
+    the step's work (loops of both passes, heads) for MFU."""
     import torch.distributed as dist
 
-    from pipeline.model.looped import LoopedLMOutput
-    from pipeline.train.trainer import StepMeter
+    from pipeline.model.router import DepthStats
+    from pipeline.train.objective import ObjectiveOutput, ShortcutStats
+    from pipeline.train.trainer import StepMeter, StepWork
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     m = StepMeter(3, "cpu")
     for k, (loss, hist) in enumerate([(2.0, [0.5, 0.5]), (4.0, [0.2, 0.3, 0.5]), (float("nan"), [1.0])]):
-        out = LoopedLMOutput(
-            logits=torch.zeros(1),
-            depth=torch.zeros(1),
+        one = torch.tensor(1.0)
+        out = ObjectiveOutput(
             loss=torch.tensor(loss),
-            parts={"loss_L": torch.tensor(loss), "loss_router": torch.tensor(0.1 * (k + 1))},
-            stats={"short/depth_hist": torch.tensor(hist), "full/mean_depth": torch.tensor(2.0)},
+            depth=torch.zeros(1),
+            logits=None,
+            full=DepthStats(torch.tensor([0.0, 1.0]), torch.tensor(2.0), one, one),
+            short=ShortcutStats(torch.tensor(hist), one, one, one, torch.tensor(float(len(hist)))),
+            loss_L=torch.tensor(loss),
+            loss_router=torch.tensor(0.1 * (k + 1)),
         )
         m.add(out, k)
     m.grad_norm = torch.tensor(3.0)
@@ -119,3 +125,4 @@ def test_step_meter_means_flags_and_padded_histograms(tmp_path):
     assert r["router"]["router/short/depth_share_1"] == pytest.approx((0.5 + 0.2 + 1.0) / 3)
     assert r["router"]["router/short/depth_share_3"] == pytest.approx(0.5 / 3)
     assert r["router"]["router/full/mean_depth"] == pytest.approx(2.0)
+    assert r["parts"] == ["loss_L", "loss_router"] and r["work"] == StepWork(pytest.approx(3.0), 2)

@@ -284,13 +284,17 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch,
     model, cfg = load_model(root)
     assert cfg.model.d_model == 32 and cfg.name == "tiny/t-loopformer"
     saved = torch.load(root / "global_step8" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-    assert all(torch.equal(model.state_dict()[k], v.float()) for k, v in saved.items())
+    assert all(torch.equal(model.state_dict()[k.removeprefix("net.")], v.float()) for k, v in saved.items())
 
     # resuming needs the same network: an error names every key that differs, not the resumable ones
     with pytest.raises(ConfigError, match=r"differs in model.n_heads \(2 -> 1\), model.d_ff \(64 -> 48\) \("):
-        run(tiny_cfg(root, data, "model.d_ff=48", "model.n_heads=1", "model.lambda_short=0.5", "schedule.max_steps=9"))
+        run(
+            tiny_cfg(
+                root, data, "model.d_ff=48", "model.n_heads=1", "objective.lambda_short=0.5", "schedule.max_steps=9"
+            )
+        )
     # the objective's weights and the execution knobs may change: the run continues and says so
-    changed = ("model.lambda_short=0.5", "model.router_threshold=0.4", "model.gather_scatter=false")
+    changed = ("objective.lambda_short=0.5", "model.router_threshold=0.4", "model.gather_scatter=false")
     more = run(
         tiny_cfg(tmp_path / "d", data, f"checkpoint.resume={root / 'global_step8'}", "schedule.max_steps=9", *changed)
     )
@@ -426,19 +430,19 @@ def test_mlflow_run_holds_params_metrics_and_tags(tmp_path, data):
 
 def _nan_at(monkeypatch, calls: set[int]) -> None:
     """Makes the training forward's loss NaN on the given 1-based call numbers."""
-    from pipeline.model import LoopedLM
+    from pipeline.train.objective import Objective
 
-    orig, n = LoopedLM.forward, [0]
+    orig, n = Objective.forward, [0]
 
-    def fwd(self, idx, targets=None, *a, **k):
+    def fwd(self, idx, targets, *a, **k):
         out = orig(self, idx, targets, *a, **k)
-        if self.training and targets is not None and not idx.is_meta:  # not the planner's trace (tlf plan)
+        if not k.get("full_only") and not idx.is_meta:  # not validation, nor the planner's trace (tlf plan)
             n[0] += 1
             if n[0] in calls:
                 out.loss = out.loss * float("nan")
         return out
 
-    monkeypatch.setattr(LoopedLM, "forward", fwd)
+    monkeypatch.setattr(Objective, "forward", fwd)
 
 
 def test_nan_loss_stops_naming_the_step_or_skips(tmp_path, data, monkeypatch):

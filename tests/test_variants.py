@@ -8,10 +8,10 @@ from pipeline.config import VARIANT_TABLE, VARIANTS, ConfigError, load_config, t
 @pytest.mark.parametrize(
     "name,override,key",
     [
-        ("tiny/base-loop", "model.shortcut=true", "model.shortcut"),
+        ("tiny/base-loop", "objective.shortcut=true", "objective.shortcut"),
         ("tiny/loopformer", "model.router=true", "model.router"),
         ("tiny/t-loopformer", "model.conditioning=time", "model.conditioning"),
-        ("tiny/tmlt-ee", "model.shortcut=false", "model.shortcut"),
+        ("tiny/tmlt-ee", "objective.shortcut=false", "objective.shortcut"),
         ("tiny/base", "model.loops=2", "model.loops"),
         ("tiny/naive-loop-ee", "model.conditioning=time_step", "model.conditioning"),
     ],

@@ -1,9 +1,10 @@
 """The looped network's engine interface: what code outside pipeline/model may use of a model.
 
-`LoopedLM` (looped.py) implements `LoopedNetwork`. The decoder with its recursion-wise KV cache
-(pipeline/inference/decode.py), the scorer's forward (evaluation/forward.py) and the Hugging Face wrapper
-(pipeline/hf/remote.py) use these members and nothing else of it; tests/test_interface.py checks both, so a
-change to the model that one of them depends on shows up as a change to this file.
+`LoopedLM` (looped.py) implements `LoopedNetwork`. The training objective (pipeline/train/objective.py), the
+decoder with its recursion-wise KV cache (pipeline/inference/decode.py), the scorer's forward
+(evaluation/forward.py) and the Hugging Face wrapper (pipeline/hf/remote.py) use these members and nothing else of
+it; tests/test_interface.py checks both, so a change to the model that one of them depends on shows up as a change
+to this file.
 
 One pass of budget M over h0 = embed(idx):
     r = route(h0)                              # RouterOutput or None; r.depth(M, theta) gives each token's depth
@@ -44,7 +45,8 @@ class LoopHooks(Protocol):
 class LoopedNetwork(Protocol):
     cfg: ModelConfig  # the network's settings (loops L, block_size, conditioning, ...)
     wte: nn.Embedding  # (V, d) token embedding; its weight's dtype and device are the model's
-    lm_head: nn.Module  # (V, d) output projection (tied to wte by default)
+    lm_head: nn.Module  # (V, d) output projection, tied to wte by default; lm_head(hf, targets, ...): fused losses
+    router: nn.Module | None  # the token-choice router (None without one); router.aux_loss: its own loss's terms
     layers: nn.Module  # the shared block: layers(x, mods, mask, attends) runs its J layers once (one loop)
 
     def embed(self, idx: torch.Tensor, pos_offset: int | torch.Tensor = 0) -> torch.Tensor:
@@ -94,6 +96,7 @@ class LoopedNetwork(Protocol):
         """One pass of budget `loops` without the head: final states (B, T, d) and depth (B, T)."""
         ...
 
-    def __call__(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loops: int | None = None, **kw):
-        """forward: LoopedLMOutput (logits, depth; loss with targets; the training objective with objective=True)."""
+    def __call__(self, idx: torch.Tensor, *, loops: int | None = None, **kw):
+        """forward: LoopedLMOutput (logits, final-normed states, depth, the router's output; the pass with a
+        `shortcut=` schedule beside it). The network's outputs only: losses are the objective's."""
         ...

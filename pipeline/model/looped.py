@@ -12,19 +12,17 @@ see a pad key), runs the shared block on it and scatters the rows back. The dens
 (`gather_scatter=false`) runs every token with a mask (query tau may attend tau' iff tau' <= tau and
 tau' in A_i) and keeps inactive tokens' states: it is the test oracle and the ablation.
 
-Training (`objective=True`, which the trainer passes; never inferred from train mode) computes in one call the
-full pass (M=L, uniform schedule, CE loss L_L) and, for shortcut variants, a shortcut pass (S ~ U{1..L-1},
-integer schedule; CE loss L_S) and the alignment MSE of the shortcut pass to the stop-gradient full pass:
-loss = L_L + lambda_short * L_S + lambda_align * L_align (+ the router's own loss, `Router.aux_loss`, under the
-budget router recipe; its statistics join `stats`). By default (`fused_loss=True`) both passes' heads and losses
-run fused by chunks of tokens in `LMHead` (pipeline/model/head_loss.py): no (B, T, V) logits are materialised or
-kept for backward, and `out.logits` is None; `fused_loss=False` is the plain reference path.
+The network computes passes, not losses: `forward` returns each pass's logits (or, with logits=False, only the
+final-normed states the fused head takes), depths and the router's output. The training objective (both passes'
+losses, the alignment, the router's auxiliary loss) is `pipeline.train.objective.Objective`, which wraps this
+module; it asks for the shortcut pass by passing its schedule (`shortcut=`), so both passes share h0, the router
+output and one host read of the active counts.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,8 +32,8 @@ import torch.nn.functional as F
 from pipeline.config import ModelConfig
 from pipeline.model.head_loss import LMHead
 from pipeline.model.layers import FourierEmbedding, Layer, RMSNorm, RowMod, SharedBlock
-from pipeline.model.router import Router, RouterOutput, depth_stats
-from pipeline.model.schedule import sample_shortcut, table_index, time_table, uniform
+from pipeline.model.router import Router, RouterOutput
+from pipeline.model.schedule import table_index, time_table, uniform
 
 
 def active_counts(depth: torch.Tensor, M: int) -> np.ndarray:
@@ -104,22 +102,23 @@ class _MaskHooks:
         pass
 
 
-def _align_mse(a: torch.Tensor, b: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
-    """Mean squared difference of a and b (B, T, D): over every position, or (targets given) only over those
-    with a target (targets != -1)."""
-    if targets is None:
-        return F.mse_loss(a, b)
-    keep = (targets != -1)[..., None].to(a.dtype)  # (B, T, 1)
-    return ((a - b).square() * keep).sum() / (keep.sum().clamp_min(1.0) * a.shape[-1])
+@dataclass
+class PassOutput:
+    """One pass of the network (budget `loops`)."""
+
+    logits: torch.Tensor | None  # (B, T, V); None when asked for logits=False (the objective's fused head)
+    hidden: torch.Tensor  # (B, T, d) final-normed states: the head's input
+    depth: torch.Tensor  # (B, T) int64 per-token depth, 1..loops
+    loops: int  # the pass's budget (its schedule's length)
 
 
 @dataclass
-class LoopedLMOutput:
-    logits: torch.Tensor | None  # (B, T, V) of the full pass (budget M); None after a fused training objective
-    depth: torch.Tensor  # (B, T) int64 per-token depth of the full pass, 1..M
-    loss: torch.Tensor | None = None  # () total objective
-    parts: dict[str, torch.Tensor] = field(default_factory=dict)  # loss_L, loss_S, loss_align (detached)
-    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # depth_stats of each pass (detached)
+class LoopedLMOutput(PassOutput):
+    """`LoopedLM.forward`: the pass of budget M, the router's output (shared by both passes; None without a router
+    or with router=False) and, when a shortcut schedule was given, the pass with that schedule."""
+
+    router: RouterOutput | None = None
+    short: PassOutput | None = None
 
 
 class LoopedLM(nn.Module):
@@ -147,8 +146,6 @@ class LoopedLM(nn.Module):
                 cfg.router_recipe,
                 cfg.router_target_depth,
                 cfg.router_init_std,
-                cfg.router_balance_weight,
-                cfg.router_entropy_weight,
             )
             if cfg.router
             else None
@@ -321,15 +318,16 @@ class LoopedLM(nn.Module):
         threshold: float | None = None,
         gather_scatter: bool | None = None,
         hooks=None,
+        ste: bool = False,
     ):
         """One pass with schedule delta (budget M = len(delta)) from h0 (B, T, d): returns the final states
         before the norm (B, T, d) and the per-token depth (B, T) int64 in 1..M (all M without a router).
         counts: `active_counts` of a depth map of budget >= M from the same router output (None: read here).
         threshold: the router's exit threshold (default `cfg.router_threshold`); gather_scatter and hooks as
-        run_loops."""
+        run_loops; ste: the router's straight-through estimator on each loop's update (gradients only)."""
         M = delta.numel()
         depth = None if r is None else r.depth(M, self._theta(threshold))
-        cont = r.cont if (r is not None and self.cfg.router_ste) else None
+        cont = r.cont if (r is not None and ste) else None
         h = self.run_loops(h0, delta, depth, cont, counts=counts, gather_scatter=gather_scatter, hooks=hooks)
         if depth is None:
             depth = torch.full(h0.shape[:2], M, dtype=torch.long, device=h0.device)
@@ -361,108 +359,47 @@ class LoopedLM(nn.Module):
         hooks = None if mask is None else _MaskHooks(mask)
         return self.final_states(h0, self.route(h0, router), uniform(M), threshold=threshold, hooks=hooks)
 
-    def _pass(
-        self,
-        h0,
-        r: RouterOutput | None,
-        delta: torch.Tensor,
-        counts=None,
-        threshold=None,
-        gather_scatter=None,
-        logits: bool = True,
-    ):
-        """(logits (B, T, V) or None with logits=False, final-normed states hf (B, T, d), depth (B, T))."""
-        h, depth = self.final_states(h0, r, delta, counts, threshold, gather_scatter)
-        if not logits:
-            return None, self.norm_f(h), depth
-        return (*self.head(h), depth)
+    def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor, counts, threshold, gs, logits, ste) -> PassOutput:
+        h, depth = self.final_states(h0, r, delta, counts, threshold, gs, ste=ste)
+        hf = self.norm_f(h)  # (B, T, d)
+        return PassOutput(self.lm_head(hf) if logits else None, hf, depth, delta.numel())
 
     def forward(
         self,
         idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        loops: int | None = None,
-        objective: bool = False,
-        shortcut: torch.Tensor | None = None,
         *,
+        loops: int | None = None,
+        shortcut: torch.Tensor | None = None,
+        logits: bool = True,
         router: bool = True,
         threshold: float | None = None,
         gather_scatter: bool | None = None,
-        fused_loss: bool = True,
+        ste: bool = False,
     ) -> LoopedLMOutput:
-        """idx (B, T) tokens; targets (B, T) next tokens (-1 ignored) or None; loops = budget M <= L
-        (default L; elastic inference uses the uniform schedule 1/M and clips router depth at M).
-        objective: compute the training objective (full + shortcut pass + alignment + the router's
-        auxiliary loss; needs targets); default False: the loss is the cross-entropy of this pass. Nothing here
-        depends on `self.training`: the trainer and the planner ask for the objective. shortcut: (S,) positive
-        ints summing to L (default: sampled from torch's global RNG). The ablations' switches are arguments of
-        the call, never model state:
-        router=False runs every token through the whole budget (the router is not consulted); threshold
-        overrides `cfg.router_threshold`; gather_scatter overrides `cfg.gather_scatter` (False: the dense
-        masked reference); fused_loss=False computes the training objective from materialised logits (the
-        reference of the default fused, chunked heads and losses, which leave `out.logits` None). Calls without
-        the objective (validation, perplexity) always return logits."""
+        """idx (B, T) tokens; loops = budget M <= L (default L; elastic inference uses the uniform schedule 1/M and
+        clips router depth at M). shortcut: (S,) positive ints summing to L (M must be L): also run the pass with
+        schedule k/L from the same h0 and router output (`out.short`); its depth at budget S is this pass's
+        clipped at S (p(i) is non-increasing), so both passes' active counts come from one host read.
+        logits=False: no head (`hidden` only, which the objective's fused head takes). The ablations' switches
+        are arguments of the call, never model state: router=False runs every token through the whole budget
+        (the router is not consulted); threshold overrides `cfg.router_threshold`; gather_scatter overrides
+        `cfg.gather_scatter` (False: the dense masked reference); ste: scale each active token's loop update by
+        1 + p(i) - sg(p(i)) so the router gets a gradient (the values are unchanged). Nothing here depends on
+        `self.training`."""
         L = self.cfg.loops
         M = loops or L
         assert 1 <= M <= L, f"loop budget {M} must lie in 1..{L}"
-        if objective and targets is None:
-            raise ValueError("forward(objective=True) needs targets")
-        fused = objective and fused_loss
-        h0 = self.embed(idx)
+        assert shortcut is None or M == L, "a shortcut pass is run beside the full budget M = L only"
+        h0 = self.embed(idx)  # (B, T, d)
         r = self.route(h0, router)
-        # |A_i| of every loop of both passes from one host read: the shortcut pass's depth at budget S is
-        # min(depth, S) (p(i) is non-increasing in i), so its active sets are this pass's first S.
-        counts = None
         gs = self.cfg.gather_scatter if gather_scatter is None else gather_scatter
-        if r is not None and gs:
-            counts = active_counts(r.depth(M, self._theta(threshold)), M)
-        logits, hf, depth = self._pass(h0, r, uniform(M), counts, threshold, gs, logits=not fused)
-        out = LoopedLMOutput(logits=logits, depth=depth)
-        out.stats.update({f"full/{k}": v for k, v in depth_stats(depth, M).items()})
-        if targets is None:
-            return out
-        if not fused:
-            loss_L = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
-            out.loss = loss_L
-            out.parts["loss_L"] = loss_L.detach()
-        short = objective and self.cfg.shortcut
-        if short:
-            if shortcut is None:
-                k = sample_shortcut(L)  # positive, sums to L by construction
-            else:
-                k = shortcut
-                assert int(k.sum()) == L and bool((k > 0).all()), (
-                    f"shortcut schedule {k.tolist()} must be positive, sum {L}"
-                )
-            logits_s, hf_s, depth_s = self._pass(h0, r, k.double() / L, counts, threshold, gs, logits=not fused)
-            out.stats.update({f"short/{k_}": v for k_, v in depth_stats(depth_s, k.numel()).items()})
-            out.stats["short/loops"] = torch.tensor(float(k.numel()))
-        on_logits = self.cfg.align_target == "logits"
-        scored = self.cfg.align_positions == "scored"  # the alignment over positions with a target only
-        if fused:  # both heads, CE losses and the logits alignment in one chunked call through the head module
-            lam_a = self.cfg.lambda_align if on_logits else None
-            out.loss, parts = self.lm_head(hf, targets, hf_s if short else None, self.cfg.lambda_short, lam_a, scored)
-            out.parts["loss_L"] = parts[0]
-            if short:
-                out.parts["loss_S"] = parts[1]
-                if on_logits:
-                    out.parts["loss_align"] = parts[2]
-        elif short:
-            loss_S = F.cross_entropy(logits_s.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
-            out.loss = out.loss + self.cfg.lambda_short * loss_S
-            out.parts["loss_S"] = loss_S.detach()
-        if short and not (fused and on_logits):  # the fused call's alignment is inside it; on hf it is cheap here
-            a, b = (logits_s, logits) if on_logits else (hf_s, hf)
-            align = _align_mse(a.float(), b.detach().float(), targets if scored else None)
-            out.loss = out.loss + self.cfg.lambda_align * align
-            out.parts["loss_align"] = align.detach()
-        if objective and r is not None:  # the router's own loss (budget recipe); its stats log as router/<name>
-            aux, aux_stats = self.router.aux_loss(r)
-            if aux is not None:
-                out.loss = out.loss + aux
-                out.parts["loss_router"] = aux.detach()
-                out.stats.update(aux_stats)
-        return out
+        # |A_i| of every loop of both passes from one host read (the shortcut pass's are this pass's first S)
+        counts = active_counts(r.depth(M, self._theta(threshold)), M) if (r is not None and gs) else None
+        full = self._pass(h0, r, uniform(M), counts, threshold, gs, logits, ste)
+        short = None
+        if shortcut is not None:
+            short = self._pass(h0, r, shortcut.double() / L, counts, threshold, gs, logits, ste)
+        return LoopedLMOutput(full.logits, full.hidden, full.depth, full.loops, router=r, short=short)
 
     # ------------------------------------------------------------------------------- accounting
     def num_params(self, exclude_embeddings: bool = False) -> int:

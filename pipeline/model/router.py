@@ -2,8 +2,8 @@
 
 pi = softmax(MLP(h0)) over the training maximum L depths; continue probability p(i) = sum_{l>=i} pi_l,
 so p(1) = 1. With budget M <= L and threshold theta, token depth m = max{i <= M : p(i) > theta} >= 1, and
-the active sets A_i = {tau : m_tau >= i} are nested. The router owns its statistics (`RouterOutput.stats`)
-and its auxiliary loss (`Router.aux_loss`).
+the active sets A_i = {tau : m_tau >= i} are nested. The router owns the statistics of a depth map
+(`depth_stats`) and the terms of its auxiliary loss (`Router.aux_loss`); the training objective weighs them.
 
 Two training recipes (`model.router_recipe`):
 
@@ -12,15 +12,15 @@ Two training recipes (`model.router_recipe`):
   and every p(i) sits near its uniform value; the STE reaches p(i) only for loops a token runs, so nothing
   ever raises p(L) on its own and nothing weighs depth against compute.
 - `budget`: the router (a) reads RMS-normalised h0 and starts from a defined init: fc1 with unit-gain
-  weights, fc2 with weights of std `router_init_std / sqrt(hidden)` (so logits differ across tokens by about
+  weights, fc2 with weights of std `model.router_init_std / sqrt(hidden)` (so logits differ across tokens by about
   that much) and bias log q, where q is the depth prior below; (b) adds to the training objective
-  `router_balance_weight * KL(q || mean_tau pi_tau)`, a batch-level prior over depths: the batch's mean exit
+  `objective.router_balance_weight * KL(q || mean_tau pi_tau)`, a batch-level prior over depths: the batch's mean exit
   distribution is pulled to q, which gives every pi_l (including depths no token runs) a gradient and fixes
   the expected compute, while single tokens stay free to be confident (depth stays token-dependent); and
-  (c) `router_entropy_weight * mean_tau H(pi_tau)`, which makes each token's exit distribution peaky so that
+  (c) `objective.router_entropy_weight * mean_tau H(pi_tau)`, which makes each token's exit distribution peaky so that
   its thresholded depth (the median of pi) agrees with its expected depth (the mean): the budget, set on
   the distribution, then holds for the executed depth. q is the maximum-entropy distribution over 1..L with
-  mean `router_target_depth` (q_l proportional to exp(beta * l)): every depth gets mass, none more than the
+  mean `model.router_target_depth` (q_l proportional to exp(beta * l)): every depth gets mass, none more than the
   target forces.
 """
 
@@ -44,23 +44,33 @@ class RouterOutput:
         return 1 + (self.cont[..., 1:M] > threshold).sum(-1)
 
 
-def depth_stats(depth: torch.Tensor, M: int) -> dict[str, torch.Tensor]:
-    """Statistics of a depth map (B, T) with values 1..M (detached):
-    depth_hist (M,) share of tokens at each depth 1..M; mean_depth (); active_tokens () = sum_i |A_i|;
-    compute_ratio () = sum_i |A_i| / (M * B * T), the fraction of dense loop work executed.
-    """
+@dataclass
+class DepthStats:
+    """Statistics of one pass's depth map (detached, on the device; the field names are the logged metrics'
+    names, README "Logging")."""
+
+    depth_hist: torch.Tensor  # (M,) share of tokens at each depth 1..M
+    mean_depth: torch.Tensor  # () loops executed per token
+    active_tokens: torch.Tensor  # () sum_i |A_i|
+    compute_ratio: torch.Tensor  # () sum_i |A_i| / (M * B * T), the fraction of dense loop work executed
+
+
+def depth_stats(depth: torch.Tensor, M: int) -> DepthStats:
+    """The `DepthStats` of a depth map (B, T) with values 1..M."""
     d = depth.detach().reshape(-1)
     n = d.numel()
-    hist = (d[:, None] == torch.arange(1, M + 1, device=d.device)).sum(0).float() / max(
-        n, 1
-    )  # no bincount: it syncs on GPUs
+    hist = (d[:, None] == torch.arange(1, M + 1, device=d.device)).sum(0).float() / max(n, 1)  # bincount syncs on GPUs
     active = d.sum().float()
-    return {
-        "depth_hist": hist,
-        "mean_depth": active / max(n, 1),
-        "active_tokens": active,
-        "compute_ratio": active / max(M * n, 1),
-    }
+    return DepthStats(hist, active / max(n, 1), active, active / max(M * n, 1))
+
+
+@dataclass
+class RouterLossStats:
+    """The budget recipe's loss terms (detached; logged under their field names)."""
+
+    balance_kl: torch.Tensor  # () KL(q || batch-mean exit distribution)
+    entropy: torch.Tensor  # () mean per-token entropy of the exit distribution
+    soft_depth: torch.Tensor  # () the batch's expected depth sum_i p(i)
 
 
 def depth_prior(L: int, mean: float) -> torch.Tensor:
@@ -96,16 +106,12 @@ class Router(nn.Module):
         recipe: str = "paper",
         target_depth: float = 0.0,
         init_std: float = 2.0,
-        balance_weight: float = 1.0,
-        entropy_weight: float = 0.1,
     ):
         super().__init__()
         self.fc1 = nn.Linear(d, hidden)
         self.fc2 = nn.Linear(hidden, max_loops)
         self.recipe = recipe
         self.init_std = init_std
-        self.balance_weight = balance_weight
-        self.entropy_weight = entropy_weight
         if recipe == "budget":
             self.target_depth = target_depth or (max_loops + 1) / 2  # 0: the middle of 1..L
             self.register_buffer("prior", depth_prior(max_loops, self.target_depth).float(), persistent=False)
@@ -133,17 +139,18 @@ class Router(nn.Module):
         cont = torch.cat([torch.ones_like(cont[..., :1]), cont[..., 1:].clamp_max(1.0)], dim=-1)
         return RouterOutput(logits=logits, cont=cont)
 
-    def aux_loss(self, r: RouterOutput) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-        """The router's own training loss and its statistics (detached): (None, {}) for the paper recipe;
-        for the budget recipe balance_weight * KL(q || mean pi) + entropy_weight * mean H(pi), with stats
-        balance_kl, entropy and soft_depth (the batch's expected depth sum_i p(i))."""
+    def aux_loss(
+        self, r: RouterOutput, balance_weight: float, entropy_weight: float
+    ) -> tuple[torch.Tensor | None, RouterLossStats | None]:
+        """The router's own training loss and its terms: (None, None) for the paper recipe; for the budget recipe
+        balance_weight * KL(q || mean pi) + entropy_weight * mean H(pi) (the weights are the objective's:
+        objective.router_balance_weight, objective.router_entropy_weight)."""
         if self.recipe != "budget":
-            return None, {}
+            return None, None
         logp = torch.log_softmax(r.logits.float(), dim=-1).flatten(0, -2)  # (N, L)
         pi = logp.exp()
         q = self.prior.to(pi.dtype)
         kl = (q * (q.log() - pi.mean(0).clamp_min(1e-12).log())).sum()
         ent = -(pi * logp).sum(-1).mean()
-        loss = self.balance_weight * kl + self.entropy_weight * ent
-        stats = {"balance_kl": kl.detach(), "entropy": ent.detach(), "soft_depth": r.cont.detach().sum(-1).mean()}
-        return loss, stats
+        loss = balance_weight * kl + entropy_weight * ent
+        return loss, RouterLossStats(kl.detach(), ent.detach(), r.cont.detach().sum(-1).mean())

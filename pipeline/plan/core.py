@@ -81,7 +81,7 @@ class Planner:
         key = (ac, batch, worst)
         if key not in self._cache:
             L = self.cfg.model.loops
-            sc = (worst_shortcut(L) if worst else mean_shortcut(L)) if self.cfg.model.shortcut else None
+            sc = (worst_shortcut(L) if worst else mean_shortcut(L)) if self.cfg.objective.shortcut else None
             self._cache[key] = trace_step(
                 with_settings(self.cfg, activation_checkpointing=ac),
                 batch,

@@ -31,10 +31,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipeline.memory import SavedTensors
 
 
-def loss_of(model, x: torch.Tensor, y: torch.Tensor, shortcut: torch.Tensor | None) -> torch.Tensor:
-    """The training objective of one micro-batch, as the trainer computes it (`engine(x, y)` = model forward):
-    the one call to adapt if the objective moves out of LoopedLM.forward."""
-    return model(x, y, objective=True, shortcut=shortcut).loss
+def loss_of(model, cfg, x: torch.Tensor, y: torch.Tensor, shortcut: torch.Tensor | None) -> torch.Tensor:
+    """The training objective of one micro-batch, as the trainer computes it (`engine(x, y)`: the `Objective`
+    with cfg.objective wrapped around the network)."""
+    from pipeline.train.objective import Objective
+
+    return Objective(model, cfg.objective)(x, y, shortcut).loss
 
 
 def build_model(cfg, dtype: torch.dtype):
@@ -208,7 +210,7 @@ def trace_step(
     flops = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS) if count_flops else None
     with on_meta(counts), flops or nullcontext(), live:
         with saved:
-            loss = loss_of(model, x, y, shortcut)
+            loss = loss_of(model, cfg, x, y, shortcut)
         saved.label = None
         loss.backward()
         del loss

@@ -56,7 +56,8 @@ def run_tags(t) -> dict:
 
 class Speed(Callback):
     """step_time_s (wall clock from the previous step's end: logging, validation and saves included),
-    tokens_per_s and MFU over the executed loops (model.flops_per_token; README "MFU")."""
+    tokens_per_s and MFU over the executed loops and heads of the step (`trainer.work`, a StepWork;
+    model.flops_per_token; README "MFU")."""
 
     def pre_train(self) -> None:
         self.t_last = time.time()
@@ -66,9 +67,8 @@ class Speed(Callback):
         now = time.time()
         dt, self.t_last = now - self.t_last, now
         metrics.update(tokens_per_s=t.tokens_per_step / dt, step_time_s=dt)
-        loops = metrics.get("router/full/mean_depth", t.cfg.model.loops) + metrics.get("router/short/mean_depth", 0.0)
         fpt = t.model.flops_per_token(
-            loops_executed=loops, seq_len=t.cfg.model.block_size, lm_heads=2 if "router/short/loops" in metrics else 1
+            loops_executed=t.work.loops, seq_len=t.cfg.model.block_size, lm_heads=t.work.lm_heads
         )
         peak = t.cfg.logging.peak_flops or (gpu("a100-80gb").peak_flops if t.device_kind == "cuda" else 0.0)
         if peak:  # on CPU no MFU unless logging.peak_flops says what the peak is (an A100's would read 0.00%)
@@ -191,7 +191,7 @@ class Console(Callback):
         self.ema = dt if self.ema is None else 0.9 * self.ema + 0.1 * dt
         if not t.is_log_step(step):
             return
-        extra = f" (L {m['loss_L']:.3f} S {m['loss_S']:.3f} align {m['loss_align']:.4f})" if c.model.shortcut else ""
+        extra = f" (L {m['loss_L']:.3f} S {m['loss_S']:.3f} align {m['loss_align']:.4f})" if "loss_S" in m else ""
         depth = f" | depth {m['router/full/mean_depth']:.2f}" if c.model.router else ""
         gns = f" | gnorm {m['grad_norm']:.3f}" if "grad_norm" in m else ""
         speed = f" | {m['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in m else ""

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.train.objective import PREFIX
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -38,7 +40,19 @@ def saved_layout(path: Path) -> tuple[int, int]:
 
 def full_state(path: Path) -> dict:
     """{"params": {name: {"fp32", "exp_avg", "exp_avg_sq"}}, "step", "engine": {...}, "lr_scheduler"} of
-    checkpoint dir `path`, whatever stage and world size wrote it."""
+    checkpoint dir `path`, whatever stage and world size wrote it; names are the network's (`LoopedLM`)."""
+    out = _full_state(path)
+    out["params"] = {_net_name(k): v for k, v in out["params"].items()}
+    return out
+
+
+def _net_name(k: str) -> str:
+    """A parameter's name in the network: DeepSpeed's files name it inside the `Objective` wrapper (`net.<name>`),
+    or bare when written before the wrapper existed."""
+    return k.removeprefix(PREFIX)
+
+
+def _full_state(path: Path) -> dict:
     stage, ws = saved_layout(path)
     if stage == 0:
         sd = _load(path / "mp_rank_00_model_states.pt")

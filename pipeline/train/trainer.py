@@ -3,8 +3,9 @@ micro-batches, `fit()` loops over steps and calls the callbacks (pipeline.train.
 validation, checkpoints, console, MLflow). `run(cfg)` = `Trainer.build(cfg).fit()` is the whole of `tlf train`
 (the CLI is a thin wrapper; tests call it).
 
-One step = train.grad_accum_steps micro-batches through the DeepSpeed engine (`engine(x, y)` computes the whole
-training objective in one forward; `engine.backward`; `engine.step`). Host syncs: the loss, its parts, the
+One step = train.grad_accum_steps micro-batches through the DeepSpeed engine, which trains the `Objective`
+(pipeline/train/objective.py) wrapped around the network: `engine(x, y)` computes the whole training objective in
+one forward; `engine.backward`; `engine.step`. Host syncs: the loss, its parts, the
 router statistics, a non-finite flag per micro-batch, the stop-signal flag and the gradient norm stay on the
 device (`StepMeter`) and are summed over ranks in one all-reduce and read once, after the step's last
 micro-batch: one device -> host sync per optimizer step, so every rank takes the same decision; callbacks get
@@ -25,9 +26,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import Config, ConfigError, ModelConfig
+from pipeline.config import Config, ConfigError, ModelConfig, upgrade
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.logger import log
+from pipeline.train.objective import Objective, ObjectiveOutput
 from pipeline.train.validation import sum_over_ranks
 
 
@@ -73,11 +75,21 @@ class _Signals:
             signal.signal(sig, old)
 
 
+@dataclass
+class StepWork:
+    """What an optimizer step computed per token, for MFU (`LoopedLM.flops_per_token`): the loops executed (mean
+    depth, both passes summed) and the LM-head applications."""
+
+    loops: float
+    lm_heads: int
+
+
 class StepMeter:
     """One optimizer step's losses, non-finite flags and router statistics, accumulated on the device; `read`
-    sums them over ranks in one all-reduce and reads them with the step's one host sync."""
+    sums them over ranks in one all-reduce and reads them with the step's one host sync. The names are the
+    `ObjectiveOutput`'s (its parts, its statistics under `router/`)."""
 
-    PARTS = ("loss_L", "loss_S", "loss_align", "loss_router")
+    PARTS = ObjectiveOutput.PARTS
 
     def __init__(self, accum: int, device):
         self.device, self.n = device, 0
@@ -85,11 +97,15 @@ class StepMeter:
         self.losses = torch.zeros(1 + len(self.PARTS), dtype=torch.float64, device=device)  # loss, parts: sums
         self.bad = torch.zeros(accum, dtype=torch.float64, device=device)  # 1 where micro-batch k was non-finite
         self.stats: dict[str, torch.Tensor] = {}  # key -> sum over micro-batches (vectors zero-padded)
+        self.parts: list[str] = []  # the parts the objective has, in PARTS order
+        self.loops = torch.zeros(1, dtype=torch.float64, device=device)  # sum of ObjectiveOutput.loops_executed
+        self.lm_heads = 1
 
-    def add(self, out, k: int) -> None:
+    def add(self, out: ObjectiveOutput, k: int) -> None:
         loss = out.loss.detach().double()
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        vals = torch.stack([loss] + [out.parts[p].double() if p in out.parts else zero for p in self.PARTS])
+        parts = out.parts
+        vals = torch.stack([loss] + [parts[p].double() if p in parts else zero for p in self.PARTS])
         finite = torch.isfinite(loss)
         self.losses += torch.where(finite, vals, 0.0)
         self.bad[k] = (~finite).double()
@@ -101,17 +117,23 @@ class StepMeter:
                 cur, v = F.pad(cur, (0, n - cur.numel())), F.pad(v, (0, n - v.numel()))
                 v = cur + v
             self.stats[key] = v
+        self.parts = [p for p in self.PARTS if p in parts or p in self.parts]
+        self.loops += out.loops_executed.detach().to(self.device, torch.float64)
+        self.lm_heads = out.lm_heads
         self.n += 1
 
     def read(self, signal: bool, ws: int) -> dict:
         """All-reduce + the one host read (`grad_norm`: a device tensor, read here, a float or None).
-        Returns loss/parts means over micro-batches and ranks, the first non-finite micro-batch (1-based, 0:
-        none), whether any rank was signalled, the gradient norm and the `router/...` metrics."""
+        Returns loss/parts means over micro-batches and ranks (0 for a part the objective lacks; `parts` names
+        those it has), the first non-finite micro-batch (1-based, 0: none), whether any rank was signalled, the
+        gradient norm, the `router/...` metrics and the step's `work` (StepWork)."""
         sig = torch.tensor([1.0 if signal else 0.0], dtype=torch.float64, device=self.device)
         grad_norm = self.grad_norm
         gn = grad_norm.detach().double().reshape(1).to(self.device) if isinstance(grad_norm, torch.Tensor) else None
         keys = list(self.stats)
-        vec = torch.cat([self.losses, self.bad, sig] + ([gn] if gn is not None else []) + [self.stats[k] for k in keys])
+        vec = torch.cat(
+            [self.losses, self.bad, sig, self.loops] + ([gn] if gn is not None else []) + [self.stats[k] for k in keys]
+        )
         v = sum_over_ranks(vec)  # the optimizer step's one device -> host sync
         a = len(self.bad)
         n = max(self.n, 1)
@@ -120,10 +142,12 @@ class StepMeter:
         out = {
             "loss": losses[0] / ws / n,
             **{p: x / ws / n for p, x in zip(self.PARTS, losses[1:])},
+            "parts": list(self.parts),
             "bad_micro_batch": next((k + 1 for k, b in enumerate(bad) if b > 0), 0),
             "signal": rest[0] > 0,
+            "work": StepWork(rest[1] / ws / n, self.lm_heads),
         }
-        rest = rest[1:]
+        rest = rest[2:]
         if gn is not None:
             out["grad_norm"], rest = rest[0] / ws, rest[1:]
         else:
@@ -180,6 +204,7 @@ class Trainer:
         self.consecutive_bad = 0  # nan_policy=skip: non-finite micro-batches in a row
         self._signals: _Signals | None = None
         self.resume_note = ""  # how a resume on another world size or ZeRO stage adapted (logged by fit)
+        self.work = StepWork(float(cfg.model.loops), 1)  # the last step's work per token (Speed's MFU)
         self.callbacks = list(callbacks)
         for cb in self.callbacks:
             cb.trainer = self
@@ -251,7 +276,7 @@ class Trainer:
             full = reshard.full_state(resume_from)
             reshard.load_weights(model, full)
         optimizer, scheduler = ds.build_optimizer(cfg, model)
-        engine = ds.initialize(model, optimizer, scheduler, ds_config)
+        engine = ds.initialize(Objective(model, cfg.objective), optimizer, scheduler, ds_config)
 
         step, run_id = 0, None
         if resume_from is not None:
@@ -297,7 +322,7 @@ class Trainer:
         done, zero0_norm = 0, None
         while done < self.accum:
             x, y = self.loader.next()  # (B, T) each
-            out = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True), objective=True)
+            out = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
             if self.cfg.train.nan_policy == "skip" and self._skip(out.loss, done):
                 del out
                 continue
@@ -374,6 +399,7 @@ class Trainer:
                             f"{self.last_good()}"
                         )
                     self.step += 1
+                    self.work = r["work"]
                     res.losses.append(r["loss"])
                     if r["grad_norm"] is not None and not math.isfinite(r["grad_norm"]):
                         raise NonFiniteError(
@@ -404,12 +430,8 @@ class Trainer:
 
     def _metrics(self, r: dict) -> dict:
         """The step's own metrics from its readout: loss and parts, lr, epoch, grad norm, router statistics."""
-        m = self.cfg.model
-        out = {"loss": r["loss"], "lr": _lr_of_step(self.engine), "epoch": self.loader.epoch, "loss_L": r["loss_L"]}
-        if m.shortcut:
-            out.update(loss_S=r["loss_S"], loss_align=r["loss_align"])
-        if m.router and m.router_recipe != "paper":
-            out["loss_router"] = r["loss_router"]
+        out = {"loss": r["loss"], "lr": _lr_of_step(self.engine), "epoch": self.loader.epoch}
+        out.update({p: r[p] for p in r["parts"]})
         if r["grad_norm"] is not None:
             out["grad_norm"] = r["grad_norm"]
         out.update(r["router"])
@@ -480,19 +502,26 @@ def _adapt_to_layout(cfg: Config, saved: dict | None, ws: int) -> str:
 
 def _check_compatible(cfg: Config, saved: dict, path: Path) -> str:
     """Resuming needs the same network and data order: a `model` field outside `ModelConfig.RESUMABLE`, or the
-    batch sizes or seed, that differs from the checkpoint's is an error naming each key. Objective settings and
-    execution knobs may change (the other sections too: schedule length, logging, ...); returns a note naming
-    those that did ("" when none)."""
-    now, was = cfg.to_dict(), saved["model"]
-    changed = {k: (was.get(k), v) for k, v in now["model"].items() if was.get(k) != v}
-    diff = [f"model.{k} ({a!r} -> {b!r})" for k, (a, b) in changed.items() if k not in ModelConfig.RESUMABLE]
+    batch sizes or seed, that differs from the checkpoint's (its config `upgrade`d: older checkpoints hold the
+    objective under `model`) is an error naming each key. The `objective` section and the execution knobs may
+    change (the other sections too: schedule length, logging, ...); returns a note naming those that did ("" when
+    none)."""
+    now, was = cfg.to_dict(), upgrade(saved)
+    changed = {
+        f"{sec}.{k}": (was.get(sec, {}).get(k), v)
+        for sec in ("model", "objective")
+        for k, v in now[sec].items()
+        if was.get(sec, {}).get(k) != v
+    }
+    free = {f"model.{k}" for k in ModelConfig.RESUMABLE} | {f"objective.{k}" for k in now["objective"]}
+    diff = [f"{k} ({a!r} -> {b!r})" for k, (a, b) in changed.items() if k not in free]
     for k in ("micro_batch_size", "global_batch_size", "seed"):  # world size and ZeRO stage may change
-        if saved["train"].get(k) != now["train"][k]:
-            diff.append(f"train.{k} ({saved['train'].get(k)!r} -> {now['train'][k]!r})")
+        if was["train"].get(k) != now["train"][k]:
+            diff.append(f"train.{k} ({was['train'].get(k)!r} -> {now['train'][k]!r})")
     if diff:
         raise ConfigError(
             f"cannot resume from {path}: config differs in {', '.join(diff)} "
             "(use checkpoint.resume=none or another checkpoint.dir)"
         )
-    kept = [f"model.{k} {a!r} -> {b!r}" for k, (a, b) in changed.items() if k in ModelConfig.RESUMABLE]
+    kept = [f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items() if k in free]
     return f"resuming with the objective or execution changed: {', '.join(kept)}" if kept else ""

@@ -13,14 +13,15 @@ def sum_over_ranks(t: torch.Tensor) -> list[float]:
 
 
 def evaluate(engine, loaders, n_batches: int, device) -> dict[str, float]:
-    """Mean validation loss (the full pass at M = L) over n_batches micro-batches per rank, for each loader."""
+    """Mean validation loss (the cross-entropy of the full pass at M = L, from materialised logits) over n_batches
+    micro-batches per rank, for each loader; engine: DeepSpeed's engine over the `Objective`."""
     out = {}
     engine.eval()
     with torch.no_grad():
         for name, loader in loaders:
             tot, cnt = torch.zeros((), dtype=torch.float64, device=device), 0
             for x, y in loader.batches(n_batches):
-                tot += engine(x.to(device), y.to(device)).loss.detach().double()
+                tot += engine(x.to(device), y.to(device), full_only=True, fused_loss=False).loss.detach().double()
                 cnt += 1
             s, c = sum_over_ranks(torch.stack([tot, torch.tensor(float(cnt), dtype=torch.float64, device=device)]))
             out[name] = s / c

@@ -1,0 +1,189 @@
+"""The training objective: `Objective` wraps the network (`LoopedLM`, pipeline/model) and is what DeepSpeed trains.
+
+    loss = L_L + lambda_short * L_S + lambda_align * L_align (+ the router's own loss, budget recipe)
+
+L_L: the cross-entropy of the full pass (M = L, uniform schedule). For shortcut variants the network also runs a
+shortcut pass (S ~ U{1..L-1}, integer schedule k/L, `sample_shortcut`) from the same h0 and router output: L_S is
+its cross-entropy and L_align the mean squared difference of its logits (or, align_target=hidden, its final-normed
+states) to the stop-gradient full pass's, over every position or (align_positions=scored) those with a target.
+By default (`fused_loss=True`) both heads, both cross-entropies and the logits alignment run fused by chunks of
+tokens in the network's head (`LMHead`, pipeline/model/head_loss.py): no (B, T, V) logits are materialised or kept
+for backward; `fused_loss=False` is the plain reference the tests compare with. The budget router recipe adds
+`Router.aux_loss` with this objective's weights.
+
+The result is typed (`ObjectiveOutput`): its field names are the names of the training metrics (README
+"Logging"): `loss`, the parts `loss_L`, `loss_S`, `loss_align`, `loss_router`, and per pass the `DepthStats`
+fields, logged as `router/<pass>/<field>` (`router/short/loops` too) next to `router/<RouterLossStats field>`.
+
+The wrapper holds the network as `net`, so DeepSpeed's files name its parameters `net.<name>`; checkpoints
+written before the wrapper existed hold the bare names and load through `_add_prefix`. Exports store the
+network alone, under its own names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pipeline.model.router import DepthStats, RouterLossStats, depth_stats
+from pipeline.model.schedule import sample_shortcut
+
+PREFIX = "net."  # the network's parameter names inside the wrapper
+
+
+@dataclass
+class ShortcutStats(DepthStats):
+    loops: torch.Tensor  # () the shortcut pass's number of loops S
+
+
+@dataclass
+class ObjectiveOutput:
+    """One micro-batch's objective. Every tensor but `loss` is detached; the parts absent from this objective are
+    None. Logged under the field names (`parts`, `stats`)."""
+
+    loss: torch.Tensor  # () the differentiable total
+    depth: torch.Tensor  # (B, T) int64 per-token depth of the full pass
+    logits: torch.Tensor | None  # (B, T, V) of the full pass; None on the fused path
+    full: DepthStats
+    short: ShortcutStats | None = None
+    router: RouterLossStats | None = None  # the budget recipe's loss terms
+    loss_L: torch.Tensor | None = None  # () cross-entropy of the full pass
+    loss_S: torch.Tensor | None = None  # () cross-entropy of the shortcut pass
+    loss_align: torch.Tensor | None = None  # () alignment of the shortcut pass to the full pass
+    loss_router: torch.Tensor | None = None  # () the router's own loss (budget recipe)
+
+    PARTS: ClassVar[tuple[str, ...]] = ("loss_L", "loss_S", "loss_align", "loss_router")
+
+    @property
+    def parts(self) -> dict[str, torch.Tensor]:
+        """{part name: value} of the parts this objective has."""
+        return {p: getattr(self, p) for p in self.PARTS if getattr(self, p) is not None}
+
+    @property
+    def stats(self) -> dict[str, torch.Tensor]:
+        """{'full/mean_depth': ..., 'short/loops': ..., 'balance_kl': ...}: the statistics by name (the trainer
+        logs them under `router/`)."""
+        out = {}
+        for name in ("full", "short"):
+            if getattr(self, name) is not None:
+                out.update({f"{name}/{k}": v for k, v in _fields(getattr(self, name)).items()})
+        if self.router is not None:
+            out.update(_fields(self.router))
+        return out
+
+    @property
+    def lm_heads(self) -> int:
+        """LM-head applications per token (2 with the shortcut pass): `LoopedLM.flops_per_token`'s `lm_heads`."""
+        return 1 if self.short is None else 2
+
+    @property
+    def loops_executed(self) -> torch.Tensor:
+        """() loops executed per token, both passes: `LoopedLM.flops_per_token`'s `loops_executed`."""
+        return self.full.mean_depth if self.short is None else self.full.mean_depth + self.short.mean_depth
+
+
+def _fields(obj) -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _align_mse(a: torch.Tensor, b: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    """Mean squared difference of a and b (B, T, D): over every position, or (targets given) only over those
+    with a target (targets != -1)."""
+    if targets is None:
+        return F.mse_loss(a, b)
+    keep = (targets != -1)[..., None].to(a.dtype)  # (B, T, 1)
+    return ((a - b).square() * keep).sum() / (keep.sum().clamp_min(1.0) * a.shape[-1])
+
+
+def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
+def _add_prefix(module, state_dict, prefix, *args) -> None:
+    """load_state_dict pre-hook: a state dict written before the wrapper (DeepSpeed files of older checkpoints)
+    names the network's parameters without `net.`."""
+    for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + PREFIX)]:
+        state_dict[prefix + PREFIX + k[len(prefix) :]] = state_dict.pop(k)
+
+
+class Objective(nn.Module):
+    """The training objective around the network `net` (module doc); cfg: the objective's settings."""
+
+    def __init__(self, net: nn.Module, cfg) -> None:
+        super().__init__()
+        self.net, self.cfg = net, cfg
+        self.register_load_state_dict_pre_hook(_add_prefix)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor,
+        shortcut: torch.Tensor | None = None,
+        *,
+        full_only: bool = False,
+        router: bool = True,
+        threshold: float | None = None,
+        gather_scatter: bool | None = None,
+        fused_loss: bool = True,
+    ) -> ObjectiveOutput:
+        """idx, targets (B, T) (targets -1: ignored). shortcut: (S,) positive ints summing to L (default: drawn
+        from torch's global RNG). full_only: the full pass's cross-entropy alone (validation: no shortcut pass,
+        alignment or router loss). router, threshold, gather_scatter: as `LoopedLM.forward` takes them;
+        fused_loss=False: the losses from materialised logits (the reference of the fused heads)."""
+        c, L = self.cfg, self.net.cfg.loops
+        short = c.shortcut and not full_only
+        if short and shortcut is not None:
+            assert int(shortcut.sum()) == L and bool((shortcut > 0).all()), (
+                f"shortcut schedule {shortcut.tolist()} must be positive, sum {L}"
+            )
+        k = (sample_shortcut(L) if shortcut is None else shortcut) if short else None
+        fused = fused_loss
+        out = self.net(
+            idx,
+            shortcut=k,
+            logits=not fused,
+            router=router,
+            threshold=threshold,
+            gather_scatter=gather_scatter,
+            ste=c.router_ste,
+        )
+        on_logits, scored = c.align_target == "logits", c.align_positions == "scored"
+        parts = {}
+        if fused:  # both heads, CE losses and the logits alignment in one chunked call through the head module
+            lam_a = c.lambda_align if on_logits else None
+            hs = out.short.hidden if short else None
+            loss, p = self.net.lm_head(out.hidden, targets, hs, c.lambda_short, lam_a, scored)
+            parts["loss_L"] = p[0]
+            if short:
+                parts["loss_S"] = p[1]
+                if on_logits:
+                    parts["loss_align"] = p[2]
+        else:
+            loss = _ce(out.logits, targets)
+            parts["loss_L"] = loss.detach()
+            if short:
+                loss_S = _ce(out.short.logits, targets)
+                loss = loss + c.lambda_short * loss_S
+                parts["loss_S"] = loss_S.detach()
+        if short and not (fused and on_logits):  # the fused call's alignment is inside it; on hf it is cheap here
+            a, b = (out.short.logits, out.logits) if on_logits else (out.short.hidden, out.hidden)
+            align = _align_mse(a.float(), b.detach().float(), targets if scored else None)
+            loss = loss + c.lambda_align * align
+            parts["loss_align"] = align.detach()
+        router_stats = None
+        if not full_only and out.router is not None:  # the router's own loss (budget recipe)
+            aux, router_stats = self.net.router.aux_loss(out.router, c.router_balance_weight, c.router_entropy_weight)
+            if aux is not None:
+                loss = loss + aux
+                parts["loss_router"] = aux.detach()
+        short_stats = None
+        if short:
+            S = out.short.loops
+            short_stats = ShortcutStats(**_fields(depth_stats(out.short.depth, S)), loops=torch.tensor(float(S)))
+        full = depth_stats(out.depth, out.loops)
+        return ObjectiveOutput(loss, out.depth, out.logits, full, short_stats, router_stats, **parts)

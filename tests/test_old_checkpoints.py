@@ -1,0 +1,65 @@
+"""Checkpoints and exports written by tlf before issue 26 (tests/fixtures/pre_objective, made by
+tests/fixtures/make_pre_objective.py at commit 8ea8a61) still resume and load: DeepSpeed files whose state dicts
+hold the network's bare names, under ZeRO-0 and ZeRO-2, and stored configs with the objective under `model`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures.make_pre_objective import MODEL, RUN
+from pipeline.config import load_config
+from test_train import make_shards, one_thread  # noqa: F401 (one_thread: autouse fixture)
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "pre_objective"
+OBJECTIVE = ["objective.lambda_short=0.2"]  # the fixture's objective setting, as this config names it
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return make_shards(tmp_path_factory.mktemp("shards"), windows=10, seq_len=16, vocab=64)
+
+
+def _cfg(tmp: Path, data: Path, *extra: str):
+    return load_config(
+        "tiny/t-loopformer", MODEL + OBJECTIVE + RUN + [f"data.dir={data}", f"checkpoint.dir={tmp}", *extra]
+    )
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_an_old_checkpoint_resumes_bit_exact(tmp_path, data, stage):
+    from pipeline.train.trainer import run
+
+    old = json.loads((FIX / f"zero{stage}" / "losses.json").read_text())
+    ck = shutil.copytree(FIX / f"zero{stage}" / "global_step2", tmp_path / "old" / "global_step2")
+    res = run(_cfg(tmp_path / "run", data, f"train.zero_stage={stage}", f"checkpoint.resume={ck}"))
+    assert res.start_step == 2 and res.losses == old[2:]  # steps 3 and 4, bit for bit the old code's
+
+
+def test_an_old_checkpoint_resumes_on_another_zero_stage(tmp_path, data):
+    """ZeRO-2 -> ZeRO-0: the resharding path reads the old DeepSpeed files by parameter name."""
+    from pipeline.train.trainer import run
+
+    old = json.loads((FIX / "zero2" / "losses.json").read_text())
+    ck = shutil.copytree(FIX / "zero2" / "global_step2", tmp_path / "old" / "global_step2")
+    res = run(_cfg(tmp_path / "run", data, "train.zero_stage=0", f"checkpoint.resume={ck}"))
+    assert res.start_step == 2 and res.losses == pytest.approx(old[2:], rel=1e-6, abs=0)
+
+
+def test_an_old_export_loads_and_exports_under_the_same_names(tmp_path):
+    from safetensors.torch import load_file
+
+    from pipeline.export import export
+    from pipeline.model.io import load_model
+
+    src = FIX / "zero0" / "global_step2"
+    model, cfg = load_model(src)
+    assert cfg.model.d_model == 16 and cfg.objective.lambda_short == 0.2  # the config upgraded as it is read
+    old = load_file(str(src / "model" / "model.safetensors"))
+    new = load_file(str(export(str(src), str(tmp_path / "st")) / "model.safetensors"))
+    assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in old)
+    assert set(model.state_dict()) - set(old) == {"lm_head.weight"}  # tied: stored once, as wte.weight
