@@ -50,3 +50,38 @@ def test_users_touch_only_the_interface(rel):
     assert uses, f"{rel}: no use of the model found (is the holder name still {USERS[rel]}?)"
     outside = sorted({(line, a) for line, a in uses if a not in MEMBERS})
     assert not outside, f"{rel} uses model members outside pipeline/model/interface.py: {outside}"
+
+
+def test_every_path_runs_its_loops_through_loop():
+    """The semantics of one loop live in `LoopedLM.loop`: the gather-scatter path, the dense reference, the
+    scorer's tree masks, the decoder's prefill and its one-token steps all call it, once per loop they run."""
+    import torch
+
+    from pipeline.inference.decode import Decoder
+
+    torch.manual_seed(0)
+    model = LoopedLM(load_config("tiny/t-loopformer").model).eval()
+    calls = []
+    real = model.loop
+
+    def counted(h, i, *args, **kwargs):
+        calls.append(i)
+        return real(h, i, *args, **kwargs)
+
+    model.loop = counted
+    x = torch.randint(0, 100, (2, 8))
+    with torch.no_grad():
+        for gs in (True, False):
+            calls.clear()
+            out = model(x, loops=3, gather_scatter=gs)
+            assert calls == list(range(1, int(out.depth.max()) + 1 if gs else 4)), (gs, calls)
+        calls.clear()
+        model.hidden_states(x, 3, mask=torch.ones(2, 8, 8, dtype=torch.bool).tril())
+        assert calls and calls == sorted(calls)
+        dec = Decoder(model, loops=3, router=False)
+        calls.clear()
+        dec.prefill(x.tolist())
+        assert calls == [1, 2, 3]
+        calls.clear()
+        dec.step(torch.tensor([1, 2]))
+        assert calls == [1, 2, 3]

@@ -7,7 +7,8 @@
     step(tokens)       each row's new token gets its depth m from the router; loop i runs only the rows
                        with m >= i (gathered), each attending to loop i's cache plus itself, appends its
                        k/v there, and is scattered back; loops past a row's depth are skipped (early exit;
-                       with one row, the loop simply stops).
+                       with one row, the loop simply stops). The loop itself is the model's `loop`, the one
+                       the training path runs: the decoder only chooses its rows and its attention.
 
 Modulation (shift/gate per (depth, loop) pair) is a (K, 4d) table per layer, built by each `Decoder` from
 `model.modulation_tables(uniform(M))` when it is created and only indexed while decoding: no modulator
@@ -160,7 +161,10 @@ class Decoder:
         return m.head(last)[0], depth
 
     def _prefill_loop_full(self, h, depth, i, lengths, reserve):
-        """Ablation (b): every real token writes loop i; exited tokens keep their state (dense, no compaction)."""
+        """Ablation (b): every real token writes loop i; exited tokens keep their state (dense, no compaction).
+        Not the model's `loop`: an exited token's state stays frozen through every layer of the loop (its keys and
+        values at layer j come from h^(m), as `_write_exited` projects them while decoding), so the merge happens
+        after each layer, where the model merges once per loop."""
         active = (depth >= i)[..., None]  # (B, T, 1)
         m = self.model
         attends = [partial(self._prefill_attend, i, j, None, lengths, reserve) for j in range(len(m.layers))]
@@ -196,7 +200,7 @@ class Decoder:
                 x = h if view.rows is None else h[view.rows]  # (R, 1, d)
                 dep = depth if view.rows is None else depth[view.rows]
                 attends = [partial(self._decode_attend, i, j, view) for j in range(len(m.layers))]
-                x = m.layers(x, m.loop_mods(self.tables, i, self.M, dep[:, None]), None, attends)  # one loop
+                x = m.loop(x, i, self.M, self.tables, dep[:, None], attends=attends)  # against loop i's cache
                 h = x if view.rows is None else h.index_copy(0, view.rows, x)
             if len(exited_np):
                 self._write_exited(i, exited_np, h, depth)

@@ -11,8 +11,12 @@ One pass of budget M over h0 = embed(idx):
     tables = modulation_tables(delta)          # per layer (K, 4d) or None, delta = the pass's step schedule
     h = run_loops(h0, delta, depth, cont, tables=tables, hooks=hooks)
     logits, hf = head(h)                       # final norm + LM head
-A caller that runs one loop itself (the decoder, one token at a time) calls the shared block directly:
-    h = layers(h, loop_mods(tables, i, M, depth), None, attends)
+Each of those loops is `loop`, the one place where a loop's arithmetic is written (modulation rows, the shared
+block with its attention rule, the router's straight-through factor, the merge of tokens that ran with those that
+did not). `run_loops` only chooses which states loop i sees (each row's active tokens compacted, or every token
+under a mask); a caller that chooses them itself (the decoder: the rows whose new token runs loop i, attending to
+that loop's cache) calls it directly:
+    h = loop(h, i, M, tables, depth, attends=attends)
 
 Hooks (`LoopHooks`): `run_loops(hooks=...)` lets a caller see and replace attention while the loops run on
 the gather-scatter path: before loop i runs, `attend(i, j, order, n)` is asked for layer j's attention
@@ -47,7 +51,7 @@ class LoopedNetwork(Protocol):
     wte: nn.Embedding  # (V, d) token embedding; its weight's dtype and device are the model's
     lm_head: nn.Module  # (V, d) output projection, tied to wte by default; lm_head(hf, targets, ...): fused losses
     router: nn.Module | None  # the token-choice router (None without one); router.aux_loss: its own loss's terms
-    layers: nn.Module  # the shared block: layers(x, mods, mask, attends) runs its J layers once (one loop)
+    layers: nn.Module  # the shared block (J layers, run once per loop by `loop`); its layers' attn shapes, kv()
 
     def embed(self, idx: torch.Tensor, pos_offset: int | torch.Tensor = 0) -> torch.Tensor:
         """h0 (B, T, d) for tokens idx (B, T) starting at position pos_offset (an int or one per row)."""
@@ -63,6 +67,25 @@ class LoopedNetwork(Protocol):
 
     def loop_mods(self, tables, i: int, M: int, depth: torch.Tensor | None = None, by_index: bool = True):
         """Loop i's per-layer modulation for tokens of the given depth, from `modulation_tables`."""
+        ...
+
+    def loop(
+        self,
+        h: torch.Tensor,
+        i: int,
+        M: int,
+        tables: list[torch.Tensor] | None,
+        depth: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        attends: list[Callable] | None = None,
+        cont: torch.Tensor | None = None,
+        active: torch.Tensor | None = None,
+        by_index: bool = True,
+    ) -> torch.Tensor:
+        """Loop i of a pass of budget M on states h (N, S, d) of the given depths (N, S): causal among them, or
+        under `mask` (N, 1, S, S), or through per-layer `attends`; cont (N, S) p(i) for the straight-through
+        estimator; only `active` (N, S) states take the output. The states after the loop (N, S, d)."""
         ...
 
     def run_loops(

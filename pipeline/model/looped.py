@@ -10,7 +10,9 @@ Gather-scatter (`gather_scatter=true`): loop i compacts each row's active tokens
 (B, max|A_i|, d) tensor (padding at the tail of shorter rows, so plain causal SDPA never lets a real query
 see a pad key), runs the shared block on it and scatters the rows back. The dense reference
 (`gather_scatter=false`) runs every token with a mask (query tau may attend tau' iff tau' <= tau and
-tau' in A_i) and keeps inactive tokens' states: it is the test oracle and the ablation.
+tau' in A_i) and keeps inactive tokens' states: it is the test oracle and the ablation. Both, and the decoder's
+one-token steps, run each loop through `LoopedLM.loop` (modulation rows, shared block, straight-through factor,
+merge); they differ only in which states they hand it.
 
 The network computes passes, not losses: `forward` returns each pass's logits (or, with logits=False, only the
 final-normed states the fused head takes), depths and the router's output. The training objective (both passes'
@@ -214,6 +216,35 @@ class LoopedLM(nn.Module):
         ti = table_index(depth, i)  # (B, T)
         return [RowMod(tb, ti) if by_index else tb[ti] for tb in tables]
 
+    def loop(
+        self,
+        h: torch.Tensor,
+        i: int,
+        M: int,
+        tables: list[torch.Tensor] | None,
+        depth: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        attends: list | None = None,
+        cont: torch.Tensor | None = None,
+        active: torch.Tensor | None = None,
+        by_index: bool = True,
+    ) -> torch.Tensor:
+        """Loop i of a pass of budget M on the states h (N, S, d) that a caller chose for it (a row's compacted
+        active tokens, the decoder's gathered rows, or every token under a mask): the one place where a loop's
+        arithmetic is written. depth (N, S): each state's depth, which picks its modulation row for (depth, i)
+        from `tables` (None: every state at depth M). Attention: causal among the S states, or `mask` (N, 1, S, S)
+        bool, or per layer an override `attends[j](q, k, v)` (the KV cache). cont (N, S): the continue
+        probability p(i) of each state, for the router's straight-through estimator (None: none; loop 1's is the
+        identity). active (N, S) bool: the states that take the loop's output; the others (exited tokens, tail
+        padding of a compaction) leave it unchanged (None: all take it). by_index=False gathers the modulation
+        rows per token (the dense reference). Returns the states after the loop (N, S, d)."""
+        mods = self.loop_mods(tables, i, M, depth, by_index)
+        out = self.layers(h, mods, mask, attends)  # (N, S, d)
+        if cont is not None and i > 1:  # p(1) is the constant 1
+            out = _StraightThrough.apply(h, out, cont.to(out.dtype)[..., None])
+        return out if active is None else torch.where(active[..., None], out, h)
+
     def run_loops(
         self,
         h0: torch.Tensor,
@@ -234,56 +265,64 @@ class LoopedLM(nn.Module):
         the gather-scatter path. counts: (B, >= M) numpy int64 |A_i| of each row and loop (`active_counts`), or
         None to read them here: the pass's only host sync. gather_scatter: compact the active tokens (default
         `cfg.gather_scatter`) or run the dense masked reference. Returns the final states (B, T, d); exited
-        tokens keep their last state."""
+        tokens keep their last state. Each loop is `loop`; this method only chooses its active states."""
         M = delta.numel()
         tables = self.modulation_tables(delta) if tables is None else tables
-        B, T, d = h0.shape
-        h = h0
+        B, T, _ = h0.shape
         gs = self.cfg.gather_scatter if gather_scatter is None else gather_scatter
         compact = depth is not None and (gs or hooks is not None)
         if compact and counts is None:
             counts = active_counts(depth, M)
+        h = h0
         for i in range(1, M + 1):
+            p = None if cont is None else cont[..., i - 1]  # (B, T) each token's p(i)
             if depth is None:  # every token active: no compaction, one table row broadcast
                 n = np.full(B, T, dtype=np.int64)
-                h = self.layers(h, self.loop_mods(tables, i, M), None, self._attends(hooks, i, None, n))
-                if hooks is not None:
-                    hooks.loop_done(i, n)
-                continue
-            active = depth >= i  # (B, T)
-            if compact:
+                h = self.loop(h, i, M, tables, attends=self._attends(hooks, i, None, n))
+            elif not compact:  # the dense reference (never with hooks)
+                h = self._masked_loop(h, i, M, tables, depth, p)
+            else:
                 n = counts[:, i - 1]  # (B,) |A_i| per row, on the host
-                Tm = int(n.max())
-                if Tm == 0:
+                if int(n.max()) == 0:
                     break
-                if int(n.min()) == T:  # every token active (always so in loop 1): no compaction needed
-                    order, hc, dep = None, h, depth
-                else:
-                    order = torch.sort((~active).to(torch.uint8), dim=1, stable=True).indices[:, :Tm]  # (B, Tm)
-                    gidx = order[..., None].expand(B, Tm, d)
-                    hc, dep = _GatherRows.apply(h, gidx), depth.gather(1, order)  # (B, Tm, d), (B, Tm)
-                mods = self.loop_mods(tables, i, M, dep)  # rows by index: no per-token (Tm, 4d) kept for backward
-                out = self.layers(hc, mods, None, self._attends(hooks, i, order, n))  # causal among A_i
-                if cont is not None and i > 1:  # p(1) is the constant 1: loop 1's estimator is the identity
-                    s = cont[..., i - 1] if order is None else cont[..., i - 1].gather(1, order)
-                    out = _StraightThrough.apply(hc, out, s.to(out.dtype)[..., None])
-                if order is None:
-                    h = out
-                else:
-                    nd = torch.from_numpy(n).to(h.device)  # host -> device, no sync
-                    valid = (torch.arange(Tm, device=h.device)[None] < nd[:, None])[..., None]  # (B, Tm, 1)
-                    h = h.scatter(1, gidx, torch.where(valid, out, hc))
-                if hooks is not None:
-                    hooks.loop_done(i, n)
-            else:  # dense reference: all tokens computed, masks instead of compaction
-                causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
-                eye = torch.eye(T, dtype=torch.bool, device=h.device)
-                mask = ((causal[None] & active[:, None, :]) | eye[None])[:, None]  # (B, 1, T, T)
-                out = self.layers(h, self.loop_mods(tables, i, M, depth, by_index=False), mask)
-                if cont is not None and i > 1:
-                    out = _StraightThrough.apply(h, out, cont[..., i - 1].to(out.dtype)[..., None])
-                h = torch.where(active[..., None], out, h)
+                h = self._compacted_loop(h, i, M, tables, depth, p, n, hooks)
+            if hooks is not None:
+                hooks.loop_done(i, n)
         return h
+
+    def _compacted_loop(self, h, i, M, tables, depth, cont, n: np.ndarray, hooks) -> torch.Tensor:
+        """Loop i on each row's active tokens (depth >= i) of h (B, T, d), compacted in position order to the
+        front of a (B, Tm, d) tensor (Tm = max n, n (B,) the rows' |A_i| on the host; shorter rows padded at the
+        tail, so plain causal attention never lets a real query see a pad), then scattered back."""
+        B, T, d = h.shape
+        if int(n.min()) == T:  # every token active (always so in loop 1): nothing to compact
+            return self.loop(h, i, M, tables, depth, attends=self._attends(hooks, i, None, n), cont=cont)
+        Tm = int(n.max())
+        order = torch.sort((~(depth >= i)).to(torch.uint8), dim=1, stable=True).indices[:, :Tm]  # (B, Tm)
+        gidx = order[..., None].expand(B, Tm, d)
+        nd = torch.from_numpy(n).to(h.device)  # host -> device, no sync
+        real = torch.arange(Tm, device=h.device)[None] < nd[:, None]  # (B, Tm) active tokens, not tail padding
+        out = self.loop(
+            _GatherRows.apply(h, gidx),  # (B, Tm, d)
+            i,
+            M,
+            tables,
+            depth.gather(1, order),  # (B, Tm): rows by index, no per-token (Tm, 4d) kept for backward
+            attends=self._attends(hooks, i, order, n),  # None: causal among A_i
+            cont=None if cont is None else cont.gather(1, order),
+            active=real,
+        )
+        return h.scatter(1, gidx, out)
+
+    def _masked_loop(self, h, i, M, tables, depth, cont) -> torch.Tensor:
+        """The dense reference of loop i: every token of h (B, T, d) computed; query tau attends key tau' iff
+        tau' <= tau and tau' in A_i (or tau' = tau); only active tokens take the output."""
+        T = h.shape[1]
+        active = depth >= i  # (B, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
+        eye = torch.eye(T, dtype=torch.bool, device=h.device)
+        mask = ((causal[None] & active[:, None, :]) | eye[None])[:, None]  # (B, 1, T, T)
+        return self.loop(h, i, M, tables, depth, mask=mask, cont=cont, active=active, by_index=False)
 
     def _attends(self, hooks, i: int, order, n) -> list | None:
         return None if hooks is None else [hooks.attend(i, j, order, n) for j in range(len(self.layers))]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn as nn
@@ -32,6 +32,9 @@ import torch.nn.functional as F
 
 from pipeline.model.router import DepthStats, RouterLossStats, depth_stats
 from pipeline.model.schedule import sample_shortcut
+
+if TYPE_CHECKING:
+    from pipeline.model.looped import LoopedLMOutput
 
 PREFIX = "net."  # the network's parameter names inside the wrapper
 
@@ -135,44 +138,19 @@ class Objective(nn.Module):
         from torch's global RNG). full_only: the full pass's cross-entropy alone (validation: no shortcut pass,
         alignment or router loss). router, threshold, gather_scatter: as `LoopedLM.forward` takes them;
         fused_loss=False: the losses from materialised logits (the reference of the fused heads)."""
-        c, L = self.cfg, self.net.cfg.loops
-        short = c.shortcut and not full_only
-        if short and shortcut is not None:
-            assert int(shortcut.sum()) == L and bool((shortcut > 0).all()), (
-                f"shortcut schedule {shortcut.tolist()} must be positive, sum {L}"
-            )
-        k = (sample_shortcut(L) if shortcut is None else shortcut) if short else None
-        fused = fused_loss
+        c = self.cfg
         out = self.net(
             idx,
-            shortcut=k,
-            logits=not fused,
+            shortcut=self._schedule(shortcut) if (c.shortcut and not full_only) else None,
+            logits=not fused_loss,
             router=router,
             threshold=threshold,
             gather_scatter=gather_scatter,
             ste=c.router_ste,
         )
-        on_logits, scored = c.align_target == "logits", c.align_positions == "scored"
-        parts = {}
-        if fused:  # both heads, CE losses and the logits alignment in one chunked call through the head module
-            lam_a = c.lambda_align if on_logits else None
-            hs = out.short.hidden if short else None
-            loss, p = self.net.lm_head(out.hidden, targets, hs, c.lambda_short, lam_a, scored)
-            parts["loss_L"] = p[0]
-            if short:
-                parts["loss_S"] = p[1]
-                if on_logits:
-                    parts["loss_align"] = p[2]
-        else:
-            loss = _ce(out.logits, targets)
-            parts["loss_L"] = loss.detach()
-            if short:
-                loss_S = _ce(out.short.logits, targets)
-                loss = loss + c.lambda_short * loss_S
-                parts["loss_S"] = loss_S.detach()
-        if short and not (fused and on_logits):  # the fused call's alignment is inside it; on hf it is cheap here
-            a, b = (out.short.logits, out.logits) if on_logits else (out.short.hidden, out.hidden)
-            align = _align_mse(a.float(), b.detach().float(), targets if scored else None)
+        loss, parts = self._fused_losses(out, targets) if fused_loss else self._losses(out, targets)
+        if out.short is not None and not (fused_loss and c.align_target == "logits"):  # (the fused call aligns logits)
+            align = self._alignment(out, targets)
             loss = loss + c.lambda_align * align
             parts["loss_align"] = align.detach()
         router_stats = None
@@ -181,9 +159,55 @@ class Objective(nn.Module):
             if aux is not None:
                 loss = loss + aux
                 parts["loss_router"] = aux.detach()
-        short_stats = None
-        if short:
-            S = out.short.loops
-            short_stats = ShortcutStats(**_fields(depth_stats(out.short.depth, S)), loops=torch.tensor(float(S)))
         full = depth_stats(out.depth, out.loops)
-        return ObjectiveOutput(loss, out.depth, out.logits, full, short_stats, router_stats, **parts)
+        return ObjectiveOutput(loss, out.depth, out.logits, full, self._short_stats(out), router_stats, **parts)
+
+    def _schedule(self, shortcut: torch.Tensor | None) -> torch.Tensor:
+        """The shortcut pass's schedule (S,) of positive ints summing to L: the one given (checked) or a drawn
+        one (`sample_shortcut`, torch's global RNG)."""
+        L = self.net.cfg.loops
+        if shortcut is None:
+            return sample_shortcut(L)
+        assert int(shortcut.sum()) == L and bool((shortcut > 0).all()), (
+            f"shortcut schedule {shortcut.tolist()} must be positive, sum {L}"
+        )
+        return shortcut
+
+    def _fused_losses(self, out: LoopedLMOutput, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(loss, parts) of both passes' cross-entropies and, when aligning logits, the alignment: one chunked
+        call through the network's head, from the final-normed states (B, T, d); no (B, T, V) logits."""
+        c = self.cfg
+        on_logits = c.align_target == "logits"
+        hs = None if out.short is None else out.short.hidden  # (B, T, d)
+        lam_a = c.lambda_align if on_logits else None
+        loss, p = self.net.lm_head(out.hidden, targets, hs, c.lambda_short, lam_a, c.align_positions == "scored")
+        parts = {"loss_L": p[0]}
+        if out.short is not None:
+            parts["loss_S"] = p[1]
+            if on_logits:
+                parts["loss_align"] = p[2]
+        return loss, parts
+
+    def _losses(self, out: LoopedLMOutput, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(loss, parts) of both passes' cross-entropies from their materialised logits (B, T, V)."""
+        loss = _ce(out.logits, targets)
+        parts = {"loss_L": loss.detach()}
+        if out.short is not None:
+            loss_S = _ce(out.short.logits, targets)
+            loss = loss + self.cfg.lambda_short * loss_S
+            parts["loss_S"] = loss_S.detach()
+        return loss, parts
+
+    def _alignment(self, out: LoopedLMOutput, targets: torch.Tensor) -> torch.Tensor:
+        """() the shortcut pass's mean squared difference to the stop-gradient full pass: logits, or (align_target
+        hidden) final-normed states; over every position or (align_positions scored) those with a target."""
+        c = self.cfg
+        a, b = (out.short.logits, out.logits) if c.align_target == "logits" else (out.short.hidden, out.hidden)
+        return _align_mse(a.float(), b.detach().float(), targets if c.align_positions == "scored" else None)
+
+    @staticmethod
+    def _short_stats(out: LoopedLMOutput) -> ShortcutStats | None:
+        if out.short is None:
+            return None
+        S = out.short.loops
+        return ShortcutStats(**_fields(depth_stats(out.short.depth, S)), loops=torch.tensor(float(S)))
