@@ -158,11 +158,25 @@ GRID4 = {
 # doubling (each loop, every entry replaces its pointer by its pointer's pointer): a level-k query then needs
 # 1 + ceil(log2 k) loops of one layer, the same operation in every loop.
 NEAR8 = {"order": "near", "R": 8, "Q": 4, "levels": 4}
+NEAR16 = {"order": "near", "R": 16, "Q": 8, "levels": 4}
+NEAR32 = {"order": "near", "R": 32, "Q": 16, "levels": 4}
 GRID5 = {
     "near L3 lv4 R8 base-loop": ("depth/base-loop", [], {"L": 3, **NEAR8}),
     "near lv4 R8 one layer": ("depth/base", [], {"L": 3, "layers": 1, **NEAR8}),
     "near lv4 R8 two layers": ("depth/base", [], {"L": 3, "layers": 2, **NEAR8}),
     "near L3 lv4 R8 base-loop d128": ("depth/base-loop", D128, {"L": 3, "lr": 1e-3, **NEAR8}),
+    # many chains, where one layer did not learn two hops under the far order (grid 4)
+    "near L3 lv4 R16 base-loop": ("depth/base-loop", [], {"L": 3, **NEAR16}),
+    "near lv4 R16 one layer": ("depth/base", [], {"L": 3, "layers": 1, **NEAR16}),
+    "near lv4 R16 two layers": ("depth/base", [], {"L": 3, "layers": 2, **NEAR16}),
+    "near L3 lv4 R32 base-loop": ("depth/base-loop", [], {"L": 3, **NEAR32}),
+    "near lv4 R32 one layer": ("depth/base", [], {"L": 3, "layers": 1, **NEAR32}),
+    "near L3 lv4 R32 base-loop d128": ("depth/base-loop", D128, {"L": 3, "lr": 1e-3, **NEAR32}),
+    "near L3 lv4 R32 loopformer gate1 scored": (
+        "depth/loopformer",
+        [*G1, "objective.align_positions=scored"],
+        {"L": 3, **NEAR32},
+    ),
 }
 GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5}
 GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5}
@@ -200,6 +214,8 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         depth = f"model.n_layers={s.get('layers', L)}"
     else:
         depth = f"model.loops={L}"
+    if s.get("target") == "need" and order != "far":
+        raise ValueError("target 'need' is the far order's mean need (data_prep/depthtask.py mean_need)")
     extra = [f"model.router_target_depth={mean_need(R, Lt, Q)}"] if s.get("target") == "need" else []
     vocab = -(-task["vocab_needed"] // 32) * 32  # the task's ids, rounded up (the preset's 64 holds R = 6, L = 4)
     cfg_overrides = [*overrides, *extra, f"model.block_size={T - 1}", f"model.vocab_size={max(64, vocab)}", depth]
