@@ -55,8 +55,14 @@ MAX_CHAINS = 64
 ORDERS = ("far", "near")  # labels numbered farthest from the root first (no doubling) or nearest first
 
 
+def _check_order(order: str) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"depth-hops label order must be one of {ORDERS}, got {order!r}")
+
+
 def layout(R: int, L: int, order: str = "far") -> dict:
     """The task's token ranges for R chains and L levels (stored in the manifest as `depth_task`)."""
+    _check_order(order)
     n = R * (L + 1)
     return {
         "chains": R,
@@ -79,6 +85,7 @@ def make_document(seed: int, index: int, R: int, L: int, queries: int, order: st
     """Document `index` of the stream for `seed`: (doc_length,) int64 tokens. order "far": distance j holds
     labels (L - j) R .. (L - j + 1) R - 1 (the module docstring); "near": labels j R .. (j + 1) R - 1, so every
     entry comes after its parent's and a model may follow chains by pointer doubling."""
+    _check_order(order)
     rng, n = np.random.default_rng((seed, index)), R * (L + 1)
     group = (lambda j: L - j) if order == "far" else (lambda j: j)
     # chain[c, j]: the symbol at distance j from chain c's root

@@ -74,6 +74,13 @@ def test_near_order_puts_every_parent_before_its_child():
         assert [k for _, k, _ in solve(near, 8, 4)] == [k for _, k, _ in solve(far, 8, 4)]
 
 
+def test_an_unknown_label_order_is_refused():
+    with pytest.raises(ValueError, match="order must be one of"):
+        make_document(0, 0, 4, 2, 2, "nearest")
+    with pytest.raises(ValueError, match="order must be one of"):
+        layout(4, 2, "Far")
+
+
 def test_chains_are_drawn_per_document():
     """Which node is whose parent changes from document to document (the chains exist only in the context)."""
     arrays = {tuple(make_document(0, i, 8, 4, 4)[1:41]) for i in range(20)}
