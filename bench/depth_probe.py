@@ -11,6 +11,7 @@ through the project's trainer.
     python bench/depth_probe.py --device cuda --minutes 7.4 --eval-every 1000          # grid 1, on one GPU
     python bench/depth_probe.py --device cuda --minutes 4.2 --eval-every 500 --grid 2  # grid 2
     python bench/depth_probe.py --device cpu --grid 3 --steps 3000 --minutes 60 --jobs 2  # grid 3, on 2 CPU cores
+    python bench/depth_probe.py --device cpu --grid 6 --minutes 10 --jobs 2 --eval-every 200  # the fold task, 2 cores
     python bench/depth_probe.py --device cpu --minutes 1 --probes base-loop            # smoke
 
 Writes `<out>/depth_probe.json` (out: bench/results/depth_probe): per probe its settings, steps run, and the
@@ -178,8 +179,34 @@ GRID5 = {
         {"L": 3, **NEAR32},
     ),
 }
-GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5}
-GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5}
+# Grid 6: the fold task (bench/foldtask.py: a left fold of a non-associative operation on m symbols, one step per
+# loop). One layer would need the m^(k+1)-entry table of a k-fold; the looped model g's m^2 entries, reused.
+# "depth": "oracle" runs every token the loops it needs (no router: what a perfect router would give);
+# "curriculum": scores levels 1..c, raising c when each is >= 0.9.
+F16 = {"task": "fold", "symbols": 16, "levels": 4, "L": 4, "lr": 1e-3}
+CUR = {"curriculum": True}
+GRID6 = {
+    "fold m16 one layer": ("depth/base", [], {**F16, "layers": 1}),
+    "fold m16 two layers": ("depth/base", [], {**F16, "layers": 2}),
+    "fold m16 base-loop": ("depth/base-loop", [], F16),
+    "fold m16 base-loop curriculum": ("depth/base-loop", [], {**F16, **CUR}),
+    "fold m16 oracle": ("depth/base-loop", [], {**F16, "depth": "oracle"}),
+    "fold m16 oracle curriculum": ("depth/base-loop", [], {**F16, "depth": "oracle", **CUR}),
+    "fold m16 loopformer gate1 scored curriculum": (
+        "depth/loopformer",
+        [*G1, "objective.align_positions=scored"],
+        {**F16, **CUR},
+    ),
+    "fold m16 t-loopformer budget need gate1 scored curriculum": (
+        "depth/t-loopformer",
+        [*G1, "objective.align_positions=scored", "model.router_recipe=budget"],
+        {**F16, **CUR, "target": "need"},
+    ),
+    "fold m8 one layer": ("depth/base", [], {**F16, "symbols": 8, "layers": 1}),
+    "fold m8 base-loop": ("depth/base-loop", [], {**F16, "symbols": 8}),
+}
+GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5, "6": GRID6}
+GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5, **GRID6}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
 
 
@@ -197,27 +224,67 @@ def probe(args) -> dict:
         return {"name": args[0], "error": f"{type(e).__name__}: {e}"}
 
 
+def _hops(s: dict):
+    """The depth-hops task of settings s: (doc tokens T, vocabulary needed, mean need, val documents,
+    levels (docs (B, T) -> (B, T-1) level of each target), draw(n) -> n training documents)."""
+    from data_prep.depthtask import doc_length, layout, levels_at, mean_need
+
+    R, Lt, Q, order = s["R"], s.get("levels", s["L"]), s["Q"], s.get("order", "far")
+    task = layout(R, Lt, order)
+    pool = documents(s["seed"], 0, 20_000, R, Lt, Q, order)  # fresh documents are drawn below; this one is the first
+    state = {"step": 0, "next": 20_000, "rng": np.random.default_rng(s["seed"])}
+
+    def draw(n):
+        if state["step"] % 50 == 0 and state["step"] > 0:  # refresh part of the pool: mostly fresh documents
+            pool[state["rng"].integers(0, len(pool), 512)] = documents(s["seed"], state["next"], 512, R, Lt, Q, order)
+            state["next"] += 512
+        state["step"] += 1
+        return pool[state["rng"].integers(0, len(pool), n)]
+
+    val = documents(10_000 + s["seed"], 0, 512, R, Lt, Q, order)
+    return doc_length(R, Lt, Q), task["vocab_needed"], mean_need(R, Lt, Q), val, lambda d: levels_at(d, task), draw
+
+
+def _fold(s: dict):
+    """The fold task (bench/foldtask.py) of settings s, as `_hops` returns it; val documents from their own
+    stream, the same rule g."""
+    import foldtask
+
+    L, g, rng = s["levels"], foldtask.rule(s["symbols"]), np.random.default_rng(s["seed"])
+    lev = foldtask.levels(L)[:-1]
+    val = foldtask.documents(g, np.random.default_rng(10_000 + s["seed"]), 1024, L)
+    mean = float(foldtask.need(L).mean())
+    return (
+        foldtask.doc_length(L),
+        foldtask.SYM + s["symbols"],
+        mean,
+        val,
+        lambda d: np.broadcast_to(lev, (len(d), len(lev))),
+        lambda n: foldtask.documents(g, rng, n, L),
+    )
+
+
 def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device, log) -> dict:
     torch.set_num_threads(1)
-    from data_prep.depthtask import doc_length, layout, levels_at, mean_need
     from pipeline.config import load_config
-    from pipeline.model.looped import LoopedLM
-    from pipeline.train.data import _to_batch
+    from pipeline.model.looped import LoopedLM, uniform
     from pipeline.train.objective import Objective
 
     s = {**DEFAULTS, **settings}
-    R, L, Q = s["R"], s["L"], s["Q"]
-    Lt, order = s.get("levels", L), s.get("order", "far")  # the task's levels (default: one per loop), label order
-    task = layout(R, Lt, order)
-    T = doc_length(R, Lt, Q)
+    L = s["L"]
+    if s.get("task") == "fold":
+        T, vocab_needed, need_mean, val_docs, levels_of, draw = _fold(s)
+    else:
+        if s.get("target") == "need" and s.get("order", "far") != "far":
+            raise ValueError("target 'need' is the far order's mean need (data_prep/depthtask.py mean_need)")
+        T, vocab_needed, need_mean, val_docs, levels_of, draw = _hops(s)
+    Lt = s.get("levels", L)  # the task's levels (default: one per loop)
     if preset == "depth/base":  # L distinct layers, one pass (settings "layers": another count, e.g. one)
         depth = f"model.n_layers={s.get('layers', L)}"
     else:
         depth = f"model.loops={L}"
-    if s.get("target") == "need" and order != "far":
-        raise ValueError("target 'need' is the far order's mean need (data_prep/depthtask.py mean_need)")
-    extra = [f"model.router_target_depth={mean_need(R, Lt, Q)}"] if s.get("target") == "need" else []
-    vocab = -(-task["vocab_needed"] // 32) * 32  # the task's ids, rounded up (the preset's 64 holds R = 6, L = 4)
+    extra = [f"model.router_target_depth={need_mean}"] if s.get("target") == "need" else []
+    vocab = -(-vocab_needed // 32) * 32  # the task's ids, rounded up (the preset's 64 holds R = 6, L = 4)
     cfg_overrides = [*overrides, *extra, f"model.block_size={T - 1}", f"model.vocab_size={max(64, vocab)}", depth]
     cfg = load_config(preset, cfg_overrides)
     torch.manual_seed(s["seed"])
@@ -225,24 +292,40 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     objective = Objective(model, cfg.objective)
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, s["beta2"]), weight_decay=s["wd"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s["warmup"]))
+    Lm = cfg.model.loops
+    oracle = s.get("depth") == "oracle"  # every token runs the loops it needs (the fold task's `need`)
+    if oracle:
+        import foldtask
 
-    def batch(docs):  # the training loader's batch: only the answers scored (-1 elsewhere)
-        x, y = _to_batch(docs, cfg.model.vocab_size, name, task)
+        if s.get("task") != "fold" or model.router is not None:
+            raise ValueError("depth 'oracle' needs task 'fold' and a model without a router")
+        need = torch.from_numpy(foldtask.need(Lt)[:-1]).clamp(max=Lm).to(device)  # (T-1,)
+    cap = [1 if s.get("curriculum") else Lt]  # scored levels <= cap; a curriculum raises it at 0.9 accuracy
+
+    def batch(docs, lev, limit):  # only the answers of levels 1..limit scored (-1 elsewhere)
+        t = torch.from_numpy(np.asarray(docs, dtype=np.int64))
+        x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        y[torch.from_numpy((lev == 0) | (lev > limit))] = -1
         return x.to(device), y.to(device)
 
-    val_docs = documents(10_000 + s["seed"], 0, 512, R, Lt, Q, order)
-    val = (*batch(val_docs), levels_at(val_docs[:, :-1], task))  # levels_at: (B, T-1) level of each target
-    pool = documents(s["seed"], 0, 20_000, R, Lt, Q, order)  # fresh documents are drawn below; this one is the first
-    Lm = cfg.model.loops
+    def logits(x, M, depth=None):
+        if depth is None:
+            return model(x, loops=M)
+        h = model.run_loops(model.embed(x), uniform(M), depth.expand_as(x), None)
+        return model.lm_head(model.norm_f(h))
+
+    val_lev = np.ascontiguousarray(levels_of(val_docs[:, :-1]))  # (B, T-1) level of each target
+    val = (*batch(val_docs, val_lev, Lt), val_lev)
 
     @torch.no_grad()
     def evaluate():
         model.eval()
         x, y, lev = val
         acc = {}
-        for M in range(1, Lm + 1):
-            out = model(x, loops=M)
-            pred = out.logits.argmax(-1).cpu().numpy()
+        for M in [*range(1, Lm + 1), *(["oracle"] if oracle else [])]:
+            out = logits(x, Lm, need) if M == "oracle" else logits(x, M)
+            lg = out if torch.is_tensor(out) else out.logits
+            pred = lg.argmax(-1).cpu().numpy()
             if M == Lm and model.router is not None:  # executed depth by level: mean, and share at depth >= level
                 d = out.depth.cpu().numpy()
                 acc["depth_mean"] = [float(d[lev == k].mean()) for k in range(1, Lt + 1)]
@@ -253,31 +336,34 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         model.train()
         return acc
 
-    curve, step, t0, rng = [], 0, time.time(), np.random.default_rng(s["seed"])
-    next_doc = 20_000
+    curve, step, t0 = [], 0, time.time()
     model.train()
     while time.time() - t0 < minutes * 60 and (not steps or step < steps):
-        if step % 50 == 0 and step > 0:  # refresh part of the pool: mostly fresh documents
-            pool[rng.integers(0, len(pool), 512)] = documents(s["seed"], next_doc, 512, R, Lt, Q, order)
-            next_doc += 512
-        x, y = batch(pool[rng.integers(0, len(pool), s["batch"])])
-        out = objective(x, y)
+        d = draw(s["batch"])
+        x, y = batch(d, np.ascontiguousarray(levels_of(d[:, :-1])), cap[0])
+        if oracle:
+            loss = torch.nn.functional.cross_entropy(logits(x, Lm, need).flatten(0, 1), y.flatten(), ignore_index=-1)
+        else:
+            loss = objective(x, y).loss
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         step += 1
         if step % eval_every == 0:
-            curve.append({"step": step, "seconds": round(time.time() - t0, 1), "acc": evaluate()})
+            curve.append({"step": step, "seconds": round(time.time() - t0, 1), "acc": evaluate(), "cap": cap[0]})
+            a = curve[-1]["acc"]["oracle" if oracle else Lm]
+            if cap[0] < Lt and min(a[1 : cap[0] + 1]) >= 0.9:
+                cap[0] += 1
             with open(log, "a") as fh:  # progress survives a killed run: one line per point, appended
                 fh.write(json.dumps({"name": name, **curve[-1]}) + "\n")
-            a = curve[-1]["acc"][Lm]
             print(
-                f"[{name}] step {step} M={Lm} acc {a[0]:.3f} by level " + " ".join(f"{v:.2f}" for v in a[1:]),
+                f"[{name}] step {step} {'oracle' if oracle else f'M={Lm}'} acc {a[0]:.3f} by level "
+                + " ".join(f"{v:.2f}" for v in a[1:]),
                 flush=True,
             )
-    curve.append({"step": step, "seconds": round(time.time() - t0, 1), "acc": evaluate()})
+    curve.append({"step": step, "seconds": round(time.time() - t0, 1), "acc": evaluate(), "cap": cap[0]})
     torch.save(
         {"state": model.state_dict(), "overrides": cfg_overrides, "preset": preset, "settings": s},
         Path(log).parent / f"{name.replace(' ', '_')}.pt",

@@ -1,0 +1,72 @@
+"""The fold task: a second candidate for a task whose every scored token needs a known number of loops
+(bench/depth_probe.py `task: fold`; probe-only, not a prep-data source, because it did not pass the probe:
+bench/README `### depth-probe: the fold task`).
+
+A fixed binary operation g on m symbols (a Latin square drawn from `rule_seed`: every row and every column a
+permutation, so one operand alone says nothing of the result) is folded from the left over a segment of cells:
+
+    y_0 = x_0,  y_j = g(y_(j-1), x_j),  answer y_k for a segment of k + 1 cells x_0 .. x_k
+
+A document is one segment per level k = 1..L, in this order (so the level is a function of the position):
+
+    W x_0 .. x_k A    (W = 1 opens a segment, x_j = SYM + symbol, A = SYM + y_k)
+
+Only A is scored (its target is predicted at x_k). One step of the fold is one attention read of the left
+neighbour plus a table look-up, so with one layer per loop cell j's prefix y_j is ready after j loops and a
+level-k answer needs d* = k loops; g is not associative, so the fold cannot be re-bracketed (no doubling), and a
+model that reads the k + 1 cells at once must hold the m^(k+1)-entry table of the k-fold composition instead of
+g's m^2. Every prefix is a fixed point of the step (y_j = g(y_(j-1), x_j) again), so running more loops than d*
+does no harm to a model that learnt the step.
+
+`need`: the per-token depth an oracle router would give (`oracle` probes run it): cell x_j of a level-k segment
+is read by x_(j+1) in loop j + 1, so it must still be looping then (depth j + 1 for j < k), the query x_k needs
+k, W and A one loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+W = 1
+SYM = 16  # symbol s is token SYM + s
+
+
+def rule(m: int, rule_seed: int = 0) -> np.ndarray:
+    """g as an (m, m) table, g[y, x]: a Latin square q[(p[y] + r[x]) % m] with random permutations p, r, q."""
+    rng = np.random.default_rng((rule_seed, 99))
+    p, r, q = rng.permutation(m), rng.permutation(m), rng.permutation(m)
+    return q[(p[:, None] + r[None, :]) % m]
+
+
+def doc_length(L: int) -> int:
+    """Tokens in one document: segments of k + 3 tokens for k = 1..L."""
+    return sum(k + 3 for k in range(1, L + 1))
+
+
+def documents(g: np.ndarray, rng: np.random.Generator, n: int, L: int) -> np.ndarray:
+    """n documents (n, doc_length(L)) int64, cells drawn from rng."""
+    m, parts = len(g), []
+    for k in range(1, L + 1):
+        x = rng.integers(0, m, (n, k + 1))
+        y = x[:, 0]
+        for j in range(1, k + 1):
+            y = g[y, x[:, j]]
+        parts += [np.full((n, 1), W), SYM + x, (SYM + y)[:, None]]
+    return np.concatenate(parts, 1)
+
+
+def levels(L: int) -> np.ndarray:
+    """(doc_length(L),) level of the target each position predicts: k at the last cell of the level-k segment
+    (its target A is scored), 0 elsewhere."""
+    out = []
+    for k in range(1, L + 1):
+        out += [0] * (k + 1) + [k, 0]
+    return np.array(out)
+
+
+def need(L: int) -> np.ndarray:
+    """(doc_length(L),) the loops each token needs (module docstring): the oracle router's depth."""
+    out = []
+    for k in range(1, L + 1):
+        out += [1] + [j + 1 for j in range(k)] + [k, 1]
+    return np.array(out)
