@@ -1,11 +1,12 @@
-"""Depth-hops learnability probe: can the task's model learn the task at all, given far more steps than a CPU
+"""Depth-task learnability probe: can the task's model learn the task at all, given far more steps than a CPU
 study affords, and which optimiser settings and task sizes make it learnable?
 
 A plain training loop (AdamW, constant LR after a short warmup, no DeepSpeed) on the real `LoopedLM` of a
 `depth/*` preset, on fresh depth-hops documents (data_prep/depthtask.py make_document, the generator
 `tlf prep-data --source depth-hops` writes), one process per probe, for `--minutes` of wall time each, all
-probes at once. Every `--eval-every` steps: answer accuracy by level at every loop budget M on 512 held-out
-documents. This measures the task and the architecture, not the trainer: `bench/depth_need.py` is the study
+probes at once (settings `"task": "fold"`: the fold task of bench/foldtask.py instead, 1024 held-out documents;
+`"depth": "oracle"` adds the budget "oracle", every token at its need). Every `--eval-every` steps: answer
+accuracy by level at every loop budget M on 512 held-out documents. This measures the task and the architecture, not the trainer: `bench/depth_need.py` is the study
 through the project's trainer.
 
     python bench/depth_probe.py --device cuda --minutes 7.4 --eval-every 1000          # grid 1, on one GPU
@@ -188,6 +189,7 @@ CUR = {"curriculum": True}
 GRID6 = {
     "fold m16 one layer": ("depth/base", [], {**F16, "layers": 1}),
     "fold m16 two layers": ("depth/base", [], {**F16, "layers": 2}),
+    "fold m16 one layer curriculum": ("depth/base", [], {**F16, "layers": 1, **CUR}),
     "fold m16 base-loop": ("depth/base-loop", [], F16),
     "fold m16 base-loop curriculum": ("depth/base-loop", [], {**F16, **CUR}),
     "fold m16 oracle": ("depth/base-loop", [], {**F16, "depth": "oracle"}),
