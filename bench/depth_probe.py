@@ -6,8 +6,8 @@ A plain training loop (AdamW, constant LR after a short warmup, no DeepSpeed) on
 `tlf prep-data --source depth-hops` writes), one process per probe, for `--minutes` of wall time each, all
 probes at once (settings `"task": "fold"`: the fold task of bench/foldtask.py instead, 1024 held-out documents;
 `"depth": "oracle"` adds the budget "oracle", every token at its need). Every `--eval-every` steps: answer
-accuracy by level at every loop budget M on 512 held-out documents. This measures the task and the architecture, not the trainer: `bench/depth_need.py` is the study
-through the project's trainer.
+accuracy by level at every loop budget M on 512 held-out documents. This measures the task and the
+architecture, not the trainer: `bench/depth_need.py` is the study through the project's trainer.
 
     python bench/depth_probe.py --device cuda --minutes 7.4 --eval-every 1000          # grid 1, on one GPU
     python bench/depth_probe.py --device cuda --minutes 4.2 --eval-every 500 --grid 2  # grid 2
@@ -266,10 +266,20 @@ def _fold(s: dict):
     )
 
 
+def forced_depth_logits(model, x: torch.Tensor, depth: torch.Tensor, M: int) -> torch.Tensor:
+    """Logits (B, T, V) of `model` on x (B, T) with every token's depth given (depth (T,) or (B, T) in 1..M)
+    instead of a router's: the oracle probes and bench/fold_probe_check.py."""
+    from pipeline.model.looped import uniform
+
+    h = model.run_loops(model.embed(x), uniform(M), depth.expand_as(x), None)
+    return model.head(h)[0]
+
+
 def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device, log) -> dict:
     torch.set_num_threads(1)
     from pipeline.config import load_config
-    from pipeline.model.looped import LoopedLM, uniform
+    from pipeline.model.looped import LoopedLM
+    from pipeline.train.data import _to_batch
     from pipeline.train.objective import Objective
 
     s = {**DEFAULTS, **settings}
@@ -304,17 +314,13 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         need = torch.from_numpy(foldtask.need(Lt)[:-1]).clamp(max=Lm).to(device)  # (T-1,)
     cap = [1 if s.get("curriculum") else Lt]  # scored levels <= cap; a curriculum raises it at 0.9 accuracy
 
-    def batch(docs, lev, limit):  # only the answers of levels 1..limit scored (-1 elsewhere)
-        t = torch.from_numpy(np.asarray(docs, dtype=np.int64))
-        x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+    def batch(docs, lev, limit):  # the loader's split; only the answers of levels 1..limit scored (-1 elsewhere)
+        x, y = _to_batch(docs, cfg.model.vocab_size, name)
         y[torch.from_numpy((lev == 0) | (lev > limit))] = -1
         return x.to(device), y.to(device)
 
     def logits(x, M, depth=None):
-        if depth is None:
-            return model(x, loops=M)
-        h = model.run_loops(model.embed(x), uniform(M), depth.expand_as(x), None)
-        return model.lm_head(model.norm_f(h))
+        return model(x, loops=M) if depth is None else forced_depth_logits(model, x, depth, M)
 
     val_lev = np.ascontiguousarray(levels_of(val_docs[:, :-1]))  # (B, T-1) level of each target
     val = (*batch(val_docs, val_lev, Lt), val_lev)

@@ -24,8 +24,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import foldtask  # noqa: E402  (after the sys.path lines above)
+from depth_probe import forced_depth_logits  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.model.looped import LoopedLM, uniform  # noqa: E402
+from pipeline.model.looped import LoopedLM  # noqa: E402
 
 
 def main(path: str, n: int = 2048) -> None:
@@ -43,8 +44,7 @@ def main(path: str, n: int = 2048) -> None:
 
         @torch.no_grad()
         def acc(depth: np.ndarray) -> list[float]:
-            h = model.run_loops(model.embed(x), uniform(Lm), torch.from_numpy(depth).expand_as(x), None)
-            pred = model.lm_head(model.norm_f(h)).argmax(-1)
+            pred = forced_depth_logits(model, x, torch.from_numpy(depth), Lm).argmax(-1)
             return [round(float((pred[:, lev == k] == y[:, lev == k]).float().mean()), 3) for k in (1, 2)]
 
         print("level 1, 2 at the oracle depths:", acc(need))
