@@ -207,8 +207,23 @@ GRID6 = {
     "fold m8 one layer": ("depth/base", [], {**F16, "symbols": 8, "layers": 1}),
     "fold m8 base-loop": ("depth/base-loop", [], {**F16, "symbols": 8}),
 }
-GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5, "6": GRID6}
-GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5, **GRID6}
+# Grid 7: the budget router with exploration (objective.router_explore): a share of the tokens runs a depth drawn
+# from the prior, so a token that exits early still tells its router whether deeper loops help.
+TLF = [*G1, "objective.align_positions=scored", "model.router_recipe=budget"]
+GRID7 = {
+    "fold m16 t-loopformer explore 0.25 curriculum": (
+        "depth/t-loopformer",
+        [*TLF, "objective.router_explore=0.25"],
+        {**F16, **CUR, "target": "need"},
+    ),
+    "fold m16 t-loopformer explore 0.25 no entropy curriculum": (
+        "depth/t-loopformer",
+        [*TLF, "objective.router_explore=0.25", "objective.router_entropy_weight=0"],
+        {**F16, **CUR, "target": "need"},
+    ),
+}
+GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5, "6": GRID6, "7": GRID7}
+GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5, **GRID6, **GRID7}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
 
 

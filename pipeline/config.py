@@ -211,6 +211,10 @@ class ObjectiveConfig:
     router_entropy_weight: float = f(
         0.1, "budget router recipe: weight of the mean per-token entropy of the exit distribution."
     )
+    router_explore: float = f(
+        0.0,
+        "Share of tokens whose training depth is drawn from the router's prior (budget recipe; uniform over 1..loops for paper) instead of the router's, so the straight-through estimator also sees loops past a token's exit; validation and eval never explore. 0: off.",
+    )
 
     def validate(self, model: ModelConfig) -> None:
         if model.variant in VARIANT_TABLE:
@@ -220,6 +224,12 @@ class ObjectiveConfig:
         for k in ("router_balance_weight", "router_entropy_weight"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"objective.{k} must be >= 0, got {getattr(self, k)}")
+        if not 0.0 <= self.router_explore <= 1.0:
+            raise ConfigError(f"objective.router_explore must lie in [0, 1], got {self.router_explore}")
+        if self.router_explore > 0 and not model.router:
+            raise ConfigError(
+                f"objective.router_explore={self.router_explore} needs a router (model.router=true, t-loopformer)"
+            )
 
 
 def _yaml_scalar(x) -> str:

@@ -103,6 +103,7 @@ def test_overrides_are_typed():
             "model.router_target_depth must be 0 (default) or lie strictly between 1 and model.loops (4)",
         ),
         ("objective.router_entropy_weight=-1", "objective.router_entropy_weight must be >= 0"),
+        ("objective.router_explore=1.5", "objective.router_explore must lie in [0, 1], got 1.5"),
         ("eval.loops=[9]", "eval.loops: budget 9"),
         ("model.loops.x=1", "'model.loops' is not a section"),
         ("model", "must look like section.key=value"),
@@ -114,8 +115,14 @@ def test_bad_overrides_name_the_key(override, needle):
     assert needle in str(e.value)
 
 
+def test_exploration_without_a_router_is_an_error():
+    with pytest.raises(ConfigError, match=r"objective.router_explore=0.25 needs a router"):
+        load_config("tiny/loopformer", ["objective.router_explore=0.25"])
+
+
 def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_key(tmp_path):
-    assert set(ModelConfig.MOVED) == {f.name for f in dataclasses.fields(ObjectiveConfig)}
+    born_there = {"router_explore"}  # objective keys that were never model keys
+    assert set(ModelConfig.MOVED) == {f.name for f in dataclasses.fields(ObjectiveConfig)} - born_there
     for old, new in ModelConfig.MOVED.items():
         with pytest.raises(ConfigError) as e:
             load_config("tiny/t-loopformer", [f"model.{old}=1"])
@@ -129,11 +136,16 @@ def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_ke
 def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     """Checkpoints and exports written before the move hold the objective's keys under `model`."""
     old = Config().to_dict()
-    old["model"].update(old.pop("objective"), lambda_short=0.3, align_target="hidden")
+    objective = old.pop("objective")
+    objective.pop("router_explore")  # newer than the move: an old file does not have it
+    old["model"].update(objective, lambda_short=0.3, align_target="hidden")
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in old.items()}
     cfg = config_from_dict(old, "old checkpoint")
     assert cfg.objective.lambda_short == 0.3 and cfg.objective.align_target == "hidden"
-    assert cfg.to_dict() == upgrade(old) and old == before  # the stored dict is left as it was
+    assert cfg.objective.router_explore == 0.0  # a key the old file lacks keeps its default
+    expected = upgrade(old)
+    expected["objective"]["router_explore"] = 0.0
+    assert cfg.to_dict() == expected and old == before  # the stored dict is left as it was
 
 
 def test_yaml_errors_name_the_file(tmp_path):

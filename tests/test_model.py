@@ -264,6 +264,81 @@ def test_budget_loss_reaches_depths_no_token_runs():
     assert bool((logits.grad[..., L - 1] < 0).all())  # descending the loss raises the depth-L logit
 
 
+# ------------------------------------------------------------------------ router exploration
+@pytest.mark.parametrize("recipe", ["budget", "paper"])
+def test_exploration_draws_a_share_of_depths_from_the_prior(recipe):
+    """Router.explore: a token is drawn with probability `share`, its depth then follows the prior q (budget) or
+    the uniform distribution (paper); a smaller budget still clips every depth (the shortcut pass's rule)."""
+    from pipeline.model.router import Router
+
+    L, n = 4, 200_000
+    torch.manual_seed(0)
+    router = Router(16, 8, L, recipe, target_depth=2.2)
+    r = router(torch.randn(1, n, 16))
+    own = r.depth(L, 0.5)
+    for share in (1.0, 0.3):
+        e = router.explore(r, share)
+        picked = e.drawn > 0
+        assert abs(float(picked.float().mean()) - share) < 0.01
+        assert torch.equal(e.depth(L, 0.5)[~picked], own[~picked])  # the others keep the router's depth
+        hist = torch.stack([(e.drawn[picked] == k).float().mean() for k in range(1, L + 1)])
+        q = depth_prior(L, 2.2).float() if recipe == "budget" else torch.full((L,), 1 / L)
+        torch.testing.assert_close(hist, q, atol=0.01, rtol=0)
+        for S in range(1, L + 1):
+            assert torch.equal(e.depth(S, 0.5), e.depth(L, 0.5).clamp(max=S))
+
+
+def _exits_at_one(model):
+    """Every token's router says depth 1, unsaturated: p(2) = 0.42 < theta."""
+    with torch.no_grad():
+        model.router.fc2.weight.zero_()
+        model.router.fc2.bias.copy_(torch.tensor([1.0, 0.0, -0.5, -1.0]))
+    return model
+
+
+def test_exploration_gives_tokens_that_exit_early_the_signal_to_go_deeper():
+    """With every token exiting after loop 1 the straight-through estimator has nothing to say about p(2..L)
+    (the router gets no loss gradient at all); with exploration the tokens drawn deeper run those loops and
+    the router learns from them. Validation (full_only) never explores."""
+    idx, tgt = batch(B=2, T=24)
+    k = torch.tensor([2, 2])
+    grads_of = {}
+    for share in (0.0, 0.5):
+        model = _exits_at_one(make("t-loopformer", "model.router_recipe=budget", seed=0)).train()
+        obj = objective(model)
+        obj.cfg.router_balance_weight = obj.cfg.router_entropy_weight = 0.0  # only the STE reaches the router
+        obj.cfg.router_explore = share
+        torch.manual_seed(3)
+        out = obj(idx, tgt, k)
+        out.loss.backward()
+        grads_of[share] = model.router.fc2.weight.grad
+        assert (int(out.depth.max()) > 1) == (share > 0)
+        ev = obj(idx, tgt, full_only=True)
+        assert int(ev.depth.max()) == 1  # validation runs the router's own depth
+    assert grads_of[0.0] is None or float(grads_of[0.0].abs().sum()) == 0.0
+    assert float(grads_of[0.5].abs().sum()) > 0
+
+
+def test_gather_scatter_equals_dense_reference_under_exploration():
+    model = make("t-loopformer", "model.router_recipe=budget")
+    idx, tgt = batch()
+    k = torch.tensor([1, 2, 1])
+    obj = objective(model)
+    obj.cfg.router_explore = 0.5
+    res = []
+    for gs in (True, False):
+        model.zero_grad()
+        torch.manual_seed(5)  # the same draws on both paths
+        out = obj(idx, tgt, k, gather_scatter=gs)
+        out.loss.backward()
+        res.append((out, grads(model)))
+    (a, ga), (b, gb) = res
+    assert torch.equal(a.depth, b.depth)
+    torch.testing.assert_close(a.parts, b.parts, atol=1e-5, rtol=0)
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], atol=1e-5, rtol=0, msg=n)
+
+
 # ----------------------------------------------------------------------------- conditioning
 def test_zero_initialised_modulator_is_identity():
     model = make("t-loopformer", perturb=False)

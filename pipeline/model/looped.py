@@ -414,6 +414,7 @@ class LoopedLM(nn.Module):
         threshold: float | None = None,
         gather_scatter: bool | None = None,
         ste: bool = False,
+        explore: float = 0.0,
     ) -> LoopedLMOutput:
         """idx (B, T) tokens; loops = budget M <= L (default L; elastic inference uses the uniform schedule 1/M and
         clips router depth at M). shortcut: (S,) positive ints summing to L (M must be L): also run the pass with
@@ -423,14 +424,17 @@ class LoopedLM(nn.Module):
         are arguments of the call, never model state: router=False runs every token through the whole budget
         (the router is not consulted); threshold overrides `cfg.router_threshold`; gather_scatter overrides
         `cfg.gather_scatter` (False: the dense masked reference); ste: scale each active token's loop update by
-        1 + p(i) - sg(p(i)) so the router gets a gradient (the values are unchanged). Nothing here depends on
-        `self.training`."""
+        1 + p(i) - sg(p(i)) so the router gets a gradient (the values are unchanged); explore: the share of tokens
+        that run a depth drawn from the router's prior instead of their own (`Router.explore`; training only,
+        the objective passes `objective.router_explore`). Nothing here depends on `self.training`."""
         L = self.cfg.loops
         M = loops or L
         assert 1 <= M <= L, f"loop budget {M} must lie in 1..{L}"
         assert shortcut is None or M == L, "a shortcut pass is run beside the full budget M = L only"
         h0 = self.embed(idx)  # (B, T, d)
         r = self.route(h0, router)
+        if r is not None and explore > 0:
+            r = self.router.explore(r, explore)
         gs = self.cfg.gather_scatter if gather_scatter is None else gather_scatter
         # |A_i| of every loop of both passes from one host read (the shortcut pass's are this pass's first S)
         counts = active_counts(r.depth(M, self._theta(threshold)), M) if (r is not None and gs) else None

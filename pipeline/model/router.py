@@ -38,10 +38,13 @@ import torch.nn.functional as F
 class RouterOutput:
     logits: torch.Tensor  # (B, T, L) router logits
     cont: torch.Tensor  # (B, T, L) continue probabilities p(i), p(1) == 1 exactly (float32)
+    drawn: torch.Tensor | None = None  # (B, T) int64 exploration depths in 0..L (0: the router's own), or None
 
     def depth(self, M: int, threshold: float) -> torch.Tensor:
-        """(B, T) int64 depth in 1..M: 1 + #{2 <= i <= M : p(i) > theta} (= max{i <= M : p(i) > theta})."""
-        return 1 + (self.cont[..., 1:M] > threshold).sum(-1)
+        """(B, T) int64 depth in 1..M: 1 + #{2 <= i <= M : p(i) > theta} (= max{i <= M : p(i) > theta}); a token
+        with an exploration depth (`Router.explore`) runs that depth instead, clipped at M."""
+        d = 1 + (self.cont[..., 1:M] > threshold).sum(-1)
+        return d if self.drawn is None else torch.where(self.drawn > 0, self.drawn.clamp(max=M), d)
 
 
 @dataclass
@@ -138,6 +141,21 @@ class Router(nn.Module):
         cont = pi.flip(-1).cumsum(-1).flip(-1)
         cont = torch.cat([torch.ones_like(cont[..., :1]), cont[..., 1:].clamp_max(1.0)], dim=-1)
         return RouterOutput(logits=logits, cont=cont)
+
+    def explore(self, r: RouterOutput, share: float) -> RouterOutput:
+        """r with exploration depths (`objective.router_explore`): each token, with probability `share`, runs a
+        depth drawn from the prior q (budget recipe; the paper recipe, which has none, from the uniform
+        distribution over 1..L) instead of its thresholded one. A token drawn past its exit runs loops it
+        would skip, so the straight-through estimator tells its p(i) whether those loops lower the loss:
+        without it a token that exits early never learns that it should go deeper. One uniform draw per
+        token from torch's global RNG (checkpointed: resume stays exact): u < share picks the token, and
+        u / share, uniform in [0, 1) then, picks its depth by q's cumulative sums."""
+        L = r.cont.shape[-1]
+        q = self.prior if self.recipe == "budget" else torch.full((L,), 1.0 / L, device=r.cont.device)
+        u = torch.rand(r.cont.shape[:-1], device=r.cont.device)  # (B, T)
+        cdf = q.to(u.dtype).cumsum(0)[:-1]  # (L-1,) the last is 1
+        drawn = 1 + (u[..., None] / share >= cdf).sum(-1)  # (B, T) in 1..L
+        return RouterOutput(r.logits, r.cont, torch.where(u < share, drawn, torch.zeros_like(drawn)))
 
     def aux_loss(
         self, r: RouterOutput, balance_weight: float, entropy_weight: float

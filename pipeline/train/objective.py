@@ -9,7 +9,8 @@ states) to the stop-gradient full pass's, over every position or (align_position
 By default (`fused_loss=True`) both heads, both cross-entropies and the logits alignment run fused by chunks of
 tokens in the network's head (`LMHead`, pipeline/model/head_loss.py): no (B, T, V) logits are materialised or kept
 for backward; `fused_loss=False` is the plain reference the tests compare with. The budget router recipe adds
-`Router.aux_loss` with this objective's weights.
+`Router.aux_loss` with this objective's weights; `router_explore` runs a share of the tokens at a depth drawn from
+the router's prior (`Router.explore`), training passes only.
 
 The result is typed (`ObjectiveOutput`): its field names are the names of the training metrics (README
 "Logging"): `loss`, the parts `loss_L`, `loss_S`, `loss_align`, `loss_router`, and per pass the `DepthStats`
@@ -136,7 +137,7 @@ class Objective(nn.Module):
     ) -> ObjectiveOutput:
         """idx, targets (B, T) (targets -1: ignored). shortcut: (S,) positive ints summing to L (default: drawn
         from torch's global RNG). full_only: the full pass's cross-entropy alone (validation: no shortcut pass,
-        alignment or router loss). router, threshold, gather_scatter: as `LoopedLM.forward` takes them;
+        alignment, router loss or exploration). router, threshold, gather_scatter: as `LoopedLM.forward` takes them;
         fused_loss=False: the losses from materialised logits (the reference of the fused heads)."""
         c = self.cfg
         out = self.net(
@@ -147,6 +148,7 @@ class Objective(nn.Module):
             threshold=threshold,
             gather_scatter=gather_scatter,
             ste=c.router_ste,
+            explore=0.0 if full_only else c.router_explore,
         )
         loss, parts = self._fused_losses(out, targets) if fused_loss else self._losses(out, targets)
         if out.short is not None and not (fused_loss and c.align_target == "logits"):  # (the fused call aligns logits)
