@@ -221,6 +221,15 @@ GRID7 = {
         [*TLF, "objective.router_explore=0.25", "objective.router_entropy_weight=0"],
         {**F16, **CUR, "target": "need"},
     ),
+    "fold m16 t-loopformer explore 0.25 log-ste no entropy curriculum": (
+        "depth/t-loopformer",
+        [*TLF, "objective.router_explore=0.25", "objective.router_ste_log=true", "objective.router_entropy_weight=0"],
+        {**F16, **CUR, "target": "need"},
+    ),
+    # m = 32: the two-fold table has 32,768 entries (m = 16: 4,096, which one layer learns): does level 2 then
+    # isolate depth (one layer fails, the oracle composes)?
+    "fold m32 one layer curriculum": ("depth/base", [], {**F16, "symbols": 32, "layers": 1, **CUR}),
+    "fold m32 oracle curriculum": ("depth/base-loop", [], {**F16, "symbols": 32, "depth": "oracle", **CUR}),
 }
 GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5, "6": GRID6, "7": GRID7}
 GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5, **GRID6, **GRID7}

@@ -207,6 +207,10 @@ class ObjectiveConfig:
         True,
         "Straight-through estimator: scale active updates by 1 + p(i) - sg(p(i)) (the router's gradient; values unchanged).",
     )
+    router_ste_log: bool = f(
+        False,
+        "The straight-through factor on log p(i) instead of p(i): its gradient on the exit logits stays of order one when p(i) is near 0, where p's own vanishes (README 'Router training').",
+    )
     router_balance_weight: float = f(1.0, "budget router recipe: weight of KL(prior || batch-mean exit distribution).")
     router_entropy_weight: float = f(
         0.1, "budget router recipe: weight of the mean per-token entropy of the exit distribution."

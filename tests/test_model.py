@@ -319,6 +319,36 @@ def test_exploration_gives_tokens_that_exit_early_the_signal_to_go_deeper():
     assert float(grads_of[0.5].abs().sum()) > 0
 
 
+def test_the_log_space_straight_through_factor_reaches_a_saturated_router():
+    """A router certain that every token exits after loop 1 (p(2) about 1e-13): tokens explored deeper run loops 2..L,
+    but p's gradient on the exit logits vanishes with p, so the router hears nothing; on log p(i)
+    (objective.router_ste_log) the same loops move the logits by an amount of order one. The forward is the same."""
+    idx, tgt = batch(B=2, T=24)
+    k = torch.tensor([2, 2])
+    res = {}
+    for log in (False, True):
+        model = _exits_at_one(make("t-loopformer", "model.router_recipe=budget", seed=0)).train()
+        with torch.no_grad():
+            model.router.fc2.bias[0] = 30.0
+        obj = objective(model)
+        obj.cfg.router_balance_weight = obj.cfg.router_entropy_weight = 0.0
+        obj.cfg.router_explore, obj.cfg.router_ste_log = 1.0, log
+        torch.manual_seed(3)
+        out = obj(idx, tgt, k)
+        out.loss.backward()
+        res[log] = (out.loss.detach(), float(model.router.fc2.bias.grad.abs().sum()))
+    assert torch.equal(res[False][0], res[True][0])  # the factor's value is 1 either way
+    assert res[True][1] > 1e9 * res[False][1]  # p's gradient carries a factor p(2) ~ 1e-13; log p's does not
+    assert res[True][1] > 1e-6
+    with torch.no_grad():
+        r = model.route(model.embed(idx))
+    lc = r.log_cont()
+    assert bool(torch.isfinite(lc).all()) and torch.equal(lc[..., 0], torch.zeros_like(lc[..., 0]))
+    assert float(lc[..., 1].max()) < -25  # log p(2) about -30, where p(2) itself is ~1e-13
+    ok = r.cont > 1e-6
+    torch.testing.assert_close(lc[ok], r.cont[ok].log(), atol=1e-5, rtol=0)
+
+
 def test_gather_scatter_equals_dense_reference_under_exploration():
     model = make("t-loopformer", "model.router_recipe=budget")
     idx, tgt = batch()

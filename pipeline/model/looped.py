@@ -358,15 +358,17 @@ class LoopedLM(nn.Module):
         gather_scatter: bool | None = None,
         hooks=None,
         ste: bool = False,
+        ste_log: bool = False,
     ):
         """One pass with schedule delta (budget M = len(delta)) from h0 (B, T, d): returns the final states
         before the norm (B, T, d) and the per-token depth (B, T) int64 in 1..M (all M without a router).
         counts: `active_counts` of a depth map of budget >= M from the same router output (None: read here).
         threshold: the router's exit threshold (default `cfg.router_threshold`); gather_scatter and hooks as
-        run_loops; ste: the router's straight-through estimator on each loop's update (gradients only)."""
+        run_loops; ste: the router's straight-through estimator on each loop's update (gradients only), on log p(i)
+        with ste_log."""
         M = delta.numel()
         depth = None if r is None else r.depth(M, self._theta(threshold))
-        cont = r.cont if (r is not None and ste) else None
+        cont = None if (r is None or not ste) else (r.log_cont() if ste_log else r.cont)
         h = self.run_loops(h0, delta, depth, cont, counts=counts, gather_scatter=gather_scatter, hooks=hooks)
         if depth is None:
             depth = torch.full(h0.shape[:2], M, dtype=torch.long, device=h0.device)
@@ -398,8 +400,8 @@ class LoopedLM(nn.Module):
         hooks = None if mask is None else _MaskHooks(mask)
         return self.final_states(h0, self.route(h0, router), uniform(M), threshold=threshold, hooks=hooks)
 
-    def _pass(self, h0, r: RouterOutput | None, delta: torch.Tensor, counts, threshold, gs, logits, ste) -> PassOutput:
-        h, depth = self.final_states(h0, r, delta, counts, threshold, gs, ste=ste)
+    def _pass(self, h0, r: RouterOutput | None, delta, counts, threshold, gs, logits, ste, ste_log) -> PassOutput:
+        h, depth = self.final_states(h0, r, delta, counts, threshold, gs, ste=ste, ste_log=ste_log)
         hf = self.norm_f(h)  # (B, T, d)
         return PassOutput(self.lm_head(hf) if logits else None, hf, depth, delta.numel())
 
@@ -414,6 +416,7 @@ class LoopedLM(nn.Module):
         threshold: float | None = None,
         gather_scatter: bool | None = None,
         ste: bool = False,
+        ste_log: bool = False,
         explore: float = 0.0,
     ) -> LoopedLMOutput:
         """idx (B, T) tokens; loops = budget M <= L (default L; elastic inference uses the uniform schedule 1/M and
@@ -424,7 +427,8 @@ class LoopedLM(nn.Module):
         are arguments of the call, never model state: router=False runs every token through the whole budget
         (the router is not consulted); threshold overrides `cfg.router_threshold`; gather_scatter overrides
         `cfg.gather_scatter` (False: the dense masked reference); ste: scale each active token's loop update by
-        1 + p(i) - sg(p(i)) so the router gets a gradient (the values are unchanged); explore: the share of tokens
+        1 + p(i) - sg(p(i)) so the router gets a gradient (the values are unchanged); ste_log: the same factor on
+        log p(i), 1 + log p(i) - sg(log p(i)), whose gradient on the exit logits does not vanish as p(i) -> 0; explore: the share of tokens
         that run a depth drawn from the router's prior instead of their own (`Router.explore`; training only,
         the objective passes `objective.router_explore`). Nothing here depends on `self.training`."""
         L = self.cfg.loops
@@ -438,10 +442,10 @@ class LoopedLM(nn.Module):
         gs = self.cfg.gather_scatter if gather_scatter is None else gather_scatter
         # |A_i| of every loop of both passes from one host read (the shortcut pass's are this pass's first S)
         counts = active_counts(r.depth(M, self._theta(threshold)), M) if (r is not None and gs) else None
-        full = self._pass(h0, r, uniform(M), counts, threshold, gs, logits, ste)
+        full = self._pass(h0, r, uniform(M), counts, threshold, gs, logits, ste, ste_log)
         short = None
         if shortcut is not None:
-            short = self._pass(h0, r, shortcut.double() / L, counts, threshold, gs, logits, ste)
+            short = self._pass(h0, r, shortcut.double() / L, counts, threshold, gs, logits, ste, ste_log)
         return LoopedLMOutput(full.logits, full.hidden, full.depth, full.loops, router=r, short=short)
 
     # ------------------------------------------------------------------------------- accounting

@@ -46,6 +46,11 @@ class RouterOutput:
         d = 1 + (self.cont[..., 1:M] > threshold).sum(-1)
         return d if self.drawn is None else torch.where(self.drawn > 0, self.drawn.clamp(max=M), d)
 
+    def log_cont(self) -> torch.Tensor:
+        """(B, T, L) log p(i), from the logits in log space (finite where p(i) underflows to 0; log p(1) = 0)."""
+        lc = torch.log_softmax(self.logits.float(), -1).flip(-1).logcumsumexp(-1).flip(-1)
+        return torch.cat([torch.zeros_like(lc[..., :1]), lc[..., 1:].clamp_max(0.0)], dim=-1)
+
 
 @dataclass
 class DepthStats:
