@@ -210,6 +210,12 @@ GRID6 = {
 # Grid 7: the budget router with exploration (objective.router_explore): a share of the tokens runs a depth drawn
 # from the prior, so a token that exits early still tells its router whether deeper loops help.
 TLF = [*G1, "objective.align_positions=scored", "model.router_recipe=budget"]
+FIXES = [  # exploration, the log-space factor, the factor on attention values, no entropy term
+    "objective.router_explore=0.25",
+    "objective.router_ste_log=true",
+    "objective.router_ste_keys=true",
+    "objective.router_entropy_weight=0",
+]
 GRID7 = {
     "fold m16 t-loopformer explore 0.25 curriculum": (
         "depth/t-loopformer",
@@ -226,10 +232,30 @@ GRID7 = {
         [*TLF, "objective.router_explore=0.25", "objective.router_ste_log=true", "objective.router_entropy_weight=0"],
         {**F16, **CUR, "target": "need"},
     ),
+    "fold m16 t-loopformer explore 1 log-ste no entropy curriculum": (
+        "depth/t-loopformer",
+        [*TLF, "objective.router_explore=1", "objective.router_ste_log=true", "objective.router_entropy_weight=0"],
+        {**F16, **CUR, "target": "need"},
+    ),
+    "fold m16 t-loopformer explore 0.25 log-ste keys no entropy curriculum": (
+        "depth/t-loopformer",
+        [*TLF, *FIXES],
+        {**F16, **CUR, "target": "need"},
+    ),
     # m = 32: the two-fold table has 32,768 entries (m = 16: 4,096, which one layer learns): does level 2 then
     # isolate depth (one layer fails, the oracle composes)?
     "fold m32 one layer curriculum": ("depth/base", [], {**F16, "symbols": 32, "layers": 1, **CUR}),
     "fold m32 oracle curriculum": ("depth/base-loop", [], {**F16, "symbols": 32, "depth": "oracle", **CUR}),
+    "fold m32 t-loopformer explore 0.25 log-ste keys no entropy curriculum": (
+        "depth/t-loopformer",
+        [*TLF, *FIXES],
+        {**F16, **CUR, "symbols": 32, "target": "need"},
+    ),
+    "fold m32 t-loopformer explore 0.25 log-ste no entropy curriculum": (
+        "depth/t-loopformer",
+        [*TLF, "objective.router_explore=0.25", "objective.router_ste_log=true", "objective.router_entropy_weight=0"],
+        {**F16, **CUR, "symbols": 32, "target": "need"},
+    ),
 }
 GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5, "6": GRID6, "7": GRID7}
 GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5, **GRID6, **GRID7}

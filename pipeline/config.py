@@ -211,6 +211,10 @@ class ObjectiveConfig:
         False,
         "The straight-through factor on log p(i) instead of p(i): its gradient on the exit logits stays of order one when p(i) is near 0, where p's own vanishes (README 'Router training').",
     )
+    router_ste_keys: bool = f(
+        False,
+        "The straight-through factor also on each token's attention values in a loop, so p(i) learns how much the loop's other tokens read it, not only what its own update did (README 'Router training').",
+    )
     router_balance_weight: float = f(1.0, "budget router recipe: weight of KL(prior || batch-mean exit distribution).")
     router_entropy_weight: float = f(
         0.1, "budget router recipe: weight of the mean per-token entropy of the exit distribution."

@@ -121,7 +121,7 @@ def test_exploration_without_a_router_is_an_error():
 
 
 def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_key(tmp_path):
-    born_there = {"router_explore", "router_ste_log"}  # objective keys that were never model keys
+    born_there = {"router_explore", "router_ste_log", "router_ste_keys"}  # objective keys that were never model keys
     assert set(ModelConfig.MOVED) == {f.name for f in dataclasses.fields(ObjectiveConfig)} - born_there
     for old, new in ModelConfig.MOVED.items():
         with pytest.raises(ConfigError) as e:
@@ -137,7 +137,11 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     """Checkpoints and exports written before the move hold the objective's keys under `model`."""
     old = Config().to_dict()
     objective = old.pop("objective")
-    for k in ("router_explore", "router_ste_log"):  # newer than the move: an old file does not have them
+    for k in (
+        "router_explore",
+        "router_ste_log",
+        "router_ste_keys",
+    ):  # newer than the move: an old file does not have them
         objective.pop(k)
     old["model"].update(objective, lambda_short=0.3, align_target="hidden")
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in old.items()}
@@ -145,7 +149,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     assert cfg.objective.lambda_short == 0.3 and cfg.objective.align_target == "hidden"
     assert cfg.objective.router_explore == 0.0  # a key the old file lacks keeps its default
     expected = upgrade(old)
-    expected["objective"].update(router_explore=0.0, router_ste_log=False)
+    expected["objective"].update(router_explore=0.0, router_ste_log=False, router_ste_keys=False)
     assert cfg.to_dict() == expected and old == before  # the stored dict is left as it was
 
 

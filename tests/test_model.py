@@ -349,6 +349,48 @@ def test_the_log_space_straight_through_factor_reaches_a_saturated_router():
     torch.testing.assert_close(lc[ok], r.cont[ok].log(), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("keys", [False, True])
+def test_a_tokens_last_loop_hears_that_others_read_it_only_with_the_key_factor(keys):
+    """Every token runs 2 loops and only the last position is scored. In loop 2 the query reads the other tokens'
+    states as keys, so whether they run loop 2 matters to its loss; but the update factor puts p(2) only on a
+    token's own loop-2 update, which nothing scored reads: a context token's p(2) gets exactly no gradient. The
+    factor on the attention values (ste_keys) gives it the query's use of that token."""
+    model = make("t-loopformer", "model.router_recipe=budget")
+    idx, tgt = batch(B=2, T=12)
+    h0 = model.embed(idx)
+    r = model.route(h0)
+    cont = r.cont.detach().requires_grad_(True)
+    depth = torch.full(idx.shape, 2)
+    h = model.run_loops(h0, uniform(2), depth, cont, ste_keys=keys)
+    logits, _ = model.head(h[:, -1:])
+    F.cross_entropy(logits.flatten(0, 1), tgt[:, -1]).backward()
+    g = cont.grad[..., 1]  # (B, T) d loss / d p(2)
+    assert bool((g[:, -1] != 0).all())  # the query's own update
+    assert bool((g[:, :-1] != 0).any()) == keys
+    if not keys:
+        assert bool((g[:, :-1] == 0).all())
+
+
+def test_the_key_factor_keeps_the_forward_and_gather_scatter_equals_dense():
+    model = make("t-loopformer", "model.router_recipe=budget")
+    idx, tgt = batch()
+    k = torch.tensor([1, 2, 1])
+    obj = objective(model)
+    res = []
+    for keys, gs in ((False, True), (True, True), (True, False)):
+        obj.cfg.router_ste_keys = keys
+        model.zero_grad()
+        out = obj(idx, tgt, k, gather_scatter=gs)
+        out.loss.backward()
+        res.append((out, grads(model)))
+    (plain, gp), (a, ga), (b, gb) = res
+    torch.testing.assert_close(plain.parts, a.parts, atol=1e-6, rtol=0)  # the factor's value is 1
+    assert not torch.equal(gp["router.fc2.weight"], ga["router.fc2.weight"])  # the router hears more
+    torch.testing.assert_close(a.parts, b.parts, atol=1e-5, rtol=0)
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], atol=1e-5, rtol=0, msg=n)
+
+
 def test_gather_scatter_equals_dense_reference_under_exploration():
     model = make("t-loopformer", "model.router_recipe=budget")
     idx, tgt = batch()

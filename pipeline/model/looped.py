@@ -81,6 +81,38 @@ class _StraightThrough(torch.autograd.Function):
         return None, g, gs
 
 
+class _KeyStraightThrough(torch.autograd.Function):
+    """The straight-through factor on a loop's attention values, v * (1 + s - sg(s)) for v (N, H, S, hd) and the
+    states' continue probabilities s (N, 1, S, 1): the value is v itself, v gets the incoming gradient unchanged
+    and s the projection sum_{H, hd} g * v, i.e. how much the loop's queries used each state as a key. Without
+    it a token's p(i) hears only about its own update in loop i, never that others read it there."""
+
+    @staticmethod
+    def forward(ctx, v, s):
+        ctx.save_for_backward(v)
+        return v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, g):
+        (v,) = ctx.saved_tensors
+        gs = (g * v).sum((1, 3), keepdim=True) if ctx.needs_input_grad[1] else None  # (N, 1, S, 1)
+        return g, gs
+
+
+def _key_ste_attend(s: torch.Tensor, mask: torch.Tensor | None):
+    """An attention override (q, k, v) -> y that runs SDPA (causal, or `mask`) with `_KeyStraightThrough` on v;
+    s (N, S) the states' continue probabilities."""
+    s = s[:, None, :, None]
+
+    def attend(q, k, v):
+        v = _KeyStraightThrough.apply(v, s.to(v.dtype))
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return attend
+
+
 class _MaskHooks:
     """run_loops hooks for `LoopedLM.hidden_states` with an explicit (B, T, T) attention mask: each loop's mask
     among its compacted tokens is gathered once by `order` (the tril keeps the tail of pad slots hidden from
@@ -229,6 +261,7 @@ class LoopedLM(nn.Module):
         cont: torch.Tensor | None = None,
         active: torch.Tensor | None = None,
         by_index: bool = True,
+        ste_keys: bool = False,
     ) -> torch.Tensor:
         """Loop i of a pass of budget M on the states h (N, S, d) that a caller chose for it (a row's compacted
         active tokens, the decoder's gathered rows, or every token under a mask): the one place where a loop's
@@ -238,8 +271,12 @@ class LoopedLM(nn.Module):
         probability p(i) of each state, for the router's straight-through estimator (None: none; loop 1's is the
         identity). active (N, S) bool: the states that take the loop's output; the others (exited tokens, tail
         padding of a compaction) leave it unchanged (None: all take it). by_index=False gathers the modulation
-        rows per token (the dense reference). Returns the states after the loop (N, S, d)."""
+        rows per token (the dense reference). ste_keys: the straight-through factor also on the states' attention
+        values (`_KeyStraightThrough`; needs cont and no `attends`). Returns the states after the loop (N, S, d)."""
         mods = self.loop_mods(tables, i, M, depth, by_index)
+        if ste_keys and cont is not None and i > 1:
+            assert attends is None, "the key straight-through factor runs its own attention (no KV-cache hooks)"
+            attends = [_key_ste_attend(cont, mask)] * len(self.layers)
         out = self.layers(h, mods, mask, attends)  # (N, S, d)
         if cont is not None and i > 1:  # p(1) is the constant 1
             out = _StraightThrough.apply(h, out, cont.to(out.dtype)[..., None])
@@ -255,6 +292,7 @@ class LoopedLM(nn.Module):
         hooks=None,
         counts: np.ndarray | None = None,
         gather_scatter: bool | None = None,
+        ste_keys: bool = False,
     ) -> torch.Tensor:
         """Runs M = len(delta) loops from h0 (B, T, d). depth (B, T) in 0..M (0: a token that runs no loop,
         e.g. padding) or None (every token depth M); cont (B, T, L) continue probabilities for the
@@ -264,7 +302,8 @@ class LoopedLM(nn.Module):
         compacted active tokens (None: no compaction) and n (B,) numpy int64 the |A_i| of each row; hooks force
         the gather-scatter path. counts: (B, >= M) numpy int64 |A_i| of each row and loop (`active_counts`), or
         None to read them here: the pass's only host sync. gather_scatter: compact the active tokens (default
-        `cfg.gather_scatter`) or run the dense masked reference. Returns the final states (B, T, d); exited
+        `cfg.gather_scatter`) or run the dense masked reference. ste_keys: the straight-through factor
+        also on each loop's attention values (`LoopedLM.loop`). Returns the final states (B, T, d); exited
         tokens keep their last state. Each loop is `loop`; this method only chooses its active states."""
         M = delta.numel()
         tables = self.modulation_tables(delta) if tables is None else tables
@@ -280,23 +319,24 @@ class LoopedLM(nn.Module):
                 n = np.full(B, T, dtype=np.int64)
                 h = self.loop(h, i, M, tables, attends=self._attends(hooks, i, None, n))
             elif not compact:  # the dense reference (never with hooks)
-                h = self._masked_loop(h, i, M, tables, depth, p)
+                h = self._masked_loop(h, i, M, tables, depth, p, ste_keys)
             else:
                 n = counts[:, i - 1]  # (B,) |A_i| per row, on the host
                 if int(n.max()) == 0:
                     break
-                h = self._compacted_loop(h, i, M, tables, depth, p, n, hooks)
+                h = self._compacted_loop(h, i, M, tables, depth, p, n, hooks, ste_keys)
             if hooks is not None:
                 hooks.loop_done(i, n)
         return h
 
-    def _compacted_loop(self, h, i, M, tables, depth, cont, n: np.ndarray, hooks) -> torch.Tensor:
+    def _compacted_loop(self, h, i, M, tables, depth, cont, n: np.ndarray, hooks, ste_keys=False) -> torch.Tensor:
         """Loop i on each row's active tokens (depth >= i) of h (B, T, d), compacted in position order to the
         front of a (B, Tm, d) tensor (Tm = max n, n (B,) the rows' |A_i| on the host; shorter rows padded at the
         tail, so plain causal attention never lets a real query see a pad), then scattered back."""
         B, T, d = h.shape
         if int(n.min()) == T:  # every token active (always so in loop 1): nothing to compact
-            return self.loop(h, i, M, tables, depth, attends=self._attends(hooks, i, None, n), cont=cont)
+            attends = self._attends(hooks, i, None, n)
+            return self.loop(h, i, M, tables, depth, attends=attends, cont=cont, ste_keys=ste_keys)
         Tm = int(n.max())
         order = torch.sort((~(depth >= i)).to(torch.uint8), dim=1, stable=True).indices[:, :Tm]  # (B, Tm)
         gidx = order[..., None].expand(B, Tm, d)
@@ -311,10 +351,11 @@ class LoopedLM(nn.Module):
             attends=self._attends(hooks, i, order, n),  # None: causal among A_i
             cont=None if cont is None else cont.gather(1, order),
             active=real,
+            ste_keys=ste_keys,
         )
         return h.scatter(1, gidx, out)
 
-    def _masked_loop(self, h, i, M, tables, depth, cont) -> torch.Tensor:
+    def _masked_loop(self, h, i, M, tables, depth, cont, ste_keys=False) -> torch.Tensor:
         """The dense reference of loop i: every token of h (B, T, d) computed; query tau attends key tau' iff
         tau' <= tau and tau' in A_i (or tau' = tau); only active tokens take the output."""
         T = h.shape[1]
@@ -322,7 +363,7 @@ class LoopedLM(nn.Module):
         causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
         eye = torch.eye(T, dtype=torch.bool, device=h.device)
         mask = ((causal[None] & active[:, None, :]) | eye[None])[:, None]  # (B, 1, T, T)
-        return self.loop(h, i, M, tables, depth, mask=mask, cont=cont, active=active, by_index=False)
+        return self.loop(h, i, M, tables, depth, mask=mask, cont=cont, active=active, by_index=False, ste_keys=ste_keys)
 
     def _attends(self, hooks, i: int, order, n) -> list | None:
         return None if hooks is None else [hooks.attend(i, j, order, n) for j in range(len(self.layers))]
@@ -359,17 +400,20 @@ class LoopedLM(nn.Module):
         hooks=None,
         ste: bool = False,
         ste_log: bool = False,
+        ste_keys: bool = False,
     ):
         """One pass with schedule delta (budget M = len(delta)) from h0 (B, T, d): returns the final states
         before the norm (B, T, d) and the per-token depth (B, T) int64 in 1..M (all M without a router).
         counts: `active_counts` of a depth map of budget >= M from the same router output (None: read here).
         threshold: the router's exit threshold (default `cfg.router_threshold`); gather_scatter and hooks as
         run_loops; ste: the router's straight-through estimator on each loop's update (gradients only), on log p(i)
-        with ste_log."""
+        with ste_log, and with ste_keys on each loop's attention values too."""
         M = delta.numel()
         depth = None if r is None else r.depth(M, self._theta(threshold))
         cont = None if (r is None or not ste) else (r.log_cont() if ste_log else r.cont)
-        h = self.run_loops(h0, delta, depth, cont, counts=counts, gather_scatter=gather_scatter, hooks=hooks)
+        h = self.run_loops(
+            h0, delta, depth, cont, counts=counts, gather_scatter=gather_scatter, hooks=hooks, ste_keys=ste_keys
+        )
         if depth is None:
             depth = torch.full(h0.shape[:2], M, dtype=torch.long, device=h0.device)
         return h, depth
@@ -400,8 +444,8 @@ class LoopedLM(nn.Module):
         hooks = None if mask is None else _MaskHooks(mask)
         return self.final_states(h0, self.route(h0, router), uniform(M), threshold=threshold, hooks=hooks)
 
-    def _pass(self, h0, r: RouterOutput | None, delta, counts, threshold, gs, logits, ste, ste_log) -> PassOutput:
-        h, depth = self.final_states(h0, r, delta, counts, threshold, gs, ste=ste, ste_log=ste_log)
+    def _pass(self, h0, r: RouterOutput | None, delta, counts, threshold, gs, logits, ste: dict) -> PassOutput:
+        h, depth = self.final_states(h0, r, delta, counts, threshold, gs, **ste)
         hf = self.norm_f(h)  # (B, T, d)
         return PassOutput(self.lm_head(hf) if logits else None, hf, depth, delta.numel())
 
@@ -417,6 +461,7 @@ class LoopedLM(nn.Module):
         gather_scatter: bool | None = None,
         ste: bool = False,
         ste_log: bool = False,
+        ste_keys: bool = False,
         explore: float = 0.0,
     ) -> LoopedLMOutput:
         """idx (B, T) tokens; loops = budget M <= L (default L; elastic inference uses the uniform schedule 1/M and
@@ -428,7 +473,9 @@ class LoopedLM(nn.Module):
         (the router is not consulted); threshold overrides `cfg.router_threshold`; gather_scatter overrides
         `cfg.gather_scatter` (False: the dense masked reference); ste: scale each active token's loop update by
         1 + p(i) - sg(p(i)) so the router gets a gradient (the values are unchanged); ste_log: the same factor on
-        log p(i), 1 + log p(i) - sg(log p(i)), whose gradient on the exit logits does not vanish as p(i) -> 0; explore: the share of tokens
+        log p(i), 1 + log p(i) - sg(log p(i)), whose gradient on the exit logits does not vanish as p(i) -> 0;
+        ste_keys: the factor also on each active token's attention values in the loop, so p(i) hears how much the
+        loop's queries read the token (`_KeyStraightThrough`); explore: the share of tokens
         that run a depth drawn from the router's prior instead of their own (`Router.explore`; training only,
         the objective passes `objective.router_explore`). Nothing here depends on `self.training`."""
         L = self.cfg.loops
@@ -442,10 +489,11 @@ class LoopedLM(nn.Module):
         gs = self.cfg.gather_scatter if gather_scatter is None else gather_scatter
         # |A_i| of every loop of both passes from one host read (the shortcut pass's are this pass's first S)
         counts = active_counts(r.depth(M, self._theta(threshold)), M) if (r is not None and gs) else None
-        full = self._pass(h0, r, uniform(M), counts, threshold, gs, logits, ste, ste_log)
+        ste_args = {"ste": ste, "ste_log": ste_log, "ste_keys": ste_keys}
+        full = self._pass(h0, r, uniform(M), counts, threshold, gs, logits, ste_args)
         short = None
         if shortcut is not None:
-            short = self._pass(h0, r, shortcut.double() / L, counts, threshold, gs, logits, ste, ste_log)
+            short = self._pass(h0, r, shortcut.double() / L, counts, threshold, gs, logits, ste_args)
         return LoopedLMOutput(full.logits, full.hidden, full.depth, full.loops, router=r, short=short)
 
     # ------------------------------------------------------------------------------- accounting

@@ -149,6 +149,7 @@ class Objective(nn.Module):
             gather_scatter=gather_scatter,
             ste=c.router_ste,
             ste_log=c.router_ste_log,
+            ste_keys=c.router_ste_keys,
             explore=0.0 if full_only else c.router_explore,
         )
         loss, parts = self._fused_losses(out, targets) if fused_loss else self._losses(out, targets)
