@@ -389,6 +389,13 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
                 acc["depth_mean"] = [float(d[lev == k].mean()) for k in range(1, Lt + 1)]
                 acc["depth_ge_level"] = [float((d[lev == k] >= k).mean()) for k in range(1, Lt + 1)]
                 acc["depth_all_tokens"] = float(d.mean())
+                if s.get("task") == "fold":  # every position has a need: the context cells too
+                    import foldtask
+
+                    nd = np.broadcast_to(foldtask.need(Lt)[:-1].clip(max=Lm), d.shape)
+                    cells = (lev == 0) & (nd >= 2)  # context cells that must stay for a later query to read them
+                    acc["depth_ge_need"] = float((d >= nd).mean())  # every position
+                    acc["cells_depth_ge_need"] = float((d[cells] >= nd[cells]).mean())
             ok = pred == y.cpu().numpy()
             acc[M] = [float(ok[lev > 0].mean())] + [float(ok[lev == k].mean()) for k in range(1, Lt + 1)]
         model.train()

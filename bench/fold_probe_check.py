@@ -4,7 +4,8 @@
   one loop, and with its left neighbour x_1 stopped after one loop (so the query cannot read x_1's first-loop
   state in loop 2): composition needs both;
 - routed models: the router's continue probabilities p(2..L) at each level's query (mean over documents and
-  their spread), against the same network freshly initialised (the probe's seed).
+  their spread), and the executed depth of the context cells by their need, against the same network freshly
+  initialised (the probe's seed).
 
     python bench/fold_probe_check.py bench/results/depth_probe_grid6/fold_m16_oracle_curriculum.pt
 
@@ -64,6 +65,10 @@ def main(path: str, n: int = 2048) -> None:
                 mean = [[round(float(v), 3) for v in c[:, t, 1:].mean(0)] for t in queries]
                 spread = [round(float(c[:, t, 1].std()), 3) for t in queries]
                 print(f"{name}: p(2..{Lm}) at the level 1..{L} queries {mean}; std of p(2) over documents {spread}")
+                d = m.route(m.embed(x)).depth(Lm, m.cfg.router_threshold).numpy()  # (B, T) executed depth
+                cells = (lev == 0) & (need >= 2)  # context cells a later query must read in loop need
+                by = {int(k): round(float(d[:, cells & (need == k)].mean()), 2) for k in np.unique(need[cells])}
+                print(f"{name}: executed depth of the context cells by their need {by}")
 
 
 if __name__ == "__main__":
