@@ -90,19 +90,23 @@ def test_gather_scatter_elastic_budget_and_threshold():
         assert int(a.depth.max()) <= M
 
 
-@pytest.mark.parametrize("mode", ["loop", "layer"])
-def test_activation_checkpointing_is_exact(mode):
+@pytest.mark.parametrize("mode,keys", [("loop", False), ("layer", False), ("loop", True)])
+def test_activation_checkpointing_is_exact(mode, keys):
+    """keys: the key straight-through factor's attention closes over the continue probabilities, which the
+    recomputation must still connect to the router."""
     model = make()
     idx, tgt = batch(B=2, T=24)
     k = torch.tensor([2, 2])
     model.train()
-    objective(model)(idx, tgt, k).loss.backward()
+    obj = objective(model)
+    obj.cfg.router_ste_keys = keys
+    obj(idx, tgt, k).loss.backward()
     ref = grads(model)
     sd = {k_: v.clone() for k_, v in model.state_dict().items()}
     model.zero_grad()
     apply_ac(model, mode)
     assert checkpointed_mode(model) == mode
-    objective(model)(idx, tgt, k).loss.backward()
+    obj(idx, tgt, k).loss.backward()
     for n, g in grads(model).items():
         torch.testing.assert_close(g, ref[n], atol=1e-6, rtol=0, msg=n)
     # applied from outside: names and state dict unchanged, so checkpoints load either way
