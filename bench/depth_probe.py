@@ -242,6 +242,11 @@ GRID7 = {
         [*TLF, *FIXES],
         {**F16, **CUR, "target": "need"},
     ),
+    "fold m16 t-loopformer explore 1 log-ste keys no entropy curriculum": (
+        "depth/t-loopformer",
+        [*TLF, *FIXES, "objective.router_explore=1"],
+        {**F16, **CUR, "target": "need"},
+    ),
     # m = 32: the two-fold table has 32,768 entries (m = 16: 4,096, which one layer learns): does level 2 then
     # isolate depth (one layer fails, the oracle composes)?
     "fold m32 one layer curriculum": ("depth/base", [], {**F16, "symbols": 32, "layers": 1, **CUR}),
