@@ -238,6 +238,12 @@ class ObjectiveConfig:
             raise ConfigError(
                 f"objective.router_explore={self.router_explore} needs a router (model.router=true, t-loopformer)"
             )
+        for k in ("router_ste_log", "router_ste_keys"):  # refinements of the straight-through factor
+            if getattr(self, k) and not (model.router and self.router_ste):
+                raise ConfigError(
+                    f"objective.{k}=true needs the straight-through estimator (objective.router_ste=true) and a router "
+                    "(model.router=true, t-loopformer)"
+                )
 
 
 def _yaml_scalar(x) -> str:

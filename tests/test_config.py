@@ -115,9 +115,15 @@ def test_bad_overrides_name_the_key(override, needle):
     assert needle in str(e.value)
 
 
-def test_exploration_without_a_router_is_an_error():
+def test_router_training_options_without_what_they_act_on_are_errors():
     with pytest.raises(ConfigError, match=r"objective.router_explore=0.25 needs a router"):
         load_config("tiny/loopformer", ["objective.router_explore=0.25"])
+    for k in ("router_ste_log", "router_ste_keys"):
+        with pytest.raises(ConfigError, match=rf"objective.{k}=true needs the straight-through estimator"):
+            load_config("tiny/t-loopformer", [f"objective.{k}=true", "objective.router_ste=false"])
+        with pytest.raises(ConfigError, match=rf"objective.{k}=true needs"):
+            load_config("tiny/loopformer", [f"objective.{k}=true"])
+        load_config("tiny/t-loopformer", [f"objective.{k}=true"])  # with both: fine
 
 
 def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_key(tmp_path):
