@@ -360,13 +360,16 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, s["beta2"]), weight_decay=s["wd"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s["warmup"]))
     Lm = cfg.model.loops
-    oracle = s.get("depth") == "oracle"  # every token runs the loops it needs (the fold task's `need`)
-    if oracle:
+    fold_need = None  # (T-1,) the loops each position needs, capped at the model's (the fold task only)
+    if s.get("task") == "fold":
         import foldtask
 
-        if s.get("task") != "fold" or model.router is not None:
+        fold_need = foldtask.need(Lt)[:-1].clip(max=Lm)
+    oracle = s.get("depth") == "oracle"  # every token runs the loops it needs (the fold task's `need`)
+    if oracle:
+        if fold_need is None or model.router is not None:
             raise ValueError("depth 'oracle' needs task 'fold' and a model without a router")
-        need = torch.from_numpy(foldtask.need(Lt)[:-1]).clamp(max=Lm).to(device)  # (T-1,)
+        need = torch.from_numpy(fold_need).to(device)  # (T-1,)
     cap = [1 if s.get("curriculum") else Lt]  # scored levels <= cap; a curriculum raises it at 0.9 accuracy
 
     def batch(docs, lev, limit):  # the loader's split; only the answers of levels 1..limit scored (-1 elsewhere)
@@ -394,10 +397,8 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
                 acc["depth_mean"] = [float(d[lev == k].mean()) for k in range(1, Lt + 1)]
                 acc["depth_ge_level"] = [float((d[lev == k] >= k).mean()) for k in range(1, Lt + 1)]
                 acc["depth_all_tokens"] = float(d.mean())
-                if s.get("task") == "fold":  # every position has a need: the context cells too
-                    import foldtask
-
-                    nd = np.broadcast_to(foldtask.need(Lt)[:-1].clip(max=Lm), d.shape)
+                if fold_need is not None:  # every position has a need: the context cells too
+                    nd = np.broadcast_to(fold_need, d.shape)
                     cells = (lev == 0) & (nd >= 2)  # context cells that must stay for a later query to read them
                     acc["depth_ge_need"] = float((d >= nd).mean())  # every position
                     acc["cells_depth_ge_need"] = float((d[cells] >= nd[cells]).mean())

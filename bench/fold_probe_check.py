@@ -61,11 +61,12 @@ def main(path: str, n: int = 2048) -> None:
         queries = np.flatnonzero(lev)
         with torch.no_grad():
             for name, m in (("trained", model), ("at init", fresh)):
-                c = m.route(m.embed(x)).cont  # (B, T, L): p(1) == 1
+                r = m.route(m.embed(x))
+                c = r.cont  # (B, T, L): p(1) == 1
                 mean = [[round(float(v), 3) for v in c[:, t, 1:].mean(0)] for t in queries]
                 spread = [round(float(c[:, t, 1].std()), 3) for t in queries]
                 print(f"{name}: p(2..{Lm}) at the level 1..{L} queries {mean}; std of p(2) over documents {spread}")
-                d = m.route(m.embed(x)).depth(Lm, m.cfg.router_threshold).numpy()  # (B, T) executed depth
+                d = r.depth(Lm, m.cfg.router_threshold).numpy()  # (B, T) executed depth
                 cells = (lev == 0) & (need >= 2)  # context cells a later query must read in loop need
                 by = {int(k): round(float(d[:, cells & (need == k)].mean()), 2) for k in np.unique(need[cells])}
                 print(f"{name}: executed depth of the context cells by their need {by}")

@@ -410,7 +410,7 @@ class LoopedLM(nn.Module):
         with ste_log, and with ste_keys on each loop's attention values too."""
         M = delta.numel()
         depth = None if r is None else r.depth(M, self._theta(threshold))
-        cont = None if (r is None or not ste) else (r.log_cont() if ste_log else r.cont)
+        cont = None if (r is None or not ste) else (r.log_cont if ste_log else r.cont)
         h = self.run_loops(
             h0, delta, depth, cont, counts=counts, gather_scatter=gather_scatter, hooks=hooks, ste_keys=ste_keys
         )

@@ -26,6 +26,7 @@ Two training recipes (`model.router_recipe`):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -46,8 +47,10 @@ class RouterOutput:
         d = 1 + (self.cont[..., 1:M] > threshold).sum(-1)
         return d if self.drawn is None else torch.where(self.drawn > 0, self.drawn.clamp(max=M), d)
 
+    @functools.cached_property
     def log_cont(self) -> torch.Tensor:
-        """(B, T, L) log p(i), from the logits in log space (finite where p(i) underflows to 0; log p(1) = 0)."""
+        """(B, T, L) log p(i), from the logits in log space (finite where p(i) underflows to 0; log p(1) = 0).
+        Computed once per router output: both passes of a forward share it."""
         lc = torch.log_softmax(self.logits.float(), -1).flip(-1).logcumsumexp(-1).flip(-1)
         return torch.cat([torch.zeros_like(lc[..., :1]), lc[..., 1:].clamp_max(0.0)], dim=-1)
 
