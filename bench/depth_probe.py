@@ -251,6 +251,10 @@ GRID7 = {
     # isolate depth (one layer fails, the oracle composes)?
     "fold m32 one layer curriculum": ("depth/base", [], {**F16, "symbols": 32, "layers": 1, **CUR}),
     "fold m32 oracle curriculum": ("depth/base-loop", [], {**F16, "symbols": 32, "depth": "oracle", **CUR}),
+    # what a router's exploration could give at best: every token of a segment at its query's need (one draw per
+    # segment, right), or every token one loop past its need
+    "fold m16 segment depth curriculum": ("depth/base-loop", [], {**F16, "depth": "segment", **CUR}),
+    "fold m16 oracle+1 curriculum": ("depth/base-loop", [], {**F16, "depth": "oracle+1", **CUR}),
     "fold m32 t-loopformer explore 0.25 log-ste keys no entropy curriculum": (
         "depth/t-loopformer",
         [*TLF, *FIXES],
@@ -321,6 +325,17 @@ def _fold(s: dict):
     )
 
 
+def forced_depth(name: str, L: int) -> np.ndarray:
+    """(doc_length(L),) the fold task's forced depth map `name` (settings "depth"), no router."""
+    import foldtask
+
+    return {
+        "oracle": foldtask.need,  # every token the loops it needs
+        "oracle+1": lambda L: foldtask.need(L) + 1,  # one loop past its need (clipped at the model's L)
+        "segment": foldtask.segment_depth,  # every token of a segment at its query's need
+    }[name](L)
+
+
 def forced_depth_logits(model, x: torch.Tensor, depth: torch.Tensor, M: int) -> torch.Tensor:
     """Logits (B, T, V) of `model` on x (B, T) with every token's depth given (depth (T,) or (B, T) in 1..M)
     instead of a router's: the oracle probes and bench/fold_probe_check.py."""
@@ -365,11 +380,11 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         import foldtask
 
         fold_need = foldtask.need(Lt)[:-1].clip(max=Lm)
-    oracle = s.get("depth") == "oracle"  # every token runs the loops it needs (the fold task's `need`)
+    oracle = s.get("depth")  # a forced depth map (`forced_depth`) instead of a router's: "oracle" is the need
     if oracle:
         if fold_need is None or model.router is not None:
-            raise ValueError("depth 'oracle' needs task 'fold' and a model without a router")
-        need = torch.from_numpy(fold_need).to(device)  # (T-1,)
+            raise ValueError(f"depth {oracle!r} needs task 'fold' and a model without a router")
+        need = torch.from_numpy(forced_depth(oracle, Lt)[:-1].clip(max=Lm)).to(device)  # (T-1,)
     cap = [1 if s.get("curriculum") else Lt]  # scored levels <= cap; a curriculum raises it at 0.9 accuracy
 
     def batch(docs, lev, limit):  # the loader's split; only the answers of levels 1..limit scored (-1 elsewhere)

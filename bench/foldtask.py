@@ -70,3 +70,10 @@ def need(L: int) -> np.ndarray:
     for k in range(1, L + 1):
         out += [1] + [j + 1 for j in range(k)] + [k, 1]
     return np.array(out)
+
+
+def segment_depth(L: int) -> np.ndarray:
+    """(doc_length(L),) every token of the level-k segment at depth k (its query's need): what exploration
+    that draws one depth per segment gives when the draw is right. Context cells then run past their need and
+    stay readable in loops where the oracle (`need`) has dropped them."""
+    return np.concatenate([np.full(k + 3, k) for k in range(1, L + 1)])

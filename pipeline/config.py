@@ -223,6 +223,10 @@ class ObjectiveConfig:
         0.0,
         "Share of tokens whose training depth is drawn from the router's prior (budget recipe; uniform over 1..loops for paper) instead of the router's, so the straight-through estimator also sees loops past a token's exit; validation and eval never explore. 0: off.",
     )
+    router_explore_span: int = f(
+        1,
+        "Tokens per exploration draw: each training row's positions in windows of this many share one draw (whether to explore, and the depth), so a token and the context it reads run the drawn depth together (README 'Router training'). 1: one draw per token.",
+    )
 
     def validate(self, model: ModelConfig) -> None:
         if model.variant in VARIANT_TABLE:
@@ -237,6 +241,12 @@ class ObjectiveConfig:
         if self.router_explore > 0 and not model.router:
             raise ConfigError(
                 f"objective.router_explore={self.router_explore} needs a router (model.router=true, t-loopformer)"
+            )
+        if self.router_explore_span < 1:
+            raise ConfigError(f"objective.router_explore_span must be >= 1, got {self.router_explore_span}")
+        if self.router_explore_span > 1 and self.router_explore == 0:
+            raise ConfigError(
+                f"objective.router_explore_span={self.router_explore_span} needs exploration (objective.router_explore > 0)"
             )
         for k in ("router_ste_log", "router_ste_keys"):  # refinements of the straight-through factor
             if getattr(self, k) and not (model.router and self.router_ste):

@@ -104,6 +104,7 @@ def test_overrides_are_typed():
         ),
         ("objective.router_entropy_weight=-1", "objective.router_entropy_weight must be >= 0"),
         ("objective.router_explore=1.5", "objective.router_explore must lie in [0, 1], got 1.5"),
+        ("objective.router_explore_span=0", "objective.router_explore_span must be >= 1, got 0"),
         ("eval.loops=[9]", "eval.loops: budget 9"),
         ("model.loops.x=1", "'model.loops' is not a section"),
         ("model", "must look like section.key=value"),
@@ -118,6 +119,9 @@ def test_bad_overrides_name_the_key(override, needle):
 def test_router_training_options_without_what_they_act_on_are_errors():
     with pytest.raises(ConfigError, match=r"objective.router_explore=0.25 needs a router"):
         load_config("tiny/loopformer", ["objective.router_explore=0.25"])
+    with pytest.raises(ConfigError, match=r"objective.router_explore_span=8 needs exploration"):
+        load_config("tiny/t-loopformer", ["objective.router_explore_span=8"])
+    load_config("tiny/t-loopformer", ["objective.router_explore_span=8", "objective.router_explore=0.25"])
     for k in ("router_ste_log", "router_ste_keys"):
         with pytest.raises(ConfigError, match=rf"objective.{k}=true needs the straight-through estimator"):
             load_config("tiny/t-loopformer", [f"objective.{k}=true", "objective.router_ste=false"])
@@ -127,7 +131,12 @@ def test_router_training_options_without_what_they_act_on_are_errors():
 
 
 def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_key(tmp_path):
-    born_there = {"router_explore", "router_ste_log", "router_ste_keys"}  # objective keys that were never model keys
+    born_there = {
+        "router_explore",
+        "router_explore_span",
+        "router_ste_log",
+        "router_ste_keys",
+    }  # objective keys that were never model keys
     assert set(ModelConfig.MOVED) == {f.name for f in dataclasses.fields(ObjectiveConfig)} - born_there
     for old, new in ModelConfig.MOVED.items():
         with pytest.raises(ConfigError) as e:
@@ -145,6 +154,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     objective = old.pop("objective")
     for k in (
         "router_explore",
+        "router_explore_span",
         "router_ste_log",
         "router_ste_keys",
     ):  # newer than the move: an old file does not have them
@@ -155,7 +165,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     assert cfg.objective.lambda_short == 0.3 and cfg.objective.align_target == "hidden"
     assert cfg.objective.router_explore == 0.0  # a key the old file lacks keeps its default
     expected = upgrade(old)
-    expected["objective"].update(router_explore=0.0, router_ste_log=False, router_ste_keys=False)
+    expected["objective"].update(router_explore=0.0, router_explore_span=1, router_ste_log=False, router_ste_keys=False)
     assert cfg.to_dict() == expected and old == before  # the stored dict is left as it was
 
 

@@ -53,7 +53,7 @@ def grads(model):
     [
         ("t-loopformer", [], {}),
         ("t-loopformer", ["model.router_recipe=budget"], {}),
-        ("t-loopformer", ["model.router_recipe=budget"], {"router_explore": 0.5}),
+        ("t-loopformer", ["model.router_recipe=budget"], {"router_explore": 0.5, "router_explore_span": 5}),
         ("t-loopformer", ["model.router_recipe=budget"], {"router_ste_keys": True}),
         ("loopformer", [], {}),
         ("base-loop-ee-align", [], {}),
@@ -300,6 +300,34 @@ def test_exploration_draws_a_share_of_depths_from_the_prior(recipe):
         torch.testing.assert_close(hist, q, atol=0.01, rtol=0)
         for S in range(1, L + 1):
             assert torch.equal(e.depth(S, 0.5), e.depth(L, 0.5).clamp(max=S))
+
+
+def test_exploration_in_windows_draws_once_per_window():
+    """objective.router_explore_span = w: the positions of a row in windows of w from position 0 share one draw
+    (explored or not, and the depth), the share of windows explored and their depths still follow share and q;
+    w = 1 draws exactly what the per-token exploration always drew (same RNG stream)."""
+    from pipeline.model.router import Router
+
+    L, T, w = 4, 12, 5
+    torch.manual_seed(0)
+    router = Router(16, 8, L, "budget", target_depth=2.2)
+    r = router(torch.randn(50_000, T, 16))
+    torch.manual_seed(1)
+    e = router.explore(r, 0.3, w)
+    for a in range(0, T, w):  # windows [0, 5), [5, 10), [10, 12)
+        win = e.drawn[:, a : a + w]
+        assert torch.equal(win, win[:, :1].expand_as(win))
+    first = e.drawn[:, ::w]  # (rows, windows): one draw each
+    assert not torch.equal(first[:, 0], first[:, 1])  # windows draw independently
+    picked = first > 0
+    assert abs(float(picked.float().mean()) - 0.3) < 0.01
+    hist = torch.stack([(first[picked] == k).float().mean() for k in range(1, L + 1)])
+    torch.testing.assert_close(hist, depth_prior(L, 2.2).float(), atol=0.01, rtol=0)
+    torch.manual_seed(1)
+    one = router.explore(r, 0.3, 1).drawn
+    torch.manual_seed(1)
+    assert torch.equal(one, router.explore(r, 0.3).drawn)
+    assert not torch.equal(one, e.drawn)
 
 
 def _exits_at_one(model):

@@ -150,17 +150,21 @@ class Router(nn.Module):
         cont = torch.cat([torch.ones_like(cont[..., :1]), cont[..., 1:].clamp_max(1.0)], dim=-1)
         return RouterOutput(logits=logits, cont=cont)
 
-    def explore(self, r: RouterOutput, share: float) -> RouterOutput:
+    def explore(self, r: RouterOutput, share: float, span: int = 1) -> RouterOutput:
         """r with exploration depths (`objective.router_explore`): each token, with probability `share`, runs a
         depth drawn from the prior q (budget recipe; the paper recipe, which has none, from the uniform
         distribution over 1..L) instead of its thresholded one. A token drawn past its exit runs loops it
         would skip, so the straight-through estimator tells its p(i) whether those loops lower the loss:
         without it a token that exits early never learns that it should go deeper. One uniform draw per
         token from torch's global RNG (checkpointed: resume stays exact): u < share picks the token, and
-        u / share, uniform in [0, 1) then, picks its depth by q's cumulative sums."""
-        L = r.cont.shape[-1]
+        u / share, uniform in [0, 1) then, picks its depth by q's cumulative sums. span > 1
+        (`objective.router_explore_span`): one draw per window of `span` consecutive positions (windows start at
+        each row's position 0), so the tokens of a window explore together, at one depth: a token and the
+        context it reads run the extra loops side by side. span = 1 draws exactly what it always drew."""
+        B, T, L = r.cont.shape
         q = self.prior if self.recipe == "budget" else torch.full((L,), 1.0 / L, device=r.cont.device)
-        u = torch.rand(r.cont.shape[:-1], device=r.cont.device)  # (B, T)
+        u = torch.rand((B, -(-T // span)), device=r.cont.device)  # (B, windows)
+        u = u if span == 1 else u.repeat_interleave(span, dim=1)[:, :T]  # (B, T)
         cdf = q.to(u.dtype).cumsum(0)[:-1]  # (L-1,) the last is 1
         drawn = 1 + (u[..., None] / share >= cdf).sum(-1)  # (B, T) in 1..L
         return RouterOutput(r.logits, r.cont, torch.where(u < share, drawn, torch.zeros_like(drawn)))
