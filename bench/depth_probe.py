@@ -255,6 +255,18 @@ GRID7 = {
     # segment, right), or every token one loop past its need
     "fold m16 segment depth curriculum": ("depth/base-loop", [], {**F16, "depth": "segment", **CUR}),
     "fold m16 oracle+1 curriculum": ("depth/base-loop", [], {**F16, "depth": "oracle+1", **CUR}),
+    # exploration in windows of 8 positions (objective.router_explore_span): in this 21-position layout every
+    # segment's cells and query fall inside one window, so an explored window runs them at one depth
+    "fold m16 t-loopformer explore 0.5 span 8 log-ste keys no entropy curriculum": (
+        "depth/t-loopformer",
+        [*TLF, *FIXES, "objective.router_explore=0.5", "objective.router_explore_span=8"],
+        {**F16, **CUR, "target": "need"},
+    ),
+    "fold m16 t-loopformer explore 1 span 8 log-ste keys no entropy curriculum": (
+        "depth/t-loopformer",
+        [*TLF, *FIXES, "objective.router_explore=1", "objective.router_explore_span=8"],
+        {**F16, **CUR, "target": "need"},
+    ),
     "fold m32 t-loopformer explore 0.25 log-ste keys no entropy curriculum": (
         "depth/t-loopformer",
         [*TLF, *FIXES],
@@ -413,6 +425,14 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
                 acc["depth_ge_level"] = [float((d[lev == k] >= k).mean()) for k in range(1, Lt + 1)]
                 acc["depth_all_tokens"] = float(d.mean())
                 if fold_need is not None:  # every position has a need: the context cells too
+                    # the network at the oracle depths, its router bypassed: can it compose, whatever the router picks?
+                    ok = (
+                        logits(x, Lm, torch.from_numpy(fold_need).to(device)).argmax(-1).cpu().numpy()
+                        == y.cpu().numpy()
+                    )
+                    acc["at_need"] = [float(ok[lev > 0].mean())] + [
+                        float(ok[lev == k].mean()) for k in range(1, Lt + 1)
+                    ]
                     nd = np.broadcast_to(fold_need, d.shape)
                     cells = (lev == 0) & (nd >= 2)  # context cells that must stay for a later query to read them
                     acc["depth_ge_need"] = float((d >= nd).mean())  # every position

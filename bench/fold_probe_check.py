@@ -1,8 +1,8 @@
 """What does a fold-task probe model do? (bench/foldtask.py, bench/depth_probe.py grid 6.) On fresh documents:
 
-- oracle-depth models: level 1 and 2 accuracy at the oracle depths, then with the level-2 query stopped after
-  one loop, and with its left neighbour x_1 stopped after one loop (so the query cannot read x_1's first-loop
-  state in loop 2): composition needs both;
+- every looped model (a routed one's router bypassed): level 1 and 2 accuracy at the oracle depths, then with
+  the level-2 query stopped after one loop, and with its left neighbour x_1 stopped after one loop (so the query
+  cannot read x_1's first-loop state in loop 2): composition needs both;
 - routed models: the router's continue probabilities p(2..L) at each level's query (mean over documents and
   their spread), and the executed depth of the context cells by their need, against the same network freshly
   initialised (the probe's seed).
@@ -40,7 +40,7 @@ def main(path: str, n: int = 2048) -> None:
     docs = foldtask.documents(foldtask.rule(s["symbols"]), np.random.default_rng(777), n, L)
     x, y = torch.from_numpy(docs[:, :-1]), torch.from_numpy(docs[:, 1:])
     lev, need = foldtask.levels(L)[:-1], np.minimum(foldtask.need(L)[:-1], Lm)
-    if model.router is None and Lm > 1:
+    if Lm > 1:  # a routed model too: does its network compose when given the depths, whatever its router picks?
         q2 = int(np.flatnonzero(lev == 2)[0])  # the level-2 query; x_1 is the token before it
 
         @torch.no_grad()
