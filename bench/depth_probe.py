@@ -255,6 +255,15 @@ GRID7 = {
     # segment, right), or every token one loop past its need
     "fold m16 segment depth curriculum": ("depth/base-loop", [], {**F16, "depth": "segment", **CUR}),
     "fold m16 oracle+1 curriculum": ("depth/base-loop", [], {**F16, "depth": "oracle+1", **CUR}),
+    "fold m16 oracle+2 curriculum": ("depth/base-loop", [], {**F16, "depth": "oracle+2", **CUR}),
+    # the oracle's map, each training document's moved by a draw from lo..hi (clipped to 1..L; evaluated at the
+    # map itself): mixed depths, above or below the need
+    "fold m16 oracle jitter 1 curriculum": ("depth/base-loop", [], {**F16, "depth": "oracle", "jitter": (0, 1), **CUR}),
+    "fold m16 oracle jitter -1 curriculum": (
+        "depth/base-loop",
+        [],
+        {**F16, "depth": "oracle", "jitter": (-1, 0), **CUR},
+    ),
     # exploration in windows of 8 positions (objective.router_explore_span): in this 21-position layout every
     # segment's cells and query fall inside one window, so an explored window runs them at one depth
     "fold m16 t-loopformer explore 0.5 span 8 log-ste keys no entropy curriculum": (
@@ -265,6 +274,23 @@ GRID7 = {
     "fold m16 t-loopformer explore 1 span 8 log-ste keys no entropy curriculum": (
         "depth/t-loopformer",
         [*TLF, *FIXES, "objective.router_explore=1", "objective.router_explore_span=8"],
+        {**F16, **CUR, "target": "need"},
+    ),
+    # exploration one loop past the router's own depth (objective.router_explore_draw=next): never shallower
+    "fold m16 t-loopformer explore 0.5 next span 8 log-ste keys no entropy curriculum": (
+        "depth/t-loopformer",
+        [
+            *TLF,
+            *FIXES,
+            "objective.router_explore=0.5",
+            "objective.router_explore_span=8",
+            "objective.router_explore_draw=next",
+        ],
+        {**F16, **CUR, "target": "need"},
+    ),
+    "fold m16 t-loopformer explore 0.5 next log-ste keys no entropy curriculum": (
+        "depth/t-loopformer",
+        [*TLF, *FIXES, "objective.router_explore=0.5", "objective.router_explore_draw=next"],
         {**F16, **CUR, "target": "need"},
     ),
     "fold m32 t-loopformer explore 0.25 log-ste keys no entropy curriculum": (
@@ -344,6 +370,7 @@ def forced_depth(name: str, L: int) -> np.ndarray:
     return {
         "oracle": foldtask.need,  # every token the loops it needs
         "oracle+1": lambda L: foldtask.need(L) + 1,  # one loop past its need (clipped at the model's L)
+        "oracle+2": lambda L: foldtask.need(L) + 2,
         "segment": foldtask.segment_depth,  # every token of a segment at its query's need
     }[name](L)
 
@@ -448,7 +475,11 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         d = draw(s["batch"])
         x, y = batch(d, np.ascontiguousarray(levels_of(d[:, :-1])), cap[0])
         if oracle:
-            loss = torch.nn.functional.cross_entropy(logits(x, Lm, need).flatten(0, 1), y.flatten(), ignore_index=-1)
+            dm = need  # settings "jitter": (lo, hi): each training document's map moved by a draw from lo..hi
+            if s.get("jitter"):
+                lo, hi = s["jitter"]
+                dm = (need + torch.randint(lo, hi + 1, (len(x), 1), device=device)).clamp(1, Lm)
+            loss = torch.nn.functional.cross_entropy(logits(x, Lm, dm).flatten(0, 1), y.flatten(), ignore_index=-1)
         else:
             loss = objective(x, y).loss
         opt.zero_grad(set_to_none=True)

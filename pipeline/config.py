@@ -227,6 +227,10 @@ class ObjectiveConfig:
         1,
         "Tokens per exploration draw: each training row's positions in windows of this many share one draw (whether to explore, and the depth), so a token and the context it reads run the drawn depth together (README 'Router training'). 1: one draw per token.",
     )
+    router_explore_draw: Literal["prior", "next"] = f(
+        "prior",
+        "The depth an explored token runs: prior, a depth drawn from the router's prior (uniform for paper); next, one loop past its own depth (clipped at the budget), so exploration never runs a token shallower than its router does (README 'Router training').",
+    )
 
     def validate(self, model: ModelConfig) -> None:
         if model.variant in VARIANT_TABLE:
@@ -244,10 +248,9 @@ class ObjectiveConfig:
             )
         if self.router_explore_span < 1:
             raise ConfigError(f"objective.router_explore_span must be >= 1, got {self.router_explore_span}")
-        if self.router_explore_span > 1 and self.router_explore == 0:
-            raise ConfigError(
-                f"objective.router_explore_span={self.router_explore_span} needs exploration (objective.router_explore > 0)"
-            )
+        for k, off in (("router_explore_span", 1), ("router_explore_draw", "prior")):  # refinements of exploration
+            if getattr(self, k) != off and self.router_explore == 0:
+                raise ConfigError(f"objective.{k}={getattr(self, k)} needs exploration (objective.router_explore > 0)")
         for k in ("router_ste_log", "router_ste_keys"):  # refinements of the straight-through factor
             if getattr(self, k) and not (model.router and self.router_ste):
                 raise ConfigError(

@@ -122,6 +122,9 @@ def test_router_training_options_without_what_they_act_on_are_errors():
     with pytest.raises(ConfigError, match=r"objective.router_explore_span=8 needs exploration"):
         load_config("tiny/t-loopformer", ["objective.router_explore_span=8"])
     load_config("tiny/t-loopformer", ["objective.router_explore_span=8", "objective.router_explore=0.25"])
+    with pytest.raises(ConfigError, match=r"objective.router_explore_draw=next needs exploration"):
+        load_config("tiny/t-loopformer", ["objective.router_explore_draw=next"])
+    load_config("tiny/t-loopformer", ["objective.router_explore_draw=next", "objective.router_explore=0.25"])
     for k in ("router_ste_log", "router_ste_keys"):
         with pytest.raises(ConfigError, match=rf"objective.{k}=true needs the straight-through estimator"):
             load_config("tiny/t-loopformer", [f"objective.{k}=true", "objective.router_ste=false"])
@@ -134,6 +137,7 @@ def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_ke
     born_there = {
         "router_explore",
         "router_explore_span",
+        "router_explore_draw",
         "router_ste_log",
         "router_ste_keys",
     }  # objective keys that were never model keys
@@ -155,6 +159,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     for k in (
         "router_explore",
         "router_explore_span",
+        "router_explore_draw",
         "router_ste_log",
         "router_ste_keys",
     ):  # newer than the move: an old file does not have them
@@ -165,7 +170,13 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     assert cfg.objective.lambda_short == 0.3 and cfg.objective.align_target == "hidden"
     assert cfg.objective.router_explore == 0.0  # a key the old file lacks keeps its default
     expected = upgrade(old)
-    expected["objective"].update(router_explore=0.0, router_explore_span=1, router_ste_log=False, router_ste_keys=False)
+    expected["objective"].update(
+        router_explore=0.0,
+        router_explore_span=1,
+        router_explore_draw="prior",
+        router_ste_log=False,
+        router_ste_keys=False,
+    )
     assert cfg.to_dict() == expected and old == before  # the stored dict is left as it was
 
 

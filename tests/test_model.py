@@ -54,6 +54,7 @@ def grads(model):
         ("t-loopformer", [], {}),
         ("t-loopformer", ["model.router_recipe=budget"], {}),
         ("t-loopformer", ["model.router_recipe=budget"], {"router_explore": 0.5, "router_explore_span": 5}),
+        ("t-loopformer", ["model.router_recipe=budget"], {"router_explore": 0.5, "router_explore_draw": "next"}),
         ("t-loopformer", ["model.router_recipe=budget"], {"router_ste_keys": True}),
         ("loopformer", [], {}),
         ("base-loop-ee-align", [], {}),
@@ -328,6 +329,28 @@ def test_exploration_in_windows_draws_once_per_window():
     torch.manual_seed(1)
     assert torch.equal(one, router.explore(r, 0.3).drawn)
     assert not torch.equal(one, e.drawn)
+
+
+def test_exploring_the_next_loop_runs_one_loop_past_the_routers_depth():
+    """objective.router_explore_draw = next: an explored token runs its own depth + 1, clipped at the budget (so a
+    smaller budget still clips the full pass's depth, the shortcut pass's rule); the others keep their own; the
+    same uniform draws pick the tokens as with draws from the prior."""
+    from pipeline.model.router import Router
+
+    L = 4
+    torch.manual_seed(0)
+    router = Router(16, 8, L, "budget", target_depth=2.2)
+    r = router(torch.randn(4, 5000, 16))
+    own = r.depth(L, 0.5)
+    torch.manual_seed(1)
+    e = router.explore(r, 0.3, 1, "next")
+    torch.manual_seed(1)
+    picked = router.explore(r, 0.3).drawn > 0
+    assert torch.equal(e.deeper, picked) and e.drawn is None
+    assert torch.equal(e.depth(L, 0.5), torch.where(picked, (own + 1).clamp(max=L), own))
+    assert bool((e.depth(L, 0.5)[picked & (own < L)] == own[picked & (own < L)] + 1).all())
+    for S in range(1, L + 1):
+        assert torch.equal(e.depth(S, 0.5), e.depth(L, 0.5).clamp(max=S))
 
 
 def _exits_at_one(model):

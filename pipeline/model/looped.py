@@ -464,6 +464,7 @@ class LoopedLM(nn.Module):
         ste_keys: bool = False,
         explore: float = 0.0,
         explore_span: int = 1,
+        explore_draw: str = "prior",
     ) -> LoopedLMOutput:
         """idx (B, T) tokens; loops = budget M <= L (default L; elastic inference uses the uniform schedule 1/M and
         clips router depth at M). shortcut: (S,) positive ints summing to L (M must be L): also run the pass with
@@ -478,7 +479,8 @@ class LoopedLM(nn.Module):
         ste_keys: the factor also on each active token's attention values in the loop, so p(i) hears how much the
         loop's queries read the token (`_KeyStraightThrough`); explore: the share of tokens
         that run a depth drawn from the router's prior instead of their own (`Router.explore`; training only,
-        the objective passes `objective.router_explore`), one draw per window of explore_span positions. Nothing here depends on `self.training`."""
+        the objective passes `objective.router_explore`), one draw per window of explore_span positions; explore_draw "next": one loop past their own
+        depth instead. Nothing here depends on `self.training`."""
         L = self.cfg.loops
         M = loops or L
         assert 1 <= M <= L, f"loop budget {M} must lie in 1..{L}"
@@ -486,7 +488,7 @@ class LoopedLM(nn.Module):
         h0 = self.embed(idx)  # (B, T, d)
         r = self.route(h0, router)
         if r is not None and explore > 0:
-            r = self.router.explore(r, explore, explore_span)
+            r = self.router.explore(r, explore, explore_span, explore_draw)
         gs = self.cfg.gather_scatter if gather_scatter is None else gather_scatter
         # |A_i| of every loop of both passes from one host read (the shortcut pass's are this pass's first S)
         counts = active_counts(r.depth(M, self._theta(threshold)), M) if (r is not None and gs) else None

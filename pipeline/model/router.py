@@ -40,12 +40,18 @@ class RouterOutput:
     logits: torch.Tensor  # (B, T, L) router logits
     cont: torch.Tensor  # (B, T, L) continue probabilities p(i), p(1) == 1 exactly (float32)
     drawn: torch.Tensor | None = None  # (B, T) int64 exploration depths in 0..L (0: the router's own), or None
+    deeper: torch.Tensor | None = None  # (B, T) bool: explored one loop past the router's own depth, or None
 
     def depth(self, M: int, threshold: float) -> torch.Tensor:
         """(B, T) int64 depth in 1..M: 1 + #{2 <= i <= M : p(i) > theta} (= max{i <= M : p(i) > theta}); a token
-        with an exploration depth (`Router.explore`) runs that depth instead, clipped at M."""
+        with an exploration depth (`Router.explore`) runs that depth instead, clipped at M, and a token explored
+        deeper runs one loop more than its own, clipped at M."""
         d = 1 + (self.cont[..., 1:M] > threshold).sum(-1)
-        return d if self.drawn is None else torch.where(self.drawn > 0, self.drawn.clamp(max=M), d)
+        if self.drawn is not None:
+            d = torch.where(self.drawn > 0, self.drawn.clamp(max=M), d)
+        if self.deeper is not None:
+            d = torch.where(self.deeper, (d + 1).clamp(max=M), d)
+        return d
 
     @functools.cached_property
     def log_cont(self) -> torch.Tensor:
@@ -150,7 +156,7 @@ class Router(nn.Module):
         cont = torch.cat([torch.ones_like(cont[..., :1]), cont[..., 1:].clamp_max(1.0)], dim=-1)
         return RouterOutput(logits=logits, cont=cont)
 
-    def explore(self, r: RouterOutput, share: float, span: int = 1) -> RouterOutput:
+    def explore(self, r: RouterOutput, share: float, span: int = 1, draw: str = "prior") -> RouterOutput:
         """r with exploration depths (`objective.router_explore`): each token, with probability `share`, runs a
         depth drawn from the prior q (budget recipe; the paper recipe, which has none, from the uniform
         distribution over 1..L) instead of its thresholded one. A token drawn past its exit runs loops it
@@ -160,11 +166,15 @@ class Router(nn.Module):
         u / share, uniform in [0, 1) then, picks its depth by q's cumulative sums. span > 1
         (`objective.router_explore_span`): one draw per window of `span` consecutive positions (windows start at
         each row's position 0), so the tokens of a window explore together, at one depth: a token and the
-        context it reads run the extra loops side by side. span = 1 draws exactly what it always drew."""
+        context it reads run the extra loops side by side. span = 1 draws exactly what it always drew.
+        draw = "next" (`objective.router_explore_draw`): an explored token runs one loop past its own depth
+        instead (clipped at the budget), never fewer loops than the router gives it."""
         B, T, L = r.cont.shape
         q = self.prior if self.recipe == "budget" else torch.full((L,), 1.0 / L, device=r.cont.device)
         u = torch.rand((B, -(-T // span)), device=r.cont.device)  # (B, windows)
         u = u if span == 1 else u.repeat_interleave(span, dim=1)[:, :T]  # (B, T)
+        if draw == "next":
+            return RouterOutput(r.logits, r.cont, deeper=u < share)
         cdf = q.to(u.dtype).cumsum(0)[:-1]  # (L-1,) the last is 1
         drawn = 1 + (u[..., None] / share >= cdf).sum(-1)  # (B, T) in 1..L
         return RouterOutput(r.logits, r.cont, torch.where(u < share, drawn, torch.zeros_like(drawn)))

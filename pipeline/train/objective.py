@@ -152,6 +152,7 @@ class Objective(nn.Module):
             ste_keys=c.router_ste_keys,
             explore=0.0 if full_only else c.router_explore,
             explore_span=c.router_explore_span,
+            explore_draw=c.router_explore_draw,
         )
         loss, parts = self._fused_losses(out, targets) if fused_loss else self._losses(out, targets)
         if out.short is not None and not (fused_loss and c.align_target == "logits"):  # (the fused call aligns logits)
