@@ -293,6 +293,20 @@ GRID7 = {
         [*TLF, *FIXES, "objective.router_explore=0.5", "objective.router_explore_draw=next"],
         {**F16, **CUR, "target": "need"},
     ),
+    # the same with the budget's target at the middle of 1..L (2.5) instead of the mean need (1.73): the prior's
+    # median depth is then 2 or 3, not 1, so a router starts every token deeper (over-provision, then prune)
+    "fold m16 t-loopformer target 2.5 explore 0.5 next span 8 log-ste keys no entropy curriculum": (
+        "depth/t-loopformer",
+        [
+            *TLF,
+            *FIXES,
+            "objective.router_explore=0.5",
+            "objective.router_explore_span=8",
+            "objective.router_explore_draw=next",
+            "model.router_target_depth=2.5",
+        ],
+        {**F16, **CUR},
+    ),
     "fold m32 t-loopformer explore 0.25 log-ste keys no entropy curriculum": (
         "depth/t-loopformer",
         [*TLF, *FIXES],
