@@ -5,8 +5,11 @@ A plain training loop (AdamW, constant LR after a short warmup, no DeepSpeed) on
 `depth/*` preset, on fresh depth-hops documents (data_prep/depthtask.py make_document, the generator
 `tlf prep-data --source depth-hops` writes), one process per probe, for `--minutes` of wall time each, all
 probes at once (settings `"task": "fold"`: the fold task of bench/foldtask.py instead, 1024 held-out documents;
-`"depth": "oracle"` adds the budget "oracle", every token at its need). Every `--eval-every` steps: answer
-accuracy by level at every loop budget M on 512 held-out documents. This measures the task and the
+`"depth": "oracle"` trains every token at its need and adds the budget "oracle"; `"depth"` names another forced
+map of `forced_depth` ("segment", "oracle+1", "oracle+2") in the same way, and `"jitter": (lo, hi)` moves each
+training document's map by a draw from lo..hi). Every `--eval-every` steps: answer accuracy by level at every loop
+budget M on 512 held-out documents; for a routed model on the fold task also the executed depth against need and
+`at_need`, the accuracy with its router bypassed and every token at the oracle's depth. This measures the task and the
 architecture, not the trainer: `bench/depth_need.py` is the study through the project's trainer.
 
     python bench/depth_probe.py --device cuda --minutes 7.4 --eval-every 1000          # grid 1, on one GPU
