@@ -70,6 +70,8 @@ def main(path: str, n: int = 2048) -> None:
                 cells = (lev == 0) & (need >= 2)  # context cells a later query must read in loop need
                 by = {int(k): round(float(d[:, cells & (need == k)].mean()), 2) for k in np.unique(need[cells])}
                 print(f"{name}: executed depth of the context cells by their need {by}")
+                q = [round(float(d[:, t].mean()), 2) for t in queries]
+                print(f"{name}: executed depth of the level 1..{L} queries {q}; of all tokens {d.mean():.2f}")
 
 
 if __name__ == "__main__":
