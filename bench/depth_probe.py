@@ -219,6 +219,13 @@ FIXES = [  # exploration, the log-space factor, the factor on attention values, 
     "objective.router_ste_keys=true",
     "objective.router_entropy_weight=0",
 ]
+NEXT8 = [  # FIXES, half the windows of 8 positions explored one loop past the router's own depth
+    *TLF,
+    *FIXES,
+    "objective.router_explore=0.5",
+    "objective.router_explore_span=8",
+    "objective.router_explore_draw=next",
+]
 GRID7 = {
     "fold m16 t-loopformer explore 0.25 curriculum": (
         "depth/t-loopformer",
@@ -282,32 +289,14 @@ GRID7 = {
     # exploration one loop past the router's own depth (objective.router_explore_draw=next): never shallower
     "fold m16 t-loopformer explore 0.5 next span 8 log-ste keys no entropy curriculum": (
         "depth/t-loopformer",
-        [
-            *TLF,
-            *FIXES,
-            "objective.router_explore=0.5",
-            "objective.router_explore_span=8",
-            "objective.router_explore_draw=next",
-        ],
+        NEXT8,
         {**F16, **CUR, "target": "need"},
     ),
-    "fold m16 t-loopformer explore 0.5 next log-ste keys no entropy curriculum": (
-        "depth/t-loopformer",
-        [*TLF, *FIXES, "objective.router_explore=0.5", "objective.router_explore_draw=next"],
-        {**F16, **CUR, "target": "need"},
-    ),
-    # the same with the budget's target at the middle of 1..L (2.5) instead of the mean need (1.73): the prior's
-    # median depth is then 2 or 3, not 1, so a router starts every token deeper (over-provision, then prune)
+    # the same with the budget's target at the middle of 1..L (2.5) instead of the mean need (1.73): the prior is
+    # then uniform, so its pull no longer sends the tokens whose answers do not count yet to one loop
     "fold m16 t-loopformer target 2.5 explore 0.5 next span 8 log-ste keys no entropy curriculum": (
         "depth/t-loopformer",
-        [
-            *TLF,
-            *FIXES,
-            "objective.router_explore=0.5",
-            "objective.router_explore_span=8",
-            "objective.router_explore_draw=next",
-            "model.router_target_depth=2.5",
-        ],
+        [*NEXT8, "model.router_target_depth=2.5"],
         {**F16, **CUR},
     ),
     "fold m32 t-loopformer explore 0.25 log-ste keys no entropy curriculum": (

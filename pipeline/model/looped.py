@@ -479,8 +479,8 @@ class LoopedLM(nn.Module):
         ste_keys: the factor also on each active token's attention values in the loop, so p(i) hears how much the
         loop's queries read the token (`_KeyStraightThrough`); explore: the share of tokens
         that run a depth drawn from the router's prior instead of their own (`Router.explore`; training only,
-        the objective passes `objective.router_explore`), one draw per window of explore_span positions; explore_draw "next": one loop past their own
-        depth instead. Nothing here depends on `self.training`."""
+        the objective passes `objective.router_explore`), one draw per window of explore_span positions;
+        explore_draw "next": one loop past their own depth instead. Nothing here depends on `self.training`."""
         L = self.cfg.loops
         M = loops or L
         assert 1 <= M <= L, f"loop budget {M} must lie in 1..{L}"

@@ -169,6 +169,7 @@ class Router(nn.Module):
         context it reads run the extra loops side by side. span = 1 draws exactly what it always drew.
         draw = "next" (`objective.router_explore_draw`): an explored token runs one loop past its own depth
         instead (clipped at the budget), never fewer loops than the router gives it."""
+        assert draw in ("prior", "next"), f"unknown exploration draw {draw!r}"
         B, T, L = r.cont.shape
         q = self.prior if self.recipe == "budget" else torch.full((L,), 1.0 / L, device=r.cont.device)
         u = torch.rand((B, -(-T // span)), device=r.cont.device)  # (B, windows)
