@@ -299,6 +299,18 @@ GRID7 = {
         [*NEXT8, "model.router_target_depth=2.5"],
         {**F16, **CUR},
     ),
+    # the network first trained at the oracle depths (router bypassed) until it composes level 2, then the router
+    # trained as usual: given a network that composes, does the router learn to send the level-2 query deep?
+    "fold m16 t-loopformer warm at need explore 0.5 next span 8 log-ste keys no entropy curriculum": (
+        "depth/t-loopformer",
+        NEXT8,
+        {**F16, **CUR, "target": "need", "warm": 3},
+    ),
+    "fold m16 t-loopformer warm at need explore 0.25 log-ste keys no entropy curriculum": (
+        "depth/t-loopformer",
+        [*TLF, *FIXES],
+        {**F16, **CUR, "target": "need", "warm": 3},
+    ),
     "fold m32 t-loopformer explore 0.25 log-ste keys no entropy curriculum": (
         "depth/t-loopformer",
         [*TLF, *FIXES],
@@ -480,7 +492,12 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     while time.time() - t0 < minutes * 60 and (not steps or step < steps):
         d = draw(s["batch"])
         x, y = batch(d, np.ascontiguousarray(levels_of(d[:, :-1])), cap[0])
-        if oracle:
+        warm = s.get("warm") and cap[0] < s["warm"]  # settings "warm": c: at the oracle depths until the cap is c
+        if warm:  # a routed model's network trained with its router bypassed (no router loss, no exploration)
+            loss = torch.nn.functional.cross_entropy(
+                logits(x, Lm, torch.from_numpy(fold_need).to(device)).flatten(0, 1), y.flatten(), ignore_index=-1
+            )
+        elif oracle:
             dm = need  # settings "jitter": (lo, hi): each training document's map moved by a draw from lo..hi
             if s.get("jitter"):
                 lo, hi = s["jitter"]
@@ -496,13 +513,14 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         step += 1
         if step % eval_every == 0:
             curve.append({"step": step, "seconds": round(time.time() - t0, 1), "acc": evaluate(), "cap": cap[0]})
-            a = curve[-1]["acc"]["oracle" if oracle else Lm]
+            a = curve[-1]["acc"]["oracle" if oracle else "at_need" if warm else Lm]
+            curve[-1]["warm"] = bool(warm)
             if cap[0] < Lt and min(a[1 : cap[0] + 1]) >= 0.9:
                 cap[0] += 1
             with open(log, "a") as fh:  # progress survives a killed run: one line per point, appended
                 fh.write(json.dumps({"name": name, **curve[-1]}) + "\n")
             print(
-                f"[{name}] step {step} {'oracle' if oracle else f'M={Lm}'} acc {a[0]:.3f} by level "
+                f"[{name}] step {step} {'oracle' if oracle else 'at need' if warm else f'M={Lm}'} acc {a[0]:.3f} by level "
                 + " ".join(f"{v:.2f}" for v in a[1:]),
                 flush=True,
             )
