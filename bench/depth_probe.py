@@ -437,11 +437,14 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         import foldtask
 
         fold_need = foldtask.need(Lt)[:-1].clip(max=Lm)
+        need_t = torch.from_numpy(fold_need).to(device)  # (T-1,) the same, on the device
     oracle = s.get("depth")  # a forced depth map (`forced_depth`) instead of a router's: "oracle" is the need
     if oracle:
         if fold_need is None or model.router is not None:
             raise ValueError(f"depth {oracle!r} needs task 'fold' and a model without a router")
         need = torch.from_numpy(forced_depth(oracle, Lt)[:-1].clip(max=Lm)).to(device)  # (T-1,)
+    if s.get("warm") and (fold_need is None or model.router is None):
+        raise ValueError("settings 'warm' needs task 'fold' and a model with a router")
     cap = [1 if s.get("curriculum") else Lt]  # scored levels <= cap; a curriculum raises it at 0.9 accuracy
 
     def batch(docs, lev, limit):  # the loader's split; only the answers of levels 1..limit scored (-1 elsewhere)
@@ -459,11 +462,15 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     def evaluate():
         model.eval()
         x, y, lev = val
+
+        def by_level(lg):  # [overall, level 1..Lt] answer accuracy of logits lg (B, T-1, V)
+            ok = lg.argmax(-1).cpu().numpy() == y.cpu().numpy()
+            return [float(ok[lev > 0].mean())] + [float(ok[lev == k].mean()) for k in range(1, Lt + 1)]
+
         acc = {}
         for M in [*range(1, Lm + 1), *(["oracle"] if oracle else [])]:
             out = logits(x, Lm, need) if M == "oracle" else logits(x, M)
             lg = out if torch.is_tensor(out) else out.logits
-            pred = lg.argmax(-1).cpu().numpy()
             if M == Lm and model.router is not None:  # executed depth by level: mean, and share at depth >= level
                 d = out.depth.cpu().numpy()
                 acc["depth_mean"] = [float(d[lev == k].mean()) for k in range(1, Lt + 1)]
@@ -471,19 +478,12 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
                 acc["depth_all_tokens"] = float(d.mean())
                 if fold_need is not None:  # every position has a need: the context cells too
                     # the network at the oracle depths, its router bypassed: can it compose, whatever the router picks?
-                    ok = (
-                        logits(x, Lm, torch.from_numpy(fold_need).to(device)).argmax(-1).cpu().numpy()
-                        == y.cpu().numpy()
-                    )
-                    acc["at_need"] = [float(ok[lev > 0].mean())] + [
-                        float(ok[lev == k].mean()) for k in range(1, Lt + 1)
-                    ]
+                    acc["at_need"] = by_level(logits(x, Lm, need_t))
                     nd = np.broadcast_to(fold_need, d.shape)
                     cells = (lev == 0) & (nd >= 2)  # context cells that must stay for a later query to read them
                     acc["depth_ge_need"] = float((d >= nd).mean())  # every position
                     acc["cells_depth_ge_need"] = float((d[cells] >= nd[cells]).mean())
-            ok = pred == y.cpu().numpy()
-            acc[M] = [float(ok[lev > 0].mean())] + [float(ok[lev == k].mean()) for k in range(1, Lt + 1)]
+            acc[M] = by_level(lg)
         model.train()
         return acc
 
@@ -492,19 +492,19 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     while time.time() - t0 < minutes * 60 and (not steps or step < steps):
         d = draw(s["batch"])
         x, y = batch(d, np.ascontiguousarray(levels_of(d[:, :-1])), cap[0])
-        warm = s.get("warm") and cap[0] < s["warm"]  # settings "warm": c: at the oracle depths until the cap is c
+        warm = bool(s.get("warm")) and cap[0] < s["warm"]  # settings "warm": c: at the oracle depths until cap c
+        dm = None  # a forced depth map, or None: the model's own (router) depths and the objective
         if warm:  # a routed model's network trained with its router bypassed (no router loss, no exploration)
-            loss = torch.nn.functional.cross_entropy(
-                logits(x, Lm, torch.from_numpy(fold_need).to(device)).flatten(0, 1), y.flatten(), ignore_index=-1
-            )
+            dm = need_t
         elif oracle:
             dm = need  # settings "jitter": (lo, hi): each training document's map moved by a draw from lo..hi
             if s.get("jitter"):
                 lo, hi = s["jitter"]
                 dm = (need + torch.randint(lo, hi + 1, (len(x), 1), device=device)).clamp(1, Lm)
-            loss = torch.nn.functional.cross_entropy(logits(x, Lm, dm).flatten(0, 1), y.flatten(), ignore_index=-1)
-        else:
+        if dm is None:
             loss = objective(x, y).loss
+        else:
+            loss = torch.nn.functional.cross_entropy(logits(x, Lm, dm).flatten(0, 1), y.flatten(), ignore_index=-1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -513,14 +513,15 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         step += 1
         if step % eval_every == 0:
             curve.append({"step": step, "seconds": round(time.time() - t0, 1), "acc": evaluate(), "cap": cap[0]})
-            a = curve[-1]["acc"]["oracle" if oracle else "at_need" if warm else Lm]
-            curve[-1]["warm"] = bool(warm)
+            key = "oracle" if oracle else "at_need" if warm else Lm  # the accuracy the curriculum follows
+            a = curve[-1]["acc"][key]
+            curve[-1]["warm"] = warm
             if cap[0] < Lt and min(a[1 : cap[0] + 1]) >= 0.9:
                 cap[0] += 1
             with open(log, "a") as fh:  # progress survives a killed run: one line per point, appended
                 fh.write(json.dumps({"name": name, **curve[-1]}) + "\n")
             print(
-                f"[{name}] step {step} {'oracle' if oracle else 'at need' if warm else f'M={Lm}'} acc {a[0]:.3f} by level "
+                f"[{name}] step {step} {key if isinstance(key, str) else f'M={key}'} acc {a[0]:.3f} by level "
                 + " ".join(f"{v:.2f}" for v in a[1:]),
                 flush=True,
             )

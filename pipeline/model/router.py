@@ -171,11 +171,11 @@ class Router(nn.Module):
         instead (clipped at the budget), never fewer loops than the router gives it."""
         assert draw in ("prior", "next"), f"unknown exploration draw {draw!r}"
         B, T, L = r.cont.shape
-        q = self.prior if self.recipe == "budget" else torch.full((L,), 1.0 / L, device=r.cont.device)
         u = torch.rand((B, -(-T // span)), device=r.cont.device)  # (B, windows)
         u = u if span == 1 else u.repeat_interleave(span, dim=1)[:, :T]  # (B, T)
         if draw == "next":
             return RouterOutput(r.logits, r.cont, deeper=u < share)
+        q = self.prior if self.recipe == "budget" else torch.full((L,), 1.0 / L, device=r.cont.device)
         cdf = q.to(u.dtype).cumsum(0)[:-1]  # (L-1,) the last is 1
         drawn = 1 + (u[..., None] / share >= cdf).sum(-1)  # (B, T) in 1..L
         return RouterOutput(r.logits, r.cont, torch.where(u < share, drawn, torch.zeros_like(drawn)))
