@@ -9,7 +9,9 @@ probes at once (settings `"task": "fold"`: the fold task of bench/foldtask.py in
 map of `forced_depth` ("segment", "oracle+1", "oracle+2") in the same way, and `"jitter": (lo, hi)` moves each
 training document's map by a draw from lo..hi). Every `--eval-every` steps: answer accuracy by level at every loop
 budget M on 512 held-out documents; for a routed model on the fold task also the executed depth against need and
-`at_need`, the accuracy with its router bypassed and every token at the oracle's depth. This measures the task and the
+`at_need`, the accuracy with its router bypassed and every token at the oracle's depth. With the override
+`model.exited_keys=frozen` (exited tokens stay readable by later loops) the needs, the oracle and the target
+`need` are that model's (bench/foldtask.py `need(L, visible=True)`). This measures the task and the
 architecture, not the trainer: `bench/depth_need.py` is the study through the project's trainer.
 
     python bench/depth_probe.py --device cuda --minutes 7.4 --eval-every 1000          # grid 1, on one GPU
@@ -322,8 +324,35 @@ GRID7 = {
         {**F16, **CUR, "symbols": 32, "target": "need"},
     ),
 }
-GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5, "6": GRID6, "7": GRID7}
-GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5, **GRID6, **GRID7}
+# Grid 8: exited tokens stay readable by later loops through their frozen state (model.exited_keys=frozen): a
+# cell then holds its prefix whether or not it keeps looping, so a query's extra loop pays without its cell's
+# (level 2 uncoupled; level k >= 3 still needs cell x_(k-1) at k - 1 loops). Targets and oracle: those needs.
+VIS = {**F16, **CUR}
+FROZEN = ["model.exited_keys=frozen"]
+LOGSTE = [*TLF, *FROZEN, "objective.router_ste_log=true", "objective.router_entropy_weight=0"]  # no key factor
+VISNEXT8 = [*LOGSTE, *NEXT8[-3:]]  # half the windows of 8 explored one loop past the router's depth
+GRID8 = {
+    "fold m16 visible oracle curriculum": ("depth/base-loop", FROZEN, {**VIS, "depth": "oracle"}),
+    "fold m16 t-loopformer visible explore 0.5 next span 8 log-ste no entropy curriculum": (
+        "depth/t-loopformer",
+        VISNEXT8,
+        {**VIS, "target": "need"},
+    ),
+    "fold m16 t-loopformer visible explore 0.25 log-ste no entropy curriculum": (
+        "depth/t-loopformer",
+        [*LOGSTE, "objective.router_explore=0.25"],
+        {**VIS, "target": "need"},
+    ),
+    # handed a network that composes level 2 at the visible needs (settings "warm"), does the router keep the
+    # level-2 query deep now that its extra loop pays without its cell's?
+    "fold m16 t-loopformer visible warm at need explore 0.5 next span 8 log-ste no entropy curriculum": (
+        "depth/t-loopformer",
+        VISNEXT8,
+        {**VIS, "target": "need", "warm": 3},
+    ),
+}
+GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5, "6": GRID6, "7": GRID7, "8": GRID8}
+GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5, **GRID6, **GRID7, **GRID8}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
 
 
@@ -362,15 +391,15 @@ def _hops(s: dict):
     return doc_length(R, Lt, Q), task["vocab_needed"], mean_need(R, Lt, Q), val, lambda d: levels_at(d, task), draw
 
 
-def _fold(s: dict):
-    """The fold task (bench/foldtask.py) of settings s, as `_hops` returns it; val documents from their own
-    stream, the same rule g."""
+def _fold(s: dict, visible: bool = False):
+    """The fold task (bench/foldtask.py) of settings s, as `_hops` returns it (the mean need when exited tokens
+    stay readable if visible); val documents from their own stream, the same rule g."""
     import foldtask
 
     L, g, rng = s["levels"], foldtask.rule(s["symbols"]), np.random.default_rng(s["seed"])
     lev = foldtask.levels(L)[:-1]
     val = foldtask.documents(g, np.random.default_rng(10_000 + s["seed"]), 1024, L)
-    mean = float(foldtask.need(L).mean())
+    mean = float(foldtask.need(L, visible).mean())
     return (
         foldtask.doc_length(L),
         foldtask.SYM + s["symbols"],
@@ -381,16 +410,18 @@ def _fold(s: dict):
     )
 
 
-def forced_depth(name: str, L: int) -> np.ndarray:
-    """(doc_length(L),) the fold task's forced depth map `name` (settings "depth"), no router."""
+def forced_depth(name: str, L: int, visible: bool = False) -> np.ndarray:
+    """(doc_length(L),) the fold task's forced depth map `name` (settings "depth"), no router; visible: the
+    needs when exited tokens stay readable (model.exited_keys=frozen)."""
     import foldtask
 
+    need = foldtask.need(L, visible)
     return {
-        "oracle": foldtask.need,  # every token the loops it needs
-        "oracle+1": lambda L: foldtask.need(L) + 1,  # one loop past its need (clipped at the model's L)
-        "oracle+2": lambda L: foldtask.need(L) + 2,
-        "segment": foldtask.segment_depth,  # every token of a segment at its query's need
-    }[name](L)
+        "oracle": need,  # every token the loops it needs
+        "oracle+1": need + 1,  # one loop past its need (clipped at the model's L)
+        "oracle+2": need + 2,
+        "segment": foldtask.segment_depth(L),  # every token of a segment at its query's need
+    }[name]
 
 
 def forced_depth_logits(model, x: torch.Tensor, depth: torch.Tensor, M: int) -> torch.Tensor:
@@ -411,8 +442,9 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
 
     s = {**DEFAULTS, **settings}
     L = s["L"]
+    visible = "model.exited_keys=frozen" in overrides  # exited tokens readable by later loops: the needs change
     if s.get("task") == "fold":
-        T, vocab_needed, need_mean, val_docs, levels_of, draw = _fold(s)
+        T, vocab_needed, need_mean, val_docs, levels_of, draw = _fold(s, visible)
     else:
         if s.get("target") == "need" and s.get("order", "far") != "far":
             raise ValueError("target 'need' is the far order's mean need (data_prep/depthtask.py mean_need)")
@@ -436,13 +468,13 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     if s.get("task") == "fold":
         import foldtask
 
-        fold_need = foldtask.need(Lt)[:-1].clip(max=Lm)
+        fold_need = foldtask.need(Lt, visible)[:-1].clip(max=Lm)
         need_t = torch.from_numpy(fold_need).to(device)  # (T-1,) the same, on the device
     oracle = s.get("depth")  # a forced depth map (`forced_depth`) instead of a router's: "oracle" is the need
     if oracle:
         if fold_need is None or model.router is not None:
             raise ValueError(f"depth {oracle!r} needs task 'fold' and a model without a router")
-        need = torch.from_numpy(forced_depth(oracle, Lt)[:-1].clip(max=Lm)).to(device)  # (T-1,)
+        need = torch.from_numpy(forced_depth(oracle, Lt, visible)[:-1].clip(max=Lm)).to(device)  # (T-1,)
     if s.get("warm") and (fold_need is None or model.router is None):
         raise ValueError("settings 'warm' needs task 'fold' and a model with a router")
     cap = [1 if s.get("curriculum") else Lt]  # scored levels <= cap; a curriculum raises it at 0.9 accuracy

@@ -20,7 +20,9 @@ does no harm to a model that learnt the step.
 
 `need`: the per-token depth an oracle router would give (`oracle` probes run it): cell x_j of a level-k segment
 is read by x_(j+1) in loop j + 1, so it must still be looping then (depth j + 1 for j < k), the query x_k needs
-k, W and A one loop.
+k, W and A one loop. `need(L, visible=True)`: the same when a token that has exited stays readable by later loops
+through its frozen state (bench/depth_probe.py setting `visible`): cell x_j then holds y_j after j loops whether or
+not it runs more, so x_0 and x_1 need one loop, x_j (j >= 1) j loops, the query x_k k.
 """
 
 from __future__ import annotations
@@ -64,11 +66,13 @@ def levels(L: int) -> np.ndarray:
     return np.array(out)
 
 
-def need(L: int) -> np.ndarray:
-    """(doc_length(L),) the loops each token needs (module docstring): the oracle router's depth."""
+def need(L: int, visible: bool = False) -> np.ndarray:
+    """(doc_length(L),) the loops each token needs (module docstring): the oracle router's depth; visible: when
+    exited tokens stay readable through their frozen state."""
     out = []
     for k in range(1, L + 1):
-        out += [1] + [j + 1 for j in range(k)] + [k, 1]
+        cells = [1] + list(range(1, k)) if visible else [j + 1 for j in range(k)]  # x_0 .. x_(k-1)
+        out += [1] + cells + [k, 1]
     return np.array(out)
 
 

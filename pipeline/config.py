@@ -104,6 +104,10 @@ class ModelConfig:
         2.0, "budget recipe: std of the router's output weights x sqrt(hidden) at init (logit spread across tokens)."
     )
     gather_scatter: bool = f(True, "Compute only active tokens per loop (false: dense masked reference path).")
+    exited_keys: Literal["drop", "frozen"] = f(
+        "drop",
+        "What a token that has exited shows later loops: drop (attention in loop i runs among the tokens still looping; the recursion-wise KV cache) or frozen (it stays a key and value through its final state; README 'Exited tokens').",
+    )
     gate_init: float = f(
         0.0,
         "Modulated layers: initial output gates a_msa, a_mlp (their modulator rows' bias). 0 (default): each layer starts as the identity (adaLN-zero); 1: as a plain pre-norm layer.",
@@ -140,6 +144,9 @@ class ModelConfig:
             "router_entropy_weight",
         )
     }
+    # Network keys newer than some stored configs, with the value every network before them had: `upgrade`
+    # fills them in, so an older checkpoint resumes and an older export loads as what it was.
+    ADDED: ClassVar[dict[str, Any]] = {"exited_keys": "drop"}
 
     def validate(self) -> None:
         if self.variant not in VARIANTS:
@@ -251,6 +258,11 @@ class ObjectiveConfig:
         for k, off in (("router_explore_span", 1), ("router_explore_draw", "prior")):  # refinements of exploration
             if getattr(self, k) != off and self.router_explore == 0:
                 raise ConfigError(f"objective.{k}={getattr(self, k)} needs exploration (objective.router_explore > 0)")
+        if self.router_ste_keys and model.exited_keys == "frozen":
+            raise ConfigError(
+                "objective.router_ste_keys=true needs model.exited_keys=drop: with frozen exited keys a token's "
+                "value in a loop past its depth does not depend on whether it runs that loop"
+            )
         for k in ("router_ste_log", "router_ste_keys"):  # refinements of the straight-through factor
             if getattr(self, k) and not (model.router and self.router_ste):
                 raise ConfigError(
@@ -499,8 +511,9 @@ def load_config(name: Optional[str] = None, overrides: list[str] | tuple = ()) -
 
 def upgrade(d: dict) -> dict:
     """A config dict as tlf stored it (a checkpoint's state, an export's config.yaml), in today's layout: one
-    written before the `objective` section has the objective's keys under `model` (`ModelConfig.MOVED`). A new
-    dict; the input is left as it was."""
+    written before the `objective` section has the objective's keys under `model` (`ModelConfig.MOVED`), and
+    one written before a network key existed lacks it (`ModelConfig.ADDED`: the value it had). A new dict; the
+    input is left as it was."""
     d = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
     model = d.get("model")
     if isinstance(model, dict):
@@ -508,6 +521,8 @@ def upgrade(d: dict) -> dict:
             if k in model:
                 sec, key = new.split(".")
                 d.setdefault(sec, {})[key] = model.pop(k)
+        for k, v in ModelConfig.ADDED.items():
+            model.setdefault(k, v)
     return d
 
 

@@ -131,6 +131,9 @@ def test_router_training_options_without_what_they_act_on_are_errors():
         with pytest.raises(ConfigError, match=rf"objective.{k}=true needs"):
             load_config("tiny/loopformer", [f"objective.{k}=true"])
         load_config("tiny/t-loopformer", [f"objective.{k}=true"])  # with both: fine
+    with pytest.raises(ConfigError, match=r"objective.router_ste_keys=true needs model.exited_keys=drop"):
+        load_config("tiny/t-loopformer", ["objective.router_ste_keys=true", "model.exited_keys=frozen"])
+    load_config("tiny/t-loopformer", ["objective.router_ste_log=true", "model.exited_keys=frozen"])
 
 
 def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_key(tmp_path):
@@ -164,12 +167,14 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
         "router_ste_keys",
     ):  # newer than the move: an old file does not have them
         objective.pop(k)
+    old["model"].pop("exited_keys")  # newer too
     old["model"].update(objective, lambda_short=0.3, align_target="hidden")
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in old.items()}
     cfg = config_from_dict(old, "old checkpoint")
     assert cfg.objective.lambda_short == 0.3 and cfg.objective.align_target == "hidden"
     assert cfg.objective.router_explore == 0.0  # a key the old file lacks keeps its default
     expected = upgrade(old)
+    expected["model"]["exited_keys"] = "drop"
     expected["objective"].update(
         router_explore=0.0,
         router_explore_span=1,

@@ -30,7 +30,7 @@ def test_answers_levels_and_need():
     L = 4
     docs = documents(g, np.random.default_rng(0), 50, L)
     assert docs.shape == (50, doc_length(L))
-    lev, nd = levels(L), need(L)
+    lev, nd, nv = levels(L), need(L), need(L, visible=True)
     for doc in docs:
         found = solve(doc, g)
         assert [k for _, k, _ in found] == [1, 2, 3, 4]
@@ -38,7 +38,9 @@ def test_answers_levels_and_need():
         for p, k, _ in found:
             assert lev[p] == k and nd[p] == k  # the query needs exactly its level
             assert list(nd[p - k : p]) == list(range(1, k + 1))  # x_j is read in loop j + 1
-    assert ((nd >= 1) & (nd <= L)).all()
+            # exited tokens readable: x_j holds y_j after j loops (x_0 one loop), the query still k
+            assert nv[p] == k and list(nv[p - k : p]) == [1] + list(range(1, k))
+    assert ((nd >= 1) & (nd <= L)).all() and (nv <= nd).all() and nv[lev == 0].max() == L - 1
 
 
 def test_rule_is_a_latin_square_and_not_associative():

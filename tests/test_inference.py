@@ -19,12 +19,13 @@ CASES = TINY + ["t-loopformer@budget"]  # variant@router_recipe: the budget reci
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def make(variant="t-loopformer", seed=0, device="cpu"):
+def make(variant="t-loopformer", seed=0, device="cpu", *overrides):
     """A tiny model whose layers do something (non-zero modulators) and whose router depths vary a lot.
     variant may name a router recipe: 't-loopformer@budget'."""
     torch.manual_seed(seed)
     variant, _, recipe = variant.partition("@")
-    model = LoopedLM(load_config(f"tiny/{variant}", [f"model.router_recipe={recipe}"] if recipe else []).model)
+    extra = [f"model.router_recipe={recipe}"] if recipe else []
+    model = LoopedLM(load_config(f"tiny/{variant}", [*extra, *overrides]).model)
     with torch.no_grad():
         for layer in model.layers:
             if layer.modulated:
@@ -161,6 +162,22 @@ def test_stopped_rows_do_no_work_and_write_nothing():
     assert (dec.cache.n_host[:, 0] - before[:, 0]).tolist() == [1 if i <= int(d[0]) else 0 for i in range(1, 5)]
     ref = model(seqs[0][None, :6], loops=4)
     torch.testing.assert_close(lo[0], ref.logits[0, 5], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["t-loopformer", "t-loopformer@budget"])
+def test_frozen_exited_keys_decode_equals_full_forward(variant):
+    """model.exited_keys=frozen: the decoder takes its full-depth path (an exited token projects keys and values
+    of its final state into every later loop's cache), and that is the model: prefill and decode equal the
+    forward at M = L and M < L, and every fed token is in every loop's cache."""
+    model = make(variant, 0, "cpu", "model.exited_keys=frozen")
+    for M in (4, 2):
+        seqs, lens = sequences()
+        err, steps, dec, ref = run(model, M, seqs, lens)
+        assert err <= ATOL, f"M={M}: max error {err}"
+        assert dec.full_depth
+        fed = [n + len(steps) for n in lens]
+        assert dec.cache.entries_per_loop() == [sum(fed)] * M
+        assert len(torch.cat([r.depth[0] for r in ref]).unique()) == M  # the depths really vary
 
 
 def test_full_depth_ablation():

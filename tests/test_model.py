@@ -56,6 +56,8 @@ def grads(model):
         ("t-loopformer", ["model.router_recipe=budget"], {"router_explore": 0.5, "router_explore_span": 5}),
         ("t-loopformer", ["model.router_recipe=budget"], {"router_explore": 0.5, "router_explore_draw": "next"}),
         ("t-loopformer", ["model.router_recipe=budget"], {"router_ste_keys": True}),
+        ("t-loopformer", ["model.router_recipe=budget", "model.exited_keys=frozen"], {}),
+        ("t-loopformer", ["model.exited_keys=frozen"], {"router_explore": 0.5, "router_explore_draw": "next"}),
         ("loopformer", [], {}),
         ("base-loop-ee-align", [], {}),
     ],
@@ -89,6 +91,45 @@ def test_gather_scatter_equals_dense_reference(variant, overrides, router_traini
     assert g_gs.keys() == g_dense.keys() and len(g_gs) == len(list(model.parameters()))
     for n in g_gs:
         torch.testing.assert_close(g_gs[n], g_dense[n], atol=1e-5, rtol=0, msg=n)
+
+
+@pytest.mark.parametrize("exited_keys", ["drop", "frozen"])
+def test_what_an_exited_token_shows_later_loops(exited_keys):
+    """model.exited_keys: a token p that exited after loop 1 gets its state moved after loop 1; a later token q
+    that runs loops 2-4 sees the change only with frozen keys (with dropped ones no loop past p's depth reads
+    p), and p itself stays as it is. With frozen keys both paths equal the rule written out layer by layer:
+    causal attention over every token, the exited tokens' states held at every layer of the loop."""
+    model = make("t-loopformer", f"model.exited_keys={exited_keys}").eval()
+    with torch.no_grad():  # gates of order one: a wrong key or a state that moves inside a loop shows
+        for layer in model.layers:
+            layer.modulator[1].bias.normal_(0, 1.0)
+    idx = batch(B=3, T=24)[0]  # rows with different |A_i|: the compaction pads some at the tail
+    dm = model(idx, loops=4).depth  # (3, 24); row 0 is watched
+    p = int((dm[0] == 1).nonzero()[0])
+    q = next(t for t in range(p + 1, 24) if dm[0, t] >= 3)
+    tables = model.modulation_tables(uniform(4))
+    h0 = model.embed(idx)
+    h1 = model.loop(h0, 1, 4, tables, dm)
+    h1b = h1.clone()
+    h1b[0, p] += 1.0
+    outs = []
+    for h in (h1, h1b):
+        for i in (2, 3, 4):
+            h = model._masked_loop(h, i, 4, tables, dm, None)
+        outs.append(h)
+    assert torch.equal(outs[0][0, p] - outs[1][0, p], h1[0, p] - h1b[0, p])  # p stays as it is
+    moved = (outs[0][0, q] - outs[1][0, q]).abs().max().item()
+    assert (moved > 1e-4) == (exited_keys == "frozen"), moved
+    if exited_keys == "frozen":
+        h = h0
+        for i in range(1, 5):
+            active, mods, hc = (dm >= i)[..., None], model.loop_mods(tables, i, 4, dm, by_index=False), h
+            for j, layer in enumerate(model.layers):
+                hc = torch.where(active, layer(hc, mods[j]), h)
+            h = hc
+        for gs in (True, False):
+            lg = model(idx, loops=4, gather_scatter=gs).logits
+            torch.testing.assert_close(lg, model.head(h)[0], atol=1e-6, rtol=0)
 
 
 def test_gather_scatter_elastic_budget_and_threshold():
@@ -422,7 +463,7 @@ def test_a_tokens_last_loop_hears_that_others_read_it_only_with_the_key_factor(k
     factor on the attention values (ste_keys) gives it the query's use of that token."""
     model = make("t-loopformer", "model.router_recipe=budget")
     idx, tgt = batch(B=2, T=12)
-    h0 = model.embed(idx)
+    h0 = model.embed(idx)  # (3, 24, d); row 0 is watched
     r = model.route(h0)
     cont = r.cont.detach().requires_grad_(True)
     depth = torch.full(idx.shape, 2)

@@ -16,11 +16,12 @@ weight is read per token. A new `Decoder` always sees the model's current weight
 The router's straight-through factor 1 + s - sg(s) is 1 in value and is skipped here; outputs match the
 model's forward within fp32 rounding (tests: atol 1e-5).
 
-`full_depth=True` is the benchmark's ablation (b), not the model: every token writes every loop's cache.
-A token that exited after m loops keeps its state h^(m) and, in loops i > m, still projects keys/values
-from it (one qkv projection per layer) so later tokens attend to all tokens at every loop (CALM-style
-state propagation; the paper's "without recursion-wise KV cache"). Its outputs differ from the model's
-whenever depths differ; with every depth = M it is the ordinary cache.
+The full-depth path: every token writes every loop's cache. A token that exited after m loops keeps its state
+h^(m) and, in loops i > m, still projects keys/values from it (one k/v projection per layer) so later tokens
+attend to all tokens at every loop (CALM-style state propagation; the paper's "without recursion-wise KV
+cache"). For a model with `model.exited_keys=frozen` this is the model itself, taken automatically, and its
+outputs match the forward. For the default (`drop`) it is `full_depth=True`, the benchmark's ablation (b): its
+outputs differ from the model's whenever depths differ; with every depth = M it is the ordinary cache.
 """
 
 from __future__ import annotations
@@ -93,7 +94,9 @@ class Decoder:
             raise ValueError(f"loop budget {self.M} must lie in 1..{cfg.loops}")
         self.theta = cfg.router_threshold if threshold is None else threshold
         self.router = router  # False: every token runs the whole budget (the router is not consulted)
-        self.layout, self.full_depth = layout, full_depth
+        # frozen exited keys (model.exited_keys=frozen) are the model itself on the full-depth path; with dropped
+        # ones that path is the benchmark's ablation (b)
+        self.layout, self.full_depth = layout, full_depth or cfg.exited_keys == "frozen"
         self.tables = modulation_tables(model, self.M)  # per layer (K, 4d) or None
         self.cache: RecursionKVCache | None = None
 
@@ -161,16 +164,13 @@ class Decoder:
         return m.head(last)[0], depth
 
     def _prefill_loop_full(self, h, depth, i, lengths, reserve):
-        """Ablation (b): every real token writes loop i; exited tokens keep their state (dense, no compaction).
-        Not the model's `loop`: an exited token's state stays frozen through every layer of the loop (its keys and
-        values at layer j come from h^(m), as `_write_exited` projects them while decoding), so the merge happens
-        after each layer, where the model merges once per loop."""
-        active = (depth >= i)[..., None]  # (B, T, 1)
-        m = self.model
-        attends = [partial(self._prefill_attend, i, j, None, lengths, reserve) for j in range(len(m.layers))]
-        mods = m.loop_mods(self.tables, i, self.M, depth)
-        for j, layer in enumerate(m.layers):  # layer by layer: exited tokens keep their state inside the loop too
-            h = torch.where(active, layer(h, None if mods is None else mods[j], None, attends[j]), h)
+        """Every real token writes loop i (dense, no compaction); an exited token's state stays frozen through
+        every layer of the loop (its keys and values at layer j come from its final state, as `_write_exited`
+        projects them while decoding): the model's loop with `keep`, as its dense path runs
+        model.exited_keys=frozen."""
+        active = depth >= i  # (B, T)
+        attends = [partial(self._prefill_attend, i, j, None, lengths, reserve) for j in range(len(self.model.layers))]
+        h = self.model.loop(h, i, self.M, self.tables, depth, attends=attends, active=active, keep=~active)
         self.cache.prefill_done(i, lengths)
         return h
 

@@ -176,10 +176,20 @@ class SharedBlock(nn.ModuleList):
     (pipeline/train/ac.py, pipeline/train/compile.py): nothing here knows about them."""
 
     def forward(
-        self, h: torch.Tensor, mods: list | None = None, mask: torch.Tensor | None = None, attends: list | None = None
+        self,
+        h: torch.Tensor,
+        mods: list | None = None,
+        mask: torch.Tensor | None = None,
+        attends: list | None = None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """h (B, T, d); mods: per layer a modulation as Layer.forward takes it, or None; attends: per layer an
-        attention override (the KV cache), or None."""
+        attention override (the KV cache), or None; keep (B, T) bool: states that stay as they came in through
+        every layer (exited tokens that stay keys, model.exited_keys=frozen): each layer's keys and values of
+        theirs come from that frozen state."""
+        h_in = h
         for j, layer in enumerate(self):
             h = layer(h, None if mods is None else mods[j], mask, None if attends is None else attends[j])
+            if keep is not None:
+                h = torch.where(keep[..., None], h_in, h)
         return h

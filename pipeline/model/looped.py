@@ -24,6 +24,7 @@ output and one host read of the active counts.
 from __future__ import annotations
 
 import math
+from functools import partial
 from dataclasses import dataclass
 
 import numpy as np
@@ -262,6 +263,7 @@ class LoopedLM(nn.Module):
         active: torch.Tensor | None = None,
         by_index: bool = True,
         ste_keys: bool = False,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Loop i of a pass of budget M on the states h (N, S, d) that a caller chose for it (a row's compacted
         active tokens, the decoder's gathered rows, or every token under a mask): the one place where a loop's
@@ -272,12 +274,14 @@ class LoopedLM(nn.Module):
         identity). active (N, S) bool: the states that take the loop's output; the others (exited tokens, tail
         padding of a compaction) leave it unchanged (None: all take it). by_index=False gathers the modulation
         rows per token (the dense reference). ste_keys: the straight-through factor also on the states' attention
-        values (`_KeyStraightThrough`; needs cont and no `attends`). Returns the states after the loop (N, S, d)."""
+        values (`_KeyStraightThrough`; needs cont and no `attends`). keep (N, S) bool: states that stay keys and
+        values through their frozen state at every layer (exited tokens under model.exited_keys=frozen, on the
+        dense path and the decoder's prefill). Returns the states after the loop (N, S, d)."""
         mods = self.loop_mods(tables, i, M, depth, by_index)
         if ste_keys and cont is not None and i > 1:
             assert attends is None, "the key straight-through factor runs its own attention (no KV-cache hooks)"
             attends = [_key_ste_attend(cont, mask)] * len(self.layers)
-        out = self.layers(h, mods, mask, attends)  # (N, S, d)
+        out = self.layers(h, mods, mask, attends, keep)  # (N, S, d)
         if cont is not None and i > 1:  # p(1) is the constant 1
             out = _StraightThrough.apply(h, out, cont.to(out.dtype)[..., None])
         return out if active is None else torch.where(active[..., None], out, h)
@@ -342,24 +346,52 @@ class LoopedLM(nn.Module):
         gidx = order[..., None].expand(B, Tm, d)
         nd = torch.from_numpy(n).to(h.device)  # host -> device, no sync
         real = torch.arange(Tm, device=h.device)[None] < nd[:, None]  # (B, Tm) active tokens, not tail padding
+        attends = self._attends(hooks, i, order, n)  # None: causal among A_i
+        if self.cfg.exited_keys == "frozen":
+            assert hooks is None, "the decoder runs frozen exited keys on its full-depth path"
+            attends = self._frozen_attends(h, i, M, tables, depth, order, real)
         out = self.loop(
             _GatherRows.apply(h, gidx),  # (B, Tm, d)
             i,
             M,
             tables,
             depth.gather(1, order),  # (B, Tm): rows by index, no per-token (Tm, 4d) kept for backward
-            attends=self._attends(hooks, i, order, n),  # None: causal among A_i
+            attends=attends,
             cont=None if cont is None else cont.gather(1, order),
             active=real,
             ste_keys=ste_keys,
         )
         return h.scatter(1, gidx, out)
 
+    def _frozen_attends(self, h, i, M, tables, depth, order, real) -> list:
+        """Per layer the attention of loop i's compacted states (B, Tm) when exited tokens stay keys
+        (model.exited_keys=frozen): queries from the compacted states; keys and values at every position of the
+        row, those of the real compacted states scattered into the ones each layer projects from h (B, T, d),
+        the states entering the loop (an exited token's frozen one, under its (i, i) modulation row); query at
+        position p attends positions <= p."""
+        mods = self.loop_mods(tables, i, M, depth)  # per token of the whole row, by index
+        pos = torch.arange(h.shape[1], device=h.device)
+        mask = (pos[None, None, :] <= order[:, :, None])[:, None]  # (B, 1, Tm, T)
+
+        def attend(layer, mod, q, k, v):  # q, k, v (B, H, Tm, hd) of the compacted states
+            idx = order[:, None, :, None].expand_as(k)
+            r = real[:, None, :, None]  # tail padding keeps the frozen projection at its position
+            K, V = layer.kv(h, mod)  # (B, H, T, hd)
+            K = K.scatter(2, idx, torch.where(r, k, K.gather(2, idx)))
+            V = V.scatter(2, idx, torch.where(r, v, V.gather(2, idx)))
+            return F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
+
+        return [partial(attend, layer, None if mods is None else mods[j]) for j, layer in enumerate(self.layers)]
+
     def _masked_loop(self, h, i, M, tables, depth, cont, ste_keys=False) -> torch.Tensor:
         """The dense reference of loop i: every token of h (B, T, d) computed; query tau attends key tau' iff
-        tau' <= tau and tau' in A_i (or tau' = tau); only active tokens take the output."""
+        tau' <= tau and tau' in A_i (or tau' = tau), or, with model.exited_keys=frozen, every tau' <= tau, the
+        exited ones through their frozen state; only active tokens take the output."""
         T = h.shape[1]
         active = depth >= i  # (B, T)
+        if self.cfg.exited_keys == "frozen":  # causal over every token; exited states held at every layer
+            assert not ste_keys, "the key factor needs model.exited_keys=drop (config validation)"
+            return self.loop(h, i, M, tables, depth, cont=cont, active=active, by_index=False, keep=~active)
         causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
         eye = torch.eye(T, dtype=torch.bool, device=h.device)
         mask = ((causal[None] & active[:, None, :]) | eye[None])[:, None]  # (B, 1, T, T)
