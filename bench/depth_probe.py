@@ -343,6 +343,13 @@ GRID8 = {
         [*LOGSTE, "objective.router_explore=0.25"],
         {**VIS, "target": "need"},
     ),
+    # the budget's target at the middle of 1..L (a uniform prior): under dropped keys it kept the level-2 query deep
+    # and left its cell at one loop (grid 7); with frozen keys the cell needs no more
+    "fold m16 t-loopformer visible target 2.5 explore 0.5 next span 8 log-ste no entropy curriculum": (
+        "depth/t-loopformer",
+        [*VISNEXT8, "model.router_target_depth=2.5"],
+        VIS,
+    ),
     # handed a network that composes level 2 at the visible needs (settings "warm"), does the router keep the
     # level-2 query deep now that its extra loop pays without its cell's?
     "fold m16 t-loopformer visible warm at need explore 0.5 next span 8 log-ste no entropy curriculum": (
@@ -351,8 +358,27 @@ GRID8 = {
         {**VIS, "target": "need", "warm": 3},
     ),
 }
-GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5, "6": GRID6, "7": GRID7, "8": GRID8}
-GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5, **GRID6, **GRID7, **GRID8}
+# Grid 9: the router on an unconditioned network (model.conditioning=none). Under the LoopFormer conditioning a
+# token's depth sets its whole trajectory (depth m runs steps of 1/m at times 0, 1/m, ...), so going from depth 2
+# to 3 changes loops 1 and 2 as well, which the straight-through factor on loop 3's update does not see; without
+# conditioning loop i is the same computation at every depth and one more loop is only one more loop.
+# No variant has a router without conditioning, so settings "unconditioned" makes this network outside the
+# variant table (probe-only): t-loopformer's, its modulators left unused.
+UNC = {**F16, **CUR, "target": "need", "unconditioned": True}
+GRID9 = {
+    "fold m16 t-loopformer unconditioned warm at need explore 0.5 next span 8 log-ste keys no entropy curriculum": (
+        "depth/t-loopformer",
+        NEXT8,
+        {**UNC, "warm": 3},
+    ),
+    "fold m16 t-loopformer unconditioned explore 0.5 next span 8 log-ste keys no entropy curriculum": (
+        "depth/t-loopformer",
+        NEXT8,
+        UNC,
+    ),
+}
+GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5, "6": GRID6, "7": GRID7, "8": GRID8, "9": GRID9}
+GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5, **GRID6, **GRID7, **GRID8, **GRID9}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
 
 
@@ -460,6 +486,8 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     cfg = load_config(preset, cfg_overrides)
     torch.manual_seed(s["seed"])
     model = LoopedLM(cfg.model).to(device)
+    if s.get("unconditioned"):  # outside the variant table (grid 9): no modulation tables, so every layer runs
+        model.cfg.conditioning = "none"  # its plain path (RMSNorm without affine), the same at every depth
     objective = Objective(model, cfg.objective)
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, s["beta2"]), weight_decay=s["wd"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s["warmup"]))
