@@ -376,6 +376,14 @@ GRID9 = {
         NEXT8,
         UNC,
     ),
+    # the most favourable case for the router: frozen exited keys (a cell need not keep looping for its reader),
+    # no conditioning (a loop past the need repeats the step), and a warm phase at the oracle's depths moved by
+    # 0 or +1 per document, so the network it is handed answers at its need and one loop past it
+    "fold m16 t-loopformer unconditioned visible warm jitter 1 explore 0.5 next span 8 log-ste no entropy curriculum": (
+        "depth/t-loopformer",
+        VISNEXT8,
+        {**UNC, "warm": 3, "jitter": (0, 1)},
+    ),
 }
 GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5, "6": GRID6, "7": GRID7, "8": GRID8, "9": GRID9}
 GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5, **GRID6, **GRID7, **GRID8, **GRID9}
@@ -557,10 +565,10 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         if warm:  # a routed model's network trained with its router bypassed (no router loss, no exploration)
             dm = need_t
         elif oracle:
-            dm = need  # settings "jitter": (lo, hi): each training document's map moved by a draw from lo..hi
-            if s.get("jitter"):
-                lo, hi = s["jitter"]
-                dm = (need + torch.randint(lo, hi + 1, (len(x), 1), device=device)).clamp(1, Lm)
+            dm = need
+        if dm is not None and s.get("jitter"):  # (lo, hi): each training document's map moved by a draw from lo..hi
+            lo, hi = s["jitter"]
+            dm = (dm + torch.randint(lo, hi + 1, (len(x), 1), device=device)).clamp(1, Lm)
         if dm is None:
             loss = objective(x, y).loss
         else:

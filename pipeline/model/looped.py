@@ -3,7 +3,8 @@
     h0 = E_tok + E_pos                                  # (B, T, d), positions added once
     depth m = router(h0) clipped at M (or M for all)    # (B, T)
     for loop i = 1..M:  A_i = {tau : m_tau >= i}
-        h[A_i] <- Block_J(h[A_i]; c(m, i))              # causal attention among A_i only
+        h[A_i] <- Block_J(h[A_i]; c(m, i))              # causal attention among A_i only (model.exited_keys=drop)
+                                                        # or over every token, exited ones frozen (=frozen)
     logits = head(RMSNorm(h))
 
 Gather-scatter (`gather_scatter=true`): loop i compacts each row's active tokens in position order into a
