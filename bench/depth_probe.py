@@ -385,8 +385,21 @@ GRID9 = {
         {**UNC, "warm": 3, "jitter": (0, 1)},
     ),
 }
-GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5, "6": GRID6, "7": GRID7, "8": GRID8, "9": GRID9}
-GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5, **GRID6, **GRID7, **GRID8, **GRID9}
+# Grid 10: the router trained on the expected loss over exits (settings "expected", `expected_exit_loss`; Ouro's
+# objective with the budget prior): every token runs every loop in training, so the network learns every exit,
+# and the router's gradient is exact. Frozen exited keys, so that a context token that exits early at inference
+# still shows its state; no conditioning, so that exit d in training is depth d at inference.
+EXP = {**UNC, "expected": 0.1}
+GRID10 = {
+    "fold m16 t-loopformer expected exit loss unconditioned visible curriculum": ("depth/t-loopformer", LOGSTE, EXP),
+    "fold m16 t-loopformer expected exit loss unconditioned visible curriculum seed 1": (
+        "depth/t-loopformer",
+        LOGSTE,
+        {**EXP, "seed": 1},
+    ),
+}
+GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5, "6": GRID6, "7": GRID7, "8": GRID8, "9": GRID9, "10": GRID10}
+GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5, **GRID6, **GRID7, **GRID8, **GRID9, **GRID10}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
 
 
@@ -467,6 +480,31 @@ def forced_depth_logits(model, x: torch.Tensor, depth: torch.Tensor, M: int) -> 
     return model.head(h)[0]
 
 
+def expected_exit_loss(model, x: torch.Tensor, y: torch.Tensor, beta: float) -> torch.Tensor:
+    """Settings "expected": beta (probe-only): every token runs every loop; the router's pi over exits weighs each
+    scored token's cross-entropy at each exit, sum_d pi_d CE_d (an exact gradient for the router, no
+    straight-through factor, and the network trained at every exit in proportion to pi), plus the budget
+    recipe's balance term KL(q || mean pi) and beta * mean_t KL(pi_t || q), which keeps each token's pi from
+    collapsing before its answer counts (Ouro's entropy term, towards the budget prior instead of uniform). Exit d
+    is the state after loop d of an L-loop pass, which is a depth-d token's state only without conditioning
+    (settings "unconditioned")."""
+    h = model.embed(x)  # (B, T, d)
+    r = model.route(h)
+    logp = torch.log_softmax(r.logits.float(), -1)  # (B, T, L)
+    pi, q = logp.exp(), model.router.prior.to(logp.dtype)
+    ce = []
+    for i in range(1, pi.shape[-1] + 1):  # every token at every loop (depth None: all active)
+        h = model.loop(h, i, pi.shape[-1], None)
+        lg = model.head(h)[0]  # (B, T, V)
+        ce.append(torch.nn.functional.cross_entropy(lg.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none"))
+    ce = torch.stack(ce, -1).view(*y.shape, -1)  # (B, T, L): 0 where not scored
+    scored = y >= 0
+    task = (pi * ce).sum(-1)[scored].mean()
+    balance = (q * (q.log() - pi.flatten(0, 1).mean(0).clamp_min(1e-12).log())).sum()
+    per_token = (pi * (logp - q.log())).sum(-1).mean()
+    return task + balance + beta * per_token
+
+
 def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device, log) -> dict:
     torch.set_num_threads(1)
     from pipeline.config import load_config
@@ -511,6 +549,8 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         if fold_need is None or model.router is not None:
             raise ValueError(f"depth {oracle!r} needs task 'fold' and a model without a router")
         need = torch.from_numpy(forced_depth(oracle, Lt, visible)[:-1].clip(max=Lm)).to(device)  # (T-1,)
+    if s.get("expected") is not None and not (s.get("unconditioned") and model.router is not None):
+        raise ValueError("settings 'expected' needs a router and 'unconditioned' (exit d = the state after loop d)")
     if s.get("warm") and (fold_need is None or model.router is None):
         raise ValueError("settings 'warm' needs task 'fold' and a model with a router")
     cap = [1 if s.get("curriculum") else Lt]  # scored levels <= cap; a curriculum raises it at 0.9 accuracy
@@ -569,7 +609,9 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         if dm is not None and s.get("jitter"):  # (lo, hi): each training document's map moved by a draw from lo..hi
             lo, hi = s["jitter"]
             dm = (dm + torch.randint(lo, hi + 1, (len(x), 1), device=device)).clamp(1, Lm)
-        if dm is None:
+        if dm is None and s.get("expected") is not None:
+            loss = expected_exit_loss(model, x, y, s["expected"])
+        elif dm is None:
             loss = objective(x, y).loss
         else:
             loss = torch.nn.functional.cross_entropy(logits(x, Lm, dm).flatten(0, 1), y.flatten(), ignore_index=-1)
