@@ -398,7 +398,18 @@ GRID10 = {
         {**EXP, "seed": 1},
     ),
 }
-GRIDS = {"1": GRID1, "2": GRID2, "3": GRID3, "4": GRID4, "5": GRID5, "6": GRID6, "7": GRID7, "8": GRID8, "9": GRID9, "10": GRID10}
+GRIDS = {
+    "1": GRID1,
+    "2": GRID2,
+    "3": GRID3,
+    "4": GRID4,
+    "5": GRID5,
+    "6": GRID6,
+    "7": GRID7,
+    "8": GRID8,
+    "9": GRID9,
+    "10": GRID10,
+}
 GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5, **GRID6, **GRID7, **GRID8, **GRID9, **GRID10}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
 
