@@ -397,6 +397,16 @@ GRID10 = {
         LOGSTE,
         {**EXP, "seed": 1},
     ),
+    "fold m16 t-loopformer expected exit loss unconditioned visible curriculum seed 2": (
+        "depth/t-loopformer",
+        LOGSTE,
+        {**EXP, "seed": 2},
+    ),
+    "fold m16 t-loopformer expected exit loss unconditioned visible curriculum seed 3": (
+        "depth/t-loopformer",
+        LOGSTE,
+        {**EXP, "seed": 3},
+    ),
 }
 GRIDS = {
     "1": GRID1,
