@@ -390,24 +390,8 @@ GRID9 = {
 # and the router's gradient is exact. Frozen exited keys, so that a context token that exits early at inference
 # still shows its state; no conditioning, so that exit d in training is depth d at inference.
 EXP = {**UNC, "expected": 0.1}
-GRID10 = {
-    "fold m16 t-loopformer expected exit loss unconditioned visible curriculum": ("depth/t-loopformer", LOGSTE, EXP),
-    "fold m16 t-loopformer expected exit loss unconditioned visible curriculum seed 1": (
-        "depth/t-loopformer",
-        LOGSTE,
-        {**EXP, "seed": 1},
-    ),
-    "fold m16 t-loopformer expected exit loss unconditioned visible curriculum seed 2": (
-        "depth/t-loopformer",
-        LOGSTE,
-        {**EXP, "seed": 2},
-    ),
-    "fold m16 t-loopformer expected exit loss unconditioned visible curriculum seed 3": (
-        "depth/t-loopformer",
-        LOGSTE,
-        {**EXP, "seed": 3},
-    ),
-}
+EXPNAME = "fold m16 t-loopformer expected exit loss unconditioned visible curriculum"
+GRID10 = {EXPNAME + (f" seed {k}" if k else ""): ("depth/t-loopformer", LOGSTE, {**EXP, "seed": k}) for k in range(4)}
 GRIDS = {
     "1": GRID1,
     "2": GRID2,
@@ -505,7 +489,7 @@ def expected_exit_loss(model, x: torch.Tensor, y: torch.Tensor, beta: float) -> 
     """Settings "expected": beta (probe-only): every token runs every loop; the router's pi over exits weighs each
     scored token's cross-entropy at each exit, sum_d pi_d CE_d (an exact gradient for the router, no
     straight-through factor, and the network trained at every exit in proportion to pi), plus the budget
-    recipe's balance term KL(q || mean pi) and beta * mean_t KL(pi_t || q), which keeps each token's pi from
+    recipe's balance term KL(q || mean pi) (`Router.aux_loss`, weight 1, no entropy term) and beta * mean_t KL(pi_t || q), which keeps each token's pi from
     collapsing before its answer counts (Ouro's entropy term, towards the budget prior instead of uniform). Exit d
     is the state after loop d of an L-loop pass, which is a depth-d token's state only without conditioning
     (settings "unconditioned")."""
@@ -521,7 +505,7 @@ def expected_exit_loss(model, x: torch.Tensor, y: torch.Tensor, beta: float) -> 
     ce = torch.stack(ce, -1).view(*y.shape, -1)  # (B, T, L): 0 where not scored
     scored = y >= 0
     task = (pi * ce).sum(-1)[scored].mean()
-    balance = (q * (q.log() - pi.flatten(0, 1).mean(0).clamp_min(1e-12).log())).sum()
+    balance, _ = model.router.aux_loss(r, 1.0, 0.0)
     per_token = (pi * (logp - q.log())).sum(-1).mean()
     return task + balance + beta * per_token
 
@@ -535,7 +519,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
 
     s = {**DEFAULTS, **settings}
     L = s["L"]
-    visible = "model.exited_keys=frozen" in overrides  # exited tokens readable by later loops: the needs change
+    visible = FROZEN[0] in overrides  # exited tokens readable by later loops: the needs change
     if s.get("task") == "fold":
         T, vocab_needed, need_mean, val_docs, levels_of, draw = _fold(s, visible)
     else:

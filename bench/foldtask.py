@@ -21,7 +21,7 @@ does no harm to a model that learnt the step.
 `need`: the per-token depth an oracle router would give (`oracle` probes run it): cell x_j of a level-k segment
 is read by x_(j+1) in loop j + 1, so it must still be looping then (depth j + 1 for j < k), the query x_k needs
 k, W and A one loop. `need(L, visible=True)`: the same when a token that has exited stays readable by later loops
-through its frozen state (bench/depth_probe.py setting `visible`): cell x_j then holds y_j after j loops whether or
+through its frozen state (model.exited_keys=frozen; bench/depth_probe.py grid 8): cell x_j then holds y_j after j loops whether or
 not it runs more, so x_0 and x_1 need one loop, x_j (j >= 1) j loops, the query x_k k.
 """
 

@@ -347,10 +347,11 @@ class LoopedLM(nn.Module):
         gidx = order[..., None].expand(B, Tm, d)
         nd = torch.from_numpy(n).to(h.device)  # host -> device, no sync
         real = torch.arange(Tm, device=h.device)[None] < nd[:, None]  # (B, Tm) active tokens, not tail padding
-        attends = self._attends(hooks, i, order, n)  # None: causal among A_i
         if self.cfg.exited_keys == "frozen":
             assert hooks is None, "the decoder runs frozen exited keys on its full-depth path"
             attends = self._frozen_attends(h, i, M, tables, depth, order, real)
+        else:
+            attends = self._attends(hooks, i, order, n)  # None: causal among A_i
         out = self.loop(
             _GatherRows.apply(h, gidx),  # (B, Tm, d)
             i,
@@ -373,10 +374,10 @@ class LoopedLM(nn.Module):
         mods = self.loop_mods(tables, i, M, depth)  # per token of the whole row, by index
         pos = torch.arange(h.shape[1], device=h.device)
         mask = (pos[None, None, :] <= order[:, :, None])[:, None]  # (B, 1, Tm, T)
+        r = real[:, None, :, None]  # (B, 1, Tm, 1): tail padding keeps the frozen projection at its position
 
         def attend(layer, mod, q, k, v):  # q, k, v (B, H, Tm, hd) of the compacted states
             idx = order[:, None, :, None].expand_as(k)
-            r = real[:, None, :, None]  # tail padding keeps the frozen projection at its position
             K, V = layer.kv(h, mod)  # (B, H, T, hd)
             K = K.scatter(2, idx, torch.where(r, k, K.gather(2, idx)))
             V = V.scatter(2, idx, torch.where(r, v, V.gather(2, idx)))
