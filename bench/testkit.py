@@ -67,7 +67,7 @@ def spread_router(model, seed: int = 0, scale: float = 1.0):
     r = model.router
     if r is None:
         return model
-    in_std = 1.0 if r.recipe == "budget" else model.cfg.init_std
+    in_std = 1.0 if r.has_prior else model.cfg.init_std
     g = torch.Generator().manual_seed(seed)
     w1 = torch.randn(r.fc1.weight.shape, generator=g) * (5.0 * scale / (math.sqrt(r.fc1.in_features) * in_std))
     w2 = torch.randn(r.fc2.weight.shape, generator=g) * scale

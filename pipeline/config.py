@@ -92,9 +92,9 @@ class ModelConfig:
     router: bool = f(True, "Token-choice router giving each token its own depth (t-loopformer).")
     router_threshold: float = f(0.5, "theta: token runs loop i while its continue probability p(i) > theta.")
     router_hidden: int = f(0, "Router MLP hidden size; 0 means d_model // 4.")
-    router_recipe: Literal["paper", "budget"] = f(
+    router_recipe: Literal["paper", "budget", "expected"] = f(
         "paper",
-        "Router training: paper (STE only, default init) or budget (defined init + depth prior + entropy loss; README 'Router training').",
+        "Router training: paper (STE only, default init), budget (defined init + depth prior + entropy loss) or expected (the budget router trained on the expected loss over exits: every token runs every loop in training; README 'Router training').",
     )
     router_target_depth: float = f(
         0.0,
@@ -104,6 +104,10 @@ class ModelConfig:
         2.0, "budget recipe: std of the router's output weights x sqrt(hidden) at init (logit spread across tokens)."
     )
     gather_scatter: bool = f(True, "Compute only active tokens per loop (false: dense masked reference path).")
+    exit_schedule: Literal["own", "prefix"] = f(
+        "own",
+        "The steps a token of depth m < M runs: own (its own trajectory, m steps renormalised to sum 1, so depth m ends at time 1) or prefix (the first m steps of the pass's, so a depth-m token is the pass stopped after loop m: an early exit; README 'Exited tokens').",
+    )
     exited_keys: Literal["drop", "frozen"] = f(
         "drop",
         "What a token that has exited shows later loops: drop (attention in loop i runs among the tokens still looping; the recursion-wise KV cache) or frozen (it stays a key and value through its final state; README 'Exited tokens').",
@@ -146,7 +150,7 @@ class ModelConfig:
     }
     # Network keys newer than some stored configs, with the value every network before them had: `upgrade`
     # fills them in, so an older checkpoint resumes and an older export loads as what it was.
-    ADDED: ClassVar[dict[str, Any]] = {"exited_keys": "drop"}
+    ADDED: ClassVar[dict[str, Any]] = {"exited_keys": "drop", "exit_schedule": "own"}
 
     def validate(self) -> None:
         if self.variant not in VARIANTS:
@@ -172,6 +176,11 @@ class ModelConfig:
             )
         if self.router_init_std < 0:
             raise ConfigError(f"model.router_init_std must be >= 0, got {self.router_init_std}")
+        if self.router_recipe == "expected" and self.exit_schedule != "prefix" and self.conditioning != "none":
+            raise ConfigError(
+                "model.router_recipe=expected needs model.exit_schedule=prefix: the recipe trains the exit after "
+                "loop d of the full pass, which is a depth-d token only when depth d runs the pass's first d steps"
+            )
 
     def _check_variant_flags(self) -> None:
         """The flags must be the ones VARIANT_TABLE gives the `variant` name (a run's tag is what it trained)."""
@@ -212,7 +221,7 @@ class ObjectiveConfig:
     )
     router_ste: bool = f(
         True,
-        "Straight-through estimator: scale active updates by 1 + p(i) - sg(p(i)) (the router's gradient; values unchanged).",
+        "Straight-through estimator: scale active updates by 1 + p(i) - sg(p(i)) (the router's gradient; values unchanged). Paper and budget recipes; the expected recipe's training pass runs every token through every loop, so no update is scaled.",
     )
     router_ste_log: bool = f(
         False,
@@ -222,9 +231,16 @@ class ObjectiveConfig:
         False,
         "The straight-through factor also on each token's attention values in a loop, so p(i) learns how much the loop's other tokens read it, not only what its own update did (README 'Router training').",
     )
-    router_balance_weight: float = f(1.0, "budget router recipe: weight of KL(prior || batch-mean exit distribution).")
+    router_balance_weight: float = f(
+        1.0, "budget and expected router recipes: weight of KL(prior || batch-mean exit distribution)."
+    )
     router_entropy_weight: float = f(
-        0.1, "budget router recipe: weight of the mean per-token entropy of the exit distribution."
+        0.1,
+        "budget router recipe: weight of the mean per-token entropy of the exit distribution (must be 0 with the expected recipe, whose per-token term is router_prior_weight's).",
+    )
+    router_prior_weight: float = f(
+        0.1,
+        "expected router recipe: weight of the mean per-token KL(exit distribution || prior), which keeps each token's exit distribution from collapsing onto one exit before its answer counts (README 'Router training').",
     )
     router_explore: float = f(
         0.0,
@@ -244,7 +260,7 @@ class ObjectiveConfig:
             _check_flag("objective.shortcut", self.shortcut, model.variant)
         if self.shortcut and model.loops < 2:
             raise ConfigError("objective.shortcut=true needs model.loops >= 2 (the shortcut pass has S in 1..L-1)")
-        for k in ("router_balance_weight", "router_entropy_weight"):
+        for k in ("router_balance_weight", "router_entropy_weight", "router_prior_weight"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"objective.{k} must be >= 0, got {getattr(self, k)}")
         if not 0.0 <= self.router_explore <= 1.0:
@@ -258,6 +274,8 @@ class ObjectiveConfig:
         for k, off in (("router_explore_span", 1), ("router_explore_draw", "prior")):  # refinements of exploration
             if getattr(self, k) != off and self.router_explore == 0:
                 raise ConfigError(f"objective.{k}={getattr(self, k)} needs exploration (objective.router_explore > 0)")
+        if model.router and model.router_recipe == "expected":
+            self._check_expected()
         if self.router_ste_keys and model.exited_keys == "frozen":
             raise ConfigError(
                 "objective.router_ste_keys=true needs model.exited_keys=drop: with frozen exited keys a token's "
@@ -268,6 +286,23 @@ class ObjectiveConfig:
                 raise ConfigError(
                     f"objective.{k}=true needs the straight-through estimator (objective.router_ste=true) and a router "
                     "(model.router=true, t-loopformer)"
+                )
+
+    def _check_expected(self) -> None:
+        """The expected recipe trains the router from the loss at every exit, with no straight-through factor or
+        exploration, and spreads each token's exit distribution with router_prior_weight, not the entropy term."""
+        if self.router_entropy_weight:
+            raise ConfigError(
+                f"objective.router_entropy_weight={self.router_entropy_weight} with model.router_recipe=expected: "
+                "its per-token term is objective.router_prior_weight (the entropy term would cancel it); set "
+                "objective.router_entropy_weight=0"
+            )
+        for k, off in (("router_explore", 0.0), ("router_ste_log", False), ("router_ste_keys", False)):
+            if getattr(self, k) != off:
+                raise ConfigError(
+                    f"objective.{k}={_yaml_scalar(getattr(self, k))} needs a straight-through router recipe "
+                    "(model.router_recipe=paper or budget): the expected recipe runs every token through every loop "
+                    "in training"
                 )
 
 

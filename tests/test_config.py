@@ -97,7 +97,7 @@ def test_overrides_are_typed():
         ("model.conditioning=sometimes", "'model.conditioning' expects one of"),
         ("model.d_model=33", "model.d_model (33) must be divisible by model.n_heads"),
         ("model.router_threshold=1.5", "model.router_threshold must lie in (0, 1)"),
-        ("model.router_recipe=greedy", "'model.router_recipe' expects one of 'paper', 'budget'"),
+        ("model.router_recipe=greedy", "'model.router_recipe' expects one of 'paper', 'budget', 'expected'"),
         (
             "model.router_target_depth=4",
             "model.router_target_depth must be 0 (default) or lie strictly between 1 and model.loops (4)",
@@ -143,6 +143,7 @@ def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_ke
         "router_explore_draw",
         "router_ste_log",
         "router_ste_keys",
+        "router_prior_weight",
     }  # objective keys that were never model keys
     assert set(ModelConfig.MOVED) == {f.name for f in dataclasses.fields(ObjectiveConfig)} - born_there
     for old, new in ModelConfig.MOVED.items():
@@ -168,19 +169,22 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     ):  # newer than the move: an old file does not have them
         objective.pop(k)
     old["model"].pop("exited_keys")  # newer too
+    old["model"].pop("exit_schedule")
+    objective.pop("router_prior_weight")
     old["model"].update(objective, lambda_short=0.3, align_target="hidden")
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in old.items()}
     cfg = config_from_dict(old, "old checkpoint")
     assert cfg.objective.lambda_short == 0.3 and cfg.objective.align_target == "hidden"
     assert cfg.objective.router_explore == 0.0  # a key the old file lacks keeps its default
     expected = upgrade(old)
-    expected["model"]["exited_keys"] = "drop"
+    expected["model"].update(exited_keys="drop", exit_schedule="own")
     expected["objective"].update(
         router_explore=0.0,
         router_explore_span=1,
         router_explore_draw="prior",
         router_ste_log=False,
         router_ste_keys=False,
+        router_prior_weight=0.1,
     )
     assert cfg.to_dict() == expected and old == before  # the stored dict is left as it was
 
@@ -234,3 +238,20 @@ def test_cli_config_commands():
     assert r.exit_code == 0 and "model.router_threshold = 0.5" in r.output
     r = CliRunner().invoke(main, ["config", "show", "tiny/t-loopformer", "model.nope=1"])
     assert r.exit_code == 2 and "unknown config key 'model.nope'" in r.output
+
+
+def test_the_expected_router_recipe_needs_its_exits_to_be_depths():
+    """model.router_recipe=expected trains the exit after loop d of the full pass: a config where that is not
+    a depth-d token, or that asks for the straight-through recipes' knobs or the entropy term, is one line."""
+    ok = ["model.router_recipe=expected", "model.exit_schedule=prefix", "objective.router_entropy_weight=0"]
+    load_config("tiny/t-loopformer", ok)
+    bad = [
+        (ok[::2], r"model.router_recipe=expected needs model.exit_schedule=prefix"),
+        (ok[:2], r"objective.router_entropy_weight=0.1 with model.router_recipe=expected"),
+        ([*ok, "objective.router_explore=0.25"], r"objective.router_explore=0.25 needs a straight-through router"),
+        ([*ok, "objective.router_ste_log=true"], r"objective.router_ste_log=true needs a straight-through router"),
+        ([*ok, "objective.router_ste_keys=true"], r"objective.router_ste_keys=true needs a straight-through router"),
+    ]
+    for overrides, msg in bad:
+        with pytest.raises(ConfigError, match=msg):
+            load_config("tiny/t-loopformer", overrides)

@@ -92,16 +92,21 @@ def test_fused_objective_equals_the_plain_path_over_several_chunks(variant, extr
     "short,align,scored", [(False, None, False), (True, None, False), (True, 0.3, False), (True, 0.3, True)]
 )
 @pytest.mark.parametrize("chunk", [1, 5, 64, None])
-def test_head_objective_equals_autograd_of_the_plain_losses(short, align, scored, chunk):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_head_objective_equals_autograd_of_the_plain_losses(short, align, scored, chunk, weighted):
     g = torch.Generator().manual_seed(2)
     B, T, d, Vs = 2, 9, 8, 97
     hf, hs = (torch.randn(B, T, d, generator=g, requires_grad=True) for _ in range(2))
     W = torch.randn(Vs, d, generator=g, requires_grad=True)
     y = torch.randint(0, Vs, (B, T), generator=g)
     y[1, 3:7] = -1
+    w = torch.rand(B, T, generator=g, requires_grad=True) if weighted else None  # per-token weights of CE_f
     lf, ls = hf @ W.t(), hs @ W.t()
     want = F.cross_entropy(lf.flatten(0, 1), y.flatten(), ignore_index=-1)
-    parts = [want.detach(), torch.tensor(0.0), torch.tensor(0.0)]
+    parts = [want.detach(), torch.tensor(0.0), torch.tensor(0.0)]  # loss_L unweighted either way
+    if weighted:  # sum_tau w_tau CE_tau / N
+        ce = F.cross_entropy(lf.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+        want = (ce * w.flatten()).sum() / (y != -1).sum()
     if short:
         ce_s = F.cross_entropy(ls.flatten(0, 1), y.flatten(), ignore_index=-1)
         want, parts[1] = want + 0.2 * ce_s, ce_s.detach()
@@ -109,9 +114,9 @@ def test_head_objective_equals_autograd_of_the_plain_losses(short, align, scored
             keep = (y != -1) if scored else torch.ones_like(y, dtype=torch.bool)  # scored: rows with a target
             mse = F.mse_loss(ls[keep], lf.detach()[keep])
             want, parts[2] = want + align * mse, mse.detach()
-    ins = (hf, W, hs) if short else (hf, W)
+    ins = ((hf, W, hs) if short else (hf, W)) + ((w,) if weighted else ())
     grads = torch.autograd.grad(want, ins)
-    loss, got_parts = head_objective(hf, W, y, hs if short else None, 0.2, align, chunk, align_scored=scored)
+    loss, got_parts = head_objective(hf, W, y, hs if short else None, 0.2, align, chunk, align_scored=scored, weight=w)
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
     torch.testing.assert_close(got_parts, torch.stack(parts), rtol=1e-5, atol=1e-7)
     for a, b in zip(torch.autograd.grad(loss, ins), grads):
@@ -240,3 +245,42 @@ def test_logged_alignment_is_within_1e_6_of_the_materialised_path():
     _, parts = head_objective(hf, W, y, hs, 0.2, 0.3)
     want = F.mse_loss(hs @ W.t(), hf @ W.t())
     assert float((parts[2] - want).abs() / want) <= 1e-6
+
+
+EXPECTED = ("model.router_recipe=expected", "model.exit_schedule=prefix", "objective.router_entropy_weight=0")
+
+
+@pytest.mark.parametrize("extra", [(), ("objective.align_target=hidden",), ("model.exited_keys=frozen",)])
+def test_expected_exit_objective_fused_equals_the_plain_path(extra, monkeypatch):
+    """The expected recipe's objective (pipeline/train/objective.py): every exit's cross-entropy weighted by the
+    router's pi through the fused head, over several chunks, equals the materialised sum_d pi_d CE_d: the loss,
+    its parts and every gradient, the router's included (its only task gradient is through pi)."""
+    m = _model("t-loopformer", *EXPECTED, *extra)
+    with torch.no_grad():  # modulators away from zero: each exit's state and loss differ
+        for layer in m.net.layers:
+            layer.modulator[1].weight.normal_(0, 0.05)
+    x, y = _batch()
+    monkeypatch.setattr(head_loss, "rows_per_chunk", lambda V_: 7)
+    fused, g_f = _run(m, x, y, True)
+    ref, g_r = _run(m, x, y, False)
+    assert fused.parts.keys() == ref.parts.keys() == {"loss_L", "loss_S", "loss_align", "loss_router", "loss_exits"}
+    torch.testing.assert_close(fused.loss, ref.loss, rtol=1e-5, atol=0)
+    for n in ref.parts:
+        torch.testing.assert_close(fused.parts[n], ref.parts[n], rtol=RTOL.get(n, 1e-5), atol=0, msg=n)
+    assert g_f.keys() == g_r.keys() and "router.fc2.weight" in g_r
+    for n in g_r:
+        _close(g_f[n], g_r[n], 1e-5, n)
+    L = m.net.cfg.loops
+    assert fused.lm_heads == L + 1 and float(fused.loops_executed) == L + 2  # every exit's head; shortcut (1, 3)
+    assert float(fused.full.mean_depth) == L and float(fused.routed.mean_depth) < L  # runs all; routes fewer
+    # the exits differ and pi weighs them: per token, the mixture lies strictly between its best and worst exit
+    with torch.no_grad():
+        ce = torch.stack(
+            [
+                F.cross_entropy(m.net.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+                for h in m.net(x, exits=True).exits
+            ],
+            -1,
+        )[y.flatten() != -1]  # (N, L)
+    lo, hi = float(ce.min(-1).values.mean()), float(ce.max(-1).values.mean())
+    assert hi - lo > 1e-3 and lo < float(fused.parts["loss_exits"]) < hi

@@ -180,6 +180,17 @@ def test_frozen_exited_keys_decode_equals_full_forward(variant):
         assert len(torch.cat([r.depth[0] for r in ref]).unique()) == M  # the depths really vary
 
 
+@pytest.mark.parametrize("keys", ["drop", "frozen"])
+def test_prefix_exit_schedule_decode_equals_full_forward(keys):
+    """model.exit_schedule=prefix (the expected recipe's network): the decoder's modulation tables are the
+    model's, so prefill and decode equal the forward at M = L and M < L with either exited-key rule."""
+    model = make("t-loopformer@budget", 0, "cpu", "model.exit_schedule=prefix", f"model.exited_keys={keys}")
+    for M in (4, 2):
+        seqs, lens = sequences()
+        err, *_ = run(model, M, seqs, lens)
+        assert err <= ATOL, f"M={M}: max error {err}"
+
+
 def test_full_depth_ablation():
     """(b) of the benchmark: every token writes every loop. Same as the model when every depth is M; with the
     router on it stores M * T entries where the recursion-wise cache stores sum_i |A_i|."""

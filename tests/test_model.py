@@ -58,6 +58,7 @@ def grads(model):
         ("t-loopformer", ["model.router_recipe=budget"], {"router_ste_keys": True}),
         ("t-loopformer", ["model.router_recipe=budget", "model.exited_keys=frozen"], {}),
         ("t-loopformer", ["model.exited_keys=frozen"], {"router_explore": 0.5, "router_explore_draw": "next"}),
+        ("t-loopformer", ["model.router_recipe=budget", "model.exit_schedule=prefix", "model.exited_keys=frozen"], {}),
         ("loopformer", [], {}),
         ("base-loop-ee-align", [], {}),
     ],
@@ -513,6 +514,10 @@ def test_time_table_and_shortcut_schedules():
     torch.testing.assert_close(dt, torch.tensor([1, 0.5, 0.5, 0.25, 0.25, 0.5], dtype=torch.float64))
     torch.testing.assert_close(t, torch.tensor([0, 0, 0.5, 0, 0.25, 0.5], dtype=torch.float64))
     assert int(table_index(torch.tensor(3), 2)) == 4
+    t, dt = time_table(torch.tensor([0.25, 0.25, 0.5], dtype=torch.float64), prefix=True)
+    # model.exit_schedule=prefix: every depth runs the pass's own first m steps
+    torch.testing.assert_close(dt, torch.tensor([0.25, 0.25, 0.25, 0.25, 0.25, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(t, torch.tensor([0, 0, 0.25, 0, 0.25, 0.5], dtype=torch.float64))
     L = 8
     g = torch.Generator().manual_seed(0)
     seen_S, seen_k = set(), set()
@@ -683,3 +688,35 @@ def test_gate_init_starts_modulated_layers_as_identity_or_plain(gate):
     plain = x + layer.attn(layer.norm1(x), None)
     plain = plain + layer.mlp(layer.norm2(plain))
     torch.testing.assert_close(layer(x, mod), plain if gate else x, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["own", "prefix"])
+def test_exits_are_depths_only_under_the_prefix_schedule(schedule):
+    """forward(exits=True), the expected recipe's training pass: every token runs every loop and `exits[d-1]` is
+    the final-normed state after loop d. Under model.exit_schedule=prefix that is exactly a depth-d token's
+    final state (here every token at depth d, so the keys agree too); under `own` depth d runs its own
+    trajectory, another computation for d < L."""
+    model = make("t-loopformer", "model.router_recipe=budget", f"model.exit_schedule={schedule}").eval()
+    with torch.no_grad():  # modulations of order one: the time and step embeddings matter
+        for layer in model.layers:
+            layer.modulator[1].weight.mul_(10)
+    idx, _ = batch()
+    B, T = idx.shape
+    L = model.cfg.loops
+    with torch.no_grad():
+        out = model(idx, exits=True)
+        assert len(out.exits) == L and out.exits[-1] is out.hidden and bool((out.depth == L).all())
+        assert out.router is not None  # the router's output comes back; it set no depth
+        torch.testing.assert_close(out.hidden, model(idx, router=False).hidden, atol=1e-6, rtol=0)
+        h0 = model.embed(idx)
+        errs = []
+        for d in range(1, L + 1):
+            cont = (torch.arange(1, L + 1) <= d).float().expand(B, T, L)  # p(i) = 1 up to d, then 0
+            h, depth = model.final_states(h0, RouterOutput(torch.zeros(B, T, L), cont), uniform(L))
+            assert bool((depth == d).all())
+            err = float((model.norm_f(h) - out.exits[d - 1]).abs().max())
+            errs.append(err)
+    same = [e for d, e in enumerate(errs, 1) if schedule == "prefix" or d == L]
+    assert max(same) < 1e-6, errs
+    if schedule == "own":  # depths 1..L-1 run other trajectories
+        assert min(errs[:-1]) > 100 * max(same), errs

@@ -322,12 +322,14 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch,
     assert rest.start_step == 3 and rest.losses == full.losses[3:]
 
 
-@pytest.mark.parametrize("recipe", ["paper", "budget"])
+@pytest.mark.parametrize("recipe", ["paper", "budget", "expected"])
 def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
     from pipeline.train.trainer import run
 
+    expected = ["model.exit_schedule=prefix", "objective.router_entropy_weight=0"] if recipe == "expected" else []
     extra = [
         f"model.router_recipe={recipe}",
+        *expected,
         "train.zero_stage=2",
         "train.grad_accum_steps=2",
         "train.global_batch_size=4",

@@ -15,6 +15,10 @@ grad_hs (B, T, d) and grad_W (V, d) are kept for backward, which scales them by 
 (B, T, V) tensor outlives a chunk. Chunk rows: `rows_per_chunk`, the chunk's fp32 logits of one pass within
 CHUNK_BYTES (a few such buffers are live at once), at least MIN_ROWS rows.
 
+With per-token weights w (B, T) (the expected router recipe's pi_d at one exit) the full pass's term is
+sum_tau w_tau CE_tau / N instead: the logits' gradient is scaled by w row by row, and w gets CE_tau / N (each
+row's cross-entropy, kept for backward: (B, T) floats). The reported loss_L stays the unweighted mean.
+
 Precision: matmuls in the autocast dtype under autocast (else the inputs' dtype), softmax and losses in fp32
 (the alignment's sum of squares in fp64), grad_W summed over chunks in fp32; each returned gradient has its
 input's dtype (fp32 master W under autocast, bf16 everywhere in DeepSpeed's bf16 model). ignore_index is -1;
@@ -52,10 +56,13 @@ class LMHead(nn.Linear):
         lambda_short: float = 0.0,
         lambda_align: float | None = None,
         align_scored: bool = False,
+        weight: torch.Tensor | None = None,
     ):
         if targets is None:
             return F.linear(x, self.weight)  # (..., V)
-        return head_objective(x, self.weight, targets, x_short, lambda_short, lambda_align, align_scored=align_scored)
+        return head_objective(
+            x, self.weight, targets, x_short, lambda_short, lambda_align, align_scored=align_scored, weight=weight
+        )
 
 
 def head_objective(
@@ -67,12 +74,14 @@ def head_objective(
     lambda_align: float | None = None,
     chunk: int | None = None,
     align_scored: bool = False,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hf (B, T, d) full-pass states, W (V, d), targets (B, T) (-1 ignored), hs (B, T, d) shortcut-pass states
     or None (no shortcut pass: loss = CE of hf alone); lambda_align None: no logits alignment (the caller adds
     its own, e.g. on the hidden states); align_scored: the alignment averages over the rows with a target only
-    (default: every row). chunk: rows per chunk (default `rows_per_chunk(V)`). Returns the differentiable
-    loss () and its detached parts (3,) fp32: loss_L, loss_S, loss_align (0 where absent)."""
+    (default: every row). chunk: rows per chunk (default `rows_per_chunk(V)`). weight (B, T) or None: each
+    token's weight on the full pass's cross-entropy (differentiable; module doc). Returns the differentiable
+    loss () and its detached parts (3,) fp32: loss_L (unweighted), loss_S, loss_align (0 where absent)."""
     cdt = _compute_dtype(hf)
     chunk = int(chunk or rows_per_chunk(W.shape[0]))
     return _HeadObjective.apply(
@@ -85,6 +94,7 @@ def head_objective(
         chunk,
         cdt,
         bool(align_scored),
+        weight,
     )
 
 
@@ -100,10 +110,10 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 def _ce_grad_(logits: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor):
     """In place: logits (r, V) fp32 -> scale * (softmax - onehot(y)); y (r, 1) int64 clamped into 0..V-1,
-    scale (r,) (0 on ignored rows). Returns the chunk's summed CE () over rows where valid (r,) is 1 and the
+    scale (r,) (0 on ignored rows). Returns the chunk's CE per row (r,), 0 where valid (r,) is 0, and the
     gradient (the logits' storage)."""
     lse = torch.logsumexp(logits, -1)  # (r,)
-    nll = (lse - logits.gather(1, y)[:, 0]).mul_(valid).sum()
+    nll = (lse - logits.gather(1, y)[:, 0]).mul_(valid)
     logits.sub_(lse[:, None]).exp_()  # softmax
     logits.scatter_add_(1, y, torch.full_like(y, -1, dtype=logits.dtype))
     return nll, logits.mul_(scale[:, None])
@@ -119,23 +129,25 @@ def _acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 class _HeadObjective(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hf, W, targets, hs, lam_s, lam_a, chunk, cdt, scored):
+    def forward(ctx, hf, W, targets, hs, lam_s, lam_a, chunk, cdt, scored, weight):
         with torch.autocast(hf.device.type, enabled=False):
-            loss, parts, saved = _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, ctx.needs_input_grad, scored)
+            needs = ctx.needs_input_grad
+            loss, parts, saved = _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored, weight)
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(parts)
         return loss, parts
 
     @staticmethod
     def backward(ctx, g, _g_parts):
-        g_hf, g_W, g_hs = ctx.saved_tensors
+        g_hf, g_W, g_hs, g_w = ctx.saved_tensors
         scale = lambda t: None if t is None else t * g
-        return scale(g_hf), scale(g_W), None, scale(g_hs), None, None, None, None, None
+        return scale(g_hf), scale(g_W), None, scale(g_hs), None, None, None, None, None, scale(g_w)
 
 
-def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored=False):
-    """The forward of `_HeadObjective`: (loss, parts, (grad_hf, grad_W, grad_hs)) with None for a gradient
-    not needed. scored: the alignment over rows with a target only (mean over count * V entries)."""
+def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored=False, weight=None):
+    """The forward of `_HeadObjective`: (loss, parts, (grad_hf, grad_W, grad_hs, grad_weight)) with None for a
+    gradient not needed. scored: the alignment over rows with a target only (mean over count * V entries);
+    weight (B, T) or None: per-row weights of the full pass's cross-entropy."""
     B, T, d = hf.shape
     V = W.shape[0]
     n = B * T
@@ -149,7 +161,9 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored=False):
     g_x = torch.empty_like(x) if needs[0] else None
     g_xs = torch.empty_like(xs) if xs is not None and needs[3] else None
     g_W = torch.zeros(V, d, dtype=torch.float32, device=W.device) if needs[1] else None
-    sums = torch.zeros(2, dtype=torch.float32, device=hf.device)  # CE_f, CE_s
+    w = None if weight is None else weight.reshape(n).float()  # (n,)
+    ce_rows = torch.empty(n, dtype=torch.float32, device=hf.device) if w is not None else None  # w's gradient
+    sums = torch.zeros(3, dtype=torch.float32, device=hf.device)  # CE_f, CE_s, sum w CE_f
     # the squared logit gap: per-row norms (fp32 tree reductions over V, no temporary), summed over rows in fp64;
     # one fp32 dot over millions of logits per chunk drifted ~1e-5 relative
     gap2 = torch.zeros((), dtype=torch.float64, device=hf.device)
@@ -163,7 +177,7 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored=False):
             ls = (xsc @ Wc.t()).float()  # (r, V)
             gap = ls - lf if lam_a is not None else None  # (r, V)
             ce, gls = _ce_grad_(ls, yc, vc * inv * lam_s, vc)
-            sums[1] += ce
+            sums[1] += ce.sum()
             if gap is not None:
                 if scored:
                     gap.mul_(vc[:, None])  # rows without a target leave the alignment
@@ -173,8 +187,11 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored=False):
                 else:
                     gls.add_(gap, alpha=2.0 * lam_a / (n * V))
                 del gap
-        ce, glf = _ce_grad_(lf, yc, vc * inv, vc)
-        sums[0] += ce
+        ce, glf = _ce_grad_(lf, yc, vc * inv if w is None else vc * w[a:b] * inv, vc)
+        sums[0] += ce.sum()
+        if w is not None:
+            sums[2] += (ce * w[a:b]).sum()
+            ce_rows[a:b] = ce
         glf = glf.to(cdt)
         if g_x is not None:
             g_x[a:b] = glf @ Wc
@@ -189,9 +206,10 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored=False):
         del lf, glf, gls
     align = gap2 * inv.double() / V if scored else gap2 / (n * V)
     parts = torch.stack([sums[0] / count, sums[1] / count, align.float()])  # loss_L, loss_S, loss_align
-    loss = sums[0] / count  # (): not a view of parts (a separate output)
+    loss = (sums[0] if w is None else sums[2]) / count  # (): not a view of parts (a separate output)
     if xs is not None:
         loss = loss + lam_s * parts[1] + (lam_a * parts[2] if lam_a is not None else 0.0)
     g_W = None if g_W is None else g_W.to(W.dtype)
     view = lambda t: None if t is None else t.view(B, T, d)
-    return loss, parts, (view(g_x), g_W, view(g_xs))
+    g_w = None if (w is None or not needs[9]) else (ce_rows * inv).view(B, T).to(weight.dtype)
+    return loss, parts, (view(g_x), g_W, view(g_xs), g_w)

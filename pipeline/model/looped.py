@@ -155,6 +155,7 @@ class LoopedLMOutput(PassOutput):
 
     router: RouterOutput | None = None
     short: PassOutput | None = None
+    exits: list[torch.Tensor] | None = None  # forward(exits=True): the final-normed state after each loop (B, T, d)
 
 
 class LoopedLM(nn.Module):
@@ -222,7 +223,7 @@ class LoopedLM(nn.Module):
         (K = M(M+1)/2). Computed once per pass, indexed per token: never a per-token Linear(d, 4d)."""
         if self.cfg.conditioning == "none":
             return None
-        t, dt = time_table(delta)
+        t, dt = time_table(delta, prefix=self.cfg.exit_schedule == "prefix")
         dev = self.wte.weight.device
         c = self.phi_t(t.to(dev))  # (K, d)
         if self.cfg.conditioning == "time_step":
@@ -298,6 +299,7 @@ class LoopedLM(nn.Module):
         counts: np.ndarray | None = None,
         gather_scatter: bool | None = None,
         ste_keys: bool = False,
+        collect: list | None = None,
     ) -> torch.Tensor:
         """Runs M = len(delta) loops from h0 (B, T, d). depth (B, T) in 0..M (0: a token that runs no loop,
         e.g. padding) or None (every token depth M); cont (B, T, L) continue probabilities for the
@@ -308,7 +310,8 @@ class LoopedLM(nn.Module):
         the gather-scatter path. counts: (B, >= M) numpy int64 |A_i| of each row and loop (`active_counts`), or
         None to read them here: the pass's only host sync. gather_scatter: compact the active tokens (default
         `cfg.gather_scatter`) or run the dense masked reference. ste_keys: the straight-through factor
-        also on each loop's attention values (`LoopedLM.loop`). Returns the final states (B, T, d); exited
+        also on each loop's attention values (`LoopedLM.loop`). collect: a list that gets the states after each
+        loop (B, T, d) appended (the expected recipe's exits). Returns the final states (B, T, d); exited
         tokens keep their last state. Each loop is `loop`; this method only chooses its active states."""
         M = delta.numel()
         tables = self.modulation_tables(delta) if tables is None else tables
@@ -332,6 +335,8 @@ class LoopedLM(nn.Module):
                 h = self._compacted_loop(h, i, M, tables, depth, p, n, hooks, ste_keys)
             if hooks is not None:
                 hooks.loop_done(i, n)
+            if collect is not None:
+                collect.append(h)
         return h
 
     def _compacted_loop(self, h, i, M, tables, depth, cont, n: np.ndarray, hooks, ste_keys=False) -> torch.Tensor:
@@ -499,6 +504,7 @@ class LoopedLM(nn.Module):
         explore: float = 0.0,
         explore_span: int = 1,
         explore_draw: str = "prior",
+        exits: bool = False,
     ) -> LoopedLMOutput:
         """idx (B, T) tokens; loops = budget M <= L (default L; elastic inference uses the uniform schedule 1/M and
         clips router depth at M). shortcut: (S,) positive ints summing to L (M must be L): also run the pass with
@@ -514,13 +520,19 @@ class LoopedLM(nn.Module):
         loop's queries read the token (`_KeyStraightThrough`); explore: the share of tokens
         that run a depth drawn from the router's prior instead of their own (`Router.explore`; training only,
         the objective passes `objective.router_explore`), one draw per window of explore_span positions;
-        explore_draw "next": one loop past their own depth instead. Nothing here depends on `self.training`."""
+        explore_draw "next": one loop past their own depth instead. exits: every token runs every loop of both
+        passes (the router's output is returned but sets no depth: the expected recipe's training pass), and
+        `out.exits` holds the full pass's final-normed state after each loop 1..M, the last being `hidden`; with
+        model.exit_schedule=prefix exit d is what a depth-d token would hold if every other token ran on too.
+        Nothing here depends on `self.training`."""
         L = self.cfg.loops
         M = loops or L
         assert 1 <= M <= L, f"loop budget {M} must lie in 1..{L}"
         assert shortcut is None or M == L, "a shortcut pass is run beside the full budget M = L only"
         h0 = self.embed(idx)  # (B, T, d)
         r = self.route(h0, router)
+        if exits:
+            return self._exits(h0, r, M, shortcut, logits)
         if r is not None and explore > 0:
             r = self.router.explore(r, explore, explore_span, explore_draw)
         gs = self.cfg.gather_scatter if gather_scatter is None else gather_scatter
@@ -532,6 +544,19 @@ class LoopedLM(nn.Module):
         if shortcut is not None:
             short = self._pass(h0, r, shortcut.double() / L, counts, threshold, gs, logits, ste_args)
         return LoopedLMOutput(full.logits, full.hidden, full.depth, full.loops, router=r, short=short)
+
+    def _exits(self, h0, r: RouterOutput | None, M: int, shortcut, logits: bool) -> LoopedLMOutput:
+        """`forward(exits=True)`: both passes with every token at the whole budget; the full pass's state after
+        each loop, final-normed (M of (B, T, d))."""
+        states = []
+        self.run_loops(h0, uniform(M), None, None, collect=states)
+        exits = [self.norm_f(h) for h in states]  # (B, T, d) each
+        depth = torch.full(h0.shape[:2], M, dtype=torch.long, device=h0.device)
+        full = PassOutput(self.lm_head(exits[-1]) if logits else None, exits[-1], depth, M)
+        short = None
+        if shortcut is not None:
+            short = self._pass(h0, None, shortcut.double() / M, None, None, None, logits, {})
+        return LoopedLMOutput(full.logits, full.hidden, depth, M, router=r, short=short, exits=exits)
 
     # ------------------------------------------------------------------------------- accounting
     def num_params(self, exclude_embeddings: bool = False) -> int:

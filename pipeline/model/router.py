@@ -22,6 +22,14 @@ Two training recipes (`model.router_recipe`):
   the distribution, then holds for the executed depth. q is the maximum-entropy distribution over 1..L with
   mean `model.router_target_depth` (q_l proportional to exp(beta * l)): every depth gets mass, none more than the
   target forces.
+- `expected`: the budget recipe's router (normalised h0, defined init, prior q), trained on the expected loss over
+  exits instead of through the straight-through estimator. In training every token runs every loop and a head
+  reads each loop's state; the objective weighs each token's cross-entropy at exit d by its pi_d, sum_d pi_d CE_d,
+  so the router's gradient is exact and the network learns every exit in proportion to pi. To that the router
+  adds the balance term above and `objective.router_prior_weight * mean_tau KL(pi_tau || q)`, which keeps each
+  token's pi from collapsing onto one exit before its answer counts (in place of the entropy term, which would
+  cancel it). Exit d is a depth-d token only if depth d runs the pass's first d steps
+  (`model.exit_schedule=prefix`, or no conditioning): the config requires it.
 """
 
 from __future__ import annotations
@@ -83,10 +91,11 @@ def depth_stats(depth: torch.Tensor, M: int) -> DepthStats:
 
 @dataclass
 class RouterLossStats:
-    """The budget recipe's loss terms (detached; logged under their field names)."""
+    """The budget and expected recipes' loss terms (detached; logged under their field names)."""
 
     balance_kl: torch.Tensor  # () KL(q || batch-mean exit distribution)
     entropy: torch.Tensor  # () mean per-token entropy of the exit distribution
+    prior_kl: torch.Tensor  # () mean per-token KL(exit distribution || q)
     soft_depth: torch.Tensor  # () the batch's expected depth sum_i p(i)
 
 
@@ -111,9 +120,9 @@ def depth_prior(L: int, mean: float) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """2-layer MLP d -> hidden -> L on h0 (B, T, d); returns RouterOutput. recipe: 'paper' or 'budget'
-    (module doc); the budget recipe normalises h0 and owns a prior over depths (`prior`, a buffer)
-    whose mean is `target_depth`."""
+    """2-layer MLP d -> hidden -> L on h0 (B, T, d); returns RouterOutput. recipe: 'paper', 'budget' or
+    'expected' (module doc); the budget and expected recipes normalise h0 and own a prior over depths (`prior`,
+    a buffer) whose mean is `target_depth`."""
 
     def __init__(
         self,
@@ -129,13 +138,14 @@ class Router(nn.Module):
         self.fc2 = nn.Linear(hidden, max_loops)
         self.recipe = recipe
         self.init_std = init_std
-        if recipe == "budget":
+        self.has_prior = recipe in ("budget", "expected")  # the budget router: normalised h0, defined init, prior
+        if self.has_prior:
             self.target_depth = target_depth or (max_loops + 1) / 2  # 0: the middle of 1..L
             self.register_buffer("prior", depth_prior(max_loops, self.target_depth).float(), persistent=False)
 
     def reset_parameters(self) -> None:
-        """The budget recipe's defined init (module doc); the paper recipe keeps the model's default init."""
-        if self.recipe != "budget":
+        """The budget router's defined init (module doc); the paper recipe keeps the model's default init."""
+        if not self.has_prior:
             return
         with torch.no_grad():
             nn.init.normal_(self.fc1.weight, 0.0, 1.0 / math.sqrt(self.fc1.in_features))
@@ -145,7 +155,7 @@ class Router(nn.Module):
 
     def forward(self, h0: torch.Tensor) -> RouterOutput:
         x = h0
-        if self.recipe == "budget":
+        if self.has_prior:
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
         logits = self.fc2(F.gelu(self.fc1(x)))  # (B, T, L)
         pi = torch.softmax(logits.float(), dim=-1)
@@ -175,23 +185,25 @@ class Router(nn.Module):
         u = u if span == 1 else u.repeat_interleave(span, dim=1)[:, :T]  # (B, T)
         if draw == "next":
             return RouterOutput(r.logits, r.cont, deeper=u < share)
-        q = self.prior if self.recipe == "budget" else torch.full((L,), 1.0 / L, device=r.cont.device)
+        q = self.prior if self.has_prior else torch.full((L,), 1.0 / L, device=r.cont.device)
         cdf = q.to(u.dtype).cumsum(0)[:-1]  # (L-1,) the last is 1
         drawn = 1 + (u[..., None] / share >= cdf).sum(-1)  # (B, T) in 1..L
         return RouterOutput(r.logits, r.cont, torch.where(u < share, drawn, torch.zeros_like(drawn)))
 
     def aux_loss(
-        self, r: RouterOutput, balance_weight: float, entropy_weight: float
+        self, r: RouterOutput, balance_weight: float, entropy_weight: float, prior_weight: float = 0.0
     ) -> tuple[torch.Tensor | None, RouterLossStats | None]:
-        """The router's own training loss and its terms: (None, None) for the paper recipe; for the budget recipe
-        balance_weight * KL(q || mean pi) + entropy_weight * mean H(pi) (the weights are the objective's:
-        objective.router_balance_weight, objective.router_entropy_weight)."""
-        if self.recipe != "budget":
+        """The router's own training loss and its terms: (None, None) for the paper recipe; for the budget and
+        expected recipes balance_weight * KL(q || mean pi) + entropy_weight * mean H(pi) + prior_weight *
+        mean KL(pi || q) (the weights are the objective's: objective.router_balance_weight,
+        objective.router_entropy_weight, objective.router_prior_weight)."""
+        if not self.has_prior:
             return None, None
         logp = torch.log_softmax(r.logits.float(), dim=-1).flatten(0, -2)  # (N, L)
         pi = logp.exp()
         q = self.prior.to(pi.dtype)
         kl = (q * (q.log() - pi.mean(0).clamp_min(1e-12).log())).sum()
         ent = -(pi * logp).sum(-1).mean()
-        loss = balance_weight * kl + entropy_weight * ent
-        return loss, RouterLossStats(kl.detach(), ent.detach(), r.cont.detach().sum(-1).mean())
+        prior_kl = (pi * (logp - q.log())).sum(-1).mean()  # = -H(pi) - mean sum pi log q
+        loss = balance_weight * kl + entropy_weight * ent + prior_weight * prior_kl
+        return loss, RouterLossStats(kl.detach(), ent.detach(), prior_kl.detach(), r.cont.detach().sum(-1).mean())

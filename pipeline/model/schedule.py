@@ -1,7 +1,10 @@
 """Step schedules (trajectories) and the per-token time table.
 
 A pass with budget M has a schedule delta = (delta_1..delta_M), sum 1. A token of depth m uses the first m
-steps renormalised: delta_{m,i} = delta_i / sum_{j<=m} delta_j and t_{m,i} = sum_{j<i} delta_{m,j}.
+steps renormalised: delta_{m,i} = delta_i / sum_{j<=m} delta_j and t_{m,i} = sum_{j<i} delta_{m,j} (its own
+trajectory, `model.exit_schedule=own`); or, with `model.exit_schedule=prefix`, the first m steps as they are,
+delta_{m,i} = delta_i and t_{m,i} = sum_{j<i} delta_j, so that a depth-m token is the pass's trajectory stopped
+after loop m (an early exit).
 The conditioning depends only on (m, i) with 1 <= i <= m <= M: K = M(M+1)/2 distinct values, stored in
 the order (1,1), (2,1), (2,2), (3,1), ... so that (m, i) sits at index m(m-1)/2 + i - 1.
 """
@@ -33,12 +36,13 @@ def table_index(depth: torch.Tensor | int, i: int) -> torch.Tensor | int:
     return m * (m - 1) // 2 + (i - 1)
 
 
-def time_table(delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t, dt), each (K,) float64 for K = M(M+1)/2, in the (m, i) order above."""
+def time_table(delta: torch.Tensor, prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t, dt), each (K,) float64 for K = M(M+1)/2, in the (m, i) order above; prefix: every depth's rows are the
+    pass's own first m steps (not renormalised)."""
     M = delta.numel()
     ts, dts = [], []
     for m in range(1, M + 1):
-        d = delta[:m] / delta[:m].sum()
+        d = delta[:m] if prefix else delta[:m] / delta[:m].sum()
         ts.append(torch.cat([torch.zeros(1, dtype=d.dtype), d.cumsum(0)[:-1]]))
         dts.append(d)
     return torch.cat(ts), torch.cat(dts)

@@ -12,6 +12,16 @@ for backward; `fused_loss=False` is the plain reference the tests compare with. 
 `Router.aux_loss` with this objective's weights; `router_explore` runs a share of the tokens at a depth drawn from
 the router's prior (`Router.explore`), training passes only.
 
+The expected router recipe (`model.router_recipe=expected`) replaces L_L in training by the expected loss over
+exits: every token runs every loop (`forward(exits=True)`), a head reads the state after each loop d, and
+
+    L_exits = sum_tau sum_d pi_{tau,d} CE_{tau,d} / N        (pi: the router's exit distribution, N scored tokens)
+
+each exit through the fused head with the per-token weights pi_d (no (B, T, V) logits either). The router's own
+loss is its balance term and the per-token KL to its prior (`Router.aux_loss`). Validation (`full_only`) runs the
+routed pass inference runs. `loss_L` stays the last exit's plain cross-entropy, and `routed` the statistics of the
+depths the router would give (the pass itself runs every token L loops, which is what `full` and the FLOP count see).
+
 The result is typed (`ObjectiveOutput`): its field names are the names of the training metrics (README
 "Logging"): `loss`, the parts `loss_L`, `loss_S`, `loss_align`, `loss_router`, and per pass the `DepthStats`
 fields, logged as `router/<pass>/<field>` (`router/short/loops` too) next to `router/<RouterLossStats field>`.
@@ -55,13 +65,16 @@ class ObjectiveOutput:
     logits: torch.Tensor | None  # (B, T, V) of the full pass; None on the fused path
     full: DepthStats
     short: ShortcutStats | None = None
-    router: RouterLossStats | None = None  # the budget recipe's loss terms
+    router: RouterLossStats | None = None  # the budget and expected recipes' loss terms
+    routed: DepthStats | None = None  # expected recipe: the depths the router gives (the pass runs every loop)
     loss_L: torch.Tensor | None = None  # () cross-entropy of the full pass
     loss_S: torch.Tensor | None = None  # () cross-entropy of the shortcut pass
     loss_align: torch.Tensor | None = None  # () alignment of the shortcut pass to the full pass
-    loss_router: torch.Tensor | None = None  # () the router's own loss (budget recipe)
+    loss_router: torch.Tensor | None = None  # () the router's own loss (budget and expected recipes)
+    loss_exits: torch.Tensor | None = None  # () the expected loss over exits (expected recipe)
+    full_heads: int = 1  # LM-head applications per token of the full pass (L under the expected recipe)
 
-    PARTS: ClassVar[tuple[str, ...]] = ("loss_L", "loss_S", "loss_align", "loss_router")
+    PARTS: ClassVar[tuple[str, ...]] = ("loss_L", "loss_S", "loss_align", "loss_router", "loss_exits")
 
     @property
     def parts(self) -> dict[str, torch.Tensor]:
@@ -73,7 +86,7 @@ class ObjectiveOutput:
         """{'full/mean_depth': ..., 'short/loops': ..., 'balance_kl': ...}: the statistics by name (the trainer
         logs them under `router/`)."""
         out = {}
-        for name in ("full", "short"):
+        for name in ("full", "short", "routed"):
             if getattr(self, name) is not None:
                 out.update({f"{name}/{k}": v for k, v in _fields(getattr(self, name)).items()})
         if self.router is not None:
@@ -82,8 +95,9 @@ class ObjectiveOutput:
 
     @property
     def lm_heads(self) -> int:
-        """LM-head applications per token (2 with the shortcut pass): `LoopedLM.flops_per_token`'s `lm_heads`."""
-        return 1 if self.short is None else 2
+        """LM-head applications per token (one more with the shortcut pass): `LoopedLM.flops_per_token`'s
+        `lm_heads`."""
+        return self.full_heads + (self.short is not None)
 
     @property
     def loops_executed(self) -> torch.Tensor:
@@ -140,6 +154,8 @@ class Objective(nn.Module):
         alignment, router loss or exploration). router, threshold, gather_scatter: as `LoopedLM.forward` takes them;
         fused_loss=False: the losses from materialised logits (the reference of the fused heads)."""
         c = self.cfg
+        if router and not full_only and self._expected:
+            return self._expected_exits(idx, targets, shortcut, threshold, fused_loss)
         out = self.net(
             idx,
             shortcut=self._schedule(shortcut) if (c.shortcut and not full_only) else None,
@@ -168,6 +184,75 @@ class Objective(nn.Module):
         full = depth_stats(out.depth, out.loops)
         return ObjectiveOutput(loss, out.depth, out.logits, full, self._short_stats(out), router_stats, **parts)
 
+    @property
+    def _expected(self) -> bool:
+        return self.net.router is not None and self.net.cfg.router_recipe == "expected"
+
+    def _expected_exits(self, idx, targets, shortcut, threshold, fused_loss: bool) -> ObjectiveOutput:
+        """The expected recipe's training objective (module doc): L_exits (+ the shortcut pass's terms) + the
+        router's own loss."""
+        c = self.cfg
+        out = self.net(
+            idx, shortcut=self._schedule(shortcut) if c.shortcut else None, logits=not fused_loss, exits=True
+        )
+        pi = torch.softmax(out.router.logits.float(), -1)  # (B, T, L)
+        if fused_loss:
+            loss, parts = self._fused_exits(out, targets, pi)
+        else:
+            loss, parts = self._exit_losses(out, targets, pi)
+        if out.short is not None and not (fused_loss and c.align_target == "logits"):
+            align = self._alignment(out, targets)
+            loss = loss + c.lambda_align * align
+            parts["loss_align"] = align.detach()
+        aux, router_stats = self.net.router.aux_loss(
+            out.router, c.router_balance_weight, c.router_entropy_weight, c.router_prior_weight
+        )
+        loss = loss + aux
+        parts["loss_router"] = aux.detach()
+        L = out.loops
+        theta = self.net.cfg.router_threshold if threshold is None else float(threshold)
+        routed = depth_stats(out.router.depth(L, theta), L)
+        full = depth_stats(out.depth, L)
+        return ObjectiveOutput(
+            loss, out.depth, out.logits, full, self._short_stats(out), router_stats, routed, **parts, full_heads=L
+        )
+
+    def _fused_exits(self, out: LoopedLMOutput, targets: torch.Tensor, pi: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(loss, parts): every exit's cross-entropy weighted by pi through the fused head; the last exit's call
+        also runs the shortcut pass's terms (`_fused_losses`)."""
+        c = self.cfg
+        exits = torch.zeros((), dtype=torch.float32, device=pi.device)
+        for d, hd in enumerate(out.exits[:-1]):
+            ld, _ = self.net.lm_head(hd, targets, None, 0.0, None, False, pi[..., d])
+            exits = exits + ld
+        loss, parts = self._fused_losses(out, targets, pi[..., -1])
+        last = loss.detach()  # the last exit's weighted CE, less the shortcut pass's terms
+        if out.short is not None:
+            last = last - c.lambda_short * parts["loss_S"] - c.lambda_align * parts.get("loss_align", 0.0)
+        parts["loss_exits"] = exits.detach() + last
+        return exits + loss, parts
+
+    def _exit_losses(self, out: LoopedLMOutput, targets: torch.Tensor, pi: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(loss, parts) from materialised logits (the reference of `_fused_exits`)."""
+        scored = targets != -1
+        ce = torch.stack(
+            [
+                F.cross_entropy(
+                    self.net.lm_head(hd).float().flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none"
+                ).view_as(targets)
+                for hd in out.exits
+            ],
+            -1,
+        )  # (B, T, L): 0 where not scored
+        exits = (pi * ce).sum() / scored.sum().clamp_min(1)
+        parts = {"loss_L": ce[..., -1][scored].mean().detach(), "loss_exits": exits.detach()}
+        loss = exits
+        if out.short is not None:
+            loss_S = _ce(out.short.logits, targets)
+            loss = loss + self.cfg.lambda_short * loss_S
+            parts["loss_S"] = loss_S.detach()
+        return loss, parts
+
     def _schedule(self, shortcut: torch.Tensor | None) -> torch.Tensor:
         """The shortcut pass's schedule (S,) of positive ints summing to L: the one given (checked) or a drawn
         one (`sample_shortcut`, torch's global RNG)."""
@@ -179,14 +264,18 @@ class Objective(nn.Module):
         )
         return shortcut
 
-    def _fused_losses(self, out: LoopedLMOutput, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def _fused_losses(
+        self, out: LoopedLMOutput, targets: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict]:
         """(loss, parts) of both passes' cross-entropies and, when aligning logits, the alignment: one chunked
-        call through the network's head, from the final-normed states (B, T, d); no (B, T, V) logits."""
+        call through the network's head, from the final-normed states (B, T, d); no (B, T, V) logits. weight
+        (B, T): per-token weights of the full pass's cross-entropy (the expected recipe's last exit)."""
         c = self.cfg
         on_logits = c.align_target == "logits"
         hs = None if out.short is None else out.short.hidden  # (B, T, d)
         lam_a = c.lambda_align if on_logits else None
-        loss, p = self.net.lm_head(out.hidden, targets, hs, c.lambda_short, lam_a, c.align_positions == "scored")
+        scored = c.align_positions == "scored"
+        loss, p = self.net.lm_head(out.hidden, targets, hs, c.lambda_short, lam_a, scored, weight)
         parts = {"loss_L": p[0]}
         if out.short is not None:
             parts["loss_S"] = p[1]
