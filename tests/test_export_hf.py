@@ -19,12 +19,25 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 torch.set_num_threads(1)
 ATOL = 1e-5
-TINY = sorted(p for p in list_presets() if p.startswith("tiny/")) + ["tiny/t-loopformer@budget"]
+TINY = sorted(p for p in list_presets() if p.startswith("tiny/")) + [
+    "tiny/t-loopformer@budget",
+    "tiny/t-loopformer@expected",
+]
+RECIPE = {  # "@recipe": a router recipe's overrides (the expected recipe's network: prefix exits, frozen keys)
+    "": (),
+    "budget": ("model.router_recipe=budget",),
+    "expected": (
+        "model.router_recipe=expected",
+        "model.exit_schedule=prefix",
+        "model.exited_keys=frozen",
+        "objective.router_entropy_weight=0",
+    ),
+}
 
 
 def export_hf(tmp_path, name="tiny/t-loopformer"):
-    name, _, recipe = name.partition("@")  # "@budget": the budget router recipe
-    model, cfg = perturbed_tiny(name, overrides=(f"model.router_recipe={recipe}",) if recipe else ())
+    name, _, recipe = name.partition("@")
+    model, cfg = perturbed_tiny(name, overrides=RECIPE[recipe])
     src = save_model(tmp_path / "src", model, cfg)
     res = CliRunner().invoke(main, ["export", str(src), "--format", "hf", "--out", str(tmp_path / "hf")])
     assert res.exit_code == 0, res.output
