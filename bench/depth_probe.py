@@ -424,6 +424,19 @@ GRID12 = {
     for m in (16, 32)
     for k in range(4)
 }
+# ... and the value comparison: loopformer on the same task, settings and seeds, whose elastic curve (accuracy at
+# each budget M = 1..L) the routed model's accuracy at its executed loop work is set against
+GRID12.update(
+    {
+        f"fold m{m} loopformer curriculum seed {k}": (
+            "depth/loopformer",
+            [*G1, "objective.align_positions=scored"],
+            {**F16, **CUR, "symbols": m, "seed": k},
+        )
+        for m in (16, 32)
+        for k in range(4)
+    }
+)
 GRIDS = {
     "1": GRID1,
     "2": GRID2,

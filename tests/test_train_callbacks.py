@@ -29,6 +29,7 @@ METRICS = {
     "mem/rss_gb",
     "router/balance_kl",
     "router/entropy",
+    "router/prior_kl",
     "router/full/active_tokens",
     "router/full/compute_ratio",
     "router/full/depth_share_1",
