@@ -287,6 +287,11 @@ def main(argv=None) -> dict:
     specs = {v: {**common, "variant": v, "extra": []} for v in variants}
     ablations = {
         "t-loopformer gs=off": ("t-loopformer", ["model.gather_scatter=false"]),
+        # the expected router recipe: every token runs every loop in training, a head per exit
+        "t-loopformer expected": (
+            "t-loopformer",
+            ["model.router_recipe=expected", "model.exit_schedule=prefix", "objective.router_entropy_weight=0"],
+        ),
         "t-loopformer ckpt=loop": ("t-loopformer", ["train.activation_checkpointing=loop"]),
         "t-loopformer ckpt=layer": ("t-loopformer", ["train.activation_checkpointing=layer"]),
         "loopformer ckpt=loop": ("loopformer", ["train.activation_checkpointing=loop"]),
