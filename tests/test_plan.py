@@ -68,11 +68,24 @@ def _measured(cfg):
 D512 = ["model.d_model=512", "model.n_heads=8", "model.d_ff=1280", "model.block_size=256"]
 
 
+# the expected router recipe: its training step runs every token through every loop, with a head per exit
+EXPECTED = ["model.router_recipe=expected", "model.exit_schedule=prefix", "objective.router_entropy_weight=0"]
+
+
+def _config(variant: str, scale: str, *extra):
+    """variant may name the expected recipe: 't-loopformer@expected'."""
+    variant, _, recipe = variant.partition("@")
+    return load_config(f"{scale}/{variant}", [*(EXPECTED if recipe else []), *extra])
+
+
 @pytest.mark.parametrize("size", ["tiny", "d512"])
-@pytest.mark.parametrize("variant", ["loopformer", "t-loopformer"])
+@pytest.mark.parametrize("variant", ["loopformer", "t-loopformer", "t-loopformer@expected"])
 def test_planned_peak_matches_the_measured_step(variant, size):
-    cfg = load_config(f"tiny/{variant}", OVR) if size == "tiny" else load_config(f"small/{variant}", OVR + D512)
+    cfg = _config(variant, "tiny", *OVR) if size == "tiny" else _config(variant, "small", *OVR, *D512)
     peak, counts, saved = _measured(cfg)
+    if cfg.model.router_recipe == "expected":
+        counts = None  # the measured step ran every loop whatever the router says; the plan knows it itself
+        assert Planner(cfg, gpu("cpu")).counts is None
     pl = Planner(cfg, gpu("cpu"), counts=counts)
     planned = pl.memory(0, "none", B, 1)
     assert abs(planned["peak"] / peak - 1) <= 0.05, (planned["peak"], peak)
@@ -80,16 +93,17 @@ def test_planned_peak_matches_the_measured_step(variant, size):
     assert planned["params"] == 4 * sum(p.numel() for p in LoopedLM(cfg.model).parameters())
 
 
-@pytest.mark.parametrize("variant", ["loopformer", "t-loopformer"])
+@pytest.mark.parametrize("variant", ["loopformer", "t-loopformer", "t-loopformer@expected"])
 def test_traced_flops_match_flops_per_token(variant):
-    cfg = load_config(f"tiny/{variant}")
+    cfg = _config(variant, "tiny")
     T, L = cfg.model.block_size, cfg.model.loops
     sc = torch.tensor([2] + [1] * (L - 2))
     full = np.full((1, L), T)  # every token every loop: the formula's attention over the whole context
     tr = trace_step(cfg, 2, torch.float32, full, sc, count_flops=True)
     with torch.device("meta"):
         model = LoopedLM(cfg.model)
-    ref = model.flops_per_token(L + len(sc), T, 2) * 2 * T
+    heads = (L if cfg.model.router_recipe == "expected" else 1) + 1  # a head per exit, and the shortcut pass's
+    ref = model.flops_per_token(L + len(sc), T, heads) * 2 * T
     assert abs(tr.flops / ref - 1) <= 0.01, tr.flops / ref
     cfg.train.activation_checkpointing = "loop"  # recomputation is traced: more FLOPs
     assert trace_step(cfg, 2, torch.float32, full, sc, count_flops=True).flops > tr.flops

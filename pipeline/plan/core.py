@@ -31,11 +31,12 @@ def default_mean_depth(cfg: Config) -> float:
 
 def prior_counts(cfg: Config, mean_depth: float | None) -> np.ndarray | None:
     """(1, L) |A_i| per loop of a row whose T depths follow the router's maximum-entropy prior with this mean
-    (pipeline.model.router.depth_prior); None without a router (every token runs every loop)."""
+    (pipeline.model.router.depth_prior); None without a router or with the expected router recipe (every token
+    runs every loop in training)."""
     from pipeline.model.router import depth_prior
 
     m = cfg.model
-    if not m.router:
+    if not m.router or m.router_recipe == "expected":
         return None
     mean = default_mean_depth(cfg) if mean_depth is None else mean_depth
     if not 1.0 < mean < m.loops:
