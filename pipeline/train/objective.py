@@ -23,8 +23,9 @@ routed pass inference runs. `loss_L` stays the last exit's plain cross-entropy, 
 depths the router would give (the pass itself runs every token L loops, which is what `full` and the FLOP count see).
 
 The result is typed (`ObjectiveOutput`): its field names are the names of the training metrics (README
-"Logging"): `loss`, the parts `loss_L`, `loss_S`, `loss_align`, `loss_router`, and per pass the `DepthStats`
-fields, logged as `router/<pass>/<field>` (`router/short/loops` too) next to `router/<RouterLossStats field>`.
+"Logging"): `loss`, the parts `loss_L`, `loss_S`, `loss_align`, `loss_router`, `loss_exits`, and per pass the
+`DepthStats` fields, logged as `router/<pass>/<field>` (`router/short/loops` too; `router/routed/<field>` under
+the expected recipe) next to `router/<RouterLossStats field>`.
 
 The wrapper holds the network as `net`, so DeepSpeed's files name its parameters `net.<name>`; checkpoints
 written before the wrapper existed hold the bare names and load through `_add_prefix`. Exports store the
