@@ -4,14 +4,14 @@ study affords, and which optimiser settings and task sizes make it learnable?
 A plain training loop (AdamW, constant LR after a short warmup, no DeepSpeed) on the real `LoopedLM` of a
 `depth/*` preset, on fresh depth-hops documents (data_prep/depthtask.py make_document, the generator
 `tlf prep-data --source depth-hops` writes), one process per probe, for `--minutes` of wall time each, all
-probes at once (settings `"task": "fold"`: the fold task of bench/foldtask.py instead, 1024 held-out documents;
+probes at once (settings `"task": "fold"`: the fold task of data_prep/foldtask.py instead, 1024 held-out documents;
 `"depth": "oracle"` trains every token at its need and adds the budget "oracle"; `"depth"` names another forced
 map of `forced_depth` ("segment", "oracle+1", "oracle+2") in the same way, and `"jitter": (lo, hi)` moves each
 training document's map by a draw from lo..hi). Every `--eval-every` steps: answer accuracy by level at every loop
 budget M on 512 held-out documents; for a routed model on the fold task also the executed depth against need and
 `at_need`, the accuracy with its router bypassed and every token at the oracle's depth. With the override
 `model.exited_keys=frozen` (exited tokens stay readable by later loops) the needs, the oracle and the target
-`need` are that model's (bench/foldtask.py `need(L, visible=True)`). This measures the task and the
+`need` are that model's (data_prep/foldtask.py `need(L, visible=True)`). This measures the task and the
 architecture, not the trainer: `bench/depth_need.py` is the study through the project's trainer.
 
     python bench/depth_probe.py --device cuda --minutes 7.4 --eval-every 1000          # grid 1, on one GPU
@@ -185,7 +185,7 @@ GRID5 = {
         {"L": 3, **NEAR32},
     ),
 }
-# Grid 6: the fold task (bench/foldtask.py: a left fold of a non-associative operation on m symbols, one step per
+# Grid 6: the fold task (data_prep/foldtask.py: a left fold of a non-associative operation on m symbols, one step per
 # loop). One layer would need the m^(k+1)-entry table of a k-fold; the looped model g's m^2 entries, reused.
 # "depth": "oracle" runs every token the loops it needs (no router: what a perfect router would give);
 # "curriculum": scores levels 1..c, raising c when each is >= 0.9.
@@ -491,9 +491,9 @@ def _hops(s: dict):
 
 
 def _fold(s: dict, visible: bool = False):
-    """The fold task (bench/foldtask.py) of settings s, as `_hops` returns it (the mean need when exited tokens
+    """The fold task (data_prep/foldtask.py) of settings s, as `_hops` returns it (the mean need when exited tokens
     stay readable if visible); val documents from their own stream, the same rule g."""
-    import foldtask
+    from data_prep import foldtask
 
     L, g, rng = s["levels"], foldtask.rule(s["symbols"]), np.random.default_rng(s["seed"])
     lev = foldtask.levels(L)[:-1]
@@ -512,7 +512,7 @@ def _fold(s: dict, visible: bool = False):
 def forced_depth(name: str, L: int, visible: bool = False) -> np.ndarray:
     """(doc_length(L),) the fold task's forced depth map `name` (settings "depth"), no router; visible: the
     needs when exited tokens stay readable (model.exited_keys=frozen)."""
-    import foldtask
+    from data_prep import foldtask
 
     need = foldtask.need(L, visible)
     return {

@@ -1,4 +1,4 @@
-"""What does a fold-task probe model do? (bench/foldtask.py, bench/depth_probe.py grid 6.) On fresh documents:
+"""What does a fold-task probe model do? (data_prep/foldtask.py, bench/depth_probe.py grid 6.) On fresh documents:
 
 - every looped model (a routed one's router bypassed): level 1 and 2 accuracy at the oracle depths, then with
   the level-2 query stopped after one loop, and with its left neighbour x_1 stopped after one loop (so the query
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import foldtask  # noqa: E402  (after the sys.path lines above)
+from data_prep import foldtask  # noqa: E402  (after the sys.path lines above)
 from depth_probe import forced_depth_logits  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.model.looped import LoopedLM  # noqa: E402

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from data_prep.config import SOURCES
 from data_prep.configlib import ConfigError
 
 
@@ -21,8 +22,8 @@ def _fail(e: Exception) -> None:
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of prep-data options.")
 @click.option(
     "--source",
-    type=click.Choice(["files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext", "depth-hops"]),
-    help="files | demo | demo-enwiki | hf | fineweb-edu | openwebtext | depth-hops (default files).",
+    type=click.Choice(list(SOURCES)),
+    help=" | ".join(SOURCES) + " (default files).",
 )
 @click.option("--input", "-i", "inputs", multiple=True, help="Input file, glob or directory (repeatable).")
 @click.option("--out", "-o", help="Output directory.")

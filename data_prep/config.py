@@ -14,7 +14,8 @@ from pathlib import Path
 
 from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_mapping, set_key
 
-SOURCES = ("files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext", "depth-hops")
+SOURCES = ("files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext", "depth-hops", "depth-fold")
+DEPTH_SOURCES = ("depth-hops", "depth-fold")  # synthetic tasks with a known depth need per target
 # Named Hugging Face sources: (dataset, default config, split)
 HF_ALIASES = {
     "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train"),
@@ -30,7 +31,8 @@ class PrepConfig:
         "files",
         "Where documents come from: files (local), demo (State of the Union + Moby-Dick), "
         "demo-enwiki (gensim's enwiki sample), hf (any Hub dataset), fineweb-edu, openwebtext, "
-        "depth-hops (synthetic root finding by pointer chasing, a known depth need per target).",
+        "depth-hops (synthetic root finding by pointer chasing, a known depth need per target), "
+        "depth-fold (synthetic left fold of a Latin-square operation, one segment per level).",
     )
     inputs: list = f(
         [],
@@ -64,11 +66,18 @@ class PrepConfig:
     batch_bytes: int = f(1 << 20, "Text per task sent to a worker (bytes, approximate).")
     skip_bad: bool = f(False, "Skip (count and report) malformed lines and records without text instead of failing.")
     progress: bool = f(True, "Show a tqdm progress bar (tokens, tokens/s, ETA) on stderr.")
-    seed: int = f(0, "source=depth-hops: seed of the generated documents (same seed and options: same bytes).")
+    seed: int = f(
+        0, "source=depth-hops or depth-fold: seed of the generated documents (same seed and options: same bytes)."
+    )
     depth_chains: int = f(6, "source=depth-hops: chains R per document (R (L + 1) symbols, drawn afresh per document).")
-    depth_levels: int = f(4, "source=depth-hops: levels 1..L (a level-k query starts k steps from its root).")
+    depth_levels: int = f(
+        4,
+        "source=depth-hops or depth-fold: levels 1..L (a level-k query starts k steps from its root; a level-k segment folds k + 1 cells).",
+    )
     depth_queries: int = f(4, "source=depth-hops: queries per document, each on its own chain (<= depth_chains).")
-    depth_docs: int = f(20000, "source=depth-hops: documents generated (max_tokens, if set, may cut it).")
+    depth_docs: int = f(20000, "source=depth-hops or depth-fold: documents generated (max_tokens, if set, may cut it).")
+    fold_symbols: int = f(16, "source=depth-fold: symbols m of the folded operation g (an m x m Latin square).")
+    fold_rule_seed: int = f(0, "source=depth-fold: seed of the operation g (fixed for the whole stream).")
 
     def validate(self) -> None:
         if self.source not in SOURCES:
@@ -113,8 +122,15 @@ class PrepConfig:
                     f"depth_queries: must lie in 1..depth_chains ({self.depth_chains}): each query "
                     f"asks about its own chain, got {self.depth_queries}"
                 )
-            if self.depth_docs < 1:
-                raise ConfigError(f"depth_docs: must be >= 1, got {self.depth_docs}")
+        if self.source == "depth-fold":
+            from data_prep.foldtask import MAX_LEVELS, MAX_SYMBOLS
+
+            if not 1 <= self.depth_levels <= MAX_LEVELS:
+                raise ConfigError(f"depth_levels: must lie in 1..{MAX_LEVELS} for depth-fold, got {self.depth_levels}")
+            if not 2 <= self.fold_symbols <= MAX_SYMBOLS:
+                raise ConfigError(f"fold_symbols: must lie in 2..{MAX_SYMBOLS}, got {self.fold_symbols}")
+        if self.source in DEPTH_SOURCES and self.depth_docs < 1:
+            raise ConfigError(f"depth_docs: must be >= 1, got {self.depth_docs}")
         if self.name and ("/" in self.name or "_" in self.name):
             raise ConfigError(
                 f"name: {self.name!r} must not contain '/' or '_' (shards are <name>_<split>_<index>.bin)"
@@ -126,7 +142,7 @@ class PrepConfig:
             return self.val_every
         if self.source == "demo-enwiki":
             return 1  # a held-out perplexity set of another domain: all of it is val
-        return DEMO_VAL_EVERY if self.source in ("demo", "depth-hops") else DEFAULT_VAL_EVERY
+        return DEMO_VAL_EVERY if self.source in ("demo", *DEPTH_SOURCES) else DEFAULT_VAL_EVERY
 
     def resolved_name(self) -> str:
         if self.name:
@@ -170,6 +186,8 @@ OUTPUT_KEYS = (
     "depth_levels",
     "depth_queries",
     "depth_docs",
+    "fold_symbols",
+    "fold_rule_seed",
 )
 
 

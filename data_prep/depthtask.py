@@ -108,7 +108,12 @@ def make_document(seed: int, index: int, R: int, L: int, queries: int, order: st
 def levels_at(tokens: np.ndarray, task: dict) -> np.ndarray:
     """Level of the target each position predicts: (..., T) int, k where token t - 1 is ASK and token t the
     start S(x) of a level-k query (its target, token t+1, is scored with d* = k), 0 elsewhere (not scored).
-    Works on any window of the stream (the first position of a window is never scored)."""
+    Works on any window of the stream (the first position of a window is never scored). A manifest's task of
+    another kind (`depth_task["kind"]`: "fold", data_prep/foldtask.py) is scored by its own rule."""
+    if task.get("kind", "hops") == "fold":
+        from data_prep.foldtask import levels_at as fold_levels_at
+
+        return fold_levels_at(tokens, task)
     t, R, L = np.asarray(tokens).astype(np.int64), int(task["chains"]), int(task["levels"])
     sym = t - int(task["sym_base"])
     asked = np.zeros(t.shape, dtype=bool)
@@ -156,21 +161,49 @@ def fingerprint(cfg) -> dict:
 
 
 def generate(cfg, out: Path, tokenizer: dict, log) -> dict:
-    """Writes train/val shards + manifest.json for cfg (source=depth-hops); returns the manifest."""
+    """Writes train/val shards + manifest.json for cfg (source=depth-hops or depth-fold); returns the manifest."""
+    if cfg.source == "depth-fold":
+        from data_prep import foldtask
+
+        L = cfg.depth_levels
+        g = foldtask.rule(cfg.fold_symbols, cfg.fold_rule_seed)
+        task = {**foldtask.layout(cfg.fold_symbols, L, cfg.fold_rule_seed), "seed": cfg.seed}
+        task["scored"] = "the target after the last cell x_k of a level-k segment (k + 1 after its opener W_k = k)"
+        doc = lambda i: foldtask.make_document(cfg.seed, i, g, L)
+        what = f"{cfg.fold_symbols} symbols, levels 1..{L}"
+    else:
+        R, L, Q = cfg.depth_chains, cfg.depth_levels, cfg.depth_queries
+        task = {
+            "task": "root finding by pointer chasing (R chains of L+1 symbols, fresh chains per document)",
+            **layout(R, L),
+            "queries_per_doc": Q,
+            "doc_tokens": doc_length(R, L, Q),
+            "seed": cfg.seed,
+            "mean_need": round(mean_need(R, L, Q), 4),
+            "scored": "target t+1 is scored iff token t-1 is ASK; its level d* is the distance of token t's symbol "
+            "from its root",
+        }
+        doc = lambda i: make_document(cfg.seed, i, R, L, Q)
+        what = f"{R} chains, levels 1..{L}"
+    return _write(cfg, out, tokenizer, log, task, doc, what)
+
+
+def _write(cfg, out: Path, tokenizer: dict, log, task: dict, doc, what: str) -> dict:
+    """The shards and manifest of a synthetic depth task: document i is doc(i), every split's stream one
+    document after another; the manifest holds `task` as `depth_task`."""
     from data_prep.files import write_json
     from data_prep.writer import MANIFEST, SplitWriter, manifest
 
     name, val_every = cfg.resolved_name(), cfg.resolved_val_every()
     writers = {s: SplitWriter(out, name, s, cfg.shard_tokens) for s in ("train", "val")}
-    R, L, Q = cfg.depth_chains, cfg.depth_levels, cfg.depth_queries
-    T = doc_length(R, L, Q)
+    T = int(task["doc_tokens"])
     docs = cfg.depth_docs
     if cfg.max_tokens:
         docs = min(docs, cfg.max_tokens // T)
     counts = {"train": 0, "val": 0}
     for i in range(docs):
         split = "val" if val_every > 0 and i % val_every == 0 else "train"
-        writers[split].add(make_document(cfg.seed, i, R, L, Q).astype(np.uint16), lambda _: None)
+        writers[split].add(doc(i).astype(np.uint16), lambda _: None)
         counts[split] += 1
     for w in writers.values():
         w.commit()
@@ -179,15 +212,6 @@ def generate(cfg, out: Path, tokenizer: dict, log) -> dict:
         if val_every < 0
         else f"document i (0-based, generated in order) goes to val when i % {val_every} == 0"
     )
-    task = {
-        "task": "root finding by pointer chasing (R chains of L+1 symbols, fresh chains per document)",
-        **layout(R, L),
-        "queries_per_doc": Q,
-        "doc_tokens": T,
-        "seed": cfg.seed,
-        "mean_need": round(mean_need(R, L, Q), 4),
-        "scored": "target t+1 is scored iff token t-1 is ASK; its level d* is the distance of token t's symbol from its root",
-    }
     m = manifest(
         fingerprint=fingerprint(cfg),
         inputs=[task],
@@ -202,8 +226,8 @@ def generate(cfg, out: Path, tokenizer: dict, log) -> dict:
     m["depth_task"] = task
     write_json(out / MANIFEST, m)
     log(
-        f"depth-hops: {docs} documents of {T} tokens, {R} chains, levels 1..{L}, seed {cfg.seed}; train with "
-        f"model.block_size={T} (one window is one document) and model.vocab_size >= {layout(R, L)['vocab_needed']}; "
-        f"mean need {mean_need(R, L, Q):.3f} loops per token"
+        f"{cfg.source}: {docs} documents of {T} tokens, {what}, seed {cfg.seed}; train with "
+        f"model.block_size={T} (one window is one document) and model.vocab_size >= {task['vocab_needed']}; "
+        f"mean need {task['mean_need']:.3f} loops per token"
     )
     return m

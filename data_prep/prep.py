@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.config import OUTPUT_KEYS, PrepConfig
+from data_prep.config import DEPTH_SOURCES, OUTPUT_KEYS, PrepConfig
 from data_prep.files import write_json
 from data_prep.shards import ShardError, ShardReader, read_manifest
 from data_prep.sources import make_source
@@ -114,7 +114,8 @@ def tokenizer_info() -> dict:
 
 
 def _generate_depth(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
-    """source=depth-hops: written in one pass (seconds); an existing manifest is kept only if it matches."""
+    """source=depth-hops or depth-fold: written in one pass (seconds); an existing manifest is kept only if it
+    matches."""
     from data_prep.depthtask import fingerprint, generate
 
     old = out / MANIFEST
@@ -467,7 +468,7 @@ def _locked(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
         lock.flush()
         try:
-            if cfg.source == "depth-hops":
+            if cfg.source in DEPTH_SOURCES:
                 return _generate_depth(cfg, out, overwrite, log)
             return _Run(cfg, overwrite, log).run(cfg.progress)
         finally:

@@ -381,7 +381,7 @@ def plot_all(sel: Selection, client, out: Path) -> list[Path]:
         for v, pts in work.items():
             ax.plot(*zip(*sorted(pts)), marker="o", label=v)
         ax.set_xlabel("executed loop work (mean loops per token)"), ax.set_ylabel("answer accuracy")
-        ax.set_title("depth-hops: accuracy vs loop work"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
+        ax.set_title("depth task: accuracy vs loop work"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
         paths.append(save(fig, out / "accuracy_vs_work.png"))
 
     thr = [(v, sel.train[v].metrics.get("tokens_per_s")) for v in variants if v in sel.train]

@@ -1,4 +1,4 @@
-"""Accuracy by depth level on a depth-hops shard directory (data_prep/depthtask.py).
+"""Accuracy by depth level on a depth-task shard directory (data_prep/depthtask.py, data_prep/foldtask.py).
 
 `level_scores(model, directory, loops)`: at loop budget M, next-token accuracy (argmax) of every scored target
 (the token after a level marker) by its level d* = k and overall, the executed depth of the predicting position
@@ -39,7 +39,9 @@ def level_scores(
 ) -> dict:
     task = task_of(directory)
     if task is None:
-        raise ShardError(f"{directory}/manifest.json: not a depth-hops directory (no depth_task entry)")
+        raise ShardError(
+            f"{directory}/manifest.json: not a depth-task directory (source depth-hops or depth-fold: no depth_task entry)"
+        )
     L, M = int(task["levels"]), int(loops)
     shards = ShardSet(directory, split)
     T = model.cfg.block_size
@@ -93,6 +95,6 @@ def describe_levels(lv: dict, M: int) -> list[str]:
     acc = ", ".join(f"L{k} {a:.3f}" for k, a in lv["accuracy_by_level"].items() if a is not None)
     rho = f"; rho(depth, level) {lv['spearman']:.3f}" if lv.get("spearman") is not None else ""
     return [
-        f"  M={M} depth-hops accuracy {lv['accuracy']:.4f}; by level {acc}; work {lv['work']:.3f} loops/token{rho}",
+        f"  M={M} depth-task accuracy {lv['accuracy']:.4f}; by level {acc}; work {lv['work']:.3f} loops/token{rho}",
         *level_depth_lines(lv["level_depth"]),
     ]

@@ -1,19 +1,28 @@
-"""bench/foldtask.py (the fold probe task): every answer recomputed by an independent solver, the level at the
-predicting position, the oracle depth, and g a Latin square."""
+"""data_prep/foldtask.py (the fold task; `tlf prep-data --source depth-fold`): every answer recomputed by an
+independent solver, the level at the predicting position (by position, and from the openers in any window), the
+oracle depth, g a Latin square, and the source's shards: deterministic in the seed, scored by the loader only at
+the answers."""
+
+import json
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 
-from bench.foldtask import SYM, W, doc_length, documents, levels, need, rule
+from data_prep.depthtask import levels_at
+from data_prep.foldtask import SYM, doc_length, documents, layout, levels, make_document, need, rule
 
 
 def solve(doc, g):
-    """Walks the raw ids: each W opens a segment; folds its cells left to right; the token after the last cell
-    is the answer. Returns [(position of the last cell, its level, answer token)]."""
+    """Walks the raw ids: each opener (an id below SYM: W, or the source's W_k) opens a segment; folds its cells
+    left to right; the token after the last cell is the answer. Returns [(position of the last cell, its level,
+    answer token)]."""
     doc, out, t = [int(v) for v in doc], [], 0
     while t < len(doc):
-        assert doc[t] == W
+        assert doc[t] < SYM
         e = t + 1
-        while e + 1 < len(doc) and doc[e + 1] != W:
+        while e + 1 < len(doc) and doc[e + 1] >= SYM:
             e += 1
         cells = [v - SYM for v in doc[t + 1 : e]]  # x_0 .. x_k; doc[e] is the answer
         y = cells[0]
@@ -51,3 +60,88 @@ def test_rule_is_a_latin_square_and_not_associative():
     b = g[np.arange(16)[:, None, None], g[None, :, :]]  # g(x, g(y, z))
     assert (a != b).mean() > 0.5
     assert not np.array_equal(rule(16, 0), rule(16, 1))
+
+
+def test_the_sources_documents_mark_each_level_and_are_deterministic():
+    g = rule(16, 0)
+    L, task = 4, layout(16, 4)
+    a = np.stack([make_document(7, i, g, L) for i in range(30)])
+    assert np.array_equal(a, np.stack([make_document(7, i, g, L) for i in range(30)]))  # same seed, same bytes
+    assert not np.array_equal(a, np.stack([make_document(8, i, g, L) for i in range(30)]))
+    lev = levels(L)
+    for doc in a:
+        found = solve(doc, g)  # the independent solver: every answer recomputed
+        assert [int(doc[p - k - 1]) for p, k, _ in found] == [1, 2, 3, 4]  # segment k opens with W_k = k
+        assert [k for _, k, _ in found] == [1, 2, 3, 4] and sorted(np.flatnonzero(lev)) == [p for p, _, _ in found]
+    assert np.array_equal(levels_at(a, task), np.broadcast_to(lev, a.shape))  # the openers find every level
+    # any window of the stream: a segment is scored iff its opener lies in the window, at its last cell
+    stream, by_pos = a.reshape(-1), np.tile(lev, len(a))  # the level each stream position predicts
+    for start in (0, 3, 17, 40):
+        pos = start + np.arange(33)
+        lv = by_pos[pos]
+        want = np.where(pos - lv - 1 >= start, lv, 0)  # the opener of level k sits k + 1 before its last cell
+        assert np.array_equal(levels_at(stream[pos], task), want)
+    assert task["mean_need"] == round(float(need(L).mean()), 4)
+
+
+def test_prep_data_cli_writes_the_fold_source(tmp_path):
+    from data_prep.shards import ShardReader
+
+    cmd = [sys.executable, "-m", "pipeline.cli", "prep-data", "--source", "depth-fold", "--out", str(tmp_path / "d")]
+    cmd += ["depth_docs=45", "seed=3", "fold_symbols=8", "depth_levels=3", "--no-progress"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "model.block_size=15" in r.stderr  # the run's window: one document
+    m = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    task = m["depth_task"]
+    assert m["complete"] and task["kind"] == "fold" and task["levels"] == 3 and task["vocab_needed"] == SYM + 8
+    toks = np.concatenate(
+        [np.asarray(ShardReader(tmp_path / "d" / s["name"]).tokens) for s in m["splits"]["train"]["shards"]]
+    ).astype(np.int64)
+    docs = toks.reshape(-1, doc_length(3))
+    assert len(docs) == 42  # docs 0, 20, 40 go to val
+    g = rule(8, 0)
+    assert np.array_equal(docs[0], make_document(3, 1, g, 3))
+    for doc in docs:
+        assert len(solve(doc, g)) == 3
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    assert again.returncode == 0 and "nothing to do" in again.stderr
+    for bad, key in (("fold_symbols=1", "fold_symbols"), ("depth_levels=16", "depth_levels")):
+        r = subprocess.run(
+            cmd[:-6] + ["depth_docs=45", bad, "--overwrite", "--no-progress"], capture_output=True, text=True
+        )
+        assert r.returncode != 0 and key in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("T", [15, 32])
+def test_loader_scores_only_the_fold_answers(tmp_path, T):
+    """Shards stay plain tokens; the loader masks every target but the answers (ignore index -1), in windows of
+    one document (T = doc_length) or cut anywhere."""
+    from data_prep.config import load_prep_config
+    from data_prep.prep import prepare
+    from pipeline.train.data import TrainLoader, ValLoader
+
+    cfg = load_prep_config(
+        None,
+        {"source": "depth-fold", "out": str(tmp_path / "d"), "progress": False},
+        ["depth_docs=60", "depth_levels=3", "fold_symbols=8"],
+    )
+    prepare(cfg, log=lambda m: None)
+    g = rule(8, 0)
+    for loader in (
+        TrainLoader(str(tmp_path / "d"), "train", T, 4, 0, 1, 0, 64),
+        next(ValLoader(str(tmp_path / "d"), "val", T, 2, 0, 1, 64).batches(1)),
+    ):
+        x, y = loader.next() if hasattr(loader, "next") else loader
+        lev = levels_at(x.numpy(), layout(8, 3))
+        assert ((y != -1).numpy() == (lev > 0)).all() and (lev > 0).any()
+        for row, tgt, lv in zip(x.numpy(), y.numpy(), lev):  # every scored target: the fold of its cells
+            for p in np.flatnonzero(tgt != -1):
+                cells = [int(v) - SYM for v in row[p - lv[p] : p + 1]]  # x_0 .. x_k
+                assert row[p - lv[p] - 1] == lv[p] and min(cells) >= 0  # W_k, then k + 1 cells
+                y_ = cells[0]
+                for c in cells[1:]:
+                    y_ = int(g[y_][c])
+                assert tgt[p] == SYM + y_
+        if T == 15:  # a window is one document: the level is a function of the position
+            assert (lev == np.broadcast_to(levels(3), lev.shape)).all()

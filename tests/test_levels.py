@@ -1,6 +1,8 @@
-"""Per-level scoring on a depth-hops directory: counts, accuracy and depths recomputed independently."""
+"""Per-level scoring on a depth-task directory (depth-hops, depth-fold): counts, accuracy and depths recomputed
+independently."""
 
 import numpy as np
+import pytest
 import torch
 from helpers import perturbed_tiny, spread_router
 
@@ -11,18 +13,21 @@ from data_prep.shards import ShardSet
 from evaluation.levels import level_scores
 
 
-def _data(tmp_path):
-    cfg = load_prep_config(
-        None,
-        {"source": "depth-hops", "out": str(tmp_path / "d"), "progress": False},
-        ["depth_docs=100", "depth_chains=6", "depth_queries=6", "val_every=2"],
-    )
+SOURCES = {
+    "depth-hops": ["depth_docs=100", "depth_chains=6", "depth_queries=6", "val_every=2"],
+    "depth-fold": ["depth_docs=200", "val_every=2"],  # 4 levels of 16 symbols, windows cut across documents
+}
+
+
+def _data(tmp_path, source="depth-hops"):
+    cfg = load_prep_config(None, {"source": source, "out": str(tmp_path / "d"), "progress": False}, SOURCES[source])
     prepare(cfg, log=lambda m: None)
     return str(tmp_path / "d")
 
 
-def test_level_scores_match_a_direct_recount(tmp_path):
-    d = _data(tmp_path)
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_level_scores_match_a_direct_recount(tmp_path, source):
+    d = _data(tmp_path, source)
     model, cfg = perturbed_tiny("tiny/t-loopformer")
     spread_router(model)
     T = cfg.model.block_size

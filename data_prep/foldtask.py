@@ -1,6 +1,5 @@
-"""The fold task: a second candidate for a task whose every scored token needs a known number of loops
-(bench/depth_probe.py `task: fold`; probe-only, not a prep-data source, because it did not pass the probe:
-bench/README `### depth-probe: the fold task`).
+"""`tlf prep-data --source depth-fold`: the fold task, whose every scored answer needs a known number of loops
+(first built as a probe: bench/depth_probe.py `task: fold`, bench/README `### depth-probe: the fold task`).
 
 A fixed binary operation g on m symbols (a Latin square drawn from `rule_seed`: every row and every column a
 permutation, so one operand alone says nothing of the result) is folded from the left over a segment of cells:
@@ -9,7 +8,7 @@ permutation, so one operand alone says nothing of the result) is folded from the
 
 A document is one segment per level k = 1..L, in this order (so the level is a function of the position):
 
-    W x_0 .. x_k A    (W = 1 opens a segment, x_j = SYM + symbol, A = SYM + y_k)
+    W x_0 .. x_k A    (W opens a segment, x_j = SYM + symbol, A = SYM + y_k)
 
 Only A is scored (its target is predicted at x_k). One step of the fold is one attention read of the left
 neighbour plus a table look-up, so with one layer per loop cell j's prefix y_j is ready after j loops and a
@@ -18,19 +17,30 @@ model that reads the k + 1 cells at once must hold the m^(k+1)-entry table of th
 g's m^2. Every prefix is a fixed point of the step (y_j = g(y_(j-1), x_j) again), so running more loops than d*
 does no harm to a model that learnt the step.
 
+Openers: the probe's documents open every segment with W = 1; the prep-data source's (`marked=True`) open the
+level-k segment with W_k = k, so the scored positions can be found from the tokens of any window (`levels_at`:
+the position k + 1 after a W_k), as the loader and `tlf eval` need. With model.block_size = doc_length(L) a
+window is one document and the level is also a function of the position, which is all a router reading h0 sees
+at x_k (a symbol).
+
 `need`: the per-token depth an oracle router would give (`oracle` probes run it): cell x_j of a level-k segment
 is read by x_(j+1) in loop j + 1, so it must still be looping then (depth j + 1 for j < k), the query x_k needs
 k, W and A one loop. `need(L, visible=True)`: the same when a token that has exited stays readable by later loops
 through its frozen state (model.exited_keys=frozen; bench/depth_probe.py grid 8): cell x_j then holds y_j after j loops whether or
 not it runs more, so x_0 and x_1 need one loop, x_j (j >= 1) j loops, the query x_k k.
+
+Deterministic: the source's document i is drawn from numpy's default_rng((seed, i)) and g from `rule_seed`, so
+the shards are byte-identical for the same options.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-W = 1
+W = 1  # the probe's opener of every segment; the source's level-k segment opens with W_k = k (`marked`)
 SYM = 16  # symbol s is token SYM + s
+MAX_LEVELS = SYM - 1  # the openers W_k = k stay below the symbols
+MAX_SYMBOLS = 256
 
 
 def rule(m: int, rule_seed: int = 0) -> np.ndarray:
@@ -45,15 +55,16 @@ def doc_length(L: int) -> int:
     return sum(k + 3 for k in range(1, L + 1))
 
 
-def documents(g: np.ndarray, rng: np.random.Generator, n: int, L: int) -> np.ndarray:
-    """n documents (n, doc_length(L)) int64, cells drawn from rng."""
+def documents(g: np.ndarray, rng: np.random.Generator, n: int, L: int, marked: bool = False) -> np.ndarray:
+    """n documents (n, doc_length(L)) int64, cells drawn from rng; marked: segment k opens with W_k = k (the
+    source's documents), else with W (the probe's)."""
     m, parts = len(g), []
     for k in range(1, L + 1):
         x = rng.integers(0, m, (n, k + 1))
         y = x[:, 0]
         for j in range(1, k + 1):
             y = g[y, x[:, j]]
-        parts += [np.full((n, 1), W), SYM + x, (SYM + y)[:, None]]
+        parts += [np.full((n, 1), k if marked else W), SYM + x, (SYM + y)[:, None]]
     return np.concatenate(parts, 1)
 
 
@@ -81,3 +92,38 @@ def segment_depth(L: int) -> np.ndarray:
     that draws one depth per segment gives when the draw is right. Context cells then run past their need and
     stay readable in loops where the oracle (`need`) has dropped them."""
     return np.concatenate([np.full(k + 3, k) for k in range(1, L + 1)])
+
+
+# ------------------------------------------------------------------------------------ the prep-data source
+def layout(m: int, L: int, rule_seed: int = 0) -> dict:
+    """The task's description (stored in the manifest as `depth_task`, with `kind` "fold")."""
+    return {
+        "kind": "fold",
+        "task": "left fold of a Latin-square operation g over a segment of k + 1 cells, one segment per level",
+        "levels": L,
+        "symbols": m,
+        "rule_seed": rule_seed,
+        "sym_base": SYM,
+        "vocab_needed": SYM + m,
+        "doc_tokens": doc_length(L),
+        "mean_need": round(float(need(L).mean()), 4),
+        "mean_need_frozen": round(float(need(L, visible=True).mean()), 4),
+    }
+
+
+def make_document(seed: int, index: int, g: np.ndarray, L: int) -> np.ndarray:
+    """Document `index` of the source's stream for `seed`: (doc_length(L),) int64, openers W_k = k."""
+    return documents(g, np.random.default_rng((seed, index)), 1, L, marked=True)[0]
+
+
+def levels_at(tokens: np.ndarray, task: dict) -> np.ndarray:
+    """Level of the target each position predicts: (..., T) int, k at the last cell x_k of a level-k segment
+    (the position k + 1 after its opener W_k; its target A is scored with d* = k), 0 elsewhere. Works on any
+    window of the source's stream: a segment whose opener lies before the window is not scored."""
+    t = np.asarray(tokens).astype(np.int64)
+    out = np.zeros(t.shape, dtype=np.int64)
+    T = t.shape[-1]
+    for k in range(1, int(task["levels"]) + 1):
+        opener = t[..., : max(T - k - 1, 0)] == k  # (..., T - k - 1): W_k at p, so x_k at p + k + 1 < T
+        out[..., k + 1 :][opener] = k
+    return out
