@@ -321,6 +321,10 @@ class DataConfig:
         "Check each shard's sha256 (recorded by prep-data) once per run, at its first read in "
         "training, split over the ranks; a corrupt shard stops the run naming the file.",
     )
+    curriculum: float = f(
+        0.0,
+        "Depth-task data (prep-data sources depth-hops, depth-fold): train on the answers of levels 1..c only, c starting at 1 and raised by one at each validation where every level up to c reaches this accuracy (val/acc_L<k>); 0: off, every level trained (README 'Data').",
+    )
 
 
 @dataclass
@@ -480,6 +484,13 @@ class Config:
             raise ConfigError("schedule.warmup_steps must be >= 0 and schedule.max_steps >= 1")
         if self.checkpoint.keep_last < 1:
             raise ConfigError(f"checkpoint.keep_last must be >= 1, got {self.checkpoint.keep_last}")
+        if not 0.0 <= self.data.curriculum <= 1.0:
+            raise ConfigError(f"data.curriculum must lie in [0, 1], got {self.data.curriculum}")
+        if self.data.curriculum > 0 and t.eval_interval < 1:
+            raise ConfigError(
+                f"data.curriculum={self.data.curriculum} needs validations to raise its level: set "
+                "train.eval_interval >= 1"
+            )
         for m in self.eval.loops:
             if not isinstance(m, int) or not 1 <= m <= self.model.loops:
                 raise ConfigError(f"eval.loops: budget {m!r} must be an integer in 1..model.loops ({self.model.loops})")

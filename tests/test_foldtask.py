@@ -145,3 +145,143 @@ def test_loader_scores_only_the_fold_answers(tmp_path, T):
                 assert tgt[p] == SYM + y_
         if T == 15:  # a window is one document: the level is a function of the position
             assert (lev == np.broadcast_to(levels(3), lev.shape)).all()
+
+
+def _fold_data(tmp_path, docs=60):
+    from data_prep.config import load_prep_config
+    from data_prep.prep import prepare
+
+    cfg = load_prep_config(
+        None,
+        {"source": "depth-fold", "out": str(tmp_path / "d"), "progress": False},
+        [f"depth_docs={docs}", "depth_levels=3", "fold_symbols=8", "val_every=4"],
+    )
+    prepare(cfg, log=lambda m: None)
+    return tmp_path / "d"
+
+
+def test_the_curriculum_trains_levels_up_to_its_cap_and_resumes_there(tmp_path):
+    """data.curriculum: the loader scores answers of levels 1..level_cap only (the val split all of them); the cap
+    is part of the loader's checkpointed state."""
+    from pipeline.train.data import TrainLoader
+
+    d = str(_fold_data(tmp_path))
+
+    def scored_levels(loader):
+        x, y = loader.next()
+        return set(levels_at(x.numpy(), layout(8, 3))[(y != -1).numpy()].tolist())
+
+    on = TrainLoader(d, "train", 15, 8, 0, 1, 0, 64, curriculum=True)
+    assert on.level_cap == 1 and scored_levels(on) == {1}
+    on.raise_level()
+    assert scored_levels(on) == {1, 2}
+    state = on.state_dict()
+    on.raise_level(), on.raise_level()
+    assert on.level_cap == 3 and scored_levels(on) == {1, 2, 3}  # never past the task's levels
+    back = TrainLoader(d, "train", 15, 8, 0, 1, 0, 64, curriculum=True)
+    back.load_state_dict(state)
+    assert back.level_cap == 2 and scored_levels(back) == {1, 2}
+    off = TrainLoader(d, "train", 15, 8, 0, 1, 0, 64)
+    off.load_state_dict(state)  # the curriculum switched off at a resume: every level
+    assert off.level_cap == 0 and scored_levels(off) == {1, 2, 3}
+    old = {k: v for k, v in state.items() if k != "level_cap"}  # a state from before the curriculum existed
+    late = TrainLoader(d, "train", 15, 8, 0, 1, 0, 64, curriculum=True)
+    late.load_state_dict(old)
+    assert late.level_cap == 1
+
+
+def test_the_curriculum_raises_its_level_when_every_trained_level_passes():
+    from types import SimpleNamespace
+
+    from pipeline.train.callbacks import Curriculum
+
+    class Loader:
+        level_cap, levels = 1, 3
+
+        def raise_level(self):
+            self.level_cap += 1
+
+    cb = Curriculum()
+    cb.trainer = SimpleNamespace(cfg=SimpleNamespace(data=SimpleNamespace(curriculum=0.9)), loader=Loader())
+    for accs, cap in [
+        ({}, 1),  # no validation this step
+        ({"val/acc_L1": 0.89}, 1),
+        ({"val/acc_L1": 0.9, "val/acc_L2": 0.0}, 2),
+        ({"val/acc_L1": 0.95, "val/acc_L2": 0.92}, 3),
+        ({"val/acc_L1": 1.0, "val/acc_L2": 1.0, "val/acc_L3": 1.0}, 3),  # the last level: stays
+    ]:
+        m = dict(accs)
+        cb.post_step(1, m)
+        assert m["data/level_cap"] == cap == cb.trainer.loader.level_cap
+    cb.trainer.loader.level_cap = 2
+    m = {"val/acc_L1": 0.5, "val/acc_L2": 0.99}  # every trained level must pass, not only the newest
+    cb.post_step(1, m)
+    assert m["data/level_cap"] == 2
+
+
+def test_tlf_train_on_the_fold_task_logs_accuracy_by_level_and_its_curriculum(tmp_path):
+    """Through the trainer: val/acc_L<k> at each validation, equal to a recount on the same val windows from the
+    saved weights; data/level_cap every step; a resume keeps the cap; a config without validations or a text
+    data.dir refuses the curriculum with a one-line error."""
+    import torch
+
+    from pipeline.config import ConfigError, load_config
+    from pipeline.train.trainer import run
+
+    d = _fold_data(tmp_path, docs=200)
+    base = [
+        "model.vocab_size=64",
+        "model.block_size=15",
+        f"data.dir={d}",
+        f"checkpoint.dir={tmp_path / 'run'}",
+        "train.micro_batch_size=8",
+        "train.global_batch_size=8",
+        "train.grad_accum_steps=1",
+        "train.eval_interval=2",
+        "train.eval_batches=2",
+        "schedule.max_steps=4",
+        "schedule.warmup_steps=1",
+        "checkpoint.interval=2",
+        "logging.mlflow=false",
+        "train.device=cpu",
+        "data.curriculum=1e-9",  # any level answered at all passes: the cap moves when accuracy is > 0
+    ]
+    torch.set_num_threads(1)
+    res = run(load_config("tiny/t-loopformer", base))
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r for r in lines}
+    assert all("data/level_cap" in r for r in lines) and by_step[1]["data/level_cap"] == 1
+    for s in (2, 4):
+        r = by_step[s]
+        assert {"val/acc_L1", "val/acc_L2", "val/acc_L3"} <= set(r) and all(
+            0 <= r[f"val/acc_L{k}"] <= 1 for k in (1, 2, 3)
+        )
+    want = 2 if by_step[2]["val/acc_L1"] > 0 else 1
+    assert by_step[2]["data/level_cap"] == want
+    assert res.step == 4
+    from pipeline.model.io import load_model
+    from pipeline.train.data import ValLoader
+
+    model, _ = load_model(tmp_path / "run")  # step 4's weights: the recount of step 4's accuracies
+    right, n = np.zeros(3), np.zeros(3)
+    for x, y in ValLoader(str(d), "val", 15, 8, 0, 1, 64).batches(2):
+        with torch.no_grad():
+            ok = (model(x).logits.argmax(-1) == y).numpy()
+        lev = levels_at(x.numpy(), layout(8, 3))
+        for k in (1, 2, 3):
+            right[k - 1] += ok[lev == k].sum()
+            n[k - 1] += (lev == k).sum()
+    for k in (1, 2, 3):
+        assert abs(by_step[4][f"val/acc_L{k}"] - right[k - 1] / n[k - 1]) < 1e-9
+    more = run(load_config("tiny/t-loopformer", [*base, "schedule.max_steps=6", "checkpoint.resume=auto"]))
+    assert more.start_step == 4
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in lines if r["step"] == 5][-1]["data/level_cap"] == by_step[4]["data/level_cap"]
+    with pytest.raises(ConfigError, match=r"data.curriculum=0.5 needs validations"):
+        load_config("tiny/t-loopformer", [*base, "data.curriculum=0.5", "train.eval_interval=0"])
+    from data_prep.shards import ShardError
+    from test_train import make_shards
+
+    text = make_shards(tmp_path / "text", windows=10, seq_len=15, vocab=64)
+    with pytest.raises(ShardError, match=r"data.curriculum needs a depth-task data.dir"):
+        run(load_config("tiny/t-loopformer", [*base, f"data.dir={text}", f"checkpoint.dir={tmp_path / 'r2'}"]))

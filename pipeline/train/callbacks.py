@@ -139,6 +139,23 @@ class Validation(Callback):
             log.info(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in vl.items()))
 
 
+class Curriculum(Callback):
+    """data.curriculum: after each validation, raise the trained level (the loader's level_cap) by one when every
+    level up to it reaches the threshold on the val split (val/acc_L<k>); `data/level_cap` logged every step."""
+
+    def post_step(self, step: int, metrics: dict) -> None:
+        t = self.trainer
+        thr = t.cfg.data.curriculum
+        if thr <= 0:
+            return
+        cap = t.loader.level_cap
+        accs = [metrics.get(f"val/acc_L{k}") for k in range(1, cap + 1)]
+        if cap < t.loader.levels and all(a is not None and a >= thr for a in accs):
+            t.loader.raise_level()
+            log.info(f"step {step}: curriculum: levels 1..{cap} at >= {thr} on val; training levels 1..{cap + 1}")
+        metrics["data/level_cap"] = float(t.loader.level_cap)
+
+
 class Checkpointer(Callback):
     """A checkpoint every checkpoint.interval steps (0: none) and one at the end (after a stop signal too)."""
 
@@ -208,4 +225,4 @@ class Console(Callback):
 def default_callbacks() -> list[Callback]:
     """What `tlf train` runs with. Order matters within a hook: MLflow opens its run before the console's first
     line; the metric callbacks fill `metrics` before validation prints."""
-    return [MLflowLogger(), Console(), Speed(), Memory(), PlannedMemory(), Validation(), Checkpointer()]
+    return [MLflowLogger(), Console(), Speed(), Memory(), PlannedMemory(), Validation(), Curriculum(), Checkpointer()]

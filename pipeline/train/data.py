@@ -22,10 +22,11 @@ from data_prep.shards import ShardError, ShardSet
 
 
 def _to_batch(
-    rows: list[np.ndarray], vocab_size: int, where: str, task: dict | None = None
+    rows: list[np.ndarray], vocab_size: int, where: str, task: dict | None = None, level_cap: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets), each (mb, T) int64. For a depth-hops directory (`task`, from its manifest) only the
-    answers are scored: a target whose input is not a level marker becomes the ignore index -1."""
+    """(inputs, targets), each (mb, T) int64. For a depth-task directory (`task`, from its manifest) only the
+    answers are scored: a target whose position predicts no answer becomes the ignore index -1, and with
+    level_cap > 0 (data.curriculum) so does an answer of a level above it."""
     arr = np.stack(rows).astype(np.int64)
     top = int(arr.max())
     if top >= vocab_size:
@@ -33,7 +34,8 @@ def _to_batch(
     t = torch.from_numpy(arr)
     x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
     if task is not None:
-        y[torch.from_numpy(levels_at(arr[:, :-1], task) == 0)] = -1
+        lev = levels_at(arr[:, :-1], task)
+        y[torch.from_numpy((lev == 0) | ((lev > level_cap) if level_cap else False))] = -1
     return x, y
 
 
@@ -52,9 +54,17 @@ class TrainLoader:
         vocab_size: int,
         verify: bool = False,
         global_batch: int | None = None,
+        curriculum: bool = False,
     ):
         self.shards = ShardSet(directory, split, (rank, world_size) if verify else None)
         self.task = task_of(directory)
+        if curriculum and self.task is None:
+            raise ShardError(
+                f"data.curriculum needs a depth-task data.dir (prep-data --source depth-hops or depth-fold); "
+                f"{directory}/manifest.json has no depth_task entry"
+            )
+        self.curriculum = curriculum
+        self.level_cap = 1 if curriculum else 0  # the highest level trained (0: every level)
         self.T, self.mb, self.rank, self.ws = seq_len, micro_batch, rank, world_size
         self.seed, self.vocab_size = seed, vocab_size
         self.windows = (self.shards.num_tokens - 1) // seq_len
@@ -90,7 +100,16 @@ class TrainLoader:
         self.micro += 1
         self.offset += self.per_micro
         rows = [self.shards.read(int(w) * self.T, self.T + 1) for w in ids]
-        return _to_batch(rows, self.vocab_size, f"{self.shards.dir} '{self.shards.split}'", self.task)
+        return _to_batch(rows, self.vocab_size, f"{self.shards.dir} '{self.shards.split}'", self.task, self.level_cap)
+
+    @property
+    def levels(self) -> int:
+        """The task's levels (0 for text)."""
+        return 0 if self.task is None else int(self.task["levels"])
+
+    def raise_level(self) -> None:
+        """The curriculum's next level (data.curriculum): answers of level level_cap + 1 are trained from now on."""
+        self.level_cap = min(self.level_cap + 1, self.levels)
 
     @property
     def epoch(self) -> float:
@@ -105,6 +124,7 @@ class TrainLoader:
             "per_micro": self.per_micro,
             "global_batch": self.global_batch,
             "windows": self.windows,
+            "level_cap": self.level_cap,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -124,6 +144,8 @@ class TrainLoader:
                     f"{getattr(self, k)} (same data, train.seed and train.global_batch_size needed)"
                 )
         self.epoch_no, self.offset = int(state["epoch"]), int(state["offset"])
+        # the curriculum's level goes on where it was; one switched on at this resume starts at 1, off: every level
+        self.level_cap = (int(state.get("level_cap", 0)) or 1) if self.curriculum else 0
         same = state["per_micro"] == self.per_micro
         self.micro = (
             int(state["micro"]) if same else self.epoch_no * self.micros_per_epoch + self.offset // self.per_micro

@@ -247,6 +247,7 @@ class Trainer:
                 cfg.model.vocab_size,
                 cfg.data.verify,
                 global_batch=cfg.train.global_batch_size,
+                curriculum=cfg.data.curriculum > 0,
             )
         val = []
         if cfg.train.eval_interval > 0:
