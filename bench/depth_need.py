@@ -1,6 +1,7 @@
 """Depth-need study: on a task where every scored token needs a known number of loops, does the router earn its compute?
 
-Data: `tlf prep-data --source depth-hops` (data_prep/depthtask.py; README "The depth-hops task"), made once.
+Data: `tlf prep-data --source depth-hops` (data_prep/depthtask.py; README "The depth-hops task"), or with
+`--task fold` `--source depth-fold` (data_prep/foldtask.py; README "The fold task"), made once.
 Cases, each trained with the project's trainer (`pipeline.train.trainer.run`, one process per case, `--jobs` at a
 time, one thread each) for `--steps` steps at every seed of `--seeds`, paired by seed (the same seed gives every
 case the same data order, and the same initial weights for the parts the architectures share):
@@ -8,7 +9,11 @@ case the same data order, and the same initial weights for the parts the archite
 - loopformer: depth/loopformer, evaluated elastically at M = 1..L (its accuracy-vs-work curve);
 - t-loopformer budget <t>: depth/t-loopformer with the budget recipe at each `--targets` mean depth (`need` is
   the task's mean need per token, the manifest's `mean_need`);
-- t-loopformer paper: the paper's router recipe.
+- t-loopformer paper: the paper's router recipe;
+- t-loopformer expected: the expected-exit recipe (README "Router training": every exit trained, the router on
+  the expected loss over exits) with frozen exited keys and prefix exits, at the task's mean need with frozen keys.
+`--curriculum c` trains with data.curriculum=c (levels one at a time, validated every `--eval-every` steps), which
+the fold task needs.
 Measured on the first `--windows` validation documents (evaluation/levels.py, the code `tlf eval` runs): answer
 accuracy overall and by level at every budget M, executed work (layers per token over every token: loops x
 layers per loop, so base's one pass of 4 layers counts 4), the
@@ -52,8 +57,18 @@ BASE = [
 ]
 
 
+EXPECTED = [
+    "model.router_recipe=expected",
+    "model.exit_schedule=prefix",
+    "model.exited_keys=frozen",
+    "objective.router_entropy_weight=0",
+    "model.router_target_depth=needf",  # the task's mean need with frozen exited keys
+]
+
+
 def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
-    """label -> (preset, overrides); a target is a number or `need` (filled in from the manifest)."""
+    """label -> (preset, overrides); a target is a number or `need` (filled in from the manifest; `needf`: the
+    mean need with frozen exited keys)."""
     out = {"base": ("depth/base", []), "loopformer": ("depth/loopformer", [])}
     for t in targets:
         out[f"t-loopformer budget {t}"] = (
@@ -61,6 +76,7 @@ def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
             ["model.router_recipe=budget", f"model.router_target_depth={t}"],
         )
     out["t-loopformer paper"] = ("depth/t-loopformer", ["model.router_recipe=paper"])
+    out["t-loopformer expected"] = ("depth/t-loopformer", EXPECTED)
     return out
 
 
@@ -80,7 +96,7 @@ PROBE_RECIPE = [
 ]
 
 
-def prepare(data: Path, docs: int, levels: int = 4, log=print) -> dict:
+def prepare(data: Path, docs: int, levels: int = 4, log=print, task: str = "hops", symbols: int = 16) -> dict:
     """The task's shards (made once with the real CLI; a rerun with the same options is a no-op)."""
     cmd = [
         sys.executable,
@@ -88,14 +104,14 @@ def prepare(data: Path, docs: int, levels: int = 4, log=print) -> dict:
         "pipeline.cli",
         "prep-data",
         "--source",
-        "depth-hops",
+        f"depth-{task}",
         "--out",
         str(data),
         f"depth_docs={docs}",
         f"depth_levels={levels}",
         "seed=0",
         "--no-progress",
-    ]
+    ] + ([f"fold_symbols={symbols}"] if task == "fold" else [])
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
         sys.exit(f"prep-data failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
@@ -230,7 +246,7 @@ def figures(res: dict, out: Path) -> list[Path]:
         )
     ax.set_xlabel("executed work (layers per token over every token; one layer per loop)")
     ax.set_ylabel("answer accuracy")
-    ax.set_title("depth-hops: accuracy vs loop work (mean ± std over seeds)", fontsize=9)
+    ax.set_title(f"depth-{res['task'].get('kind', 'hops')}: accuracy vs loop work (mean ± std over seeds)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     paths.append(save(fig, out / "depth_need_accuracy_vs_work.png"))
@@ -255,6 +271,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=64, help="documents per step")
     ap.add_argument("--levels", type=int, default=4, help="task levels 1..L = the models' loops L (base: L layers)")
     ap.add_argument(
+        "--task", choices=["hops", "fold"], default="hops", help="prep-data source depth-hops or depth-fold"
+    )
+    ap.add_argument("--symbols", type=int, default=16, help="--task fold: symbols m of the folded operation")
+    ap.add_argument("--curriculum", type=float, default=0.0, help="data.curriculum (0: off)")
+    ap.add_argument("--eval-every", type=int, default=250, help="with --curriculum: train.eval_interval")
+    ap.add_argument("--lr", type=float, default=0.0, help="optim.lr (0: the preset's)")
+    ap.add_argument(
         "--recipe",
         choices=["preset", "probe"],
         default="preset",
@@ -273,11 +296,16 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    data = out / f"data_L{a.levels}"
+    data = out / (f"data_L{a.levels}" if a.task == "hops" else f"data_fold_m{a.symbols}_L{a.levels}")
     mb = a.batch
-    task = prepare(data, docs=a.steps * mb + 20 * a.windows, levels=a.levels)
-    shape = [f"model.block_size={task['doc_tokens']}"] + (PROBE_RECIPE if a.recipe == "probe" else [])
+    task = prepare(data, docs=a.steps * mb + 20 * a.windows, levels=a.levels, task=a.task, symbols=a.symbols)
+    shape = [f"model.block_size={task['doc_tokens']}", f"model.vocab_size={-(-task['vocab_needed'] // 64) * 64}"]
+    shape += PROBE_RECIPE if a.recipe == "probe" else []
+    shape += [f"optim.lr={a.lr}"] if a.lr else []
+    if a.curriculum:
+        shape += [f"data.curriculum={a.curriculum}", f"train.eval_interval={a.eval_every}", "train.eval_batches=4"]
     need = round(float(task["mean_need"]), 3)
+    need_frozen = round(float(task.get("mean_need_frozen", task["mean_need"])), 3)
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
     chosen = cases([t.strip() for t in a.targets.split(",") if t.strip()])
     if a.cases:
@@ -288,13 +316,13 @@ def main(argv=None) -> dict:
         chosen = {k: v for k, v in chosen.items() if k in keep}
     specs = {}
     for label, (preset, ov) in chosen.items():
-        ov = [o.replace("=need", f"={need}") for o in ov] + shape
+        ov = [o.replace("=needf", f"={need_frozen}").replace("=need", f"={need}") for o in ov]
+        ov = [o for o in BASE if not (a.curriculum and o.startswith("train.eval_interval"))] + ov + shape
         ov.append(f"model.n_layers={a.levels}" if preset == "depth/base" else f"model.loops={a.levels}")
         for s in seeds:
             specs[(label, s)] = {
                 "preset": preset,
-                "overrides": BASE
-                + ov
+                "overrides": ov
                 + [
                     f"schedule.max_steps={a.steps}",
                     f"train.seed={s}",
