@@ -85,14 +85,15 @@ def _slug(label: str) -> str:
 
 
 # --recipe probe: what bench/depth_probe.py found the task needs (bench/README `### depth-probe`): no weight
-# decay, beta2 0.99, a constant learning rate after 100 warm-up steps, and modulated layers that start as plain
-# pre-norm layers (model.gate_init=1) rather than as the identity.
+# decay, beta2 0.99, a constant learning rate after 100 warm-up steps, modulated layers that start as plain
+# pre-norm layers (model.gate_init=1) rather than as the identity, and the alignment only where a target is scored.
 PROBE_RECIPE = [
     "optim.weight_decay=0",
     "optim.beta2=0.99",
     "schedule.decay=constant",
     "schedule.warmup_steps=100",
     "model.gate_init=1",
+    "objective.align_positions=scored",
 ]
 
 
