@@ -12,7 +12,7 @@ case the same data order, and the same initial weights for the parts the archite
 - t-loopformer paper: the paper's router recipe;
 - t-loopformer expected: the expected-exit recipe (README "Router training": every exit trained, the router on
   the expected loss over exits) with frozen exited keys and prefix exits, at the task's mean need with frozen keys;
-  `, no shortcut terms`: the same with the shortcut pass's and the alignment's weights at 0.
+  `no shortcut terms`: the same with the shortcut pass's and the alignment's weights at 0.
 `--curriculum c` trains with data.curriculum=c (levels one at a time, validated every `--eval-every` steps), which
 the fold task needs.
 Measured on the first `--windows` validation documents (evaluation/levels.py, the code `tlf eval` runs): answer
@@ -80,7 +80,7 @@ def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
     out["t-loopformer expected"] = ("depth/t-loopformer", EXPECTED)
     # the same without the LoopFormer objective's shortcut terms (weights 0), as the probes ran it: the alignment's
     # target is the last exit, which the expected loss trains only in proportion to its pi_L
-    out["t-loopformer expected, no shortcut terms"] = (
+    out["t-loopformer expected no shortcut terms"] = (
         "depth/t-loopformer",
         [*EXPECTED, "objective.lambda_short=0", "objective.lambda_align=0"],
     )
