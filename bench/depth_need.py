@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from interleave import write_json  # noqa: E402  (after the sys.path lines above)
-from testkit import train_case  # noqa: E402  (after the sys.path lines above)
+from testkit import EXPECTED_RECIPE, train_case  # noqa: E402  (after the sys.path lines above)
 
 BASE = [
     "checkpoint.resume=none",
@@ -59,10 +59,8 @@ BASE = [
 
 
 EXPECTED = [
-    "model.router_recipe=expected",
-    "model.exit_schedule=prefix",
+    *EXPECTED_RECIPE,
     "model.exited_keys=frozen",
-    "objective.router_entropy_weight=0",
     "model.router_target_depth=needf",  # the task's mean need with frozen exited keys
 ]
 

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from interleave import write_json  # noqa: E402  (after the sys.path lines above)
+from testkit import EXPECTED_RECIPE  # noqa: E402  (after the sys.path lines above)
 
 D128 = ["model.d_model=128", "model.n_heads=4", "model.d_ff=512"]
 # name -> (preset, model overrides, probe settings); task: chains R, levels L, queries Q.
@@ -391,25 +392,23 @@ GRID9 = {
 # the budget prior): every token runs every loop in training, so the network learns every exit, and the router's
 # gradient is exact. Frozen exited keys, so that a context token that exits early at inference still shows its
 # state; no conditioning, so that exit d in training is depth d at inference (the recipe's exit schedule, prefix,
-# is moot then). The second session of these probes had no shortcut pass: its weights are 0 here.
+# is moot then). The sixth session's probes had no shortcut pass: its weights are 0 here.
 def expected(beta: float = 0.1, shortcut: bool = False) -> list:
     """The expected recipe's overrides on t-loopformer (frozen keys, prefix exits, prior weight beta); shortcut
     False zeroes the shortcut pass's and the alignment's weights (grid 10 as first run, without them)."""
     off = [] if shortcut else ["objective.lambda_short=0", "objective.lambda_align=0"]
-    recipe = ["model.router_recipe=expected", "model.exit_schedule=prefix", "objective.router_entropy_weight=0"]
-    return [*TLF, *FROZEN, *recipe, f"objective.router_prior_weight={beta}", *off]
+    return [*TLF, *FROZEN, *EXPECTED_RECIPE, f"objective.router_prior_weight={beta}", *off]
 
 
-EXP = UNC
 EXPNAME = "fold m16 t-loopformer expected exit loss unconditioned visible curriculum"
 GRID10 = {
-    EXPNAME + (f" seed {k}" if k else ""): ("depth/t-loopformer", expected(), {**EXP, "seed": k}) for k in range(4)
+    EXPNAME + (f" seed {k}" if k else ""): ("depth/t-loopformer", expected(), {**UNC, "seed": k}) for k in range(4)
 }
 # Grid 11: the same recipe at m = 32 symbols, where the one-loop table is out of reach of a CPU budget (one layer at
 # 0.42 on level 2 after 35,000 steps, grid 6): does composition at exit 2 then win the race in every seed?
 EXPNAME32 = EXPNAME.replace("m16", "m32")
 GRID11 = {
-    EXPNAME32 + (f" seed {k}" if k else ""): ("depth/t-loopformer", expected(), {**EXP, "symbols": 32, "seed": k})
+    EXPNAME32 + (f" seed {k}" if k else ""): ("depth/t-loopformer", expected(), {**UNC, "symbols": 32, "seed": k})
     for k in range(4)
 }
 # Grid 12: the recipe as the pipeline runs it: t-loopformer's own network (LoopFormer conditioning, depth d the

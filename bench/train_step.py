@@ -270,6 +270,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     from pipeline.config import VARIANTS, load_config
     from pipeline.plan.hardware import gpu
+    from testkit import EXPECTED_RECIPE
 
     overrides = a.overrides if a.overrides is not None else ["model.vocab_size=8192"]
     peak = a.peak_flops or load_config(f"{a.scale}/t-loopformer").logging.peak_flops or gpu("a100-80gb").peak_flops
@@ -290,7 +291,7 @@ def main(argv=None) -> dict:
         # the expected router recipe: every token runs every loop in training, a head per exit
         "t-loopformer expected": (
             "t-loopformer",
-            ["model.router_recipe=expected", "model.exit_schedule=prefix", "objective.router_entropy_weight=0"],
+            list(EXPECTED_RECIPE),
         ),
         "t-loopformer ckpt=loop": ("t-loopformer", ["train.activation_checkpointing=loop"]),
         "t-loopformer ckpt=layer": ("t-loopformer", ["train.activation_checkpointing=layer"]),

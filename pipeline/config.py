@@ -106,7 +106,7 @@ class ModelConfig:
     gather_scatter: bool = f(True, "Compute only active tokens per loop (false: dense masked reference path).")
     exit_schedule: Literal["own", "prefix"] = f(
         "own",
-        "The steps a token of depth m < M runs: own (its own trajectory, m steps renormalised to sum 1, so depth m ends at time 1) or prefix (the first m steps of the pass's, so a depth-m token is the pass stopped after loop m: an early exit; README 'Exited tokens').",
+        "The steps a token of depth m < M runs: own (its own trajectory, m steps renormalised to sum 1, so depth m ends at time 1) or prefix (the first m steps of the pass's, so a depth-m token is the pass stopped after loop m: an early exit; README 'The model', Per-token time).",
     )
     exited_keys: Literal["drop", "frozen"] = f(
         "drop",

@@ -11,6 +11,8 @@ import torch
 from click.testing import CliRunner
 from helpers import perturbed_tiny
 
+from bench.testkit import EXPECTED_RECIPE
+
 from pipeline.cli import main
 from pipeline.config import list_presets
 from pipeline.model.io import save_model
@@ -26,12 +28,7 @@ TINY = sorted(p for p in list_presets() if p.startswith("tiny/")) + [
 RECIPE = {  # "@recipe": a router recipe's overrides (the expected recipe's network: prefix exits, frozen keys)
     "": (),
     "budget": ("model.router_recipe=budget",),
-    "expected": (
-        "model.router_recipe=expected",
-        "model.exit_schedule=prefix",
-        "model.exited_keys=frozen",
-        "objective.router_entropy_weight=0",
-    ),
+    "expected": (*EXPECTED_RECIPE, "model.exited_keys=frozen"),
 }
 
 

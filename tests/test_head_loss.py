@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from helpers import spread_router
 from pipeline.config import load_config
-from bench.testkit import count_host_reads
+from bench.testkit import EXPECTED_RECIPE, count_host_reads
 from pipeline.memory import SavedTensors
 from pipeline.model import LoopedLM, head_loss
 from pipeline.model.head_loss import head_objective, rows_per_chunk
@@ -247,15 +247,12 @@ def test_logged_alignment_is_within_1e_6_of_the_materialised_path():
     assert float((parts[2] - want).abs() / want) <= 1e-6
 
 
-EXPECTED = ("model.router_recipe=expected", "model.exit_schedule=prefix", "objective.router_entropy_weight=0")
-
-
 @pytest.mark.parametrize("extra", [(), ("objective.align_target=hidden",), ("model.exited_keys=frozen",)])
 def test_expected_exit_objective_fused_equals_the_plain_path(extra, monkeypatch):
     """The expected recipe's objective (pipeline/train/objective.py): every exit's cross-entropy weighted by the
     router's pi through the fused head, over several chunks, equals the materialised sum_d pi_d CE_d: the loss,
     its parts and every gradient, the router's included (its only task gradient is through pi)."""
-    m = _model("t-loopformer", *EXPECTED, *extra)
+    m = _model("t-loopformer", *EXPECTED_RECIPE, *extra)
     with torch.no_grad():  # modulators away from zero: each exit's state and loss differ
         for layer in m.net.layers:
             layer.modulator[1].weight.normal_(0, 0.05)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from bench.testkit import EXPECTED_RECIPE
 from pipeline.config import load_config
 from pipeline.memory import SavedTensors, tensor_peak_mib
 from helpers import spread_router
@@ -68,14 +69,11 @@ def _measured(cfg):
 D512 = ["model.d_model=512", "model.n_heads=8", "model.d_ff=1280", "model.block_size=256"]
 
 
-# the expected router recipe: its training step runs every token through every loop, with a head per exit
-EXPECTED = ["model.router_recipe=expected", "model.exit_schedule=prefix", "objective.router_entropy_weight=0"]
-
-
 def _config(variant: str, scale: str, *extra):
-    """variant may name the expected recipe: 't-loopformer@expected'."""
+    """variant may name the expected router recipe, whose training step runs every token through every loop with
+    a head per exit: 't-loopformer@expected'."""
     variant, _, recipe = variant.partition("@")
-    return load_config(f"{scale}/{variant}", [*(EXPECTED if recipe else []), *extra])
+    return load_config(f"{scale}/{variant}", [*(EXPECTED_RECIPE if recipe else ()), *extra])
 
 
 @pytest.mark.parametrize("size", ["tiny", "d512"])

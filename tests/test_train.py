@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.testkit import EXPECTED_RECIPE
 from data_prep.shards import write_shard
 from pipeline.config import ConfigError, load_config
 
@@ -326,10 +327,8 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch,
 def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
     from pipeline.train.trainer import run
 
-    expected = ["model.exit_schedule=prefix", "objective.router_entropy_weight=0"] if recipe == "expected" else []
     extra = [
-        f"model.router_recipe={recipe}",
-        *expected,
+        *(EXPECTED_RECIPE if recipe == "expected" else [f"model.router_recipe={recipe}"]),
         "train.zero_stage=2",
         "train.grad_accum_steps=2",
         "train.global_batch_size=4",

@@ -440,18 +440,27 @@ class LoopedLM(nn.Module):
         ste: bool = False,
         ste_log: bool = False,
         ste_keys: bool = False,
+        collect: list | None = None,
     ):
         """One pass with schedule delta (budget M = len(delta)) from h0 (B, T, d): returns the final states
         before the norm (B, T, d) and the per-token depth (B, T) int64 in 1..M (all M without a router).
         counts: `active_counts` of a depth map of budget >= M from the same router output (None: read here).
         threshold: the router's exit threshold (default `cfg.router_threshold`); gather_scatter and hooks as
         run_loops; ste: the router's straight-through estimator on each loop's update (gradients only), on log p(i)
-        with ste_log, and with ste_keys on each loop's attention values too."""
+        with ste_log, and with ste_keys on each loop's attention values too; collect as run_loops takes it."""
         M = delta.numel()
         depth = None if r is None else r.depth(M, self._theta(threshold))
         cont = None if (r is None or not ste) else (r.log_cont if ste_log else r.cont)
         h = self.run_loops(
-            h0, delta, depth, cont, counts=counts, gather_scatter=gather_scatter, hooks=hooks, ste_keys=ste_keys
+            h0,
+            delta,
+            depth,
+            cont,
+            counts=counts,
+            gather_scatter=gather_scatter,
+            hooks=hooks,
+            ste_keys=ste_keys,
+            collect=collect,
         )
         if depth is None:
             depth = torch.full(h0.shape[:2], M, dtype=torch.long, device=h0.device)
@@ -548,15 +557,13 @@ class LoopedLM(nn.Module):
     def _exits(self, h0, r: RouterOutput | None, M: int, shortcut, logits: bool) -> LoopedLMOutput:
         """`forward(exits=True)`: both passes with every token at the whole budget; the full pass's state after
         each loop, final-normed (M of (B, T, d))."""
-        states = []
-        self.run_loops(h0, uniform(M), None, None, collect=states)
-        exits = [self.norm_f(h) for h in states]  # (B, T, d) each
-        depth = torch.full(h0.shape[:2], M, dtype=torch.long, device=h0.device)
-        full = PassOutput(self.lm_head(exits[-1]) if logits else None, exits[-1], depth, M)
+        states = []  # the state after each loop (B, T, d), the last normed by the pass itself
+        full = self._pass(h0, None, uniform(M), None, None, None, logits, {"collect": states})
         short = None
         if shortcut is not None:
             short = self._pass(h0, None, shortcut.double() / M, None, None, None, logits, {})
-        return LoopedLMOutput(full.logits, full.hidden, depth, M, router=r, short=short, exits=exits)
+        exits = [*(self.norm_f(h) for h in states[:-1]), full.hidden]
+        return LoopedLMOutput(full.logits, full.hidden, full.depth, M, router=r, short=short, exits=exits)
 
     # ------------------------------------------------------------------------------- accounting
     def num_params(self, exclude_embeddings: bool = False) -> int:

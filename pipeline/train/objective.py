@@ -155,8 +155,7 @@ class Objective(nn.Module):
         alignment, router loss or exploration). router, threshold, gather_scatter: as `LoopedLM.forward` takes them;
         fused_loss=False: the losses from materialised logits (the reference of the fused heads)."""
         c = self.cfg
-        if router and not full_only and self._expected:
-            return self._expected_exits(idx, targets, shortcut, threshold, fused_loss)
+        expected = router and not full_only and self._expected  # every exit's loss, weighted by the router's pi
         out = self.net(
             idx,
             shortcut=self._schedule(shortcut) if (c.shortcut and not full_only) else None,
@@ -170,53 +169,47 @@ class Objective(nn.Module):
             explore=0.0 if full_only else c.router_explore,
             explore_span=c.router_explore_span,
             explore_draw=c.router_explore_draw,
+            exits=expected,
         )
-        loss, parts = self._fused_losses(out, targets) if fused_loss else self._losses(out, targets)
+        if expected:
+            pi = torch.softmax(out.router.logits.float(), -1)  # (B, T, L)
+            loss, parts = self._fused_exits(out, targets, pi) if fused_loss else self._exit_losses(out, targets, pi)
+        else:
+            loss, parts = self._fused_losses(out, targets) if fused_loss else self._losses(out, targets)
         if out.short is not None and not (fused_loss and c.align_target == "logits"):  # (the fused call aligns logits)
             align = self._alignment(out, targets)
             loss = loss + c.lambda_align * align
             parts["loss_align"] = align.detach()
         router_stats = None
-        if not full_only and out.router is not None:  # the router's own loss (budget recipe)
-            aux, router_stats = self.net.router.aux_loss(out.router, c.router_balance_weight, c.router_entropy_weight)
+        if not full_only and out.router is not None:  # the router's own loss (budget and expected recipes)
+            prior_weight = c.router_prior_weight if expected else 0.0
+            aux, router_stats = self.net.router.aux_loss(
+                out.router, c.router_balance_weight, c.router_entropy_weight, prior_weight
+            )
             if aux is not None:
                 loss = loss + aux
                 parts["loss_router"] = aux.detach()
-        full = depth_stats(out.depth, out.loops)
-        return ObjectiveOutput(loss, out.depth, out.logits, full, self._short_stats(out), router_stats, **parts)
+        L = out.loops
+        routed = None
+        if expected:  # the depths the router gives; the pass itself ran every token L loops
+            theta = self.net.cfg.router_threshold if threshold is None else float(threshold)
+            routed = depth_stats(out.router.depth(L, theta), L)
+        full = depth_stats(out.depth, L)
+        return ObjectiveOutput(
+            loss,
+            out.depth,
+            out.logits,
+            full,
+            self._short_stats(out),
+            router_stats,
+            routed,
+            **parts,
+            full_heads=L if expected else 1,
+        )
 
     @property
     def _expected(self) -> bool:
         return self.net.router is not None and self.net.cfg.router_recipe == "expected"
-
-    def _expected_exits(self, idx, targets, shortcut, threshold, fused_loss: bool) -> ObjectiveOutput:
-        """The expected recipe's training objective (module doc): L_exits (+ the shortcut pass's terms) + the
-        router's own loss."""
-        c = self.cfg
-        out = self.net(
-            idx, shortcut=self._schedule(shortcut) if c.shortcut else None, logits=not fused_loss, exits=True
-        )
-        pi = torch.softmax(out.router.logits.float(), -1)  # (B, T, L)
-        if fused_loss:
-            loss, parts = self._fused_exits(out, targets, pi)
-        else:
-            loss, parts = self._exit_losses(out, targets, pi)
-        if out.short is not None and not (fused_loss and c.align_target == "logits"):
-            align = self._alignment(out, targets)
-            loss = loss + c.lambda_align * align
-            parts["loss_align"] = align.detach()
-        aux, router_stats = self.net.router.aux_loss(
-            out.router, c.router_balance_weight, c.router_entropy_weight, c.router_prior_weight
-        )
-        loss = loss + aux
-        parts["loss_router"] = aux.detach()
-        L = out.loops
-        theta = self.net.cfg.router_threshold if threshold is None else float(threshold)
-        routed = depth_stats(out.router.depth(L, theta), L)
-        full = depth_stats(out.depth, L)
-        return ObjectiveOutput(
-            loss, out.depth, out.logits, full, self._short_stats(out), router_stats, routed, **parts, full_heads=L
-        )
 
     def _fused_exits(self, out: LoopedLMOutput, targets: torch.Tensor, pi: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """(loss, parts): every exit's cross-entropy weighted by pi through the fused head; the last exit's call
@@ -247,12 +240,7 @@ class Objective(nn.Module):
         )  # (B, T, L): 0 where not scored
         exits = (pi * ce).sum() / scored.sum().clamp_min(1)
         parts = {"loss_L": ce[..., -1][scored].mean().detach(), "loss_exits": exits.detach()}
-        loss = exits
-        if out.short is not None:
-            loss_S = _ce(out.short.logits, targets)
-            loss = loss + self.cfg.lambda_short * loss_S
-            parts["loss_S"] = loss_S.detach()
-        return loss, parts
+        return self._add_short_ce(out, targets, exits, parts), parts
 
     def _schedule(self, shortcut: torch.Tensor | None) -> torch.Tensor:
         """The shortcut pass's schedule (S,) of positive ints summing to L: the one given (checked) or a drawn
@@ -288,11 +276,16 @@ class Objective(nn.Module):
         """(loss, parts) of both passes' cross-entropies from their materialised logits (B, T, V)."""
         loss = _ce(out.logits, targets)
         parts = {"loss_L": loss.detach()}
-        if out.short is not None:
-            loss_S = _ce(out.short.logits, targets)
-            loss = loss + self.cfg.lambda_short * loss_S
-            parts["loss_S"] = loss_S.detach()
-        return loss, parts
+        return self._add_short_ce(out, targets, loss, parts), parts
+
+    def _add_short_ce(self, out: LoopedLMOutput, targets: torch.Tensor, loss: torch.Tensor, parts: dict):
+        """loss + lambda_short * the shortcut pass's cross-entropy from its materialised logits (loss as it is
+        without a shortcut pass); the term goes into parts as loss_S."""
+        if out.short is None:
+            return loss
+        loss_S = _ce(out.short.logits, targets)
+        parts["loss_S"] = loss_S.detach()
+        return loss + self.cfg.lambda_short * loss_S
 
     def _alignment(self, out: LoopedLMOutput, targets: torch.Tensor) -> torch.Tensor:
         """() the shortcut pass's mean squared difference to the stop-gradient full pass: logits, or (align_target

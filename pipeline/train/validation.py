@@ -27,12 +27,13 @@ def evaluate(engine, loaders, n_batches: int, device) -> dict[str, float]:
             L = 0 if task is None else int(task["levels"])
             tot = torch.zeros(2 + 2 * L, dtype=torch.float64, device=device)  # loss, batches, (right, n) by level
             for x, y in loader.batches(n_batches):
-                o = engine(x.to(device), y.to(device), full_only=True, fused_loss=False)
+                yd = y.to(device)
+                o = engine(x.to(device), yd, full_only=True, fused_loss=False)
                 tot[0] += o.loss.detach().double()
                 tot[1] += 1
                 if L:
                     lev = torch.from_numpy(levels_at(x.numpy(), task)).to(device)  # (B, T) 0: no answer
-                    right = o.logits.argmax(-1) == y.to(device)
+                    right = o.logits.argmax(-1) == yd
                     k = torch.arange(1, L + 1, device=device)[:, None, None]  # (L, 1, 1)
                     at = lev[None] == k  # (L, B, T)
                     tot[2::2] += (at & right[None]).sum((1, 2)).double()
