@@ -82,6 +82,12 @@ def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
         "depth/t-loopformer",
         [*EXPECTED, "objective.lambda_short=0", "objective.lambda_align=0"],
     )
+    # ... and the network learning every exit with equal weight (the router's gradient unchanged): the network's
+    # side of the race between the one-loop table at exit 1 and composition at exit 2 (bench/README)
+    out["t-loopformer expected uniform exits"] = (
+        "depth/t-loopformer",
+        [*EXPECTED, "objective.lambda_short=0", "objective.lambda_align=0", "objective.router_exit_uniform=1"],
+    )
     return out
 
 

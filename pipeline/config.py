@@ -242,6 +242,10 @@ class ObjectiveConfig:
         0.1,
         "expected router recipe: weight of the mean per-token KL(exit distribution || prior), which keeps each token's exit distribution from collapsing onto one exit before its answer counts (README 'Router training').",
     )
+    router_exit_uniform: float = f(
+        0.0,
+        "expected router recipe: share a of each exit's weight in the network's loss that is uniform, (1 - a) * pi_d + a / loops instead of pi_d, so every exit learns every answer whatever the router picks; the router's gradient is the expected loss's, unchanged (README 'Router training'). 0: the recipe as it is.",
+    )
     router_explore: float = f(
         0.0,
         "Share of tokens whose training depth is drawn from the router's prior (budget recipe; uniform over 1..loops for paper) instead of the router's, so the straight-through estimator also sees loops past a token's exit; validation and eval never explore. 0: off.",
@@ -263,6 +267,13 @@ class ObjectiveConfig:
         for k in ("router_balance_weight", "router_entropy_weight", "router_prior_weight"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"objective.{k} must be >= 0, got {getattr(self, k)}")
+        if not 0.0 <= self.router_exit_uniform <= 1.0:
+            raise ConfigError(f"objective.router_exit_uniform must lie in [0, 1], got {self.router_exit_uniform}")
+        if self.router_exit_uniform and not (model.router and model.router_recipe == "expected"):
+            raise ConfigError(
+                f"objective.router_exit_uniform={self.router_exit_uniform} needs model.router_recipe=expected "
+                "(t-loopformer): it weights the expected loss's exits"
+            )
         if not 0.0 <= self.router_explore <= 1.0:
             raise ConfigError(f"objective.router_explore must lie in [0, 1], got {self.router_explore}")
         if self.router_explore > 0 and not model.router:

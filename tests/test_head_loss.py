@@ -281,3 +281,44 @@ def test_expected_exit_objective_fused_equals_the_plain_path(extra, monkeypatch)
         )[y.flatten() != -1]  # (N, L)
     lo, hi = float(ce.min(-1).values.mean()), float(ce.max(-1).values.mean())
     assert hi - lo > 1e-3 and lo < float(fused.parts["loss_exits"]) < hi
+
+
+def test_uniform_share_of_the_exits_moves_the_networks_weights_and_not_the_routers_gradient():
+    """objective.router_exit_uniform=a: the exits' weights in the network's loss are (1 - a) pi_d + a / L, the
+    router's gradient stays the expected loss's. The loss and every gradient are affine in a, so a = 1 against
+    a = 0 must differ by exactly sum_tau sum_d (1 / L - sg(pi)) CE_d / N in value and network gradients, and not at
+    all in the router's gradients (the network runs every loop whatever the router says)."""
+    m = _model("t-loopformer", *EXPECTED_RECIPE, "objective.lambda_short=0", "objective.lambda_align=0")
+    with torch.no_grad():
+        for layer in m.net.layers:
+            layer.modulator[1].weight.normal_(0, 0.05)
+    x, y = _batch()
+    runs = {}
+    for a in (0.0, 1.0):
+        m.cfg.router_exit_uniform = a
+        runs[a] = (_run(m, x, y, True), _run(m, x, y, False))
+    m.zero_grad()
+    out = m.net(x, exits=True)
+    pi = torch.softmax(out.router.logits.float(), -1).detach()
+    ce = torch.stack(
+        [
+            F.cross_entropy(m.net.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+            for h in out.exits
+        ],
+        -1,
+    ).view(*y.shape, -1)  # (B, T, L): 0 where not scored
+    L = ce.shape[-1]
+    delta = ((1 / L - pi) * ce).sum() / (y != -1).sum()
+    delta.backward()
+    g_delta = {n: p.grad.clone() for n, p in m.net.named_parameters() if p.grad is not None}
+    assert float(delta.detach().abs()) > 1e-3  # the two weightings differ here
+    for i in range(2):  # fused, plain
+        (o0, g0), (o1, g1) = runs[0.0][i], runs[1.0][i]
+        for got in (o1.parts["loss_exits"] - o0.parts["loss_exits"], o1.loss - o0.loss):  # fp32 losses ~10: 1e-6 off
+            torch.testing.assert_close(got, delta.detach(), rtol=0, atol=1e-5)
+        routers = [n for n in g0 if n.startswith("router.")]
+        assert routers and set(g_delta).isdisjoint(routers)
+        for n in routers:
+            _close(g1[n], g0[n], 1e-5, n)
+        for n in g_delta:
+            _close(g1[n] - g0[n], g_delta[n], 1e-3, n)

@@ -17,7 +17,9 @@ exits: every token runs every loop (`forward(exits=True)`), a head reads the sta
 
     L_exits = sum_tau sum_d pi_{tau,d} CE_{tau,d} / N        (pi: the router's exit distribution, N scored tokens)
 
-each exit through the fused head with the per-token weights pi_d (no (B, T, V) logits either). The router's own
+each exit through the fused head with the per-token weights pi_d (no (B, T, V) logits either). With
+`router_exit_uniform` = a > 0 the weights' value is (1 - a) pi_d + a / L and their gradient pi_d's: the network
+learns every exit in proportion to that mix, the router from every exit's CE as before. The router's own
 loss is its balance term and the per-token KL to its prior (`Router.aux_loss`). Validation (`full_only`) runs the
 routed pass inference runs. `loss_L` stays the last exit's plain cross-entropy, and `routed` the statistics of the
 depths the router would give (the pass itself runs every token L loops, which is what `full` and the FLOP count see).
@@ -173,6 +175,9 @@ class Objective(nn.Module):
         )
         if expected:
             pi = torch.softmax(out.router.logits.float(), -1)  # (B, T, L)
+            if c.router_exit_uniform:  # the network's weights mix in 1/L; the router's gradient stays CE_d
+                a = c.router_exit_uniform
+                pi = ((1 - a) * pi + a / out.loops).detach() + pi - pi.detach()
             loss, parts = self._fused_exits(out, targets, pi) if fused_loss else self._exit_losses(out, targets, pi)
         else:
             loss, parts = self._fused_losses(out, targets) if fused_loss else self._losses(out, targets)
