@@ -149,9 +149,10 @@ def evaluate_case(ckpt: str, data: Path, windows: int) -> dict:
 
 
 def on_curve(curve: dict, work: float) -> float:
-    """Loopformer's elastic accuracy (M = 1..L at work M) linearly interpolated at `work` (clamped to its ends)."""
-    ms = sorted(curve)
-    return float(np.interp(work, [curve[m]["layer_work"] for m in ms], [curve[m]["accuracy"] for m in ms]))
+    """Loopformer's elastic accuracy (M = 1..L at work M, in layers per token) at `work`."""
+    from evaluation.levels import accuracy_at_work
+
+    return accuracy_at_work([(c["layer_work"], c["accuracy"]) for c in curve.values()], work)
 
 
 def ms(values) -> str:

@@ -11,8 +11,9 @@ no training run of its own: `tlf sweep` evaluates the base-loop checkpoint under
 lacks is a blank cell, never an error.
 
 Outputs, in `--out`: `compare.md` (all tables), `table1.csv`, `table2.csv`, `table3.csv`, and PNG plots
-`loss_curves.png`, `ppl_vs_loops.png`, `depth_distribution.png`, `throughput.png`, and for evaluations on
-depth-hops data `accuracy_vs_work.png`.
+`loss_curves.png`, `ppl_vs_loops.png`, `depth_distribution.png`, `throughput.png`; for evaluations on a depth
+task (depth-hops, depth-fold) also `table4.csv` (accuracy by level against executed loop work, with a fixed-depth
+variant's elastic curve at the same work) and `accuracy_vs_work.png`.
 """
 
 from __future__ import annotations
@@ -306,6 +307,60 @@ def table3(sel: Selection) -> Table:
     )
 
 
+def table4(sel: Selection) -> Table:
+    """Depth task (an evaluation on a depth-hops or depth-fold data.dir): answer accuracy overall and by level,
+    executed loop work, rho(executed depth, level) and the share of answers run at depth >= their level, one row
+    per variant and budget; and what a fixed-depth variant's elastic curve reaches at the same work (the first
+    variant without a router evaluated at several budgets: loopformer in the study), and the difference."""
+    from evaluation.levels import accuracy_at_work, share_at_depth_ge_level
+
+    runs = [r for v in sel.variants() if (r := sel.eval.get(v)) is not None]
+    lv = {r.variant: [(b["loops"], b["levels"]) for b in r.budgets() if b.get("levels")] for r in runs}
+    lv = {v: x for v, x in lv.items() if x}
+    L = max((len(sc.get("accuracy_by_level") or {}) for x in lv.values() for _, sc in x), default=0)
+    ref = next(
+        (
+            r.variant
+            for r in runs
+            if len(lv.get(r.variant, [])) > 1 and not (r.results or {}).get("model", {}).get("router")
+        ),
+        None,
+    )
+    curve = [(sc["work"], sc["accuracy"]) for _, sc in lv[ref]] if ref else []
+    cols = [
+        "Model (M)",
+        "accuracy",
+        *(f"level {k}" for k in range(1, L + 1)),
+        "work (loops/token)",
+        "rho(depth, level)",
+    ]
+    cols += ["depth >= level"] + ([f"{ref} at that work", "difference"] if ref else [])
+    rows = []
+    for v, budgets in lv.items():
+        for M, sc in budgets:
+            by = {int(k): a for k, a in (sc.get("accuracy_by_level") or {}).items()}
+            ge = share_at_depth_ge_level(sc["level_depth"]) if sc.get("level_depth") else None
+            row = [
+                f"{v} (M={M})",
+                sc["accuracy"],
+                *(by.get(k) for k in range(1, L + 1)),
+                sc["work"],
+                sc.get("spearman"),
+                ge,
+            ]
+            if ref:
+                at = None if v == ref else accuracy_at_work(curve, sc["work"])
+                row += [at, None if at is None else sc["accuracy"] - at]
+            rows.append(row)
+    return Table(
+        "Table 4: depth task, accuracy against executed loop work",
+        cols,
+        rows,
+        ["high"] * (L + 1) + ["low", "high", "high"] + (["", "high"] if ref else []),
+        [".3f"] * (L + 1) + [".2f", ".2f", ".2f"] + ([".3f", "+.3f"] if ref else []),
+    )
+
+
 # ------------------------------------------------------------------------------------------ plots
 def plot_all(sel: Selection, client, out: Path) -> list[Path]:
     plt = pyplot()
@@ -420,15 +475,16 @@ def run(
     sel = select(runs, client)
     outd = Path(out)
     outd.mkdir(parents=True, exist_ok=True)
-    tables = [table1(sel, metric), table2(sel), table3(sel)]
+    tables = [table1(sel, metric), table2(sel), table3(sel), table4(sel)]
     files = []
     for i, t in enumerate(tables, start=1):
-        t.write_csv(outd / f"table{i}.csv")
-        files.append(outd / f"table{i}.csv")
+        if i <= 3 or t.rows:  # table 4 only where a run was evaluated on a depth task
+            t.write_csv(outd / f"table{i}.csv")
+            files.append(outd / f"table{i}.csv")
     md = (
         "# tlf compare\n\n"
         + f"{len(runs)} runs; variants: {', '.join(sel.variants()) or 'none'}\n\n"
-        + "\n".join(t.markdown() for t in tables)
+        + "\n".join(t.markdown() for t in tables if t.rows or t is not tables[3])
     )
     plots = plot_all(sel, client, outd)
     md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"

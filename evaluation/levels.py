@@ -75,6 +75,19 @@ def level_scores(
     }
 
 
+def accuracy_at_work(curve: list[tuple[float, float]], work: float) -> float:
+    """A fixed-depth model's elastic curve [(work, accuracy)] over its budgets, linearly interpolated at `work`
+    (clamped to its ends): what that model reaches at another run's executed work."""
+    w, a = zip(*sorted(curve))
+    return float(np.interp(work, w, a))
+
+
+def share_at_depth_ge_level(table) -> float | None:
+    """The share of all answers run at depth >= their level, from a level x depth count table."""
+    n = sum(sum(row) for row in table)
+    return sum(sum(row[k:]) for k, row in enumerate(table)) / n if n else None
+
+
 def level_depth_lines(table, indent: str = "    ") -> list[str]:
     """A level x executed-depth count table as text rows: % of each level's answers at each depth, and the share
     run at depth >= the level."""

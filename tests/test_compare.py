@@ -65,7 +65,8 @@ def store(tmp_path_factory):
 def test_compare_tables_and_plots(tmp_path, store):
     uri, _ = store
     res = run(uri, ("cmp",), {}, (), tmp_path / "out")
-    t1, t2, t3 = res.tables
+    t1, t2, t3, t4 = res.tables
+    assert t4.rows == [] and not (tmp_path / "out" / "table4.csv").exists()  # no depth-task evaluation here
     labels = [r[0] for r in t1.rows]
     assert labels == ["loopformer (M=2)", "loopformer (M=4)", "t-loopformer (M=2)", "t-loopformer (M=4)"]
     ppl_col = t1.columns.index("PPL demo-val")

@@ -93,3 +93,43 @@ def test_level_depth_table_is_printed_in_percent_of_each_level():
     assert "L1 1.000, L2 0.000" in lines[0] and "rho(depth, level) 1.000" in lines[0]
     assert lines[2].split("|")[1].split() == ["75.0", "25.0"] and lines[2].endswith("100.0%")
     assert lines[3].split("|")[1].split() == ["25.0", "75.0"] and lines[3].endswith(" 75.0%")  # depth >= 2
+
+
+def test_compare_tables_accuracy_against_a_fixed_depth_curve_at_equal_work():
+    """Table 4: every depth-task evaluation by budget, with loopformer's elastic curve (no router, several
+    budgets) interpolated at each row's executed work; results.json keys its levels as strings."""
+    from evaluation.compare import Run, Selection, table4
+
+    def lv(work, acc, by, table=None):
+        out = {"work": work, "accuracy": acc, "accuracy_by_level": by, "spearman": None}
+        return out | ({"level_depth": table} if table else {})
+
+    lf = {
+        "model": {"router": False},
+        "budgets": [
+            {"loops": 1, "levels": lv(1.0, 0.2, {"1": 0.4, "2": 0.0})},
+            {"loops": 2, "levels": lv(2.0, 0.6, {"1": 0.8, "2": 0.4})},
+        ],
+    }
+    tl = {
+        "model": {"router": True},
+        "budgets": [{"loops": 2, "levels": lv(1.25, 0.5, {1: 1.0, 2: 0.0}, [[3, 1], [2, 2]])}],
+    }
+    sel = Selection(
+        eval={
+            "loopformer": Run("r1", "loopformer", "n", 0, {}, {}, lf),
+            "t-loopformer": Run("r2", "t-loopformer", "n", 0, {}, {}, tl),
+            "base": Run("r3", "base", "n", 0, {}, {}, {"budgets": [{"loops": 1}]}),  # no depth task: no row
+        }
+    )
+    t = table4(sel)
+    assert t.columns[-2:] == ["loopformer at that work", "difference"]
+    rows = {r[0]: r[1:] for r in t.rows}
+    assert list(rows) == ["loopformer (M=1)", "loopformer (M=2)", "t-loopformer (M=2)"]
+    assert rows["loopformer (M=2)"][:3] == [0.6, 0.8, 0.4] and rows["loopformer (M=2)"][-2:] == [None, None]
+    acc, l1, l2, work, rho, ge, at, diff = rows["t-loopformer (M=2)"]
+    assert (acc, l1, l2, work, rho) == (0.5, 1.0, 0.0, 1.25, None)
+    assert ge == 6 / 8  # level 1: 4 of 4 at depth >= 1; level 2: 2 of 4 at depth 2
+    assert abs(at - 0.3) < 1e-12 and abs(diff - 0.2) < 1e-12  # 0.2 + 0.25 * (0.6 - 0.2)
+    assert "+0.200" in t.text()
+    assert table4(Selection(eval={"base": sel.eval["base"]})).rows == []
