@@ -236,12 +236,13 @@ def table1(sel: Selection, metric: str = "acc") -> Table:
         for b in r.budgets():
             accs = R.budget_accuracies(b, metric)
             avg = R.budget_average(r.results, b, metric)
-            rows.append(
-                [f"{r.variant} (M={b['loops']})"]
-                + [R.budget_ppl(b, s) for s in sets]
+            row = (
+                [R.budget_ppl(b, s) for s in sets]
                 + [None if a is None else 100 * a for a in accs]
                 + [None if avg is None else 100 * avg]
             )
+            if any(v is not None for v in row):  # (an evaluation of a depth task alone has none: Table 4's)
+                rows.append([f"{r.variant} (M={b['loops']})"] + row)
     return Table(
         "Table 1: perplexity and zero-shot accuracy",
         cols,
@@ -361,6 +362,29 @@ def table4(sel: Selection) -> Table:
     )
 
 
+def level_depth_text(sel: Selection) -> str:
+    """For each router variant evaluated on a depth task, at its largest budget: the level x executed-depth
+    table (% of each level's answers at each depth, and the share at depth >= the level)."""
+    from evaluation.levels import level_depth_lines
+
+    out = []
+    for v in sel.variants():
+        r = sel.eval.get(v)
+        if r is None or not (r.results or {}).get("model", {}).get("router"):
+            continue
+        b = max(
+            (b for b in r.budgets() if (b.get("levels") or {}).get("level_depth")),
+            key=lambda b: b["loops"],
+            default=None,
+        )
+        if b is not None:
+            out += [
+                f"{v} (M={b['loops']}): level x executed depth, % of the level's answers",
+                *level_depth_lines(b["levels"]["level_depth"]),
+            ]
+    return "\n".join(out) + "\n" if out else ""
+
+
 # ------------------------------------------------------------------------------------------ plots
 def plot_all(sel: Selection, client, out: Path) -> list[Path]:
     plt = pyplot()
@@ -386,7 +410,8 @@ def plot_all(sel: Selection, client, out: Path) -> list[Path]:
                     )
         for ax, t in zip(axes, ("training loss (full pass, L_L)", "validation loss")):
             ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.set_title(t), ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            if ax.lines:  # (no validation loss without train.eval_interval)
+                ax.legend(fontsize=7)
         paths.append(save(fig, out / "loss_curves.png"))
 
     runs = {v: sel.eval[v] for v in variants if v in sel.eval}
@@ -486,11 +511,14 @@ def run(
         + f"{len(runs)} runs; variants: {', '.join(sel.variants()) or 'none'}\n\n"
         + "\n".join(t.markdown() for t in tables if t.rows or t is not tables[3])
     )
+    depth = level_depth_text(sel)
+    if depth:
+        md += "\n### Level x executed depth\n\n```\n" + depth + "```\n"
     plots = plot_all(sel, client, outd)
     md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
     (outd / "compare.md").write_text(md)
     files = [outd / "compare.md"] + files + plots
-    text = "\n".join(t.text() for t in tables if t.rows)
+    text = "\n".join(t.text() for t in tables if t.rows) + ("\n" + depth if depth else "")
     return CompareResult(tables, files, text)
 
 

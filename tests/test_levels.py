@@ -132,4 +132,12 @@ def test_compare_tables_accuracy_against_a_fixed_depth_curve_at_equal_work():
     assert ge == 6 / 8  # level 1: 4 of 4 at depth >= 1; level 2: 2 of 4 at depth 2
     assert abs(at - 0.3) < 1e-12 and abs(diff - 0.2) < 1e-12  # 0.2 + 0.25 * (0.6 - 0.2)
     assert "+0.200" in t.text()
+    from evaluation.compare import level_depth_text
+
+    text = level_depth_text(sel).splitlines()  # the router variant only
+    assert text[0].startswith("t-loopformer (M=2): level x executed depth") and len(text) == 4
+    assert text[3].split("|")[1].split() == ["50.0", "50.0"] and text[3].endswith(" 50.0%")
     assert table4(Selection(eval={"base": sel.eval["base"]})).rows == []
+    from evaluation.compare import table1
+
+    assert table1(sel).rows == []  # no perplexity or task accuracy in any of them: no blank rows
