@@ -12,7 +12,8 @@ case the same data order, and the same initial weights for the parts the archite
 - t-loopformer paper: the paper's router recipe;
 - t-loopformer expected: the expected-exit recipe (README "Router training": every exit trained, the router on
   the expected loss over exits) with frozen exited keys and prefix exits, at the task's mean need with frozen keys;
-  `no shortcut terms`: the same with the shortcut pass's and the alignment's weights at 0.
+  `no shortcut terms`: the same with the shortcut pass's and the alignment's weights at 0; `uniform exits`: that,
+  with the network learning every exit with equal weight (objective.router_exit_uniform=1).
 `--curriculum c` trains with data.curriculum=c (levels one at a time, validated every `--eval-every` steps), which
 the fold task needs.
 Measured on the first `--windows` validation documents (evaluation/levels.py, the code `tlf eval` runs): answer
@@ -22,8 +23,8 @@ level x depth table, the share of level-k answers run at depth >= k, and Spearma
 The value question: t-loopformer's accuracy at its executed work against loopformer's elastic curve
 interpolated at the same work, per seed (paired), mean +- std.
 
-    python bench/depth_need.py                              # 3 seeds x 5 cases
-    python bench/depth_need.py --seeds 0 --cases loopformer,"t-loopformer budget need"   # what make demo runs
+    python bench/depth_need.py                              # 3 seeds x 8 cases
+    python bench/depth_need.py --seeds 0 --cases loopformer,"t-loopformer budget need"   # one seed, two cases
 
 Writes `<out>/depth_need.json`, `<out>/depth_need_accuracy_vs_work.png`, `<out>/depth_need_level_depth.png`
 (out: bench/results/depth_need).
@@ -47,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from interleave import write_json  # noqa: E402  (after the sys.path lines above)
 from testkit import EXPECTED_RECIPE, train_case  # noqa: E402  (after the sys.path lines above)
+
+from pipeline.demo import DEPTH_TASK_RECIPE  # noqa: E402
 
 BASE = [
     "checkpoint.resume=none",
@@ -95,17 +98,9 @@ def _slug(label: str) -> str:
     return label.replace(" ", "_")
 
 
-# --recipe probe: what bench/depth_probe.py found the task needs (bench/README `### depth-probe`): no weight
-# decay, beta2 0.99, a constant learning rate after 100 warm-up steps, modulated layers that start as plain
-# pre-norm layers (model.gate_init=1) rather than as the identity, and the alignment only where a target is scored.
-PROBE_RECIPE = [
-    "optim.weight_decay=0",
-    "optim.beta2=0.99",
-    "schedule.decay=constant",
-    "schedule.warmup_steps=100",
-    "model.gate_init=1",
-    "objective.align_positions=scored",
-]
+# --recipe probe: what bench/depth_probe.py found the task needs (bench/README `### depth-probe`); make demo's fold
+# part trains with it too
+PROBE_RECIPE = list(DEPTH_TASK_RECIPE)
 
 
 def prepare(data: Path, docs: int, levels: int = 4, log=print, task: str = "hops", symbols: int = 16) -> dict:

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
+from pipeline.demo import EXPECTED_RECIPE  # noqa: F401  (the benchmarks and tests take it from here)
+
 _ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ROOTS = tuple(str(_ROOT / p) for p in ("pipeline", "data_prep", "evaluation"))
-# the overrides the expected router recipe needs on t-loopformer (README "Router training": prefix exits, no
-# entropy term), shared by the benchmarks and the tests that run it
-EXPECTED_RECIPE = ("model.router_recipe=expected", "model.exit_schedule=prefix", "objective.router_entropy_weight=0")
+
 _METHODS = ("item", "tolist", "cpu", "__float__", "__int__", "__bool__", "__index__")
 
 

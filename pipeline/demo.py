@@ -1,6 +1,11 @@
 """`make demo`: the whole pipeline on the embedded offline default, in minutes on 2 CPU cores.
 
     data (demo corpus -> shards) -> train small base-loop, loopformer, t-loopformer -> eval -> compare
+    data (the fold task) -> train depth loopformer, t-loopformer -> eval by level -> compare at equal work
+
+The second part (README "The fold task"; bench/README `## depth-need`) runs on a task whose every answer needs a
+known number of loops: `tlf eval` scores it by level with the level x executed-depth table, and `tlf compare`'s
+Table 4 sets t-loopformer's accuracy against loopformer's elastic curve at the same executed loop work.
 
 Every stage is the `tlf` command a user would type (printed before it runs); the train -> eval -> compare
 stages are `pipeline/orchestrate.py`'s, the same plan `tlf sweep` runs, with the demo's own settings.
@@ -24,6 +29,25 @@ DEFAULT_VARIANTS = ("base-loop", "loopformer", "t-loopformer")
 # The demo's t-loopformer trains with the budget router recipe (README "Router training"): the paper's recipe
 # sends every token to one depth for the first ~100 steps, so a 120-step demo would show a single bar.
 VARIANT_OVERRIDES = {"t-loopformer": ["model.router_recipe=budget", "model.router_target_depth=2.5"]}
+# The expected router recipe (README "Router training"): the overrides it needs on t-loopformer (prefix exits, no
+# entropy term). Shared by the demo's fold part, the benchmarks and the tests that run it.
+EXPECTED_RECIPE = ("model.router_recipe=expected", "model.exit_schedule=prefix", "objective.router_entropy_weight=0")
+# What the depth tasks need to be learnt at all (bench/README `### depth-probe`): no weight decay, beta2 0.99, a
+# constant learning rate after 100 warm-up steps, modulated layers that start as plain pre-norm layers, and the
+# alignment only where a target is scored. Shared with bench/depth_need.py (`--recipe probe`).
+DEPTH_TASK_RECIPE = (
+    "optim.weight_decay=0",
+    "optim.beta2=0.99",
+    "schedule.decay=constant",
+    "schedule.warmup_steps=100",
+    "model.gate_init=1",
+    "objective.align_positions=scored",
+)
+# The fold part: levels 1..2 of a fold over 8 symbols (9-token documents), 128 documents a step. t-loopformer runs
+# the expected recipe with frozen exited keys at the task's mean need, without LoopFormer's shortcut terms (their
+# alignment target is the last exit, which that recipe trains only in proportion to its pi: bench/README).
+FOLD_LEVELS, FOLD_SYMBOLS, FOLD_BATCH = 2, 8, 128
+FOLD_ROUTER = (*EXPECTED_RECIPE, "model.exited_keys=frozen", "objective.lambda_short=0", "objective.lambda_align=0")
 DEMO_TASKS = (
     "copa",
     "hellaswag",
@@ -79,6 +103,42 @@ def plan(a: argparse.Namespace, work: Path, uri: str) -> list[orchestrate.Stage]
     return data + orchestrate.variant_stages("small", variants_of(a), str(work), train, ev, cmp)
 
 
+def fold_plan(a: argparse.Namespace, work: Path, uri: str) -> list[orchestrate.Stage]:
+    """The fold part's stages: the task's shards, then the orchestrator's train -> eval -> compare for depth
+    loopformer and t-loopformer (its own MLflow experiment, so compare never mixes them with the text models)."""
+    from data_prep import foldtask
+
+    L, data = FOLD_LEVELS, "data/demo-fold"
+    need = float(foldtask.need(L, visible=True).mean())  # the oracle's mean depth with frozen exited keys
+    docs = a.fold_steps * FOLD_BATCH * 20 // 19 + 20  # every training document seen once (1 in 20 is val)
+    common = [f"logging.tracking_uri={uri}", "logging.experiment=demo-fold"]
+    prep = orchestrate.Stage(
+        f"data: the fold task (levels 1..{L}: an answer of level k needs k loops) -> shards",
+        ["prep-data", "--source", "depth-fold", "--out", data, f"depth_levels={L}", f"fold_symbols={FOLD_SYMBOLS}"]
+        + [f"depth_docs={docs}", "seed=0", "--no-progress"],
+    )
+    train = lambda v: [
+        f"data.dir={data}",
+        f"model.block_size={foldtask.doc_length(L)}",
+        f"model.loops={L}",
+        f"schedule.max_steps={a.fold_steps}",
+        f"train.micro_batch_size={FOLD_BATCH}",
+        f"train.global_batch_size={FOLD_BATCH}",
+        "optim.lr=1e-3",
+        *DEPTH_TASK_RECIPE,
+        "checkpoint.resume=none",
+        f"checkpoint.interval={a.fold_steps}",
+        *([*FOLD_ROUTER, f"model.router_target_depth={need:.4f}"] if v == "t-loopformer" else []),
+        *common,
+    ]
+    budgets = ",".join(str(M) for M in range(1, L + 1))
+    ev = ["--loops", budgets, "eval.tasks=[]", "eval.perplexity=false", "eval.latency=false", *common]
+    cmp = ["--tracking-uri", uri, "--experiment", "demo-fold", "--out", str(work / "fold" / "compare")]
+    return [prep] + orchestrate.variant_stages(
+        "depth", ["loopformer", "t-loopformer"], str(work / "fold"), train, ev, cmp
+    )
+
+
 def _announce(st: orchestrate.Stage) -> None:
     print(f"\n=== {st.title}\n$ {st.shell()}", flush=True)
 
@@ -94,6 +154,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, default=40, help="examples per zero-shot task")
     ap.add_argument("--loops", default="1,2,4", help="loop budgets to evaluate")
     ap.add_argument("--ppl-tokens", type=int, default=16384, help="validation tokens scored per set")
+    ap.add_argument(
+        "--fold-steps", type=int, default=1500, help="training steps per model on the fold task (0: skip that part)"
+    )
     ap.add_argument("--work", default="runs/demo")
     return ap.parse_args(argv)
 
@@ -113,7 +176,7 @@ def main(argv=None) -> None:
     # fragment the heap and the RSS shows the allocator, not the tensors (README "Troubleshooting"). A fixed
     # threshold costs about 4% of step time at the demo's size (29% at d=512: see there).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    log = orchestrate.run(plan(a, work, uri), _announce, _fail)
+    log = orchestrate.run(plan(a, work, uri) + (fold_plan(a, work, uri) if a.fold_steps else []), _announce, _fail)
 
     routed = [v for v in variants_of(a) if (work / "eval" / v / "results.json").is_file()]
     for v in routed:
@@ -123,6 +186,10 @@ def main(argv=None) -> None:
     wall = time.time() - t_start
     print("\n=== demo finished in " + f"{wall / 60:.1f} min: " + ", ".join(f"{t} {dt:.0f}s" for t, dt in log))
     print(f"comparison (markdown, CSV, PNG): {work / 'compare'}")
+    if a.fold_steps:
+        print(
+            f"fold task comparison (Table 4: accuracy at equal loop work; level x depth): {work / 'fold' / 'compare'}"
+        )
     for p in sorted((work / "compare").glob("*.png")):
         print(f"  plot: {p}")
     print(f"evaluation outputs: {work / 'eval'}")
