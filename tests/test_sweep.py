@@ -70,6 +70,15 @@ def test_demo_and_sweep_run_through_the_one_orchestrator(monkeypatch, tmp_path):
     assert r.exit_code == 0, r.output
     demo.main(["--variants", "base-loop,naive-loop-ee", "--work", str(tmp_path / "demo")])
     (sweep, shown) = plans
+    shown, fold = shown[:6], shown[6:]  # the demo's fold part is the same plan on the fold task (depth presets)
+    assert [s.args[0] for s in fold] == ["prep-data", "train", "train", "eval", "eval", "compare"]
+    assert [s.title for s in fold[1:]] == [
+        "train depth/loopformer",
+        "train depth/t-loopformer",
+        "eval depth/loopformer",
+        "eval depth/t-loopformer",
+        "compare",
+    ]
     for stages, scale in ((sweep, "tiny"), (shown[2:], "small")):  # the demo first makes its two data sets
         assert [s.title for s in stages] == [
             f"train {scale}/base-loop",
