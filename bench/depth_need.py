@@ -47,9 +47,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from interleave import write_json  # noqa: E402  (after the sys.path lines above)
-from testkit import EXPECTED_RECIPE, train_case  # noqa: E402  (after the sys.path lines above)
+from testkit import train_case  # noqa: E402  (after the sys.path lines above)
 
-from pipeline.demo import DEPTH_TASK_RECIPE  # noqa: E402
+from pipeline.demo import DEPTH_TASK_RECIPE, EXPECTED_RECIPE  # noqa: E402
 
 BASE = [
     "checkpoint.resume=none",
@@ -96,11 +96,6 @@ def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
 
 def _slug(label: str) -> str:
     return label.replace(" ", "_")
-
-
-# --recipe probe: what bench/depth_probe.py found the task needs (bench/README `### depth-probe`); make demo's fold
-# part trains with it too
-PROBE_RECIPE = list(DEPTH_TASK_RECIPE)
 
 
 def prepare(data: Path, docs: int, levels: int = 4, log=print, task: str = "hops", symbols: int = 16) -> dict:
@@ -308,7 +303,7 @@ def main(argv=None) -> dict:
     mb = a.batch
     task = prepare(data, docs=a.steps * mb + 20 * a.windows, levels=a.levels, task=a.task, symbols=a.symbols)
     shape = [f"model.block_size={task['doc_tokens']}", f"model.vocab_size={-(-task['vocab_needed'] // 64) * 64}"]
-    shape += PROBE_RECIPE if a.recipe == "probe" else []
+    shape += DEPTH_TASK_RECIPE if a.recipe == "probe" else ()  # --recipe probe: what the depth probes found
     shape += [f"optim.lr={a.lr}"] if a.lr else []
     if a.curriculum:
         shape += [f"data.curriculum={a.curriculum}", f"train.eval_interval={a.eval_every}", "train.eval_batches=4"]

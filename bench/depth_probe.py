@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from interleave import write_json  # noqa: E402  (after the sys.path lines above)
-from testkit import EXPECTED_RECIPE  # noqa: E402  (after the sys.path lines above)
+from pipeline.demo import EXPECTED_RECIPE  # noqa: E402  (after the sys.path lines above)
 
 D128 = ["model.d_model=128", "model.n_heads=4", "model.d_ff=512"]
 # name -> (preset, model overrides, probe settings); task: chains R, levels L, queries Q.

@@ -26,8 +26,6 @@ from pathlib import Path
 
 import torch
 
-from pipeline.demo import EXPECTED_RECIPE  # noqa: F401  (the benchmarks and tests take it from here)
-
 _ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ROOTS = tuple(str(_ROOT / p) for p in ("pipeline", "data_prep", "evaluation"))
 

@@ -270,7 +270,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     from pipeline.config import VARIANTS, load_config
     from pipeline.plan.hardware import gpu
-    from testkit import EXPECTED_RECIPE
+    from pipeline.demo import EXPECTED_RECIPE
 
     overrides = a.overrides if a.overrides is not None else ["model.vocab_size=8192"]
     peak = a.peak_flops or load_config(f"{a.scale}/t-loopformer").logging.peak_flops or gpu("a100-80gb").peak_flops

@@ -308,6 +308,11 @@ def table3(sel: Selection) -> Table:
     )
 
 
+def _routed(r: Run) -> bool:
+    """Whether an evaluation's model has a router (its results.json says so)."""
+    return bool((r.results or {}).get("model", {}).get("router"))
+
+
 def table4(sel: Selection) -> Table:
     """Depth task (an evaluation on a depth-hops or depth-fold data.dir): answer accuracy overall and by level,
     executed loop work, rho(executed depth, level) and the share of answers run at depth >= their level, one row
@@ -320,11 +325,7 @@ def table4(sel: Selection) -> Table:
     lv = {v: x for v, x in lv.items() if x}
     L = max((len(sc.get("accuracy_by_level") or {}) for x in lv.values() for _, sc in x), default=0)
     ref = next(
-        (
-            r.variant
-            for r in runs
-            if len(lv.get(r.variant, [])) > 1 and not (r.results or {}).get("model", {}).get("router")
-        ),
+        (r.variant for r in runs if len(lv.get(r.variant, [])) > 1 and not _routed(r)),
         None,
     )
     curve = [(sc["work"], sc["accuracy"]) for _, sc in lv[ref]] if ref else []
@@ -370,7 +371,7 @@ def level_depth_text(sel: Selection) -> str:
     out = []
     for v in sel.variants():
         r = sel.eval.get(v)
-        if r is None or not (r.results or {}).get("model", {}).get("router"):
+        if r is None or not _routed(r):
             continue
         b = max(
             (b for b in r.budgets() if (b.get("levels") or {}).get("level_depth")),
@@ -501,15 +502,15 @@ def run(
     outd = Path(out)
     outd.mkdir(parents=True, exist_ok=True)
     tables = [table1(sel, metric), table2(sel), table3(sel), table4(sel)]
+    kept = [(i, t) for i, t in enumerate(tables, start=1) if i <= 3 or t.rows]  # table 4 only with a depth task
     files = []
-    for i, t in enumerate(tables, start=1):
-        if i <= 3 or t.rows:  # table 4 only where a run was evaluated on a depth task
-            t.write_csv(outd / f"table{i}.csv")
-            files.append(outd / f"table{i}.csv")
+    for i, t in kept:
+        t.write_csv(outd / f"table{i}.csv")
+        files.append(outd / f"table{i}.csv")
     md = (
         "# tlf compare\n\n"
         + f"{len(runs)} runs; variants: {', '.join(sel.variants()) or 'none'}\n\n"
-        + "\n".join(t.markdown() for t in tables if t.rows or t is not tables[3])
+        + "\n".join(t.markdown() for _, t in kept)
     )
     depth = level_depth_text(sel)
     if depth:

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 from helpers import perturbed_tiny
 
-from bench.testkit import EXPECTED_RECIPE
+from pipeline.demo import EXPECTED_RECIPE
 
 from pipeline.cli import main
 from pipeline.config import list_presets

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from helpers import spread_router
 from pipeline.config import load_config
-from bench.testkit import EXPECTED_RECIPE, count_host_reads
+from pipeline.demo import EXPECTED_RECIPE
+from bench.testkit import count_host_reads
 from pipeline.memory import SavedTensors
 from pipeline.model import LoopedLM, head_loss
 from pipeline.model.head_loss import head_objective, rows_per_chunk

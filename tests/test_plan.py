@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from bench.testkit import EXPECTED_RECIPE
+from pipeline.demo import EXPECTED_RECIPE
 from pipeline.config import load_config
 from pipeline.memory import SavedTensors, tensor_peak_mib
 from helpers import spread_router

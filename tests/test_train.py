@@ -22,6 +22,7 @@ import torch
 
 from data_prep.shards import write_shard
 from pipeline.config import ConfigError, load_config
+from pipeline.demo import EXPECTED_RECIPE
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -324,7 +325,6 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch,
 
 @pytest.mark.parametrize("recipe", ["paper", "budget", "expected"])
 def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
-    from bench.testkit import EXPECTED_RECIPE  # here: the launcher's ranks import this module without bench/
     from pipeline.train.trainer import run
 
     extra = [
