@@ -54,10 +54,32 @@ def make_pool(workers: int):
     return mp.get_context(method).Pool(workers, initializer=init_worker)
 
 
+@contextlib.contextmanager
+def tokenizer_pool(workers: int):
+    """`make_pool` for a `with` block. The pool is shut down the quiet way, close() then join(), when the block
+    ends normally or stops early (max_tokens; `ordered_results` has by then collected the tasks it had in
+    flight), and terminated only when the block raises: terminating workers that may hold the task queue's lock
+    is the one shutdown CPython's Pool can hang in, and it is kept for errors, where waiting is worse."""
+    pool = make_pool(workers)
+    if pool is None:
+        yield None
+        return
+    try:
+        yield pool
+    except BaseException:
+        pool.terminate()
+        pool.join()
+        raise
+    pool.close()
+    pool.join()
+
+
 def ordered_results(tasks, pool, workers: int, text_field: str, skip_bad: bool):
     """(task, tokenize_task result) in task order; at most 2*workers+2 tasks in flight (bounded memory).
     An error in the reader is raised only after the tasks before it, so the first bad record is reported.
-    The pool is terminated when the generator ends or is closed."""
+    Closed before the end (the caller has enough tokens), it first waits for the tasks still in flight, so the
+    pool can be closed without terminating a worker mid-task; shutting the pool down is its owner's job
+    (`tokenizer_pool`)."""
 
     def args(t):
         return (t.kind, t.records, t.where, text_field, skip_bad)
@@ -68,8 +90,8 @@ def ordered_results(tasks, pool, workers: int, text_field: str, skip_bad: bool):
             t.records = t.where = None
             yield t, r
         return
+    q: deque = deque()
     try:
-        q: deque = deque()
         it = iter(tasks)
         while True:
             try:
@@ -89,9 +111,10 @@ def ordered_results(tasks, pool, workers: int, text_field: str, skip_bad: bool):
         while q:
             t0, r = q.popleft()
             yield t0, r.get()
-    finally:
-        pool.terminate()
-        pool.join()
+    except GeneratorExit:  # stopped early: let the tasks in flight finish (each is one bounded batch)
+        for _, r in q:
+            r.wait()
+        raise
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -305,7 +328,27 @@ class _Run:
     def _produce(self, fresh: bool, progress: bool) -> dict:
         cfg = self.cfg
         workers = cfg.resolved_workers()
-        pool = make_pool(workers)
+        with tokenizer_pool(workers) as pool:
+            self._tokenize_all(pool, workers, progress)
+        if self.counters["kept"] == 0:
+            (self.out / MANIFEST).unlink(missing_ok=True)
+            what = ", ".join(str(i.get("path") or i.get("dataset")) for i in self.inputs)
+            extra = f" ({self.counters['skipped_bad']} bad records skipped)" if self.counters["skipped_bad"] else ""
+            raise PrepInputError(f"empty input: {what} produced no documents{extra}")
+        for w in self.writers.values():
+            w.commit()
+        m = self._manifest(True, None)
+        write_json(self.out / MANIFEST, m, sort_keys=True)
+        for f in self.partials.values():
+            (self.out / f).unlink(missing_ok=True)
+        if self.counters["skipped_bad"]:
+            self.log(f"skipped {self.counters['skipped_bad']} bad records, e.g. {self.bad_examples[0]}")
+        return m
+
+    def _tokenize_all(self, pool, workers: int, progress: bool) -> None:
+        """Tokenises the source's tasks through `pool` and routes their documents until the source ends or
+        max_tokens is reached."""
+        cfg = self.cfg
         bar = None
         if progress:
             from tqdm import tqdm
@@ -335,25 +378,8 @@ class _Run:
                     break
         finally:
             results.close()
-            if pool is not None:
-                pool.terminate()
-                pool.join()
             if bar is not None:
                 bar.close()
-        if self.counters["kept"] == 0:
-            (self.out / MANIFEST).unlink(missing_ok=True)
-            what = ", ".join(str(i.get("path") or i.get("dataset")) for i in self.inputs)
-            extra = f" ({self.counters['skipped_bad']} bad records skipped)" if self.counters["skipped_bad"] else ""
-            raise PrepInputError(f"empty input: {what} produced no documents{extra}")
-        for w in self.writers.values():
-            w.commit()
-        m = self._manifest(True, None)
-        write_json(self.out / MANIFEST, m, sort_keys=True)
-        for f in self.partials.values():
-            (self.out / f).unlink(missing_ok=True)
-        if self.counters["skipped_bad"]:
-            self.log(f"skipped {self.counters['skipped_bad']} bad records, e.g. {self.bad_examples[0]}")
-        return m
 
     def _note_bad(self, bad: list) -> None:
         room = MAX_BAD_EXAMPLES - len(self.bad_examples)

@@ -178,6 +178,35 @@ def test_max_tokens(tmp_path, docs):
         assert np.array_equal(got, full[s][: got.size])
 
 
+def test_the_tokenizer_pool_is_closed_after_an_early_stop_and_terminated_only_on_an_error(tmp_path, docs, monkeypatch):
+    """max_tokens stops the reader with tasks still in flight in the pool of tokenizer processes: prep-data lets
+    them finish and closes the pool (Pool.terminate, the one shutdown CPython's pool can hang in, is kept for
+    errors); either way no tokenizer process outlives the run, and the tokens are those of one process."""
+    import multiprocessing as mp
+    import multiprocessing.pool as mpp
+
+    from data_prep.worker import PrepInputError
+
+    calls = []
+    for name in ("close", "terminate"):
+        monkeypatch.setattr(
+            mpp.Pool, name, lambda self, _r=getattr(mpp.Pool, name), _n=name: (calls.append(_n), _r(self))[1]
+        )
+    inp = write_jsonl(tmp_path / "in.jsonl", docs)
+    opts = dict(source="files", inputs=[str(inp)], max_tokens=12345, shard_tokens=5000, val_every=3, batch_bytes=9000)
+    prep(tmp_path / "o", **opts, workers=2)  # about 55 tasks of 1-2 documents; the stop comes near the 7th
+    assert calls == ["close"] and not mp.active_children()
+    prep(tmp_path / "one", **opts)
+    assert files_of(tmp_path / "o") == files_of(tmp_path / "one")
+
+    calls.clear()
+    rows = [json.dumps({"text": t}) for t in docs[:30]] + [json.dumps({"body": "no text"})]
+    (tmp_path / "bad.jsonl").write_text("\n".join(rows) + "\n")
+    with pytest.raises(PrepInputError, match="bad.jsonl:31: no text field"):
+        prep(tmp_path / "b", source="files", inputs=[str(tmp_path / "bad.jsonl")], batch_bytes=9000, workers=2)
+    assert calls == ["terminate"] and not mp.active_children()
+
+
 def test_rerun_is_a_noop_and_other_options_are_refused(tmp_path, docs):
     inp = write_jsonl(tmp_path / "in.jsonl", docs[:10])
     prep(tmp_path / "o", source="files", inputs=[str(inp)])
