@@ -98,7 +98,9 @@ def _slug(label: str) -> str:
     return label.replace(" ", "_")
 
 
-def prepare(data: Path, docs: int, levels: int = 4, log=print, task: str = "hops", symbols: int = 16) -> dict:
+def prepare(
+    data: Path, docs: int, levels: int = 4, log=print, task: str = "hops", symbols: int = 16, rule: str = "cyclic"
+) -> dict:
     """The task's shards (made once with the real CLI; a rerun with the same options is a no-op)."""
     cmd = [
         sys.executable,
@@ -113,7 +115,7 @@ def prepare(data: Path, docs: int, levels: int = 4, log=print, task: str = "hops
         f"depth_levels={levels}",
         "seed=0",
         "--no-progress",
-    ] + ([f"fold_symbols={symbols}"] if task == "fold" else [])
+    ] + ([f"fold_symbols={symbols}", f"fold_rule={rule}"] if task == "fold" else [])
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
         sys.exit(f"prep-data failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
@@ -277,6 +279,12 @@ def main(argv=None) -> dict:
         "--task", choices=["hops", "fold"], default="hops", help="prep-data source depth-hops or depth-fold"
     )
     ap.add_argument("--symbols", type=int, default=16, help="--task fold: symbols m of the folded operation")
+    ap.add_argument(
+        "--rule",
+        choices=["cyclic", "random"],
+        default="cyclic",
+        help="--task fold: how g is drawn (prep-data fold_rule)",
+    )
     ap.add_argument("--curriculum", type=float, default=0.0, help="data.curriculum (0: off)")
     ap.add_argument("--eval-every", type=int, default=250, help="with --curriculum: train.eval_interval")
     ap.add_argument("--lr", type=float, default=0.0, help="optim.lr (0: the preset's)")
@@ -299,9 +307,12 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    data = out / (f"data_L{a.levels}" if a.task == "hops" else f"data_fold_m{a.symbols}_L{a.levels}")
+    fold = f"data_fold_m{a.symbols}_L{a.levels}" + ("_random" if a.rule == "random" else "")
+    data = out / (f"data_L{a.levels}" if a.task == "hops" else fold)
     mb = a.batch
-    task = prepare(data, docs=a.steps * mb + 20 * a.windows, levels=a.levels, task=a.task, symbols=a.symbols)
+    task = prepare(
+        data, docs=a.steps * mb + 20 * a.windows, levels=a.levels, task=a.task, symbols=a.symbols, rule=a.rule
+    )
     shape = [f"model.block_size={task['doc_tokens']}", f"model.vocab_size={-(-task['vocab_needed'] // 64) * 64}"]
     shape += DEPTH_TASK_RECIPE if a.recipe == "probe" else ()  # --recipe probe: what the depth probes found
     shape += [f"optim.lr={a.lr}"] if a.lr else []

@@ -494,7 +494,7 @@ def _fold(s: dict, visible: bool = False):
     stay readable if visible); val documents from their own stream, the same rule g."""
     from data_prep import foldtask
 
-    L, g, rng = s["levels"], foldtask.rule(s["symbols"]), np.random.default_rng(s["seed"])
+    L, g, rng = s["levels"], foldtask.rule(s["symbols"], 0, s.get("rule", "cyclic")), np.random.default_rng(s["seed"])
     lev = foldtask.levels(L)[:-1]
     val = foldtask.documents(g, np.random.default_rng(10_000 + s["seed"]), 1024, L)
     mean = float(foldtask.need(L, visible).mean())

@@ -37,7 +37,7 @@ def main(path: str, n: int = 2048) -> None:
     model.load_state_dict(ck["state"])
     model.eval()
     L, Lm = s["levels"], cfg.model.loops
-    docs = foldtask.documents(foldtask.rule(s["symbols"]), np.random.default_rng(777), n, L)
+    docs = foldtask.documents(foldtask.rule(s["symbols"], 0, s.get("rule", "cyclic")), np.random.default_rng(777), n, L)
     x, y = torch.from_numpy(docs[:, :-1]), torch.from_numpy(docs[:, 1:])
     lev, need = foldtask.levels(L)[:-1], np.minimum(foldtask.need(L)[:-1], Lm)
     if Lm > 1:  # a routed model too: does its network compose when given the depths, whatever its router picks?

@@ -78,6 +78,11 @@ class PrepConfig:
     depth_docs: int = f(20000, "source=depth-hops or depth-fold: documents generated (max_tokens, if set, may cut it).")
     fold_symbols: int = f(16, "source=depth-fold: symbols m of the folded operation g (an m x m Latin square).")
     fold_rule_seed: int = f(0, "source=depth-fold: seed of the operation g (fixed for the whole stream).")
+    fold_rule: str = f(
+        "cyclic",
+        "source=depth-fold: how g is drawn: cyclic (an isotope of the group Z_m) or random (a Latin square built row "
+        "by row, no group behind it).",
+    )
 
     def validate(self) -> None:
         if self.source not in SOURCES:
@@ -129,6 +134,10 @@ class PrepConfig:
                 raise ConfigError(f"depth_levels: must lie in 1..{MAX_LEVELS} for depth-fold, got {self.depth_levels}")
             if not 2 <= self.fold_symbols <= MAX_SYMBOLS:
                 raise ConfigError(f"fold_symbols: must lie in 2..{MAX_SYMBOLS}, got {self.fold_symbols}")
+            from data_prep.foldtask import RULES
+
+            if self.fold_rule not in RULES:
+                raise ConfigError(f"fold_rule: {self.fold_rule!r} is not one of {', '.join(RULES)}")
         if self.source in DEPTH_SOURCES and self.depth_docs < 1:
             raise ConfigError(f"depth_docs: must be >= 1, got {self.depth_docs}")
         if self.name and ("/" in self.name or "_" in self.name):
@@ -188,7 +197,17 @@ OUTPUT_KEYS = (
     "depth_docs",
     "fold_symbols",
     "fold_rule_seed",
+    "fold_rule",
 )
+
+
+def changed_options(recorded: dict, wanted: dict) -> list[str]:
+    """The output options (sorted) in which a manifest's recorded `source` differs from `wanted`. An option the
+    manifest does not record (it predates the option) counts as its default, so adding an option does not
+    refuse the outputs made before it."""
+    fields = {f.name: f.default for f in dataclasses.fields(PrepConfig)}
+    old = {k: v for k, v in recorded.items() if k != "resolved"}
+    return sorted(k for k in set(old) | set(wanted) if old.get(k, fields.get(k)) != wanted.get(k))
 
 
 def load_prep_config(

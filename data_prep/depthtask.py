@@ -166,11 +166,11 @@ def generate(cfg, out: Path, tokenizer: dict, log) -> dict:
         from data_prep import foldtask
 
         L = cfg.depth_levels
-        g = foldtask.rule(cfg.fold_symbols, cfg.fold_rule_seed)
-        task = {**foldtask.layout(cfg.fold_symbols, L, cfg.fold_rule_seed), "seed": cfg.seed}
+        g = foldtask.rule(cfg.fold_symbols, cfg.fold_rule_seed, cfg.fold_rule)
+        task = {**foldtask.layout(cfg.fold_symbols, L, cfg.fold_rule_seed, cfg.fold_rule), "seed": cfg.seed}
         task["scored"] = "the target after the last cell x_k of a level-k segment (k + 1 after its opener W_k = k)"
         doc = lambda i: foldtask.make_document(cfg.seed, i, g, L)
-        what = f"{cfg.fold_symbols} symbols, levels 1..{L}"
+        what = f"{cfg.fold_symbols} symbols ({cfg.fold_rule} rule), levels 1..{L}"
     else:
         R, L, Q = cfg.depth_chains, cfg.depth_levels, cfg.depth_queries
         task = {

@@ -43,11 +43,44 @@ MAX_LEVELS = SYM - 1  # the openers W_k = k stay below the symbols
 MAX_SYMBOLS = 256
 
 
-def rule(m: int, rule_seed: int = 0) -> np.ndarray:
-    """g as an (m, m) table, g[y, x]: a Latin square q[(p[y] + r[x]) % m] with random permutations p, r, q."""
+RULES = ("cyclic", "random")
+
+
+def rule(m: int, rule_seed: int = 0, kind: str = "cyclic") -> np.ndarray:
+    """g as an (m, m) table, g[y, x], a Latin square.
+
+    "cyclic": q[(p[y] + r[x]) % m] with random permutations p, r, q: an isotope of the cyclic group Z_m. Its
+    k-fold is q(h(...h(h(p x_0 + r x_1) + r x_2)...) + r x_k) with one permutation h = p q: structured, so a model
+    may hold the k-fold in far fewer parameters than its m^(k+1) entries.
+    "random": rows drawn one by one, each a perfect matching of the columns to the symbols their column has not
+    used yet (a random augmenting-path matching; one always exists, as what is left is a regular bipartite
+    graph). Not uniform over Latin squares, but with no group behind it: the k-fold is a table without a
+    shorter description a model could find."""
+    if kind not in RULES:
+        raise ValueError(f"fold rule must be one of {RULES}, got {kind!r}")
     rng = np.random.default_rng((rule_seed, 99))
-    p, r, q = rng.permutation(m), rng.permutation(m), rng.permutation(m)
-    return q[(p[:, None] + r[None, :]) % m]
+    if kind == "cyclic":
+        p, r, q = rng.permutation(m), rng.permutation(m), rng.permutation(m)
+        return q[(p[:, None] + r[None, :]) % m]
+    g = np.empty((m, m), dtype=np.int64)
+    free = np.ones((m, m), dtype=bool)  # free[x, s]: symbol s not yet used in column x
+    for y in range(m):
+        owner = -np.ones(m, dtype=np.int64)  # owner[s]: the column holding symbol s in this row
+        for x in rng.permutation(m):
+            _augment(int(x), free, owner, np.zeros(m, dtype=bool), rng)
+        g[y, owner] = np.arange(m)
+        free[owner, np.arange(m)] = False
+    return g
+
+
+def _augment(x: int, free: np.ndarray, owner: np.ndarray, seen: np.ndarray, rng) -> bool:
+    """Kuhn's augmenting path from column x over its free symbols in random order."""
+    for s in rng.permutation(np.flatnonzero(free[x] & ~seen)):
+        seen[s] = True
+        if owner[s] < 0 or _augment(int(owner[s]), free, owner, seen, rng):
+            owner[s] = x
+            return True
+    return False
 
 
 def doc_length(L: int) -> int:
@@ -95,13 +128,14 @@ def segment_depth(L: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------ the prep-data source
-def layout(m: int, L: int, rule_seed: int = 0) -> dict:
+def layout(m: int, L: int, rule_seed: int = 0, rule_kind: str = "cyclic") -> dict:
     """The task's description (stored in the manifest as `depth_task`, with `kind` "fold")."""
     return {
         "kind": "fold",
         "task": "left fold of a Latin-square operation g over a segment of k + 1 cells, one segment per level",
         "levels": L,
         "symbols": m,
+        "rule": rule_kind,
         "rule_seed": rule_seed,
         "sym_base": SYM,
         "vocab_needed": SYM + m,

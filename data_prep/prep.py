@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.config import DEPTH_SOURCES, OUTPUT_KEYS, PrepConfig
+from data_prep.config import DEPTH_SOURCES, OUTPUT_KEYS, PrepConfig, changed_options
 from data_prep.files import write_json
 from data_prep.shards import ShardError, ShardReader, read_manifest
 from data_prep.sources import make_source
@@ -148,7 +148,7 @@ def _generate_depth(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
         except ShardError as e:
             raise PrepError(f"{e}; use --overwrite to start again") from None
         want = fingerprint(cfg)
-        if m.get("complete") and all(m["source"].get(k) == v for k, v in want.items()):
+        if m.get("complete") and not changed_options(m["source"], want):
             log(f"{out} is already complete ({m['total_tokens']:,} tokens); nothing to do")
             return m
         raise PrepError(f"{out}: holds shards of other options ({old}); use --overwrite or another --out")
@@ -221,8 +221,7 @@ class _Run:
             ) from None
 
     def _resume_from(self, m: dict) -> None:
-        old = {k: v for k, v in m.get("source", {}).items() if k != "resolved"}
-        diff = sorted(k for k in set(old) | set(self.fingerprint) if old.get(k) != self.fingerprint.get(k))
+        diff = changed_options(m.get("source", {}), self.fingerprint)
         if m.get("source", {}).get("resolved") != self.inputs:
             diff.append("inputs (resolved files or their sizes)")
         if diff:

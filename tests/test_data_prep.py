@@ -188,10 +188,13 @@ def test_the_tokenizer_pool_is_closed_after_an_early_stop_and_terminated_only_on
     from data_prep.worker import PrepInputError
 
     calls = []
+
+    def spy(name):
+        real = getattr(mpp.Pool, name)
+        return lambda self: (calls.append(name), real(self))[1]
+
     for name in ("close", "terminate"):
-        monkeypatch.setattr(
-            mpp.Pool, name, lambda self, _r=getattr(mpp.Pool, name), _n=name: (calls.append(_n), _r(self))[1]
-        )
+        monkeypatch.setattr(mpp.Pool, name, spy(name))
     inp = write_jsonl(tmp_path / "in.jsonl", docs)
     opts = dict(source="files", inputs=[str(inp)], max_tokens=12345, shard_tokens=5000, val_every=3, batch_bytes=9000)
     prep(tmp_path / "o", **opts, workers=2)  # about 55 tasks of 1-2 documents; the stop comes near the 7th

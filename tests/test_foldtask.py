@@ -52,14 +52,38 @@ def test_answers_levels_and_need():
     assert ((nd >= 1) & (nd <= L)).all() and (nv <= nd).all() and nv[lev == 0].max() == L - 1
 
 
-def test_rule_is_a_latin_square_and_not_associative():
-    g = rule(16, 0)
+def quadrangle_violations(g) -> int:
+    """How often g breaks the quadrangle criterion (a Latin square is an isotope of a group iff it never does):
+    g(a, c) = g(a', c'), g(a, d) = g(a', d') and g(b, c) = g(b', c') must give g(b, d) = g(b', d')."""
+    m = len(g)
+    col_of = np.argsort(g, axis=1)  # col_of[r, s]: the column holding s in row r
+    row_of = np.argsort(g, axis=0)  # row_of[s, c]: the row holding s in column c
+    a, a2, c, d, b = np.meshgrid(*[np.arange(m)] * 5, indexing="ij")
+    c2 = col_of[a2, g[a, c]]
+    d2 = col_of[a2, g[a, d]]
+    b2 = row_of[g[b, c], c2]
+    return int((g[b, d] != g[b2, d2]).sum())
+
+
+@pytest.mark.parametrize("kind", ["cyclic", "random"])
+def test_rule_is_a_latin_square_and_not_associative(kind):
+    g = rule(16, 0, kind)
     for row in [*g, *g.T]:
         assert sorted(row) == list(range(16))
     a = g[g[:, :, None], np.arange(16)[None, None, :]]  # g(g(x, y), z)
     b = g[np.arange(16)[:, None, None], g[None, :, :]]  # g(x, g(y, z))
     assert (a != b).mean() > 0.5
-    assert not np.array_equal(rule(16, 0), rule(16, 1))
+    assert np.array_equal(rule(16, 0, kind), g) and not np.array_equal(rule(16, 1, kind), g)
+
+
+def test_the_cyclic_rule_has_a_group_behind_it_and_the_random_one_has_none():
+    """fold_rule=random exists to take away the structure a model could hold the k-fold table by: the cyclic
+    rule is an isotope of Z_m (the quadrangle criterion holds), the random rule breaks the criterion."""
+    for seed in range(3):
+        assert quadrangle_violations(rule(8, seed, "cyclic")) == 0
+        assert quadrangle_violations(rule(8, seed, "random")) > 0
+    with pytest.raises(ValueError, match="fold rule"):
+        rule(8, 0, "magic")
 
 
 def test_the_sources_documents_mark_each_level_and_are_deterministic():
@@ -106,7 +130,28 @@ def test_prep_data_cli_writes_the_fold_source(tmp_path):
         assert len(solve(doc, g)) == 3
     again = subprocess.run(cmd, capture_output=True, text=True)
     assert again.returncode == 0 and "nothing to do" in again.stderr
-    for bad, key in (("fold_symbols=1", "fold_symbols"), ("depth_levels=16", "depth_levels")):
+    # the random rule: the manifest names it, and the solver with that g recomputes every answer
+    r = subprocess.run(cmd[:-1] + ["fold_rule=random", "--overwrite", "--no-progress"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert m["depth_task"]["rule"] == "random" and m["source"]["fold_rule"] == "random"
+    toks = np.asarray(ShardReader(tmp_path / "d" / m["splits"]["train"]["shards"][0]["name"]).tokens)
+    g = rule(8, 0, "random")
+    assert np.array_equal(toks[: doc_length(3)], make_document(3, 1, g, 3))
+    for doc in toks.astype(np.int64).reshape(-1, doc_length(3)):
+        assert len(solve(doc, g)) == 3
+    # a manifest made before fold_rule existed counts as the default rule: the same command is a no-op
+    r = subprocess.run(cmd + ["--overwrite"], capture_output=True, text=True)
+    m = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    del m["source"]["fold_rule"]
+    (tmp_path / "d" / "manifest.json").write_text(json.dumps(m))
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    assert again.returncode == 0 and "nothing to do" in again.stderr
+    for bad, key in (
+        ("fold_symbols=1", "fold_symbols"),
+        ("depth_levels=16", "depth_levels"),
+        ("fold_rule=x", "fold_rule"),
+    ):
         r = subprocess.run(
             cmd[:-6] + ["depth_docs=45", bad, "--overwrite", "--no-progress"], capture_output=True, text=True
         )
