@@ -99,7 +99,14 @@ def _slug(label: str) -> str:
 
 
 def prepare(
-    data: Path, docs: int, levels: int = 4, log=print, task: str = "hops", symbols: int = 16, rule: str = "cyclic"
+    data: Path,
+    docs: int,
+    levels: int = 4,
+    log=print,
+    task: str = "hops",
+    symbols: int = 16,
+    rule: str = "cyclic",
+    typed: bool = False,
 ) -> dict:
     """The task's shards (made once with the real CLI; a rerun with the same options is a no-op)."""
     cmd = [
@@ -115,7 +122,7 @@ def prepare(
         f"depth_levels={levels}",
         "seed=0",
         "--no-progress",
-    ] + ([f"fold_symbols={symbols}", f"fold_rule={rule}"] if task == "fold" else [])
+    ] + ([f"fold_symbols={symbols}", f"fold_rule={rule}", f"fold_typed={typed}"] if task == "fold" else [])
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
         sys.exit(f"prep-data failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
@@ -285,6 +292,7 @@ def main(argv=None) -> dict:
         default="cyclic",
         help="--task fold: how g is drawn (prep-data fold_rule)",
     )
+    ap.add_argument("--typed", action="store_true", help="--task fold: typed cells (prep-data fold_typed)")
     ap.add_argument("--curriculum", type=float, default=0.0, help="data.curriculum (0: off)")
     ap.add_argument("--eval-every", type=int, default=250, help="with --curriculum: train.eval_interval")
     ap.add_argument("--lr", type=float, default=0.0, help="optim.lr (0: the preset's)")
@@ -307,11 +315,21 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    fold = f"data_fold_m{a.symbols}_L{a.levels}" + ("_random" if a.rule == "random" else "")
+    fold = (
+        f"data_fold_m{a.symbols}_L{a.levels}"
+        + ("_random" if a.rule == "random" else "")
+        + ("_typed" if a.typed else "")
+    )
     data = out / (f"data_L{a.levels}" if a.task == "hops" else fold)
     mb = a.batch
     task = prepare(
-        data, docs=a.steps * mb + 20 * a.windows, levels=a.levels, task=a.task, symbols=a.symbols, rule=a.rule
+        data,
+        docs=a.steps * mb + 20 * a.windows,
+        levels=a.levels,
+        task=a.task,
+        symbols=a.symbols,
+        rule=a.rule,
+        typed=a.typed,
     )
     shape = [f"model.block_size={task['doc_tokens']}", f"model.vocab_size={-(-task['vocab_needed'] // 64) * 64}"]
     shape += DEPTH_TASK_RECIPE if a.recipe == "probe" else ()  # --recipe probe: what the depth probes found

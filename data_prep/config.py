@@ -78,6 +78,11 @@ class PrepConfig:
     depth_docs: int = f(20000, "source=depth-hops or depth-fold: documents generated (max_tokens, if set, may cut it).")
     fold_symbols: int = f(16, "source=depth-fold: symbols m of the folded operation g (an m x m Latin square).")
     fold_rule_seed: int = f(0, "source=depth-fold: seed of the operation g (fixed for the whole stream).")
+    fold_typed: bool = f(
+        False,
+        "source=depth-fold: the cells x_1..x_k are input tokens of their own, the first cell and the answer state "
+        "tokens (else one set of symbol tokens for all).",
+    )
     fold_rule: str = f(
         "cyclic",
         "source=depth-fold: how g is drawn: cyclic (an isotope of the group Z_m) or random (a Latin square built row "
@@ -198,6 +203,7 @@ OUTPUT_KEYS = (
     "fold_symbols",
     "fold_rule_seed",
     "fold_rule",
+    "fold_typed",
 )
 
 

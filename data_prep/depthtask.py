@@ -167,10 +167,14 @@ def generate(cfg, out: Path, tokenizer: dict, log) -> dict:
 
         L = cfg.depth_levels
         g = foldtask.rule(cfg.fold_symbols, cfg.fold_rule_seed, cfg.fold_rule)
-        task = {**foldtask.layout(cfg.fold_symbols, L, cfg.fold_rule_seed, cfg.fold_rule), "seed": cfg.seed}
+        task = {
+            **foldtask.layout(cfg.fold_symbols, L, cfg.fold_rule_seed, cfg.fold_rule, cfg.fold_typed),
+            "seed": cfg.seed,
+        }
         task["scored"] = "the target after the last cell x_k of a level-k segment (k + 1 after its opener W_k = k)"
-        doc = lambda i: foldtask.make_document(cfg.seed, i, g, L)
-        what = f"{cfg.fold_symbols} symbols ({cfg.fold_rule} rule), levels 1..{L}"
+        doc = lambda i: foldtask.make_document(cfg.seed, i, g, L, cfg.fold_typed)
+        cells = ", typed cells" if cfg.fold_typed else ""
+        what = f"{cfg.fold_symbols} symbols ({cfg.fold_rule} rule{cells}), levels 1..{L}"
     else:
         R, L, Q = cfg.depth_chains, cfg.depth_levels, cfg.depth_queries
         task = {

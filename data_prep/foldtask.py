@@ -88,16 +88,20 @@ def doc_length(L: int) -> int:
     return sum(k + 3 for k in range(1, L + 1))
 
 
-def documents(g: np.ndarray, rng: np.random.Generator, n: int, L: int, marked: bool = False) -> np.ndarray:
+def documents(
+    g: np.ndarray, rng: np.random.Generator, n: int, L: int, marked: bool = False, typed: bool = False
+) -> np.ndarray:
     """n documents (n, doc_length(L)) int64, cells drawn from rng; marked: segment k opens with W_k = k (the
-    source's documents), else with W (the probe's)."""
+    source's documents), else with W (the probe's); typed: the cells x_1..x_k are input tokens SYM + m + x, the
+    first cell x_0 and the answer stay state tokens SYM + y (the same draws either way)."""
     m, parts = len(g), []
     for k in range(1, L + 1):
         x = rng.integers(0, m, (n, k + 1))
         y = x[:, 0]
         for j in range(1, k + 1):
             y = g[y, x[:, j]]
-        parts += [np.full((n, 1), k if marked else W), SYM + x, (SYM + y)[:, None]]
+        cells = SYM + x + np.r_[0, np.full(k, m if typed else 0)]
+        parts += [np.full((n, 1), k if marked else W), cells, (SYM + y)[:, None]]
     return np.concatenate(parts, 1)
 
 
@@ -128,7 +132,7 @@ def segment_depth(L: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------ the prep-data source
-def layout(m: int, L: int, rule_seed: int = 0, rule_kind: str = "cyclic") -> dict:
+def layout(m: int, L: int, rule_seed: int = 0, rule_kind: str = "cyclic", typed: bool = False) -> dict:
     """The task's description (stored in the manifest as `depth_task`, with `kind` "fold")."""
     return {
         "kind": "fold",
@@ -136,18 +140,19 @@ def layout(m: int, L: int, rule_seed: int = 0, rule_kind: str = "cyclic") -> dic
         "levels": L,
         "symbols": m,
         "rule": rule_kind,
+        "cells": "typed" if typed else "shared",
         "rule_seed": rule_seed,
         "sym_base": SYM,
-        "vocab_needed": SYM + m,
+        "vocab_needed": SYM + (2 * m if typed else m),
         "doc_tokens": doc_length(L),
         "mean_need": round(float(need(L).mean()), 4),
         "mean_need_frozen": round(float(need(L, visible=True).mean()), 4),
     }
 
 
-def make_document(seed: int, index: int, g: np.ndarray, L: int) -> np.ndarray:
+def make_document(seed: int, index: int, g: np.ndarray, L: int, typed: bool = False) -> np.ndarray:
     """Document `index` of the source's stream for `seed`: (doc_length(L),) int64, openers W_k = k."""
-    return documents(g, np.random.default_rng((seed, index)), 1, L, marked=True)[0]
+    return documents(g, np.random.default_rng((seed, index)), 1, L, marked=True, typed=typed)[0]
 
 
 def levels_at(tokens: np.ndarray, task: dict) -> np.ndarray:

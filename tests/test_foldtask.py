@@ -14,17 +14,21 @@ from data_prep.depthtask import levels_at
 from data_prep.foldtask import SYM, doc_length, documents, layout, levels, make_document, need, rule
 
 
-def solve(doc, g):
+def solve(doc, g, typed=False):
     """Walks the raw ids: each opener (an id below SYM: W, or the source's W_k) opens a segment; folds its cells
     left to right; the token after the last cell is the answer. Returns [(position of the last cell, its level,
-    answer token)]."""
-    doc, out, t = [int(v) for v in doc], [], 0
+    answer token)]. typed: the cells after the first are input tokens SYM + m + x."""
+    doc, out, t, m = [int(v) for v in doc], [], 0, len(g)
     while t < len(doc):
         assert doc[t] < SYM
         e = t + 1
         while e + 1 < len(doc) and doc[e + 1] >= SYM:
             e += 1
         cells = [v - SYM for v in doc[t + 1 : e]]  # x_0 .. x_k; doc[e] is the answer
+        if typed:
+            assert cells[0] < m and all(m <= c < 2 * m for c in cells[1:])
+            cells = cells[:1] + [c - m for c in cells[1:]]
+        assert max(cells) < m and doc[e] < SYM + m
         y = cells[0]
         for x in cells[1:]:
             y = int(g[y][x])
@@ -108,6 +112,24 @@ def test_the_sources_documents_mark_each_level_and_are_deterministic():
     assert task["mean_need"] == round(float(need(L).mean()), 4)
 
 
+def test_typed_cells_are_the_same_draws_as_input_tokens_of_their_own():
+    """fold_typed: x_1..x_k become input tokens SYM + m + x; x_0 and the answer stay state tokens SYM + y (the
+    answer is read through the tied head in the space x_0 is written in). Same draws, same levels, same need."""
+    g, L = rule(8, 0), 3
+    shared = np.stack([make_document(5, i, g, L) for i in range(20)])
+    typed = np.stack([make_document(5, i, g, L, typed=True) for i in range(20)])
+    assert layout(8, L, typed=True)["vocab_needed"] == SYM + 16 and layout(8, L)["vocab_needed"] == SYM + 8
+    lev = levels(L)
+    first = np.zeros_like(lev, dtype=bool)  # x_0 of each segment (its opener is the token before)
+    for p, k in zip(np.flatnonzero(lev), lev[lev > 0]):
+        first[p - k] = True
+    later = (typed != shared) & ~first  # the only tokens that change: the later cells, shifted by m
+    assert (typed[later] == shared[later] + 8).all() and later.sum() == 20 * sum(range(1, L + 1))
+    for doc in typed:
+        assert [k for _, k, _ in solve(doc, g, typed=True)] == [1, 2, 3]
+    assert np.array_equal(levels_at(typed, layout(8, L, typed=True)), np.broadcast_to(lev, typed.shape))
+
+
 def test_prep_data_cli_writes_the_fold_source(tmp_path):
     from data_prep.shards import ShardReader
 
@@ -158,8 +180,8 @@ def test_prep_data_cli_writes_the_fold_source(tmp_path):
         assert r.returncode != 0 and key in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("T", [15, 32])
-def test_loader_scores_only_the_fold_answers(tmp_path, T):
+@pytest.mark.parametrize("T,typed", [(15, False), (32, False), (15, True)])
+def test_loader_scores_only_the_fold_answers(tmp_path, T, typed):
     """Shards stay plain tokens; the loader masks every target but the answers (ignore index -1), in windows of
     one document (T = doc_length) or cut anywhere."""
     from data_prep.config import load_prep_config
@@ -169,7 +191,7 @@ def test_loader_scores_only_the_fold_answers(tmp_path, T):
     cfg = load_prep_config(
         None,
         {"source": "depth-fold", "out": str(tmp_path / "d"), "progress": False},
-        ["depth_docs=60", "depth_levels=3", "fold_symbols=8"],
+        ["depth_docs=60", "depth_levels=3", "fold_symbols=8", f"fold_typed={typed}"],
     )
     prepare(cfg, log=lambda m: None)
     g = rule(8, 0)
@@ -184,6 +206,7 @@ def test_loader_scores_only_the_fold_answers(tmp_path, T):
             for p in np.flatnonzero(tgt != -1):
                 cells = [int(v) - SYM for v in row[p - lv[p] : p + 1]]  # x_0 .. x_k
                 assert row[p - lv[p] - 1] == lv[p] and min(cells) >= 0  # W_k, then k + 1 cells
+                cells = cells[:1] + [c - 8 * typed for c in cells[1:]]
                 y_ = cells[0]
                 for c in cells[1:]:
                     y_ = int(g[y_][c])
