@@ -310,6 +310,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--jobs", type=int, default=2, help="runs trained at once (one thread each)")
     ap.add_argument("--windows", type=int, default=512, help="validation documents measured")
     ap.add_argument("--out", default="bench/results/depth_need")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every case, after the others (repeatable; e.g. model.d_ff=64)",
+    )
     a = ap.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -336,6 +343,7 @@ def main(argv=None) -> dict:
     shape += [f"optim.lr={a.lr}"] if a.lr else []
     if a.curriculum:
         shape += [f"data.curriculum={a.curriculum}", f"train.eval_interval={a.eval_every}", "train.eval_batches=4"]
+    shape += a.set
     need = round(float(task["mean_need"]), 3)
     need_frozen = round(float(task.get("mean_need_frozen", task["mean_need"])), 3)
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]

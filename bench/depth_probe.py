@@ -436,6 +436,14 @@ GRID12.update(
         for k in range(4)
     }
 )
+# Grid 13: typed cells (prep-data fold_typed) at levels 1..2, m = 32, where no model learnt the one-loop table in
+# a CPU budget: does the plain looped model (trained at M = 2 only), or the oracle's depths, compose two steps?
+T32 = {**F16, **CUR, "symbols": 32, "levels": 2, "L": 2, "typed": True}
+GRID13 = {
+    "fold m32 L2 typed base-loop curriculum": ("depth/base-loop", [], T32),
+    "fold m32 L2 typed oracle curriculum": ("depth/base-loop", [], {**T32, "depth": "oracle"}),
+    "fold m32 L2 typed one layer curriculum": ("depth/base", [], {**T32, "layers": 1}),
+}
 GRIDS = {
     "1": GRID1,
     "2": GRID2,
@@ -449,8 +457,23 @@ GRIDS = {
     "10": GRID10,
     "11": GRID11,
     "12": GRID12,
+    "13": GRID13,
 }
-GRID = {**GRID1, **GRID2, **GRID3, **GRID4, **GRID5, **GRID6, **GRID7, **GRID8, **GRID9, **GRID10, **GRID11, **GRID12}
+GRID = {
+    **GRID1,
+    **GRID2,
+    **GRID3,
+    **GRID4,
+    **GRID5,
+    **GRID6,
+    **GRID7,
+    **GRID8,
+    **GRID9,
+    **GRID10,
+    **GRID11,
+    **GRID12,
+    **GRID13,
+}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
 
 
@@ -495,16 +518,16 @@ def _fold(s: dict, visible: bool = False):
     from data_prep import foldtask
 
     L, g, rng = s["levels"], foldtask.rule(s["symbols"], 0, s.get("rule", "cyclic")), np.random.default_rng(s["seed"])
-    lev = foldtask.levels(L)[:-1]
-    val = foldtask.documents(g, np.random.default_rng(10_000 + s["seed"]), 1024, L)
+    lev, typed = foldtask.levels(L)[:-1], bool(s.get("typed"))  # typed: prep-data's fold_typed
+    val = foldtask.documents(g, np.random.default_rng(10_000 + s["seed"]), 1024, L, typed=typed)
     mean = float(foldtask.need(L, visible).mean())
     return (
         foldtask.doc_length(L),
-        foldtask.SYM + s["symbols"],
+        foldtask.SYM + s["symbols"] * (2 if typed else 1),
         mean,
         val,
         lambda d: np.broadcast_to(lev, (len(d), len(lev))),
-        lambda n: foldtask.documents(g, rng, n, L),
+        lambda n: foldtask.documents(g, rng, n, L, typed=typed),
     )
 
 
@@ -566,7 +589,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     Lm = cfg.model.loops
     fold_need = None  # (T-1,) the loops each position needs, capped at the model's (the fold task only)
     if s.get("task") == "fold":
-        import foldtask
+        from data_prep import foldtask
 
         fold_need = foldtask.need(Lt, visible)[:-1].clip(max=Lm)
         need_t = torch.from_numpy(fold_need).to(device)  # (T-1,) the same, on the device
