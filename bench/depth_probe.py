@@ -443,6 +443,9 @@ GRID13 = {
     "fold m32 L2 typed base-loop curriculum": ("depth/base-loop", [], T32),
     "fold m32 L2 typed oracle curriculum": ("depth/base-loop", [], {**T32, "depth": "oracle"}),
     "fold m32 L2 typed one layer curriculum": ("depth/base", [], {**T32, "layers": 1}),
+    # ... and with the random rule (prep-data fold_rule=random), whose two-step fold has no short description
+    "fold m32 L2 typed random oracle curriculum": ("depth/base-loop", [], {**T32, "rule": "random", "depth": "oracle"}),
+    "fold m32 L2 typed random one layer curriculum": ("depth/base", [], {**T32, "rule": "random", "layers": 1}),
 }
 GRIDS = {
     "1": GRID1,
