@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleave import write_json  # noqa: E402  (after the sys.path lines above)
 from testkit import train_case  # noqa: E402  (after the sys.path lines above)
 
+from data_prep.foldtask import RULES  # noqa: E402
 from pipeline.demo import DEPTH_TASK_RECIPE, EXPECTED_RECIPE  # noqa: E402
 
 BASE = [
@@ -286,12 +287,7 @@ def main(argv=None) -> dict:
         "--task", choices=["hops", "fold"], default="hops", help="prep-data source depth-hops or depth-fold"
     )
     ap.add_argument("--symbols", type=int, default=16, help="--task fold: symbols m of the folded operation")
-    ap.add_argument(
-        "--rule",
-        choices=["cyclic", "random"],
-        default="cyclic",
-        help="--task fold: how g is drawn (prep-data fold_rule)",
-    )
+    ap.add_argument("--rule", choices=RULES, default=RULES[0], help="--task fold: how g is drawn (prep-data fold_rule)")
     ap.add_argument("--typed", action="store_true", help="--task fold: typed cells (prep-data fold_typed)")
     ap.add_argument("--curriculum", type=float, default=0.0, help="data.curriculum (0: off)")
     ap.add_argument("--eval-every", type=int, default=250, help="with --curriculum: train.eval_interval")
