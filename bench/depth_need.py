@@ -320,7 +320,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     fold = (
         f"data_fold_m{a.symbols}_L{a.levels}"
-        + ("_random" if a.rule == "random" else "")
+        + ("" if a.rule == RULES[0] else f"_{a.rule}")
         + ("_typed" if a.typed else "")
     )
     data = out / (f"data_L{a.levels}" if a.task == "hops" else fold)

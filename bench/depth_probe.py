@@ -462,21 +462,7 @@ GRIDS = {
     "12": GRID12,
     "13": GRID13,
 }
-GRID = {
-    **GRID1,
-    **GRID2,
-    **GRID3,
-    **GRID4,
-    **GRID5,
-    **GRID6,
-    **GRID7,
-    **GRID8,
-    **GRID9,
-    **GRID10,
-    **GRID11,
-    **GRID12,
-    **GRID13,
-}
+GRID = {name: probe for grid in GRIDS.values() for name, probe in grid.items()}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
 
 
@@ -526,7 +512,7 @@ def _fold(s: dict, visible: bool = False):
     mean = float(foldtask.need(L, visible).mean())
     return (
         foldtask.doc_length(L),
-        foldtask.SYM + s["symbols"] * (2 if typed else 1),
+        foldtask.layout(s["symbols"], L, typed=typed)["vocab_needed"],
         mean,
         val,
         lambda d: np.broadcast_to(lev, (len(d), len(lev))),

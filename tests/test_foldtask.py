@@ -164,6 +164,7 @@ def test_prep_data_cli_writes_the_fold_source(tmp_path):
         assert len(solve(doc, g)) == 3
     # a manifest made before fold_rule existed counts as the default rule: the same command is a no-op
     r = subprocess.run(cmd + ["--overwrite"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "d" / "manifest.json").read_text())
     del m["source"]["fold_rule"]
     (tmp_path / "d" / "manifest.json").write_text(json.dumps(m))
