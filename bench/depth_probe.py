@@ -7,7 +7,8 @@ A plain training loop (AdamW, constant LR after a short warmup, no DeepSpeed) on
 probes at once (settings `"task": "fold"`: the fold task of data_prep/foldtask.py instead, 1024 held-out documents;
 `"depth": "oracle"` trains every token at its need and adds the budget "oracle"; `"depth"` names another forced
 map of `forced_depth` ("segment", "oracle+1", "oracle+2") in the same way, and `"jitter": (lo, hi)` moves each
-training document's map by a draw from lo..hi). Every `--eval-every` steps: answer accuracy by level at every loop
+training document's map by a draw from lo..hi; `"exits": name` runs every token through every loop and scores
+each answer at the exits `EXITS[name]` gives its level, "need" being level k at exit k). Every `--eval-every` steps: answer accuracy by level at every loop
 budget M on 512 held-out documents; for a routed model on the fold task also the executed depth against need and
 `at_need`, the accuracy with its router bypassed and every token at the oracle's depth. With the override
 `model.exited_keys=frozen` (exited tokens stay readable by later loops) the needs, the oracle and the target
@@ -447,6 +448,33 @@ GRID13 = {
     "fold m32 L2 typed random oracle curriculum": ("depth/base-loop", [], {**T32, "rule": "random", "depth": "oracle"}),
     "fold m32 L2 typed random one layer curriculum": ("depth/base", [], {**T32, "rule": "random", "layers": 1}),
 }
+# Grid 14: at that valid size (random rule), which exits the network is trained at decides whether it composes.
+# Every token runs both loops (the expected recipe's training pass) and the answer of level k is scored at the exits
+# settings "exits" names (`EXITS`), each answer weighing 1 in all: "need" is the expected recipe with a perfect
+# router, "all" its uniform exits (loopformer's every budget, from the full pass), "short" adds the exit below the
+# need, "reach" the exits past it; base-loop scores every answer at the last exit only.
+T32R = {**T32, "rule": "random"}
+GRID14 = {
+    f"fold m32 L2 typed random exits {e} curriculum" + (f" seed {k}" if k else ""): (
+        "depth/base-loop",
+        [],
+        {**T32R, "exits": e, "seed": k},
+    )
+    for k in range(3)
+    for e in ("need", "all", "short", "reach")
+}
+GRID14["fold m32 L2 typed random base-loop curriculum"] = ("depth/base-loop", [], T32R)
+# ... and the oracle's depths with frozen exited keys, whose every scored output is the exits "need" probe's: in
+# loop 2 a query attends to every token's state after loop 1, where the oracle of grid 13 (dropped keys) shows it
+# only the tokens still looping
+GRID14["fold m32 L2 typed random visible oracle curriculum"] = ("depth/base-loop", FROZEN, {**T32R, "depth": "oracle"})
+# ... and the budget recipe, whose training pass is the router's own depths with dropped keys (at best grid 13's
+# oracle): the fifth session's exploration (half the windows of 8 one loop past the router's depth), target the need
+GRID14["fold m32 L2 typed random t-loopformer explore 0.5 next span 8 log-ste keys no entropy curriculum"] = (
+    "depth/t-loopformer",
+    NEXT8,
+    {**T32R, "target": "need"},
+)
 GRIDS = {
     "1": GRID1,
     "2": GRID2,
@@ -461,9 +489,29 @@ GRIDS = {
     "11": GRID11,
     "12": GRID12,
     "13": GRID13,
+    "14": GRID14,
 }
 GRID = {name: probe for grid in GRIDS.values() for name, probe in grid.items()}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
+
+
+# settings "exits": name -> (level k, loops L) -> the exits (1..L) its answer is scored at
+EXITS = {
+    "need": lambda k, L: [min(k, L)],
+    "all": lambda k, L: list(range(1, L + 1)),
+    "short": lambda k, L: list(range(1, min(k, L) + 1)),
+    "reach": lambda k, L: list(range(min(k, L), L + 1)),
+}
+
+
+def exit_weights(name: str, Lt: int, L: int) -> torch.Tensor:
+    """(Lt + 1, L) the weight of each level's answer (row 0: not an answer) at each exit under settings "exits"
+    `name`: 1 / (its exits) at each of them, so every answer weighs 1."""
+    w = torch.zeros(Lt + 1, L)
+    for k in range(1, Lt + 1):
+        ex = EXITS[name](k, L)
+        w[k, [e - 1 for e in ex]] = 1.0 / len(ex)
+    return w
 
 
 def documents(seed: int, start: int, n: int, R: int, L: int, Q: int, order: str = "far") -> np.ndarray:
@@ -589,6 +637,11 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         need = torch.from_numpy(forced_depth(oracle, Lt, visible)[:-1].clip(max=Lm)).to(device)  # (T-1,)
     if s.get("warm") and (fold_need is None or model.router is None):
         raise ValueError("settings 'warm' needs task 'fold' and a model with a router")
+    exits = None  # settings "exits": (Lt + 1, Lm) weights of each level's answer at each exit
+    if s.get("exits"):
+        if model.router is not None or oracle or model.cfg.conditioning != "none":
+            raise ValueError("settings 'exits' needs a looped model without a router, conditioning or forced depths")
+        exits = exit_weights(s["exits"], Lt, Lm).to(device)
     cap = [1 if s.get("curriculum") else Lt]  # scored levels <= cap; a curriculum raises it at 0.9 accuracy
 
     def batch(docs, lev, limit):  # the loader's split; only the answers of levels 1..limit scored (-1 elsewhere)
@@ -628,6 +681,9 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
                     acc["depth_ge_need"] = float((d >= nd).mean())  # every position
                     acc["cells_depth_ge_need"] = float((d[cells] >= nd[cells]).mean())
             acc[M] = by_level(lg)
+        if exits is not None:  # each level at its own exit (no conditioning: exit d is the budget M = d)
+            at = [acc[min(k, Lm)][k] for k in range(1, Lt + 1)]
+            acc["at_need"] = [float(np.mean(at)), *at]  # a document holds one answer of each level
         model.train()
         return acc
 
@@ -645,7 +701,20 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         if dm is not None and s.get("jitter"):  # (lo, hi): each training document's map moved by a draw from lo..hi
             lo, hi = s["jitter"]
             dm = (dm + torch.randint(lo, hi + 1, (len(x), 1), device=device)).clamp(1, Lm)
-        if dm is None:
+        if exits is not None:  # every token both loops; each answer scored at its level's exits
+            out = model(x, loops=Lm, exits=True, logits=False)
+            lev_t = torch.from_numpy(np.ascontiguousarray(levels_of(d[:, :-1]))).to(device).long()  # (B, T-1)
+            ce = torch.stack(
+                [
+                    torch.nn.functional.cross_entropy(
+                        model.lm_head(h).float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none"
+                    ).view_as(y)
+                    for h in out.exits
+                ],
+                -1,
+            )  # (B, T-1, Lm); 0 where not scored
+            loss = (exits[lev_t.clamp(max=Lt)] * ce).sum() / (y != -1).sum().clamp_min(1)
+        elif dm is None:
             loss = objective(x, y).loss
         else:
             loss = torch.nn.functional.cross_entropy(logits(x, Lm, dm).flatten(0, 1), y.flatten(), ignore_index=-1)
@@ -657,7 +726,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         step += 1
         if step % eval_every == 0:
             curve.append({"step": step, "seconds": round(time.time() - t0, 1), "acc": evaluate(), "cap": cap[0]})
-            key = "oracle" if oracle else "at_need" if warm else Lm  # the accuracy the curriculum follows
+            key = "oracle" if oracle else "at_need" if (warm or exits is not None) else Lm  # the curriculum's
             a = curve[-1]["acc"][key]
             curve[-1]["warm"] = warm
             if cap[0] < Lt and min(a[1 : cap[0] + 1]) >= 0.9:
