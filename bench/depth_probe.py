@@ -7,7 +7,8 @@ A plain training loop (AdamW, constant LR after a short warmup, no DeepSpeed) on
 probes at once (settings `"task": "fold"`: the fold task of data_prep/foldtask.py instead, 1024 held-out documents;
 `"depth": "oracle"` trains every token at its need and adds the budget "oracle"; `"depth"` names another forced
 map of `forced_depth` ("segment", "oracle+1", "oracle+2") in the same way, and `"jitter": (lo, hi)` moves each
-training document's map by a draw from lo..hi; `"exits": name` runs every token through every loop and scores
+training document's map by a draw from lo..hi, `"scramble": p` replaces each training token's depth by a uniform
+draw from 1..L with probability p; `"exits": name` runs every token through every loop and scores
 each answer at the exits `EXITS[name]` gives its level, "need" being level k at exit k). Every `--eval-every` steps: answer accuracy by level at every loop
 budget M on 512 held-out documents; for a routed model on the fold task also the executed depth against need and
 `at_need`, the accuracy with its router bypassed and every token at the oracle's depth. With the override
@@ -468,6 +469,40 @@ GRID14["fold m32 L2 typed random base-loop curriculum"] = ("depth/base-loop", []
 # loop 2 a query attends to every token's state after loop 1, where the oracle of grid 13 (dropped keys) shows it
 # only the tokens still looping
 GRID14["fold m32 L2 typed random visible oracle curriculum"] = ("depth/base-loop", FROZEN, {**T32R, "depth": "oracle"})
+# ... the oracle of grid 13 (dropped keys) at two more seeds
+GRID14.update(
+    {
+        f"fold m32 L2 typed random oracle curriculum seed {k}": (
+            "depth/base-loop",
+            [],
+            {**T32R, "depth": "oracle", "seed": k},
+        )
+        for k in (1, 2)
+    }
+)
+# ... and with weight decay 0.1 (AdamW's, on every parameter), which speeds up delayed generalisation elsewhere
+GRID14.update(
+    {
+        f"fold m32 L2 typed random oracle wd0.1 curriculum seed {k}": (
+            "depth/base-loop",
+            [],
+            {**T32R, "depth": "oracle", "wd": 0.1, "seed": k},
+        )
+        for k in range(3)
+    }
+)
+# ... and the oracle's map with each training token's depth replaced by a uniform draw w.p. p (evaluated at the map):
+# depth maps a router's exploration could give before it knows the need; p = 1 is a random map
+GRID14.update(
+    {
+        f"fold m32 L2 typed random oracle scramble {p} curriculum": (
+            "depth/base-loop",
+            [],
+            {**T32R, "depth": "oracle", "scramble": p},
+        )
+        for p in (0.25, 0.5, 1.0)
+    }
+)
 # ... and the budget recipe, whose training pass is the router's own depths with dropped keys (at best grid 13's
 # oracle): the fifth session's exploration (half the windows of 8 one loop past the router's depth), target the need
 GRID14["fold m32 L2 typed random t-loopformer explore 0.5 next span 8 log-ste keys no entropy curriculum"] = (
@@ -701,6 +736,10 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         if dm is not None and s.get("jitter"):  # (lo, hi): each training document's map moved by a draw from lo..hi
             lo, hi = s["jitter"]
             dm = (dm + torch.randint(lo, hi + 1, (len(x), 1), device=device)).clamp(1, Lm)
+        if dm is not None and s.get("scramble"):  # p: each training token's depth a uniform draw from 1..L w.p. p
+            dm = dm.expand_as(x)
+            drawn = torch.rand(x.shape, device=device) < s["scramble"]
+            dm = torch.where(drawn, torch.randint(1, Lm + 1, x.shape, device=device), dm)
         if exits is not None:  # every token both loops; each answer scored at its level's exits
             out = model(x, loops=Lm, exits=True, logits=False)
             lev_t = torch.from_numpy(np.ascontiguousarray(levels_of(d[:, :-1]))).to(device).long()  # (B, T-1)
