@@ -469,6 +469,14 @@ GRID14["fold m32 L2 typed random base-loop curriculum"] = ("depth/base-loop", []
 # loop 2 a query attends to every token's state after loop 1, where the oracle of grid 13 (dropped keys) shows it
 # only the tokens still looping
 GRID14["fold m32 L2 typed random visible oracle curriculum"] = ("depth/base-loop", FROZEN, {**T32R, "depth": "oracle"})
+# ... which part of the oracle's map matters (seed 0, where the oracle composes by step 7,000): the query's whole
+# segment at its need (two more tokens in loop 2, none trained past its need), or every token but the queries at L
+GRID14.update(
+    {
+        f"fold m32 L2 typed random {m} depth curriculum": ("depth/base-loop", [], {**T32R, "depth": m})
+        for m in ("segment", "queries")
+    }
+)
 # ... the oracle of grid 13 (dropped keys) at two more seeds
 GRID14.update(
     {
@@ -614,6 +622,9 @@ def forced_depth(name: str, L: int, visible: bool = False) -> np.ndarray:
         "oracle+1": need + 1,  # one loop past its need (clipped at the model's L)
         "oracle+2": need + 2,
         "segment": foldtask.segment_depth(L),  # every token of a segment at its query's need
+        # every query at its need, every other token at L: a query sees every token in every loop, as with
+        # frozen keys, but no answer runs past its need
+        "queries": np.where(foldtask.levels(L) > 0, foldtask.levels(L), L),
     }[name]
 
 
