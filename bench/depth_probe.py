@@ -8,9 +8,9 @@ probes at once (settings `"task": "fold"`: the fold task of data_prep/foldtask.p
 `"depth": "oracle"` trains every token at its need and adds the budget "oracle"; `"depth"` names another forced
 map of `forced_depth` ("segment", "oracle+1", "oracle+2") in the same way, and `"jitter": (lo, hi)` moves each
 training document's map by a draw from lo..hi, `"scramble": p` replaces each training token's depth by a uniform
-draw from 1..L with probability p; `"exits": name` runs every token through every loop and scores
-each answer at the exits `EXITS[name]` gives its level, "need" being level k at exit k). Every `--eval-every` steps: answer accuracy by level at every loop
-budget M on 512 held-out documents; for a routed model on the fold task also the executed depth against need and
+draw from 1..L with probability p; `"exits": name` runs every token through every loop and scores each answer at
+the exits `EXITS[name]` gives its level, "need" being level k at exit k). Every `--eval-every` steps: answer
+accuracy by level at every loop budget M on 512 held-out documents; for a routed model on the fold task also the executed depth against need and
 `at_need`, the accuracy with its router bypassed and every token at the oracle's depth. With the override
 `model.exited_keys=frozen` (exited tokens stay readable by later loops) the needs, the oracle and the target
 `need` are that model's (data_prep/foldtask.py `need(L, visible=True)`). This measures the task and the
@@ -616,7 +616,7 @@ def forced_depth(name: str, L: int, visible: bool = False) -> np.ndarray:
     needs when exited tokens stay readable (model.exited_keys=frozen)."""
     from data_prep import foldtask
 
-    need = foldtask.need(L, visible)
+    need, lev = foldtask.need(L, visible), foldtask.levels(L)
     return {
         "oracle": need,  # every token the loops it needs
         "oracle+1": need + 1,  # one loop past its need (clipped at the model's L)
@@ -624,7 +624,7 @@ def forced_depth(name: str, L: int, visible: bool = False) -> np.ndarray:
         "segment": foldtask.segment_depth(L),  # every token of a segment at its query's need
         # every query at its need, every other token at L: a query sees every token in every loop, as with
         # frozen keys, but no answer runs past its need
-        "queries": np.where(foldtask.levels(L) > 0, foldtask.levels(L), L),
+        "queries": np.where(lev > 0, lev, L),
     }[name]
 
 
@@ -728,7 +728,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
                     acc["cells_depth_ge_need"] = float((d[cells] >= nd[cells]).mean())
             acc[M] = by_level(lg)
         if exits is not None:  # each level at its own exit (no conditioning: exit d is the budget M = d)
-            at = [acc[min(k, Lm)][k] for k in range(1, Lt + 1)]
+            at = [acc[EXITS["need"](k, Lm)[0]][k] for k in range(1, Lt + 1)]
             acc["at_need"] = [float(np.mean(at)), *at]  # a document holds one answer of each level
         model.train()
         return acc
@@ -737,7 +737,8 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     model.train()
     while time.time() - t0 < minutes * 60 and (not steps or step < steps):
         d = draw(s["batch"])
-        x, y = batch(d, np.ascontiguousarray(levels_of(d[:, :-1])), cap[0])
+        lev = np.ascontiguousarray(levels_of(d[:, :-1]))  # (B, T-1) level of each target
+        x, y = batch(d, lev, cap[0])
         warm = bool(s.get("warm")) and cap[0] < s["warm"]  # settings "warm": c: at the oracle depths until cap c
         dm = None  # a forced depth map, or None: the model's own (router) depths and the objective
         if warm:  # a routed model's network trained with its router bypassed (no router loss, no exploration)
@@ -751,19 +752,10 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
             dm = dm.expand_as(x)
             drawn = torch.rand(x.shape, device=device) < s["scramble"]
             dm = torch.where(drawn, torch.randint(1, Lm + 1, x.shape, device=device), dm)
-        if exits is not None:  # every token both loops; each answer scored at its level's exits
-            out = model(x, loops=Lm, exits=True, logits=False)
-            lev_t = torch.from_numpy(np.ascontiguousarray(levels_of(d[:, :-1]))).to(device).long()  # (B, T-1)
-            ce = torch.stack(
-                [
-                    torch.nn.functional.cross_entropy(
-                        model.lm_head(h).float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none"
-                    ).view_as(y)
-                    for h in out.exits
-                ],
-                -1,
-            )  # (B, T-1, Lm); 0 where not scored
-            loss = (exits[lev_t.clamp(max=Lt)] * ce).sum() / (y != -1).sum().clamp_min(1)
+        if exits is not None:  # every token both loops; each answer scored at its level's exits, by the weights
+            out = model(x, loops=Lm, exits=True, logits=False)  # the expected recipe's exit losses take as pi
+            w = exits[torch.from_numpy(lev).to(device).long().clamp(max=Lt)]  # (B, T-1, Lm)
+            loss = objective._exit_losses(out, y, w)[0]
         elif dm is None:
             loss = objective(x, y).loss
         else:
