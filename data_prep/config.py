@@ -88,6 +88,12 @@ class PrepConfig:
         "source=depth-fold: how g is drawn: cyclic (an isotope of the group Z_m) or random (a Latin square built row "
         "by row, no group behind it).",
     )
+    fold_layout: str = f(
+        "ordered",
+        "source=depth-fold: ordered (a document is one segment per level, 1..L, the level a function of the "
+        "position) or slots (a document is one slot of L + 3 tokens holding one segment of a uniformly drawn level; "
+        "train with model.block_size a multiple of L + 3, so a window holds whole slots of mixed levels).",
+    )
 
     def validate(self) -> None:
         if self.source not in SOURCES:
@@ -143,6 +149,10 @@ class PrepConfig:
 
             if self.fold_rule not in RULES:
                 raise ConfigError(f"fold_rule: {self.fold_rule!r} is not one of {', '.join(RULES)}")
+            from data_prep.foldtask import LAYOUTS
+
+            if self.fold_layout not in LAYOUTS:
+                raise ConfigError(f"fold_layout: {self.fold_layout!r} is not one of {', '.join(LAYOUTS)}")
         if self.source in DEPTH_SOURCES and self.depth_docs < 1:
             raise ConfigError(f"depth_docs: must be >= 1, got {self.depth_docs}")
         if self.name and ("/" in self.name or "_" in self.name):
@@ -204,6 +214,7 @@ OUTPUT_KEYS = (
     "fold_rule_seed",
     "fold_rule",
     "fold_typed",
+    "fold_layout",
 )
 
 

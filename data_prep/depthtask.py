@@ -167,14 +167,15 @@ def generate(cfg, out: Path, tokenizer: dict, log) -> dict:
 
         L = cfg.depth_levels
         g = foldtask.rule(cfg.fold_symbols, cfg.fold_rule_seed, cfg.fold_rule)
+        kind = cfg.fold_layout
         task = {
-            **foldtask.layout(cfg.fold_symbols, L, cfg.fold_rule_seed, cfg.fold_rule, cfg.fold_typed),
+            **foldtask.layout(cfg.fold_symbols, L, cfg.fold_rule_seed, cfg.fold_rule, cfg.fold_typed, kind),
             "seed": cfg.seed,
         }
         task["scored"] = "the target after the last cell x_k of a level-k segment (k + 1 after its opener W_k = k)"
-        doc = lambda i: foldtask.make_document(cfg.seed, i, g, L, cfg.fold_typed)
+        doc = lambda i: foldtask.make_document(cfg.seed, i, g, L, cfg.fold_typed, kind)
         cells = ", typed cells" if cfg.fold_typed else ""
-        what = f"{cfg.fold_symbols} symbols ({cfg.fold_rule} rule{cells}), levels 1..{L}"
+        what = f"{cfg.fold_symbols} symbols ({cfg.fold_rule} rule{cells}), levels 1..{L}, {kind} layout"
     else:
         R, L, Q = cfg.depth_chains, cfg.depth_levels, cfg.depth_queries
         task = {
@@ -201,6 +202,9 @@ def _write(cfg, out: Path, tokenizer: dict, log, task: dict, doc, what: str) -> 
     name, val_every = cfg.resolved_name(), cfg.resolved_val_every()
     writers = {s: SplitWriter(out, name, s, cfg.shard_tokens) for s in ("train", "val")}
     T = int(task["doc_tokens"])
+    window = (
+        f"a multiple of {T} (whole slots)" if task.get("layout") == "slots" else f"{T} (one window is one document)"
+    )
     docs = cfg.depth_docs
     if cfg.max_tokens:
         docs = min(docs, cfg.max_tokens // T)
@@ -231,7 +235,7 @@ def _write(cfg, out: Path, tokenizer: dict, log, task: dict, doc, what: str) -> 
     write_json(out / MANIFEST, m)
     log(
         f"{cfg.source}: {docs} documents of {T} tokens, {what}, seed {cfg.seed}; train with "
-        f"model.block_size={T} (one window is one document) and model.vocab_size >= {task['vocab_needed']}; "
+        f"model.block_size={window} and model.vocab_size >= {task['vocab_needed']}; "
         f"mean need {task['mean_need']:.3f} loops per token"
     )
     return m

@@ -6,9 +6,17 @@ permutation, so one operand alone says nothing of the result) is folded from the
 
     y_0 = x_0,  y_j = g(y_(j-1), x_j),  answer y_k for a segment of k + 1 cells x_0 .. x_k
 
-A document is one segment per level k = 1..L, in this order (so the level is a function of the position):
+Layout "ordered" (the default): a document is one segment per level k = 1..L, in this order (so the level is a
+function of the position):
 
     W x_0 .. x_k A    (W opens a segment, x_j = SYM + symbol, A = SYM + y_k)
+
+Layout "slots" (prep-data fold_layout=slots): a document is one slot of L + 3 tokens, one segment of a level k drawn
+uniformly from 1..L, then PAD. In the ordered layout the step g is learnt where the level-1 query sits and has to
+be found again, from the level-2 answer alone, at the level-2 segment's cells, which sit at other positions after
+other tokens; no network that composed failed to carry it there and none that carried it failed to compose
+(bench/README `### Where the step is learnt`). In slots every segment starts alike, so cell x_j of a level-k
+segment is where a level-j query is, with the same tokens (in law) before it.
 
 Only A is scored (its target is predicted at x_k). One step of the fold is one attention read of the left
 neighbour plus a table look-up, so with one layer per loop cell j's prefix y_j is ready after j loops and a
@@ -44,6 +52,8 @@ MAX_SYMBOLS = 256
 
 
 RULES = ("cyclic", "random")
+LAYOUTS = ("ordered", "slots")
+PAD = 0  # fills a slot after its answer (layout "slots"); never scored, never an opener
 
 
 def rule(m: int, rule_seed: int = 0, kind: str = "cyclic") -> np.ndarray:
@@ -88,55 +98,121 @@ def doc_length(L: int) -> int:
     return sum(k + 3 for k in range(1, L + 1))
 
 
+def order(L: int, descending: bool = False) -> list:
+    """The levels of a document's segments in document order: 1..L, or L..1 if descending (a query then sees
+    no segment of a lower level before it)."""
+    return list(range(L, 0, -1)) if descending else list(range(1, L + 1))
+
+
 def documents(
-    g: np.ndarray, rng: np.random.Generator, n: int, L: int, marked: bool = False, typed: bool = False
+    g: np.ndarray,
+    rng: np.random.Generator,
+    n: int,
+    L: int,
+    marked: bool = False,
+    typed: bool = False,
+    descending: bool = False,
 ) -> np.ndarray:
     """n documents (n, doc_length(L)) int64, cells drawn from rng; marked: segment k opens with W_k = k (the
     source's documents), else with W (the probe's); typed: the cells x_1..x_k are input tokens SYM + m + x, the
-    first cell x_0 and the answer stay state tokens SYM + y (the same draws either way)."""
-    m, parts = len(g), []
-    for k in range(1, L + 1):
-        x = rng.integers(0, m, (n, k + 1))
-        y = x[:, 0]
-        for j in range(1, k + 1):
-            y = g[y, x[:, j]]
-        cells = SYM + x + np.r_[0, np.full(k, m if typed else 0)]
-        parts += [np.full((n, 1), k if marked else W), cells, (SYM + y)[:, None]]
-    return np.concatenate(parts, 1)
+    first cell x_0 and the answer stay state tokens SYM + y (the same draws either way); descending: the segments
+    in the order L..1 (`order`)."""
+    return np.concatenate([segments(g, rng, n, k, k if marked else W, typed) for k in order(L, descending)], 1)
 
 
-def levels(L: int) -> np.ndarray:
+def segments(g: np.ndarray, rng: np.random.Generator, n: int, k: int, opener: int, typed: bool) -> np.ndarray:
+    """n level-k segments (n, k + 3): opener x_0 .. x_k A, the k + 1 cells drawn from rng."""
+    m = len(g)
+    x = rng.integers(0, m, (n, k + 1))
+    y = x[:, 0]
+    for j in range(1, k + 1):
+        y = g[y, x[:, j]]
+    cells = SYM + x + np.r_[0, np.full(k, m if typed else 0)]
+    return np.concatenate([np.full((n, 1), opener), cells, (SYM + y)[:, None]], 1)
+
+
+def levels(L: int, descending: bool = False) -> np.ndarray:
     """(doc_length(L),) level of the target each position predicts: k at the last cell of the level-k segment
     (its target A is scored), 0 elsewhere."""
     out = []
-    for k in range(1, L + 1):
+    for k in order(L, descending):
         out += [0] * (k + 1) + [k, 0]
     return np.array(out)
 
 
-def need(L: int, visible: bool = False) -> np.ndarray:
+def need(L: int, visible: bool = False, descending: bool = False) -> np.ndarray:
     """(doc_length(L),) the loops each token needs (module docstring): the oracle router's depth; visible: when
     exited tokens stay readable through their frozen state."""
     out = []
-    for k in range(1, L + 1):
+    for k in order(L, descending):
         cells = [1] + list(range(1, k)) if visible else [j + 1 for j in range(k)]  # x_0 .. x_(k-1)
         out += [1] + cells + [k, 1]
     return np.array(out)
 
 
-def segment_depth(L: int) -> np.ndarray:
+def segment_depth(L: int, descending: bool = False) -> np.ndarray:
     """(doc_length(L),) every token of the level-k segment at depth k (its query's need): what exploration
     that draws one depth per segment gives when the draw is right. Context cells then run past their need and
     stay readable in loops where the oracle (`need`) has dropped them."""
-    return np.concatenate([np.full(k + 3, k) for k in range(1, L + 1)])
+    return np.concatenate([np.full(k + 3, k) for k in order(L, descending)])
+
+
+# ----------------------------------------------------------------------------------------- layout "slots"
+# One segment per document, its level k drawn uniformly from 1..L, in a slot of L + 3 tokens (W_k x_0 .. x_k A,
+# then PAD): every slot starts the same way whatever its level, so the context cell x_j of a level-k segment sits
+# at the slot position of a level-j query with the same tokens (in law) before it, and the step g learnt for the
+# level-1 answers is the one the level-k segment's cells need (bench/README, the fold task's layouts). Windows of
+# a multiple of L + 3 tokens hold whole slots of independently drawn levels.
+def slot_length(L: int) -> int:
+    return L + 3
+
+
+def slot_need(L: int, visible: bool = False) -> float:
+    """Mean loops per token of the slots layout over its uniform level (module docstring `need`): a level-k slot
+    needs k for its query, j + 1 for its cell x_j (j < k; visible: x_j needs j, x_0 and x_1 one), one elsewhere."""
+    total = 0.0
+    for k in range(1, L + 1):
+        cells = [1] + list(range(1, k)) if visible else [j + 1 for j in range(k)]
+        total += sum(cells) + k + (slot_length(L) - k - 1)  # cells, query, and W, A, PAD at one loop each
+    return total / L / slot_length(L)
+
+
+def slot_need_map(tokens: np.ndarray, L: int, visible: bool = False) -> np.ndarray:
+    """(B, T) the loops each token of windows of whole slots needs (tokens (B, T), T may stop short of the last
+    slot's end): in a level-k slot (opener W_k) the cell at slot position q = 1..k (x_(q-1)) needs q (visible:
+    max(q - 1, 1)), the query x_k at q = k + 1 needs k, every other token one."""
+    t = np.asarray(tokens).astype(np.int64)
+    q = np.arange(t.shape[-1]) % slot_length(L)  # (T,) slot position
+    k = t[..., np.arange(t.shape[-1]) - q]  # (B, T) each token's slot level (its opener)
+    cells = np.maximum(q - 1, 1) if visible else q
+    return np.where((q >= 1) & (q <= k), cells, np.where(q == k + 1, k, 1))
+
+
+def slot_documents(g: np.ndarray, rng: np.random.Generator, n: int, L: int, typed: bool = False) -> np.ndarray:
+    """n slots (n, slot_length(L)) int64, each W_k x_0 .. x_k A PAD..: the n levels drawn from rng first, then
+    the segments of each level in turn."""
+    ks = rng.integers(1, L + 1, n)
+    out = np.full((n, slot_length(L)), PAD, dtype=np.int64)
+    for k in range(1, L + 1):
+        rows = np.flatnonzero(ks == k)
+        out[rows, : k + 3] = segments(g, rng, len(rows), k, k, typed)
+    return out
 
 
 # ------------------------------------------------------------------------------------ the prep-data source
-def layout(m: int, L: int, rule_seed: int = 0, rule_kind: str = "cyclic", typed: bool = False) -> dict:
-    """The task's description (stored in the manifest as `depth_task`, with `kind` "fold")."""
+def layout(
+    m: int, L: int, rule_seed: int = 0, rule_kind: str = "cyclic", typed: bool = False, kind: str = "ordered"
+) -> dict:
+    """The task's description (stored in the manifest as `depth_task`, with `kind` "fold"); kind: the document
+    layout, "ordered" (one segment per level, 1..L) or "slots" (one segment of a drawn level per slot)."""
+    if kind not in LAYOUTS:
+        raise ValueError(f"fold layout must be one of {LAYOUTS}, got {kind!r}")
+    slots = kind == "slots"
     return {
         "kind": "fold",
-        "task": "left fold of a Latin-square operation g over a segment of k + 1 cells, one segment per level",
+        "task": "left fold of a Latin-square operation g over a segment of k + 1 cells, "
+        + ("one segment of a uniformly drawn level per slot of L + 3 tokens" if slots else "one segment per level"),
+        "layout": kind,
         "levels": L,
         "symbols": m,
         "rule": rule_kind,
@@ -144,15 +220,21 @@ def layout(m: int, L: int, rule_seed: int = 0, rule_kind: str = "cyclic", typed:
         "rule_seed": rule_seed,
         "sym_base": SYM,
         "vocab_needed": SYM + (2 * m if typed else m),
-        "doc_tokens": doc_length(L),
-        "mean_need": round(float(need(L).mean()), 4),
-        "mean_need_frozen": round(float(need(L, visible=True).mean()), 4),
+        "doc_tokens": slot_length(L) if slots else doc_length(L),
+        "mean_need": round(slot_need(L) if slots else float(need(L).mean()), 4),
+        "mean_need_frozen": round(slot_need(L, True) if slots else float(need(L, visible=True).mean()), 4),
     }
 
 
-def make_document(seed: int, index: int, g: np.ndarray, L: int, typed: bool = False) -> np.ndarray:
-    """Document `index` of the source's stream for `seed`: (doc_length(L),) int64, openers W_k = k."""
-    return documents(g, np.random.default_rng((seed, index)), 1, L, marked=True, typed=typed)[0]
+def make_document(
+    seed: int, index: int, g: np.ndarray, L: int, typed: bool = False, kind: str = "ordered"
+) -> np.ndarray:
+    """Document `index` of the source's stream for `seed`: (doc_length(L),) int64, openers W_k = k; kind "slots":
+    one slot (slot_length(L),)."""
+    rng = np.random.default_rng((seed, index))
+    if kind == "slots":
+        return slot_documents(g, rng, 1, L, typed)[0]
+    return documents(g, rng, 1, L, marked=True, typed=typed)[0]
 
 
 def levels_at(tokens: np.ndarray, task: dict) -> np.ndarray:

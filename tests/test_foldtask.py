@@ -11,7 +11,20 @@ import numpy as np
 import pytest
 
 from data_prep.depthtask import levels_at
-from data_prep.foldtask import SYM, doc_length, documents, layout, levels, make_document, need, rule
+from data_prep.foldtask import (
+    PAD,
+    SYM,
+    doc_length,
+    documents,
+    layout,
+    levels,
+    make_document,
+    need,
+    rule,
+    slot_length,
+    slot_need,
+    slot_need_map,
+)
 
 
 def solve(doc, g, typed=False):
@@ -20,6 +33,9 @@ def solve(doc, g, typed=False):
     answer token)]. typed: the cells after the first are input tokens SYM + m + x."""
     doc, out, t, m = [int(v) for v in doc], [], 0, len(g)
     while t < len(doc):
+        if doc[t] == PAD:  # the slots layout's filler after an answer
+            t += 1
+            continue
         assert doc[t] < SYM
         e = t + 1
         while e + 1 < len(doc) and doc[e + 1] >= SYM:
@@ -130,6 +146,41 @@ def test_typed_cells_are_the_same_draws_as_input_tokens_of_their_own():
     assert np.array_equal(levels_at(typed, layout(8, L, typed=True)), np.broadcast_to(lev, typed.shape))
 
 
+def test_the_slots_layout_draws_one_level_per_slot_and_starts_every_slot_alike():
+    """fold_layout=slots: document i is one slot of L + 3 tokens, W_k x_0 .. x_k A then PAD, its level k drawn
+    per document (every level appears); the solver recomputes every answer; the level sits at slot position
+    k + 1 and `levels_at` finds it in windows of several slots; the manifest's mean needs are the slots'."""
+    g, L = rule(16, 0, "random"), 3
+    a = np.stack([make_document(4, i, g, L, typed=True, kind="slots") for i in range(300)])
+    assert a.shape == (300, slot_length(L)) and slot_length(L) == L + 3
+    assert np.array_equal(a, np.stack([make_document(4, i, g, L, typed=True, kind="slots") for i in range(300)]))
+    assert not np.array_equal(a, np.stack([make_document(5, i, g, L, typed=True, kind="slots") for i in range(300)]))
+    ks = []
+    for doc in a:
+        ((p, k, _),) = solve(doc, g, typed=True)  # one segment per slot, its answer recomputed
+        assert doc[0] == k and p == k + 1 and (doc[k + 3 :] == PAD).all()
+        ks.append(k)
+    assert sorted(set(ks)) == [1, 2, 3] and min(np.bincount(ks)[1:]) > 60  # uniform over 1..L
+    task = layout(16, L, 0, "random", True, "slots")
+    assert task["layout"] == "slots" and task["doc_tokens"] == L + 3
+    stream = a.reshape(-1)
+    for S in (1, 2, 4):  # windows of S whole slots: every slot's query scored at its level
+        w = S * slot_length(L)
+        lev = levels_at(stream[: len(stream) // w * w].reshape(-1, w), task).reshape(-1, slot_length(L))
+        want = np.zeros_like(lev)
+        want[np.arange(len(lev)), np.array(ks[: len(lev)]) + 1] = ks[: len(lev)]
+        assert np.array_equal(lev, want)
+    # the mean needs: per level k, the ordered layout's level-k segment, padded with PAD at one loop
+    for visible, key in ((False, "mean_need"), (True, "mean_need_frozen")):
+        per_k = [np.r_[need(k, visible)[-(k + 3) :], np.ones(L - k)].mean() for k in range(1, L + 1)]
+        assert task[key] == round(float(np.mean(per_k)), 4) == round(slot_need(L, visible), 4)
+        nm = slot_need_map(stream[:-2].reshape(1, -1), L, visible)[0]  # cut short: the last slot's tail missing
+        for i, k in enumerate(ks[:-1]):  # each slot's map is its level's segment, then one loop per PAD
+            assert list(nm[i * (L + 3) : (i + 1) * (L + 3)]) == [*need(k, visible)[-(k + 3) :], *[1] * (L - k)]
+    with pytest.raises(ValueError, match="fold layout"):
+        layout(16, L, kind="nested")
+
+
 def test_prep_data_cli_writes_the_fold_source(tmp_path):
     from data_prep.shards import ShardReader
 
@@ -162,6 +213,14 @@ def test_prep_data_cli_writes_the_fold_source(tmp_path):
     assert np.array_equal(toks[: doc_length(3)], make_document(3, 1, g, 3))
     for doc in toks.astype(np.int64).reshape(-1, doc_length(3)):
         assert len(solve(doc, g)) == 3
+    # the slots layout: documents of L + 3 tokens, windows of whole slots
+    r = subprocess.run(cmd[:-1] + ["fold_layout=slots", "--overwrite", "--no-progress"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "model.block_size=a multiple of 6" in r.stderr
+    m = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert m["depth_task"]["layout"] == "slots" and m["source"]["fold_layout"] == "slots"
+    toks = np.asarray(ShardReader(tmp_path / "d" / m["splits"]["train"]["shards"][0]["name"]).tokens)
+    assert np.array_equal(toks[:6], make_document(3, 1, rule(8, 0), 3, kind="slots"))
     # a manifest made before fold_rule existed counts as the default rule: the same command is a no-op
     r = subprocess.run(cmd + ["--overwrite"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -174,6 +233,7 @@ def test_prep_data_cli_writes_the_fold_source(tmp_path):
         ("fold_symbols=1", "fold_symbols"),
         ("depth_levels=16", "depth_levels"),
         ("fold_rule=x", "fold_rule"),
+        ("fold_layout=x", "fold_layout"),
     ):
         r = subprocess.run(
             cmd[:-6] + ["depth_docs=45", bad, "--overwrite", "--no-progress"], capture_output=True, text=True
@@ -181,10 +241,12 @@ def test_prep_data_cli_writes_the_fold_source(tmp_path):
         assert r.returncode != 0 and key in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("T,typed", [(15, False), (32, False), (15, True)])
-def test_loader_scores_only_the_fold_answers(tmp_path, T, typed):
+@pytest.mark.parametrize(
+    "T,typed,kind", [(15, False, "ordered"), (32, False, "ordered"), (15, True, "ordered"), (12, True, "slots")]
+)
+def test_loader_scores_only_the_fold_answers(tmp_path, T, typed, kind):
     """Shards stay plain tokens; the loader masks every target but the answers (ignore index -1), in windows of
-    one document (T = doc_length) or cut anywhere."""
+    one document (T = doc_length) or cut anywhere; in the slots layout, windows of two slots."""
     from data_prep.config import load_prep_config
     from data_prep.prep import prepare
     from pipeline.train.data import TrainLoader, ValLoader
@@ -192,10 +254,11 @@ def test_loader_scores_only_the_fold_answers(tmp_path, T, typed):
     cfg = load_prep_config(
         None,
         {"source": "depth-fold", "out": str(tmp_path / "d"), "progress": False},
-        ["depth_docs=60", "depth_levels=3", "fold_symbols=8", f"fold_typed={typed}"],
+        ["depth_docs=60", "depth_levels=3", "fold_symbols=8", f"fold_typed={typed}", f"fold_layout={kind}"],
     )
     prepare(cfg, log=lambda m: None)
     g = rule(8, 0)
+    seen = set()
     for loader in (
         TrainLoader(str(tmp_path / "d"), "train", T, 4, 0, 1, 0, 64),
         next(ValLoader(str(tmp_path / "d"), "val", T, 2, 0, 1, 64).batches(1)),
@@ -212,6 +275,9 @@ def test_loader_scores_only_the_fold_answers(tmp_path, T, typed):
                 for c in cells[1:]:
                     y_ = int(g[y_][c])
                 assert tgt[p] == SYM + y_
+                seen.add((int(lv[p]), p % 6 if kind == "slots" else p))
+        if kind == "slots":  # whole slots: the level-k query at slot position k + 1, levels mixed in the batch
+            assert {k for k, _ in seen} == {1, 2, 3} and all(q == k + 1 for k, q in seen)
         if T == 15:  # a window is one document: the level is a function of the position
             assert (lev == np.broadcast_to(levels(3), lev.shape)).all()
 
