@@ -35,6 +35,7 @@ def variant_label(variant: str) -> str:
         "tmlt-ee": "TMLT-EE",
         "loopformer": "LoopFormer",
         "t-loopformer": "T-LoopFormer",
+        "base-loop-router": "Base-Loop-Router",
     }.get(variant, variant)
 
 

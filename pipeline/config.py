@@ -65,8 +65,11 @@ VARIANT_TABLE = {
     "tmlt-ee": Variant(True, "time", True, False),
     "loopformer": Variant(True, "time_step", True, False),
     "t-loopformer": Variant(True, "time_step", True, True),
+    # not in the paper: the looped baseline with the router (per-token depth, no conditioning, no shortcut pass),
+    # whose depth d is plainly the first d loops (README "Presets"; the fold task's routed recipe)
+    "base-loop-router": Variant(True, "none", False, True),
 }
-VARIANTS = tuple(VARIANT_TABLE)  # the paper's Table-1 order
+VARIANTS = tuple(VARIANT_TABLE)  # the paper's Table-1 order, then base-loop-router
 
 
 def trained_variant(variant: str) -> str:
@@ -77,7 +80,7 @@ def trained_variant(variant: str) -> str:
 @dataclass
 class ModelConfig:
     variant: str = f(
-        "t-loopformer", "Variant name (one of the eight presets; tags runs); the flags below define behaviour."
+        "t-loopformer", "Variant name (one of the nine presets; tags runs); the flags below define behaviour."
     )
     vocab_size: int = f(50304, "Vocabulary size (GPT-2's 50257 padded to a multiple of 64).")
     block_size: int = f(2048, "Context length in tokens (learned absolute positions).")

@@ -24,7 +24,7 @@ from pipeline.config import (
 
 def test_every_shipped_config_loads():
     presets = list_presets()
-    assert len(presets) == len(SCALES) * len(VARIANTS) == 32
+    assert len(presets) == len(SCALES) * len(VARIANTS) == 36
     for name in presets:
         cfg = load_config(name)
         scale, variant = name.split("/")

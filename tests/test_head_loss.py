@@ -248,20 +248,30 @@ def test_logged_alignment_is_within_1e_6_of_the_materialised_path():
     assert float((parts[2] - want).abs() / want) <= 1e-6
 
 
-@pytest.mark.parametrize("extra", [(), ("objective.align_target=hidden",), ("model.exited_keys=frozen",)])
-def test_expected_exit_objective_fused_equals_the_plain_path(extra, monkeypatch):
+@pytest.mark.parametrize(
+    "variant,extra",
+    [
+        ("t-loopformer", ()),
+        ("t-loopformer", ("objective.align_target=hidden",)),
+        ("t-loopformer", ("model.exited_keys=frozen",)),
+        ("base-loop-router", ("model.exited_keys=frozen",)),  # no shortcut pass, no modulation
+    ],
+)
+def test_expected_exit_objective_fused_equals_the_plain_path(variant, extra, monkeypatch):
     """The expected recipe's objective (pipeline/train/objective.py): every exit's cross-entropy weighted by the
     router's pi through the fused head, over several chunks, equals the materialised sum_d pi_d CE_d: the loss,
     its parts and every gradient, the router's included (its only task gradient is through pi)."""
-    m = _model("t-loopformer", *EXPECTED_RECIPE, *extra)
+    m = _model(variant, *EXPECTED_RECIPE, *extra)
     with torch.no_grad():  # modulators away from zero: each exit's state and loss differ
         for layer in m.net.layers:
-            layer.modulator[1].weight.normal_(0, 0.05)
+            if hasattr(layer, "modulator"):
+                layer.modulator[1].weight.normal_(0, 0.05)
     x, y = _batch()
     monkeypatch.setattr(head_loss, "rows_per_chunk", lambda V_: 7)
     fused, g_f = _run(m, x, y, True)
     ref, g_r = _run(m, x, y, False)
-    assert fused.parts.keys() == ref.parts.keys() == {"loss_L", "loss_S", "loss_align", "loss_router", "loss_exits"}
+    short = {"loss_S", "loss_align"} if m.cfg.shortcut else set()  # base-loop-router: no shortcut pass
+    assert fused.parts.keys() == ref.parts.keys() == {"loss_L", "loss_router", "loss_exits", *short}
     torch.testing.assert_close(fused.loss, ref.loss, rtol=1e-5, atol=0)
     for n in ref.parts:
         torch.testing.assert_close(fused.parts[n], ref.parts[n], rtol=RTOL.get(n, 1e-5), atol=0, msg=n)
@@ -269,7 +279,10 @@ def test_expected_exit_objective_fused_equals_the_plain_path(extra, monkeypatch)
     for n in g_r:
         _close(g_f[n], g_r[n], 1e-5, n)
     L = m.net.cfg.loops
-    assert fused.lm_heads == L + 1 and float(fused.loops_executed) == L + 2  # every exit's head; shortcut (1, 3)
+    if m.cfg.shortcut:
+        assert fused.lm_heads == L + 1 and float(fused.loops_executed) == L + 2  # every exit's head; shortcut (1, 3)
+    else:
+        assert fused.lm_heads == L and float(fused.loops_executed) == L  # every exit's head, one pass
     assert float(fused.full.mean_depth) == L and float(fused.routed.mean_depth) < L  # runs all; routes fewer
     # the exits differ and pi weighs them: per token, the mixture lies strictly between its best and worst exit
     with torch.no_grad():

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import VARIANTS, ObjectiveConfig, load_config, list_presets
+from pipeline.demo import EXPECTED_RECIPE
 from pipeline.model import LoopedLM, RouterOutput
 from pipeline.model.router import depth_prior
 from pipeline.model.schedule import sample_shortcut, table_index, time_table, uniform
@@ -61,6 +62,8 @@ def grads(model):
         ("t-loopformer", ["model.router_recipe=budget", "model.exit_schedule=prefix", "model.exited_keys=frozen"], {}),
         ("loopformer", [], {}),
         ("base-loop-ee-align", [], {}),
+        ("base-loop-router", [*EXPECTED_RECIPE, "model.exited_keys=frozen"], {}),
+        ("base-loop-router", ["model.router_recipe=budget"], {"router_explore": 0.5, "router_explore_draw": "next"}),
     ],
 )
 def test_gather_scatter_equals_dense_reference(variant, overrides, router_training):
