@@ -1,7 +1,9 @@
 """Depth-need study: on a task where every scored token needs a known number of loops, does the router earn its compute?
 
 Data: `tlf prep-data --source depth-hops` (data_prep/depthtask.py; README "The depth-hops task"), or with
-`--task fold` `--source depth-fold` (data_prep/foldtask.py; README "The fold task"), made once.
+`--task fold` `--source depth-fold` (data_prep/foldtask.py; README "The fold task"), made once; `--layout slots`
+makes the fold task's documents one slot of a drawn level each (prep-data fold_layout=slots), `--slots` of them a
+window.
 Cases, each trained with the project's trainer (`pipeline.train.trainer.run`, one process per case, `--jobs` at a
 time, one thread each) for `--steps` steps at every seed of `--seeds`, paired by seed (the same seed gives every
 case the same data order, and the same initial weights for the parts the architectures share):
@@ -16,7 +18,7 @@ case the same data order, and the same initial weights for the parts the archite
   with the network learning every exit with equal weight (objective.router_exit_uniform=1).
 `--curriculum c` trains with data.curriculum=c (levels one at a time, validated every `--eval-every` steps), which
 the fold task needs.
-Measured on the first `--windows` validation documents (evaluation/levels.py, the code `tlf eval` runs): answer
+Measured on the first `--windows` validation windows (evaluation/levels.py, the code `tlf eval` runs): answer
 accuracy overall and by level at every budget M, executed work (layers per token over every token: loops x
 layers per loop, so base's one pass of 4 layers counts 4), the
 level x depth table, the share of level-k answers run at depth >= k, and Spearman's rho(executed depth, level).
@@ -49,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleave import write_json  # noqa: E402  (after the sys.path lines above)
 from testkit import train_case  # noqa: E402  (after the sys.path lines above)
 
-from data_prep.foldtask import RULES  # noqa: E402
+from data_prep.foldtask import LAYOUTS, RULES  # noqa: E402
 from pipeline.demo import DEPTH_TASK_RECIPE, EXPECTED_RECIPE  # noqa: E402
 
 BASE = [
@@ -108,6 +110,7 @@ def prepare(
     symbols: int = 16,
     rule: str = "cyclic",
     typed: bool = False,
+    layout: str = "ordered",
 ) -> dict:
     """The task's shards (made once with the real CLI; a rerun with the same options is a no-op)."""
     cmd = [
@@ -123,7 +126,9 @@ def prepare(
         f"depth_levels={levels}",
         "seed=0",
         "--no-progress",
-    ] + ([f"fold_symbols={symbols}", f"fold_rule={rule}", f"fold_typed={typed}"] if task == "fold" else [])
+    ]
+    if task == "fold":
+        cmd += [f"fold_symbols={symbols}", f"fold_rule={rule}", f"fold_typed={typed}", f"fold_layout={layout}"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
         sys.exit(f"prep-data failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
@@ -281,7 +286,7 @@ def figures(res: dict, out: Path) -> list[Path]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3000, help="training steps per case")
-    ap.add_argument("--batch", type=int, default=64, help="documents per step")
+    ap.add_argument("--batch", type=int, default=64, help="windows per step (each a document, or --slots of them)")
     ap.add_argument("--levels", type=int, default=4, help="task levels 1..L = the models' loops L (base: L layers)")
     ap.add_argument(
         "--task", choices=["hops", "fold"], default="hops", help="prep-data source depth-hops or depth-fold"
@@ -289,6 +294,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--symbols", type=int, default=16, help="--task fold: symbols m of the folded operation")
     ap.add_argument("--rule", choices=RULES, default=RULES[0], help="--task fold: how g is drawn (prep-data fold_rule)")
     ap.add_argument("--typed", action="store_true", help="--task fold: typed cells (prep-data fold_typed)")
+    ap.add_argument(
+        "--layout", choices=LAYOUTS, default=LAYOUTS[0], help="--task fold: documents' layout (prep-data fold_layout)"
+    )
+    ap.add_argument(
+        "--slots", type=int, default=2, help="--layout slots: slots (documents) per window, levels drawn per slot"
+    )
     ap.add_argument("--curriculum", type=float, default=0.0, help="data.curriculum (0: off)")
     ap.add_argument("--eval-every", type=int, default=250, help="with --curriculum: train.eval_interval")
     ap.add_argument("--lr", type=float, default=0.0, help="optim.lr (0: the preset's)")
@@ -304,7 +315,9 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--cases", default="", help="only these case labels (comma-separated); default all")
     ap.add_argument("--jobs", type=int, default=2, help="runs trained at once (one thread each)")
-    ap.add_argument("--windows", type=int, default=512, help="validation documents measured")
+    ap.add_argument(
+        "--windows", type=int, default=512, help="validation windows measured (each a document, or --slots of them)"
+    )
     ap.add_argument("--out", default="bench/results/depth_need")
     ap.add_argument(
         "--set",
@@ -322,19 +335,25 @@ def main(argv=None) -> dict:
         f"data_fold_m{a.symbols}_L{a.levels}"
         + ("" if a.rule == RULES[0] else f"_{a.rule}")
         + ("_typed" if a.typed else "")
+        + ("" if a.layout == LAYOUTS[0] else f"_{a.layout}")
     )
+    per_window = a.slots if a.task == "fold" and a.layout == "slots" else 1  # documents per window
     data = out / (f"data_L{a.levels}" if a.task == "hops" else fold)
     mb = a.batch
     task = prepare(
         data,
-        docs=a.steps * mb + 20 * a.windows,
+        docs=(a.steps * mb + 20 * a.windows) * per_window,
         levels=a.levels,
         task=a.task,
         symbols=a.symbols,
         rule=a.rule,
         typed=a.typed,
+        layout=a.layout,
     )
-    shape = [f"model.block_size={task['doc_tokens']}", f"model.vocab_size={-(-task['vocab_needed'] // 64) * 64}"]
+    shape = [
+        f"model.block_size={task['doc_tokens'] * per_window}",
+        f"model.vocab_size={-(-task['vocab_needed'] // 64) * 64}",
+    ]
     shape += DEPTH_TASK_RECIPE if a.recipe == "probe" else ()  # --recipe probe: what the depth probes found
     shape += [f"optim.lr={a.lr}"] if a.lr else []
     if a.curriculum:
@@ -380,7 +399,7 @@ def main(argv=None) -> dict:
     res = {
         "command": "python bench/depth_need.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "steps": a.steps,
-        "documents_per_step": mb,
+        "documents_per_step": mb * per_window,
         "recipe": a.recipe,
         "seeds": seeds,
         "task": task,

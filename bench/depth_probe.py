@@ -518,6 +518,114 @@ GRID14["fold m32 L2 typed random t-loopformer explore 0.5 next span 8 log-ste ke
     NEXT8,
     {**T32R, "target": "need"},
 )
+# Grid 15: the segments in the order L..1 (settings "descending"), so that the level-2 query sees no level-1
+# segment before it: grid 14's segment map (0.99) and queries map (0.15) differ only in whether the level-1
+# segment is visible to the level-2 query in loop 2. Does the visible pass (every token both loops) then compose?
+T32RD = {**T32R, "descending": True}
+GRID15 = {
+    "fold m32 L2 typed random descending base-loop curriculum": ("depth/base-loop", [], T32RD),
+    **{
+        f"fold m32 L2 typed random descending exits {e} curriculum": ("depth/base-loop", [], {**T32RD, "exits": e})
+        for e in ("need", "all")
+    },
+    "fold m32 L2 typed random descending oracle curriculum": ("depth/base-loop", [], {**T32RD, "depth": "oracle"}),
+}
+# ... and at seeds 1 and 2, for longer (composition came at 7,000 to 30,000 steps in grid 14's three oracle seeds)
+GRID15.update(
+    {
+        f"fold m32 L2 typed random descending {kind} curriculum seed {k}": (
+            "depth/base-loop",
+            [],
+            {**T32RD, **({"depth": "oracle"} if kind == "oracle" else {"exits": kind.split()[1]}), "seed": k},
+        )
+        for k in (1, 2)
+        for kind in ("exits need", "oracle", "exits all")
+    }
+)
+# Grid 16: why composition fails: after loop 1 the level-2 segment's cell x_1 holds its prefix y_1 (read through
+# the head: 1.00) in every model that composed (the oracle at three seeds, the segment map) and near chance in every
+# one that did not (the visible pass, exits all/short/reach, the queries map; bench/README grid-16 section): the
+# step g is learnt at the level-1 query's position and not carried to the level-2 cells' positions (learned absolute
+# positions). Training every row at positions shifted by a draw from 0..P (settings "offsets") teaches the step at
+# every position: does the visible pass then compose?
+GRID16 = {
+    f"fold m32 L2 typed random offsets {P} exits {e} curriculum": (
+        "depth/base-loop",
+        [],
+        {**T32R, "exits": e, "offsets": P},
+    )
+    for P in (16,)
+    for e in ("need", "all")
+}
+# ... and prep-data's fold_layout=slots (settings "slots": S): a row is S slots of L + 3 tokens, each one segment of
+# a level drawn per slot (W_k x_0 .. x_k A, padded), so the level-2 segment's x_1 sits where a level-1 query does,
+# with the same tokens (in law) before it: the step learnt for the level-1 answers is the one x_1 needs
+GRID16.update(
+    {
+        f"fold m32 L2 typed random slots {S} exits {e} curriculum": (
+            "depth/base-loop",
+            [],
+            {**T32R, "exits": e, "slots": S},
+        )
+        for S in (1, 2)
+        for e in ("need", "all")
+    }
+)
+# ... at two more seeds, and with the answers also scored one exit short of or past their need
+GRID16.update(
+    {
+        f"fold m32 L2 typed random slots 2 exits need curriculum seed {k}": (
+            "depth/base-loop",
+            [],
+            {**T32R, "exits": "need", "slots": 2, "seed": k},
+        )
+        for k in (1, 2)
+    }
+)
+GRID16.update(
+    {
+        f"fold m32 L2 typed random slots 2 exits {e} curriculum": (
+            "depth/base-loop",
+            [],
+            {**T32R, "exits": e, "slots": 2},
+        )
+        for e in ("short", "reach")
+    }
+)
+# ... and the routed recipes on it: the expected recipe (frozen keys, where the need is a function of h0: a cell
+# at slot position q needs max(q - 1, 1), a query at q needs q - 1) with the network of the exits probes (no
+# conditioning) and with t-loopformer's own, and loopformer (every budget) beside them
+SLOTS2 = {**T32R, "slots": 2}
+GRID16.update(
+    {
+        "fold m32 L2 typed random slots 2 t-loopformer expected unconditioned curriculum": (
+            "depth/t-loopformer",
+            expected(),
+            {**SLOTS2, "target": "need", "unconditioned": True},
+        ),
+        "fold m32 L2 typed random slots 2 t-loopformer expected curriculum": (
+            "depth/t-loopformer",
+            expected(),
+            {**SLOTS2, "target": "need"},
+        ),
+        "fold m32 L2 typed random slots 2 loopformer curriculum": (
+            "depth/loopformer",
+            [*G1, "objective.align_positions=scored"],
+            SLOTS2,
+        ),
+    }
+)
+GRID16.update(
+    {
+        f"fold m32 L2 typed random slots 2 t-loopformer expected{u} curriculum seed {k}": (
+            "depth/t-loopformer",
+            expected(),
+            {**SLOTS2, "target": "need", "unconditioned": bool(u), "seed": k},
+        )
+        for u in (" unconditioned", "")
+        for k in (1, 2)
+    }
+)
 GRIDS = {
     "1": GRID1,
     "2": GRID2,
@@ -533,6 +641,8 @@ GRIDS = {
     "12": GRID12,
     "13": GRID13,
     "14": GRID14,
+    "15": GRID15,
+    "16": GRID16,
 }
 GRID = {name: probe for grid in GRIDS.values() for name, probe in grid.items()}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
@@ -596,32 +706,72 @@ def _fold(s: dict, visible: bool = False):
     """The fold task (data_prep/foldtask.py) of settings s, as `_hops` returns it (the mean need when exited tokens
     stay readable if visible); val documents from their own stream, the same rule g."""
     from data_prep import foldtask
+    from data_prep.depthtask import levels_at
 
     L, g, rng = s["levels"], foldtask.rule(s["symbols"], 0, s.get("rule", "cyclic")), np.random.default_rng(s["seed"])
-    lev, typed = foldtask.levels(L)[:-1], bool(s.get("typed"))  # typed: prep-data's fold_typed
-    val = foldtask.documents(g, np.random.default_rng(10_000 + s["seed"]), 1024, L, typed=typed)
-    mean = float(foldtask.need(L, visible).mean())
+    typed, desc = bool(s.get("typed")), bool(s.get("descending"))  # prep-data's fold_typed; segments L..1
+    lev = foldtask.levels(L, desc)[:-1]
+    vocab = foldtask.layout(s["symbols"], L, typed=typed)["vocab_needed"]
+    if s.get("slots"):  # prep-data's fold_layout=slots: S slots of one drawn level each per row
+        if s.get("depth") or desc:
+            raise ValueError("settings 'slots' takes no forced depth map and no segment order")
+        S, task = int(s["slots"]), foldtask.layout(s["symbols"], L, typed=typed, kind="slots")
+
+        def draw(n):
+            return foldtask.slot_documents(g, rng, n * S, L, typed).reshape(n, -1)
+
+        val = foldtask.slot_documents(g, np.random.default_rng(10_000 + s["seed"]), 1024 * S, L, typed)
+        mean = foldtask.slot_need(L, visible)
+        return S * (L + 3), vocab, mean, val.reshape(1024, -1), lambda d: levels_at(d, task), draw
+    val = foldtask.documents(g, np.random.default_rng(10_000 + s["seed"]), 1024, L, typed=typed, descending=desc)
+    mean = float(foldtask.need(L, visible, desc).mean())
     return (
         foldtask.doc_length(L),
-        foldtask.layout(s["symbols"], L, typed=typed)["vocab_needed"],
+        vocab,
         mean,
         val,
         lambda d: np.broadcast_to(lev, (len(d), len(lev))),
-        lambda n: foldtask.documents(g, rng, n, L, typed=typed),
+        lambda n: foldtask.documents(g, rng, n, L, typed=typed, descending=desc),
     )
 
 
-def forced_depth(name: str, L: int, visible: bool = False) -> np.ndarray:
-    """(doc_length(L),) the fold task's forced depth map `name` (settings "depth"), no router; visible: the
-    needs when exited tokens stay readable (model.exited_keys=frozen)."""
+def prefix_targets(docs: np.ndarray, s: dict) -> np.ndarray:
+    """(B, T) for the fold task's documents docs (B, T) of settings s: at each context cell x_j (0 < j < k) of a
+    level-k segment the token of its prefix y_j = g(y_(j-1), x_j), the state it must hold after j loops for the
+    query to read it; -1 elsewhere (computed here from g, independently of the task's `need`)."""
     from data_prep import foldtask
 
-    need, lev = foldtask.need(L, visible), foldtask.levels(L)
+    L, m = s["levels"], s["symbols"]
+    g = foldtask.rule(m, 0, s.get("rule", "cyclic"))
+    out, p = np.full(docs.shape, -1, dtype=np.int64), 0
+    if s.get("slots"):  # slots of L + 3 tokens, one segment each from the slot's start, its opener W_k = k
+        for a in range(0, docs.shape[1] - 2, L + 3):
+            k = docs[:, a]  # (B,) the slot's level
+            y = docs[:, a + 1] - foldtask.SYM
+            for j in range(1, min(L, docs.shape[1] - a - 1)):
+                y = g[y, (docs[:, a + 1 + j] - foldtask.SYM - (m if s.get("typed") else 0)).clip(0, m - 1)]
+                out[:, a + 1 + j] = np.where(j < k, foldtask.SYM + y, -1)
+        return out
+    for k in foldtask.order(L, bool(s.get("descending"))):
+        y = docs[:, p + 1] - foldtask.SYM  # x_0, a state token
+        for j in range(1, k):
+            y = g[y, docs[:, p + 1 + j] - foldtask.SYM - (m if s.get("typed") else 0)]
+            out[:, p + 1 + j] = foldtask.SYM + y
+        p += k + 3
+    return out
+
+
+def forced_depth(name: str, L: int, visible: bool = False, descending: bool = False) -> np.ndarray:
+    """(doc_length(L),) the fold task's forced depth map `name` (settings "depth"), no router; visible: the
+    needs when exited tokens stay readable (model.exited_keys=frozen); descending: segments in the order L..1."""
+    from data_prep import foldtask
+
+    need, lev = foldtask.need(L, visible, descending), foldtask.levels(L, descending)
     return {
         "oracle": need,  # every token the loops it needs
         "oracle+1": need + 1,  # one loop past its need (clipped at the model's L)
         "oracle+2": need + 2,
-        "segment": foldtask.segment_depth(L),  # every token of a segment at its query's need
+        "segment": foldtask.segment_depth(L, descending),  # every token of a segment at its query's need
         # every query at its need, every other token at L: a query sees every token in every loop, as with
         # frozen keys, but no answer runs past its need
         "queries": np.where(lev > 0, lev, L),
@@ -640,7 +790,7 @@ def forced_depth_logits(model, x: torch.Tensor, depth: torch.Tensor, M: int) -> 
 def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device, log) -> dict:
     torch.set_num_threads(1)
     from pipeline.config import load_config
-    from pipeline.model.looped import LoopedLM
+    from pipeline.model.looped import LoopedLM, uniform
     from pipeline.train.data import _to_batch
     from pipeline.train.objective import Objective
 
@@ -659,8 +809,9 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     else:
         depth = f"model.loops={L}"
     extra = [f"model.router_target_depth={need_mean}"] if s.get("target") == "need" else []
+    P = int(s.get("offsets", 0))  # settings "offsets": each training row's positions shifted by a draw from 0..P
     vocab = -(-vocab_needed // 32) * 32  # the task's ids, rounded up (the preset's 64 holds R = 6, L = 4)
-    cfg_overrides = [*overrides, *extra, f"model.block_size={T - 1}", f"model.vocab_size={max(64, vocab)}", depth]
+    cfg_overrides = [*overrides, *extra, f"model.block_size={T - 1 + P}", f"model.vocab_size={max(64, vocab)}", depth]
     cfg = load_config(preset, cfg_overrides)
     torch.manual_seed(s["seed"])
     model = LoopedLM(cfg.model).to(device)
@@ -674,13 +825,17 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     if s.get("task") == "fold":
         from data_prep import foldtask
 
-        fold_need = foldtask.need(Lt, visible)[:-1].clip(max=Lm)
+        if s.get("slots"):  # (B, T-1) per row of the val documents: the need depends on each slot's level
+            fold_need = foldtask.slot_need_map(val_docs[:, :-1], Lt, visible).clip(max=Lm)
+        else:
+            fold_need = foldtask.need(Lt, visible, bool(s.get("descending")))[:-1].clip(max=Lm)
         need_t = torch.from_numpy(fold_need).to(device)  # (T-1,) the same, on the device
     oracle = s.get("depth")  # a forced depth map (`forced_depth`) instead of a router's: "oracle" is the need
     if oracle:
         if fold_need is None or model.router is not None:
             raise ValueError(f"depth {oracle!r} needs task 'fold' and a model without a router")
-        need = torch.from_numpy(forced_depth(oracle, Lt, visible)[:-1].clip(max=Lm)).to(device)  # (T-1,)
+        need = forced_depth(oracle, Lt, visible, bool(s.get("descending")))[:-1].clip(max=Lm)
+        need = torch.from_numpy(need).to(device)  # (T-1,)
     if s.get("warm") and (fold_need is None or model.router is None):
         raise ValueError("settings 'warm' needs task 'fold' and a model with a router")
     exits = None  # settings "exits": (Lt + 1, Lm) weights of each level's answer at each exit
@@ -688,6 +843,8 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         if model.router is not None or oracle or model.cfg.conditioning != "none":
             raise ValueError("settings 'exits' needs a looped model without a router, conditioning or forced depths")
         exits = exit_weights(s["exits"], Lt, Lm).to(device)
+    if P and exits is None:
+        raise ValueError("settings 'offsets' needs settings 'exits' (the pass it shifts)")
     cap = [1 if s.get("curriculum") else Lt]  # scored levels <= cap; a curriculum raises it at 0.9 accuracy
 
     def batch(docs, lev, limit):  # the loader's split; only the answers of levels 1..limit scored (-1 elsewhere)
@@ -699,6 +856,9 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         return model(x, loops=M) if depth is None else forced_depth_logits(model, x, depth, M)
 
     val_lev = np.ascontiguousarray(levels_of(val_docs[:, :-1]))  # (B, T-1) level of each target
+    prefix = None  # the fold task at levels >= 2: (B, T-1) the prefix y_j each context cell x_j holds once folded
+    if s.get("task") == "fold" and Lt >= 2:
+        prefix = torch.from_numpy(prefix_targets(val_docs[:, :-1], s)).to(device)
     val = (*batch(val_docs, val_lev, Lt), val_lev)
 
     @torch.no_grad()
@@ -725,8 +885,13 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
                     nd = np.broadcast_to(fold_need, d.shape)
                     cells = (lev == 0) & (nd >= 2)  # context cells that must stay for a later query to read them
                     acc["depth_ge_need"] = float((d >= nd).mean())  # every position
-                    acc["cells_depth_ge_need"] = float((d[cells] >= nd[cells]).mean())
+                    if cells.any():  # none in the slots layout at L = 2 with frozen keys (every cell needs one)
+                        acc["cells_depth_ge_need"] = float((d[cells] >= nd[cells]).mean())
             acc[M] = by_level(lg)
+        if prefix is not None:  # per loop i: the context cells whose head reads their prefix (every token all loops)
+            states, cells = [], prefix >= 0
+            model.run_loops(model.embed(x), uniform(Lm), None, None, collect=states)
+            acc["prefix"] = [float((model.head(h)[0].argmax(-1) == prefix)[cells].float().mean()) for h in states]
         if exits is not None:  # each level at its own exit (no conditioning: exit d is the budget M = d)
             at = [acc[EXITS["need"](k, Lm)[0]][k] for k in range(1, Lt + 1)]
             acc["at_need"] = [float(np.mean(at)), *at]  # a document holds one answer of each level
@@ -753,7 +918,15 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
             drawn = torch.rand(x.shape, device=device) < s["scramble"]
             dm = torch.where(drawn, torch.randint(1, Lm + 1, x.shape, device=device), dm)
         if exits is not None:  # every token both loops; each answer scored at its level's exits, by the weights
-            out = model(x, loops=Lm, exits=True, logits=False)  # the expected recipe's exit losses take as pi
+            if P:  # the states after each loop from h0 at the row's positions, as forward(exits=True) gives them
+                from types import SimpleNamespace
+
+                pos = torch.randint(0, P + 1, (len(x), 1), device=device) + torch.arange(x.shape[1], device=device)
+                states = []
+                model.run_loops(model.wte(x) + model.wpe(pos), uniform(Lm), None, None, collect=states)
+                out = SimpleNamespace(exits=[model.norm_f(h) for h in states], short=None)
+            else:
+                out = model(x, loops=Lm, exits=True, logits=False)  # the expected recipe's exit losses take as pi
             w = exits[torch.from_numpy(lev).to(device).long().clamp(max=Lt)]  # (B, T-1, Lm)
             loss = objective._exit_losses(out, y, w)[0]
         elif dm is None:
@@ -788,6 +961,34 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     return {"name": name, "preset": preset, "overrides": overrides, "settings": s, "steps": step, "curve": curve}
 
 
+@torch.no_grad()
+def readout(path: str) -> dict:
+    """What a saved fold-task probe (`<out>/<probe>.pt`) holds after each loop, every token running every loop,
+    read through its head on 1,024 held-out documents: {loop i: [answer accuracy of level 1..L, the prefix
+    accuracy of the context cells]} (`prefix_targets`; the evaluation's `prefix` for probes saved before it)."""
+    from pipeline.config import load_config
+    from pipeline.model.looped import LoopedLM, uniform
+
+    ck = torch.load(path, weights_only=False)
+    s, cfg = ck["settings"], load_config(ck["preset"], ck["overrides"])
+    model = LoopedLM(cfg.model)
+    model.load_state_dict(ck["state"])
+    model.eval()
+    if s.get("unconditioned"):
+        model.cfg.conditioning = "none"
+    _, _, _, docs, levels_of, _ = _fold(s, FROZEN[0] in ck["overrides"])
+    x = torch.from_numpy(docs[:, :-1])
+    y, lev, pre = docs[:, 1:], levels_of(docs[:, :-1]), prefix_targets(docs[:, :-1], s)
+    states = []
+    model.run_loops(model.embed(x), uniform(cfg.model.loops), None, None, collect=states)
+    out = {}
+    for i, h in enumerate(states, 1):
+        p = model.head(h)[0].argmax(-1).numpy()
+        out[i] = [float((p == y)[lev == k].mean()) for k in range(1, s["levels"] + 1)]
+        out[i].append(float((p == pre)[pre >= 0].mean()))
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grid", choices=sorted(GRIDS), default="1", help="which grid to run (default 1)")
@@ -798,7 +999,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--jobs", type=int, default=0, help="processes at once (default: all probes)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/depth_probe"))
+    ap.add_argument("--readout", nargs="+", metavar="PT", help="print `readout` of saved fold probes and stop")
     a = ap.parse_args(argv)
+    if a.readout:
+        torch.set_num_threads(1)
+        res = {}
+        for path in a.readout:
+            res[path] = r = readout(path)
+            cells = "  ".join(f"loop {i}: " + " ".join(f"{v:.2f}" for v in r[i]) for i in r)
+            print(f"{Path(path).stem:<72} {cells}  (levels 1..L, then the cells' prefix)")
+        return res
     names = [n.strip() for n in a.probes.split(",") if n.strip()] or list(GRIDS[a.grid])
     unknown = [n for n in names if n not in GRID]
     if unknown:
