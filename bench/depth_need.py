@@ -15,7 +15,9 @@ case the same data order, and the same initial weights for the parts the archite
 - t-loopformer expected: the expected-exit recipe (README "Router training": every exit trained, the router on
   the expected loss over exits) with frozen exited keys and prefix exits, at the task's mean need with frozen keys;
   `no shortcut terms`: the same with the shortcut pass's and the alignment's weights at 0; `uniform exits`: that,
-  with the network learning every exit with equal weight (objective.router_exit_uniform=1).
+  with the network learning every exit with equal weight (objective.router_exit_uniform=1);
+- base-loop-router expected: the expected recipe (as above) on the looped baseline with the router, no
+  conditioning and no shortcut pass (model.variant=base-loop-router);
 `--curriculum c` trains with data.curriculum=c (levels one at a time, validated every `--eval-every` steps), which
 the fold task needs.
 Measured on the first `--windows` validation windows (evaluation/levels.py, the code `tlf eval` runs): answer
@@ -94,6 +96,9 @@ def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
         "depth/t-loopformer",
         [*EXPECTED, "objective.lambda_short=0", "objective.lambda_align=0", "objective.router_exit_uniform=1"],
     )
+    # ... and on the looped baseline's network (base-loop-router: no conditioning, no shortcut pass), where on the
+    # slots layout the probe's router followed need (bench/README `### Where the step is learnt`)
+    out["base-loop-router expected"] = ("depth/base-loop-router", EXPECTED)
     return out
 
 

@@ -626,6 +626,31 @@ GRID16.update(
         for k in (1, 2)
     }
 )
+# ... and the pipeline's variant for it, base-loop-router (no conditioning, no shortcut pass), at three seeds
+GRID16.update(
+    {
+        f"fold m32 L2 typed random slots 2 base-loop-router expected curriculum seed {k}": (
+            "depth/base-loop-router",
+            expected(),
+            {**SLOTS2, "target": "need", "seed": k},
+        )
+        for k in range(3)
+    }
+)
+# ... and the network's exits weighted (1 - a) pi + a / L (objective.router_exit_uniform=a, the router's gradient
+# unchanged), so that exit 2 is trained at a level-2 query the router keeps at depth 1; and the `need` pass at the
+# same seeds, the network's side alone
+GRID16.update(
+    {
+        f"fold m32 L2 typed random slots 2 t-loopformer expected unconditioned exit uniform {a} curriculum seed {k}": (
+            "depth/t-loopformer",
+            [*expected(), f"objective.router_exit_uniform={a}"],
+            {**SLOTS2, "target": "need", "unconditioned": True, "seed": k},
+        )
+        for a in (0.1,)
+        for k in (1, 2)
+    }
+)
 GRIDS = {
     "1": GRID1,
     "2": GRID2,
@@ -683,7 +708,7 @@ def probe(args) -> dict:
 
 def _hops(s: dict):
     """The depth-hops task of settings s: (doc tokens T, vocabulary needed, mean need, val documents,
-    levels (docs (B, T) -> (B, T-1) level of each target), draw(n) -> n training documents)."""
+    levels (docs (B, T) -> (B, T) the level each position predicts), draw(n) -> n training documents)."""
     from data_prep.depthtask import doc_length, layout, levels_at, mean_need
 
     R, Lt, Q, order = s["R"], s.get("levels", s["L"]), s["Q"], s.get("order", "far")
@@ -710,7 +735,7 @@ def _fold(s: dict, visible: bool = False):
 
     L, g, rng = s["levels"], foldtask.rule(s["symbols"], 0, s.get("rule", "cyclic")), np.random.default_rng(s["seed"])
     typed, desc = bool(s.get("typed")), bool(s.get("descending"))  # prep-data's fold_typed; segments L..1
-    lev = foldtask.levels(L, desc)[:-1]
+    lev = foldtask.levels(L, desc)
     vocab = foldtask.layout(s["symbols"], L, typed=typed)["vocab_needed"]
     if s.get("slots"):  # prep-data's fold_layout=slots: S slots of one drawn level each per row
         if s.get("depth") or desc:
@@ -744,9 +769,10 @@ def prefix_targets(docs: np.ndarray, s: dict) -> np.ndarray:
     L, m = s["levels"], s["symbols"]
     g = foldtask.rule(m, 0, s.get("rule", "cyclic"))
     out, p = np.full(docs.shape, -1, dtype=np.int64), 0
-    if s.get("slots"):  # slots of L + 3 tokens, one segment each from the slot's start, its opener W_k = k
+    if s.get("slots"):  # whole slots of L + 3 tokens, one segment each from the slot's start
+        levels = foldtask.slot_levels(docs, L)
         for a in range(0, docs.shape[1] - 2, L + 3):
-            k = docs[:, a]  # (B,) the slot's level
+            k = levels[:, a]  # (B,) the slot's level
             y = docs[:, a + 1] - foldtask.SYM
             for j in range(1, min(L, docs.shape[1] - a - 1)):
                 y = g[y, (docs[:, a + 1 + j] - foldtask.SYM - (m if s.get("typed") else 0)).clip(0, m - 1)]
@@ -826,7 +852,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         from data_prep import foldtask
 
         if s.get("slots"):  # (B, T-1) per row of the val documents: the need depends on each slot's level
-            fold_need = foldtask.slot_need_map(val_docs[:, :-1], Lt, visible).clip(max=Lm)
+            fold_need = foldtask.slot_need_map(val_docs, Lt, visible)[:, :-1].clip(max=Lm)
         else:
             fold_need = foldtask.need(Lt, visible, bool(s.get("descending")))[:-1].clip(max=Lm)
         need_t = torch.from_numpy(fold_need).to(device)  # (T-1,) the same, on the device
@@ -855,10 +881,10 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     def logits(x, M, depth=None):
         return model(x, loops=M) if depth is None else forced_depth_logits(model, x, depth, M)
 
-    val_lev = np.ascontiguousarray(levels_of(val_docs[:, :-1]))  # (B, T-1) level of each target
+    val_lev = np.ascontiguousarray(levels_of(val_docs)[:, :-1])  # (B, T-1) level of each target
     prefix = None  # the fold task at levels >= 2: (B, T-1) the prefix y_j each context cell x_j holds once folded
     if s.get("task") == "fold" and Lt >= 2:
-        prefix = torch.from_numpy(prefix_targets(val_docs[:, :-1], s)).to(device)
+        prefix = torch.from_numpy(prefix_targets(val_docs, s)[:, :-1]).to(device)
     val = (*batch(val_docs, val_lev, Lt), val_lev)
 
     @torch.no_grad()
@@ -902,7 +928,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     model.train()
     while time.time() - t0 < minutes * 60 and (not steps or step < steps):
         d = draw(s["batch"])
-        lev = np.ascontiguousarray(levels_of(d[:, :-1]))  # (B, T-1) level of each target
+        lev = np.ascontiguousarray(levels_of(d)[:, :-1])  # (B, T-1) level of each target
         x, y = batch(d, lev, cap[0])
         warm = bool(s.get("warm")) and cap[0] < s["warm"]  # settings "warm": c: at the oracle depths until cap c
         dm = None  # a forced depth map, or None: the model's own (router) depths and the objective
@@ -978,7 +1004,7 @@ def readout(path: str) -> dict:
         model.cfg.conditioning = "none"
     _, _, _, docs, levels_of, _ = _fold(s, FROZEN[0] in ck["overrides"])
     x = torch.from_numpy(docs[:, :-1])
-    y, lev, pre = docs[:, 1:], levels_of(docs[:, :-1]), prefix_targets(docs[:, :-1], s)
+    y, lev, pre = docs[:, 1:], levels_of(docs)[:, :-1], prefix_targets(docs, s)[:, :-1]
     states = []
     model.run_loops(model.embed(x), uniform(cfg.model.loops), None, None, collect=states)
     out = {}

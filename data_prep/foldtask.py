@@ -16,7 +16,9 @@ uniformly from 1..L, then PAD. In the ordered layout the step g is learnt where 
 be found again, from the level-2 answer alone, at the level-2 segment's cells, which sit at other positions after
 other tokens; no network that composed failed to carry it there and none that carried it failed to compose
 (bench/README `### Where the step is learnt`). In slots every segment starts alike, so cell x_j of a level-k
-segment is where a level-j query is, with the same tokens (in law) before it.
+segment is where a level-j query is, with the same tokens (in law) before it; its opener is W for every level (a
+level-k opener would let the network compute the step differently at the higher levels' cells), so the loader
+finds the level by counting the slot's tokens before its padding, in windows of whole slots.
 
 Only A is scored (its target is predicted at x_k). One step of the fold is one attention read of the left
 neighbour plus a table look-up, so with one layer per loop cell j's prefix y_j is ready after j loops and a
@@ -25,8 +27,8 @@ model that reads the k + 1 cells at once must hold the m^(k+1)-entry table of th
 g's m^2. Every prefix is a fixed point of the step (y_j = g(y_(j-1), x_j) again), so running more loops than d*
 does no harm to a model that learnt the step.
 
-Openers: the probe's documents open every segment with W = 1; the prep-data source's (`marked=True`) open the
-level-k segment with W_k = k, so the scored positions can be found from the tokens of any window (`levels_at`:
+Openers: the probe's documents open every segment with W = 1; the prep-data source's ordered documents
+(`marked=True`) open the level-k segment with W_k = k, so the scored positions can be found from the tokens of any window (`levels_at`:
 the position k + 1 after a W_k), as the loader and `tlf eval` need. With model.block_size = doc_length(L) a
 window is one document and the level is also a function of the position, which is all a router reading h0 sees
 at x_k (a symbol).
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import numpy as np
 
-W = 1  # the probe's opener of every segment; the source's level-k segment opens with W_k = k (`marked`)
+W = 1  # the probe's and the slots layout's opener of every segment; the ordered source's is W_k = k (`marked`)
 SYM = 16  # symbol s is token SYM + s
 MAX_LEVELS = SYM - 1  # the openers W_k = k stay below the symbols
 MAX_SYMBOLS = 256
@@ -158,9 +160,10 @@ def segment_depth(L: int, descending: bool = False) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------- layout "slots"
-# One segment per document, its level k drawn uniformly from 1..L, in a slot of L + 3 tokens (W_k x_0 .. x_k A,
-# then PAD): every slot starts the same way whatever its level, so the context cell x_j of a level-k segment sits
-# at the slot position of a level-j query with the same tokens (in law) before it, and the step g learnt for the
+# One segment per document, its level k drawn uniformly from 1..L, in a slot of L + 3 tokens (W x_0 .. x_k A,
+# then PAD): every slot starts the same way whatever its level, the opener W included, so the context cell x_j of
+# a level-k segment sits at the slot position of a level-j query with the same tokens (in law) before it, and the
+# step g learnt for the
 # level-1 answers is the one the level-k segment's cells need (bench/README, the fold task's layouts). Windows of
 # a multiple of L + 3 tokens hold whole slots of independently drawn levels.
 def slot_length(L: int) -> int:
@@ -177,25 +180,36 @@ def slot_need(L: int, visible: bool = False) -> float:
     return total / L / slot_length(L)
 
 
+def slot_levels(tokens: np.ndarray, L: int) -> np.ndarray:
+    """(..., T) the level of the slot each token lies in, for windows of whole slots (T a multiple of L + 3,
+    starting at a slot): a level-k slot holds k + 3 tokens before its padding."""
+    t = np.asarray(tokens).astype(np.int64)
+    w = slot_length(L)
+    if t.shape[-1] % w:
+        raise ValueError(f"slots layout: windows must be whole slots of {w} tokens, got {t.shape[-1]}")
+    k = (t.reshape(*t.shape[:-1], -1, w) != PAD).sum(-1) - 3  # (..., slots)
+    return np.repeat(k, w, axis=-1)
+
+
 def slot_need_map(tokens: np.ndarray, L: int, visible: bool = False) -> np.ndarray:
-    """(B, T) the loops each token of windows of whole slots needs (tokens (B, T), T may stop short of the last
-    slot's end): in a level-k slot (opener W_k) the cell at slot position q = 1..k (x_(q-1)) needs q (visible:
-    max(q - 1, 1)), the query x_k at q = k + 1 needs k, every other token one."""
+    """(..., T) the loops each token of windows of whole slots needs: in a level-k slot the cell at slot position
+    q = 1..k (x_(q-1)) needs q (visible: max(q - 1, 1)), the query x_k at q = k + 1 needs k, every other token
+    one."""
     t = np.asarray(tokens).astype(np.int64)
     q = np.arange(t.shape[-1]) % slot_length(L)  # (T,) slot position
-    k = t[..., np.arange(t.shape[-1]) - q]  # (B, T) each token's slot level (its opener)
+    k = slot_levels(t, L)
     cells = np.maximum(q - 1, 1) if visible else q
     return np.where((q >= 1) & (q <= k), cells, np.where(q == k + 1, k, 1))
 
 
 def slot_documents(g: np.ndarray, rng: np.random.Generator, n: int, L: int, typed: bool = False) -> np.ndarray:
-    """n slots (n, slot_length(L)) int64, each W_k x_0 .. x_k A PAD..: the n levels drawn from rng first, then
+    """n slots (n, slot_length(L)) int64, each W x_0 .. x_k A PAD..: the n levels drawn from rng first, then
     the segments of each level in turn."""
     ks = rng.integers(1, L + 1, n)
     out = np.full((n, slot_length(L)), PAD, dtype=np.int64)
     for k in range(1, L + 1):
         rows = np.flatnonzero(ks == k)
-        out[rows, : k + 3] = segments(g, rng, len(rows), k, k, typed)
+        out[rows, : k + 3] = segments(g, rng, len(rows), k, W, typed)
     return out
 
 
@@ -230,7 +244,7 @@ def make_document(
     seed: int, index: int, g: np.ndarray, L: int, typed: bool = False, kind: str = "ordered"
 ) -> np.ndarray:
     """Document `index` of the source's stream for `seed`: (doc_length(L),) int64, openers W_k = k; kind "slots":
-    one slot (slot_length(L),)."""
+    one slot (slot_length(L),), opener W."""
     rng = np.random.default_rng((seed, index))
     if kind == "slots":
         return slot_documents(g, rng, 1, L, typed)[0]
@@ -240,7 +254,12 @@ def make_document(
 def levels_at(tokens: np.ndarray, task: dict) -> np.ndarray:
     """Level of the target each position predicts: (..., T) int, k at the last cell x_k of a level-k segment
     (the position k + 1 after its opener W_k; its target A is scored with d* = k), 0 elsewhere. Works on any
-    window of the source's stream: a segment whose opener lies before the window is not scored."""
+    window of the source's stream: a segment whose opener lies before the window is not scored. Layout "slots":
+    windows of whole slots (`slot_levels`), the query of a level-k slot at slot position k + 1."""
+    if task.get("layout") == "slots":
+        L = int(task["levels"])
+        k = slot_levels(tokens, L)
+        return np.where(np.arange(k.shape[-1]) % slot_length(L) == k + 1, k, 0)
     t = np.asarray(tokens).astype(np.int64)
     out = np.zeros(t.shape, dtype=np.int64)
     T = t.shape[-1]

@@ -14,6 +14,7 @@ from data_prep.depthtask import levels_at
 from data_prep.foldtask import (
     PAD,
     SYM,
+    W,
     doc_length,
     documents,
     layout,
@@ -158,7 +159,7 @@ def test_the_slots_layout_draws_one_level_per_slot_and_starts_every_slot_alike()
     ks = []
     for doc in a:
         ((p, k, _),) = solve(doc, g, typed=True)  # one segment per slot, its answer recomputed
-        assert doc[0] == k and p == k + 1 and (doc[k + 3 :] == PAD).all()
+        assert doc[0] == W and p == k + 1 and (doc[k + 3 :] == PAD).all()  # one opener for every level
         ks.append(k)
     assert sorted(set(ks)) == [1, 2, 3] and min(np.bincount(ks)[1:]) > 60  # uniform over 1..L
     task = layout(16, L, 0, "random", True, "slots")
@@ -174,11 +175,13 @@ def test_the_slots_layout_draws_one_level_per_slot_and_starts_every_slot_alike()
     for visible, key in ((False, "mean_need"), (True, "mean_need_frozen")):
         per_k = [np.r_[need(k, visible)[-(k + 3) :], np.ones(L - k)].mean() for k in range(1, L + 1)]
         assert task[key] == round(float(np.mean(per_k)), 4) == round(slot_need(L, visible), 4)
-        nm = slot_need_map(stream[:-2].reshape(1, -1), L, visible)[0]  # cut short: the last slot's tail missing
-        for i, k in enumerate(ks[:-1]):  # each slot's map is its level's segment, then one loop per PAD
+        nm = slot_need_map(stream.reshape(1, -1), L, visible)[0]
+        for i, k in enumerate(ks):  # each slot's map is its level's segment, then one loop per PAD
             assert list(nm[i * (L + 3) : (i + 1) * (L + 3)]) == [*need(k, visible)[-(k + 3) :], *[1] * (L - k)]
     with pytest.raises(ValueError, match="fold layout"):
         layout(16, L, kind="nested")
+    with pytest.raises(ValueError, match="whole slots"):  # the level is counted over the slot: no cut windows
+        levels_at(stream[:-1], task)
 
 
 def test_prep_data_cli_writes_the_fold_source(tmp_path):
@@ -264,12 +267,12 @@ def test_loader_scores_only_the_fold_answers(tmp_path, T, typed, kind):
         next(ValLoader(str(tmp_path / "d"), "val", T, 2, 0, 1, 64).batches(1)),
     ):
         x, y = loader.next() if hasattr(loader, "next") else loader
-        lev = levels_at(x.numpy(), layout(8, 3))
+        lev = levels_at(x.numpy(), layout(8, 3, kind=kind))
         assert ((y != -1).numpy() == (lev > 0)).all() and (lev > 0).any()
         for row, tgt, lv in zip(x.numpy(), y.numpy(), lev):  # every scored target: the fold of its cells
             for p in np.flatnonzero(tgt != -1):
                 cells = [int(v) - SYM for v in row[p - lv[p] : p + 1]]  # x_0 .. x_k
-                assert row[p - lv[p] - 1] == lv[p] and min(cells) >= 0  # W_k, then k + 1 cells
+                assert row[p - lv[p] - 1] == (W if kind == "slots" else lv[p]) and min(cells) >= 0  # opener, cells
                 cells = cells[:1] + [c - 8 * typed for c in cells[1:]]
                 y_ = cells[0]
                 for c in cells[1:]:
