@@ -122,6 +122,15 @@ def levels_at(tokens: np.ndarray, task: dict) -> np.ndarray:
     return np.where(asked & (sym >= 0) & (sym < R * (L + 1)), dist, 0)
 
 
+def window_error(task: dict | None, T: int) -> str | None:
+    """Why windows of T tokens cannot be scored for `task` (a manifest's depth_task), or None: the fold task's
+    slots layout counts each slot's tokens, so a window must be whole slots."""
+    if task and task.get("kind") == "fold" and task.get("layout") == "slots" and T % int(task["doc_tokens"]):
+        w = int(task["doc_tokens"])
+        return f"model.block_size={T}: the fold task's slots layout needs a multiple of its slot ({w} tokens)"
+    return None
+
+
 def need_at(tokens: np.ndarray, task: dict) -> np.ndarray:
     """Loops each position needs (..., T) int >= 1, as the module docstring says. Takes whole documents
     (..., doc_length): an entry's distance is read from its position (labels are numbered by distance)."""

@@ -423,3 +423,31 @@ def test_tlf_train_on_the_fold_task_logs_accuracy_by_level_and_its_curriculum(tm
     text = make_shards(tmp_path / "text", windows=10, seq_len=15, vocab=64)
     with pytest.raises(ShardError, match=r"data.curriculum needs a depth-task data.dir"):
         run(load_config("tiny/t-loopformer", [*base, f"data.dir={text}", f"checkpoint.dir={tmp_path / 'r2'}"]))
+
+
+def test_the_slots_layout_refuses_windows_that_cut_a_slot(tmp_path):
+    """The loader counts a slot's tokens to find its level, so `tlf train` on slots data with a block size that is
+    not a multiple of the slot stops with one line naming model.block_size (and the evaluator too)."""
+    from data_prep.config import load_prep_config
+    from data_prep.prep import prepare
+    from data_prep.shards import ShardError
+    from evaluation.levels import level_scores
+    from pipeline.config import load_config
+    from pipeline.model.looped import LoopedLM
+
+    d = tmp_path / "d"
+    cfg = load_prep_config(
+        None,
+        {"source": "depth-fold", "out": str(d), "progress": False},
+        ["depth_docs=200", "depth_levels=2", "fold_symbols=8", "fold_typed=true", "fold_layout=slots"],
+    )
+    prepare(cfg, log=lambda m: None)
+    cmd = [sys.executable, "-m", "pipeline.cli", "train", "depth/base-loop-router", f"data.dir={d}"]
+    cmd += [f"checkpoint.dir={tmp_path / 'ck'}", "model.block_size=9", "train.device=cpu", "logging.mlflow=false"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in r.stderr.splitlines() if "model.block_size=9" in ln]
+    assert r.returncode != 0 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+    assert "multiple of its slot (5 tokens)" in lines[0]
+    model = LoopedLM(load_config("depth/base-loop-router", ["model.block_size=9"]).model)
+    with pytest.raises(ShardError, match="model.block_size=9"):
+        level_scores(model, str(d), 2)
