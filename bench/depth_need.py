@@ -96,8 +96,8 @@ def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
         "depth/t-loopformer",
         [*EXPECTED, "objective.lambda_short=0", "objective.lambda_align=0", "objective.router_exit_uniform=1"],
     )
-    # ... and on the looped baseline's network (base-loop-router: no conditioning, no shortcut pass), where on the
-    # slots layout the probe's router followed need (bench/README `### Where the step is learnt`)
+    # ... and on the looped baseline's network (base-loop-router: no conditioning, no shortcut pass), the network
+    # of the probes that composed on the slots layout (bench/README `### Where the step is learnt`)
     out["base-loop-router expected"] = ("depth/base-loop-router", EXPECTED)
     return out
 

@@ -571,6 +571,9 @@ GRID16.update(
         for e in ("need", "all")
     }
 )
+# ... every answer at exit 2 only (base-loop: the map a router that starts deep would train first)
+SLOTS2 = {**T32R, "slots": 2}
+GRID16["fold m32 L2 typed random slots 2 base-loop curriculum"] = ("depth/base-loop", [], SLOTS2)
 # ... at two more seeds, and with the answers also scored one exit short of or past their need
 GRID16.update(
     {
@@ -595,7 +598,6 @@ GRID16.update(
 # ... and the routed recipes on it: the expected recipe (frozen keys, where the need is a function of h0: a cell
 # at slot position q needs max(q - 1, 1), a query at q needs q - 1) with the network of the exits probes (no
 # conditioning) and with t-loopformer's own, and loopformer (every budget) beside them
-SLOTS2 = {**T32R, "slots": 2}
 GRID16.update(
     {
         "fold m32 L2 typed random slots 2 t-loopformer expected unconditioned curriculum": (

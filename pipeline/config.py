@@ -66,7 +66,7 @@ VARIANT_TABLE = {
     "loopformer": Variant(True, "time_step", True, False),
     "t-loopformer": Variant(True, "time_step", True, True),
     # not in the paper: the looped baseline with the router (per-token depth, no conditioning, no shortcut pass),
-    # whose depth d is plainly the first d loops (README "Presets"; the fold task's routed recipe)
+    # whose depth d is plainly the first d loops (README "Presets")
     "base-loop-router": Variant(True, "none", False, True),
 }
 VARIANTS = tuple(VARIANT_TABLE)  # the paper's Table-1 order, then base-loop-router
