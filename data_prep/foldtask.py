@@ -28,10 +28,10 @@ g's m^2. Every prefix is a fixed point of the step (y_j = g(y_(j-1), x_j) again)
 does no harm to a model that learnt the step.
 
 Openers: the probe's documents open every segment with W = 1; the prep-data source's ordered documents
-(`marked=True`) open the level-k segment with W_k = k, so the scored positions can be found from the tokens of any window (`levels_at`:
-the position k + 1 after a W_k), as the loader and `tlf eval` need. With model.block_size = doc_length(L) a
-window is one document and the level is also a function of the position, which is all a router reading h0 sees
-at x_k (a symbol).
+(`marked=True`) open the level-k segment with W_k = k, so the scored positions can be found from the tokens of any
+window (`levels_at`: the position k + 1 after a W_k), as the loader and `tlf eval` need. With model.block_size =
+doc_length(L) a window is one document and the level is also a function of the position, which is all a router
+reading h0 sees at x_k (a symbol).
 
 `need`: the per-token depth an oracle router would give (`oracle` probes run it): cell x_j of a level-k segment
 is read by x_(j+1) in loop j + 1, so it must still be looping then (depth j + 1 for j < k), the query x_k needs
@@ -163,9 +163,8 @@ def segment_depth(L: int, descending: bool = False) -> np.ndarray:
 # One segment per document, its level k drawn uniformly from 1..L, in a slot of L + 3 tokens (W x_0 .. x_k A,
 # then PAD): every slot starts the same way whatever its level, the opener W included, so the context cell x_j of
 # a level-k segment sits at the slot position of a level-j query with the same tokens (in law) before it, and the
-# step g learnt for the
-# level-1 answers is the one the level-k segment's cells need (bench/README, the fold task's layouts). Windows of
-# a multiple of L + 3 tokens hold whole slots of independently drawn levels.
+# step g learnt for the level-1 answers is the one the level-k segment's cells need (bench/README `### Where the
+# step is learnt`). Windows of a multiple of L + 3 tokens hold whole slots of independently drawn levels.
 def slot_length(L: int) -> int:
     return L + 3
 
