@@ -17,6 +17,7 @@ BPE_CACHE_NAMES = {
     "vocab.bpe": "6d1cbeee0f20b3d9449abfede4726ed8212e3aee",
 }
 TOKENIZER = "gpt2"
+GPT2_VOCAB = 50257  # ids of the GPT-2 BPE (model.vocab_size pads it to 50304)
 MAX_UINT16_VOCAB = 65536
 
 

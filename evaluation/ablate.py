@@ -27,6 +27,7 @@ import torch
 
 from pipeline.inference import timing
 from data_prep.files import write_json
+from data_prep.tokenizer import GPT2_VOCAB
 from pipeline.device import DEVICE_HELP, resolve_device
 from pipeline.memory import region_peak_mib, region_start
 from pipeline.model.io import find_export, load_model
@@ -45,7 +46,7 @@ def _step_memory_worker(export: str, gather_scatter: bool, batch: int, seq: int,
     model, cfg = load_model(export, resolve_device("auto"))
     model.train()
     dev = model.wte.weight.device
-    idx = torch.randint(0, min(cfg.model.vocab_size, 50257), (batch, seq), device=dev)
+    idx = torch.randint(0, min(cfg.model.vocab_size, GPT2_VOCAB), (batch, seq), device=dev)
     base = region_start(dev)
     from pipeline.train.objective import Objective
 
@@ -90,7 +91,7 @@ def run(
     stream = TokenStream(ppl_dir or cfg.data.dir, cfg.data.val_split, ppl_tokens)
     has_router = model.router is not None
     g = torch.Generator().manual_seed(0)
-    vocab = min(cfg.model.vocab_size, 50257)
+    vocab = min(cfg.model.vocab_size, GPT2_VOCAB)
     res: dict = {
         "checkpoint": export,
         "variant": cfg.model.variant,

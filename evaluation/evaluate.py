@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipeline import tracking
 from data_prep.depthtask import task_of
+from data_prep.tokenizer import GPT2_VOCAB
 from pipeline.config import VARIANTS, Config, ConfigError, load_config, trained_variant
 from pipeline.device import resolve_device
 from pipeline.model.io import find_export, load_model
@@ -137,8 +138,21 @@ def load_inputs(cfg: Config, log) -> _Inputs:
     """The tasks (a task whose data cannot be reached is skipped with one line unless eval.strict), their
     tokenised requests, the perplexity streams and, for a depth-hops data.dir, the directory to score by level."""
     ev = cfg.eval
-    tasks, skipped = {}, {}
-    for n in ev.tasks:
+    tasks, skipped, names = {}, {}, list(ev.tasks)
+    if names and cfg.model.vocab_size < GPT2_VOCAB:  # e.g. a depth-task model: its ids are not GPT-2's
+        why = (
+            f"model.vocab_size={cfg.model.vocab_size} holds fewer ids than the GPT-2 text the zero-shot tasks are "
+            f"written in ({GPT2_VOCAB}); a depth-task model is scored by level from its data.dir, and eval.tasks=[] "
+            "leaves the tasks out"
+        )
+        if ev.strict:
+            raise ConfigError(f"eval.tasks: {why}")
+        log(f"eval: warning: skipping the zero-shot tasks (eval.strict=false): {why}")
+        skipped, names = (
+            dict.fromkeys(names, f"its GPT-2 text does not fit model.vocab_size={cfg.model.vocab_size}"),
+            [],
+        )
+    for n in names:
         try:
             tasks[n] = load_task(n, ev.source, ev.race_file, ev.limit)
         except TaskUnavailable as e:

@@ -12,6 +12,7 @@ import statistics
 
 import torch
 
+from data_prep.tokenizer import GPT2_VOCAB
 from pipeline.inference import timing
 
 
@@ -37,7 +38,7 @@ def measure_latency(
     steps = max(1, min(steps, T // 4))
     lens = prompt_lengths(T, steps)
     tpot_prompt = min(128, T - steps - 1)
-    vocab = min(model.cfg.vocab_size, 50257)
+    vocab = min(model.cfg.vocab_size, GPT2_VOCAB)
     g = torch.Generator().manual_seed(seed)
     rand = lambda *s: torch.randint(0, vocab, s, generator=g).to(dev)
     ttft_in = {P: rand(1, P) for P in lens}

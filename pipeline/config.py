@@ -464,8 +464,8 @@ class EvalConfig:
     mlflow: bool = f(True, "Log the results to MLflow (the checkpoint's run if recorded, else a new run).")
     strict: bool = f(
         False,
-        "A task whose data cannot be reached (offline, no copy) is an error; false: skipped, one "
-        "warning line, marked in results.json and table1.md.",
+        "A task whose data cannot be reached (offline, no copy), or that a model with fewer ids than GPT-2's "
+        "cannot read, is an error; false: skipped, one warning line, marked in results.json and table1.md.",
     )
     progress: bool = f(True, "Progress bar with ETA on stderr (tasks x budgets x examples; shown only on a terminal).")
 

@@ -423,6 +423,17 @@ def test_tlf_train_on_the_fold_task_logs_accuracy_by_level_and_its_curriculum(tm
     text = make_shards(tmp_path / "text", windows=10, seq_len=15, vocab=64)
     with pytest.raises(ShardError, match=r"data.curriculum needs a depth-task data.dir"):
         run(load_config("tiny/t-loopformer", [*base, f"data.dir={text}", f"checkpoint.dir={tmp_path / 'r2'}"]))
+    # `tlf eval` with its default tasks on this checkpoint: the GPT-2 text of the zero-shot tasks does not fit a
+    # vocabulary of 64, so they are skipped with one line (or refused under eval.strict) and the levels scored
+    from evaluation.evaluate import run as evaluate
+
+    logs, ev = [], ["eval.latency=false", "eval.mlflow=false", f"eval.out_dir={tmp_path / 'ev'}"]
+    res = evaluate(tmp_path / "run", ev, loops="4", log=logs.append)
+    assert sum("skipping the zero-shot tasks" in ln and "model.vocab_size=64" in ln for ln in logs) == 1
+    assert set(res["skipped_tasks"]) == set(load_config("tiny/t-loopformer").eval.tasks)
+    assert res["budgets"][0]["levels"]["targets"] > 0 and not res["budgets"][0]["tasks"]
+    with pytest.raises(ConfigError, match=r"eval.tasks: model.vocab_size=64"):
+        evaluate(tmp_path / "run", [*ev, "eval.strict=true"], loops="4", log=logs.append)
 
 
 def test_the_slots_layout_refuses_windows_that_cut_a_slot(tmp_path):
