@@ -917,9 +917,8 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
                         acc["cells_depth_ge_need"] = float((d[cells] >= nd[cells]).mean())
             acc[M] = by_level(lg)
         if prefix is not None:  # per loop i: the context cells whose head reads their prefix (every token all loops)
-            states, cells = [], prefix >= 0
-            model.run_loops(model.embed(x), uniform(Lm), None, None, collect=states)
-            acc["prefix"] = [float((model.head(h)[0].argmax(-1) == prefix)[cells].float().mean()) for h in states]
+            cells = prefix >= 0
+            acc["prefix"] = [float((p == prefix)[cells].float().mean()) for p in loop_predictions(model, x, Lm)]
         if exits is not None:  # each level at its own exit (no conditioning: exit d is the budget M = d)
             at = [acc[EXITS["need"](k, Lm)[0]][k] for k in range(1, Lt + 1)]
             acc["at_need"] = [float(np.mean(at)), *at]  # a document holds one answer of each level
@@ -989,13 +988,22 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     return {"name": name, "preset": preset, "overrides": overrides, "settings": s, "steps": step, "curve": curve}
 
 
+def loop_predictions(model, x: torch.Tensor, M: int) -> list:
+    """The head's argmax (B, T) after each of loops 1..M, every token running every loop."""
+    from pipeline.model.looped import uniform
+
+    states = []
+    model.run_loops(model.embed(x), uniform(M), None, None, collect=states)
+    return [model.head(h)[0].argmax(-1) for h in states]
+
+
 @torch.no_grad()
 def readout(path: str) -> dict:
     """What a saved fold-task probe (`<out>/<probe>.pt`) holds after each loop, every token running every loop,
     read through its head on 1,024 held-out documents: {loop i: [answer accuracy of level 1..L, the prefix
     accuracy of the context cells]} (`prefix_targets`; the evaluation's `prefix` for probes saved before it)."""
     from pipeline.config import load_config
-    from pipeline.model.looped import LoopedLM, uniform
+    from pipeline.model.looped import LoopedLM
 
     ck = torch.load(path, weights_only=False)
     s, cfg = ck["settings"], load_config(ck["preset"], ck["overrides"])
@@ -1007,11 +1015,9 @@ def readout(path: str) -> dict:
     _, _, _, docs, levels_of, _ = _fold(s, FROZEN[0] in ck["overrides"])
     x = torch.from_numpy(docs[:, :-1])
     y, lev, pre = docs[:, 1:], levels_of(docs)[:, :-1], prefix_targets(docs, s)[:, :-1]
-    states = []
-    model.run_loops(model.embed(x), uniform(cfg.model.loops), None, None, collect=states)
     out = {}
-    for i, h in enumerate(states, 1):
-        p = model.head(h)[0].argmax(-1).numpy()
+    for i, p in enumerate(loop_predictions(model, x, cfg.model.loops), 1):
+        p = p.numpy()
         out[i] = [float((p == y)[lev == k].mean()) for k in range(1, s["levels"] + 1)]
         out[i].append(float((p == pre)[pre >= 0].mean()))
     return out

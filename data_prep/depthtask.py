@@ -122,13 +122,16 @@ def levels_at(tokens: np.ndarray, task: dict) -> np.ndarray:
     return np.where(asked & (sym >= 0) & (sym < R * (L + 1)), dist, 0)
 
 
-def window_error(task: dict | None, T: int) -> str | None:
-    """Why windows of T tokens cannot be scored for `task` (a manifest's depth_task), or None: the fold task's
-    slots layout counts each slot's tokens, so a window must be whole slots."""
+def check_window(task: dict | None, T: int, directory) -> None:
+    """Raises ShardError (one line) when windows of T tokens cannot be scored for `task`, DIRECTORY's depth_task:
+    the fold task's slots layout counts each slot's tokens, so a window must be whole slots."""
     if task and task.get("kind") == "fold" and task.get("layout") == "slots" and T % int(task["doc_tokens"]):
+        from data_prep.shards import ShardError
+
         w = int(task["doc_tokens"])
-        return f"model.block_size={T}: the fold task's slots layout needs a multiple of its slot ({w} tokens)"
-    return None
+        raise ShardError(
+            f"{directory}: model.block_size={T}: the fold task's slots layout needs a multiple of its slot ({w} tokens)"
+        )
 
 
 def need_at(tokens: np.ndarray, task: dict) -> np.ndarray:
@@ -181,7 +184,9 @@ def generate(cfg, out: Path, tokenizer: dict, log) -> dict:
             **foldtask.layout(cfg.fold_symbols, L, cfg.fold_rule_seed, cfg.fold_rule, cfg.fold_typed, kind),
             "seed": cfg.seed,
         }
-        task["scored"] = "the target after the last cell x_k of a level-k segment (k + 1 after its opener W_k = k)"
+        task["scored"] = "the target after the last cell x_k of a level-k segment " + (
+            "(slot position k + 1)" if kind == "slots" else "(k + 1 after its opener W_k = k)"
+        )
         doc = lambda i: foldtask.make_document(cfg.seed, i, g, L, cfg.fold_typed, kind)
         cells = ", typed cells" if cfg.fold_typed else ""
         what = f"{cfg.fold_symbols} symbols ({cfg.fold_rule} rule{cells}), levels 1..{L}, {kind} layout"

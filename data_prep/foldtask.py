@@ -172,10 +172,8 @@ def slot_length(L: int) -> int:
 def slot_need(L: int, visible: bool = False) -> float:
     """Mean loops per token of the slots layout over its uniform level (module docstring `need`): a level-k slot
     needs k for its query, j + 1 for its cell x_j (j < k; visible: x_j needs j, x_0 and x_1 one), one elsewhere."""
-    total = 0.0
-    for k in range(1, L + 1):
-        cells = [1] + list(range(1, k)) if visible else [j + 1 for j in range(k)]
-        total += sum(cells) + k + (slot_length(L) - k - 1)  # cells, query, and W, A, PAD at one loop each
+    # a level-k slot: the ordered layout's level-k segment (its last k + 3 needs), then L - k PAD at one loop each
+    total = sum(int(need(k, visible)[-(k + 3) :].sum()) + L - k for k in range(1, L + 1))
     return total / L / slot_length(L)
 
 

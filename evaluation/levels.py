@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from data_prep.depthtask import levels_at, task_of, window_error
+from data_prep.depthtask import check_window, levels_at, task_of
 from data_prep.shards import ShardError, ShardSet
 from evaluation.forward import hidden_states, logits_at
 
@@ -45,8 +45,7 @@ def level_scores(
     L, M = int(task["levels"]), int(loops)
     shards = ShardSet(directory, split)
     T = model.cfg.block_size
-    if (why := window_error(task, T)) is not None:
-        raise ShardError(f"{directory}: {why}")
+    check_window(task, T, directory)
     n_win = min((shards.num_tokens - 1) // T, max_windows)
     lev_all, dep_all, ok_all, work = [], [], [], 0.0
     for b0 in range(0, n_win, batch_size):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from data_prep.depthtask import levels_at, task_of, window_error
+from data_prep.depthtask import check_window, levels_at, task_of
 from data_prep.shards import ShardError, ShardSet
 
 
@@ -58,8 +58,7 @@ class TrainLoader:
     ):
         self.shards = ShardSet(directory, split, (rank, world_size) if verify else None)
         self.task = task_of(directory)
-        if (why := window_error(self.task, seq_len)) is not None:
-            raise ShardError(f"{directory}: {why}")
+        check_window(self.task, seq_len, directory)
         if curriculum and self.task is None:
             raise ShardError(
                 f"data.curriculum needs a depth-task data.dir (prep-data --source depth-hops or depth-fold); "
@@ -171,8 +170,7 @@ class ValLoader:
     ):
         self.shards = ShardSet(directory, split, (rank, world_size) if verify else None)
         self.task = task_of(directory)
-        if (why := window_error(self.task, seq_len)) is not None:
-            raise ShardError(f"{directory}: {why}")
+        check_window(self.task, seq_len, directory)
         self.T, self.mb, self.rank, self.ws, self.vocab_size = seq_len, micro_batch, rank, world_size, vocab_size
         self.windows = (self.shards.num_tokens - 1) // seq_len
         if self.windows < 1:
