@@ -653,6 +653,31 @@ GRID16.update(
         for k in (1, 2)
     }
 )
+# Grid 17: the router's own target for the hard tokens (objective.router_hard_weight=w): each scored token's first
+# exit whose loss is at most the batch's mean there (the last if none). At the curriculum's level-2 entry the
+# level-1 answers are right at exit 1 and the level-2 answers at chance at both exits: the expected loss's gradient
+# is blind between the two exits, the target sends the level-2 answers to exit 2 at once. The pipeline's variant
+# for the task (base-loop-router) at three seeds, and the unconditioned t-loopformer at the two seeds that stuck.
+GRID17 = {
+    f"fold m32 L2 typed random slots 2 base-loop-router expected hard {w} curriculum seed {k}": (
+        "depth/base-loop-router",
+        [*expected(), f"objective.router_hard_weight={w}"],
+        {**SLOTS2, "target": "need", "seed": k},
+    )
+    for w in (1.0,)
+    for k in range(3)
+}
+GRID17.update(
+    {
+        f"fold m32 L2 typed random slots 2 t-loopformer expected unconditioned hard {w} curriculum seed {k}": (
+            "depth/t-loopformer",
+            [*expected(), f"objective.router_hard_weight={w}"],
+            {**SLOTS2, "target": "need", "unconditioned": True, "seed": k},
+        )
+        for w in (1.0,)
+        for k in (1, 2)
+    }
+)
 GRIDS = {
     "1": GRID1,
     "2": GRID2,
@@ -670,6 +695,7 @@ GRIDS = {
     "14": GRID14,
     "15": GRID15,
     "16": GRID16,
+    "17": GRID17,
 }
 GRID = {name: probe for grid in GRIDS.values() for name, probe in grid.items()}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}

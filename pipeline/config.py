@@ -249,6 +249,10 @@ class ObjectiveConfig:
         0.0,
         "expected router recipe: share a of each exit's weight in the network's loss that is uniform, (1 - a) * pi_d + a / loops instead of pi_d, so every exit learns every answer whatever the router picks; the router's gradient is the expected loss's, unchanged (README 'Router training'). 0: the recipe as it is.",
     )
+    router_hard_weight: float = f(
+        0.0,
+        "expected router recipe: weight of the router's hard-token target, the cross-entropy of each scored token's exit distribution to its first exit whose loss is at most the batch's mean loss at that exit (the last exit if none), so tokens a shallow exit answers worse than average go deeper before a deeper exit answers them better (README 'Router training'). 0: off.",
+    )
     router_explore: float = f(
         0.0,
         "Share of tokens whose training depth is drawn from the router's prior (budget recipe; uniform over 1..loops for paper) instead of the router's, so the straight-through estimator also sees loops past a token's exit; validation and eval never explore. 0: off.",
@@ -267,7 +271,7 @@ class ObjectiveConfig:
             _check_flag("objective.shortcut", self.shortcut, model.variant)
         if self.shortcut and model.loops < 2:
             raise ConfigError("objective.shortcut=true needs model.loops >= 2 (the shortcut pass has S in 1..L-1)")
-        for k in ("router_balance_weight", "router_entropy_weight", "router_prior_weight"):
+        for k in ("router_balance_weight", "router_entropy_weight", "router_prior_weight", "router_hard_weight"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"objective.{k} must be >= 0, got {getattr(self, k)}")
         if not 0.0 <= self.router_exit_uniform <= 1.0:
@@ -276,6 +280,11 @@ class ObjectiveConfig:
             raise ConfigError(
                 f"objective.router_exit_uniform={self.router_exit_uniform} needs model.router_recipe=expected "
                 "(t-loopformer): it weights the expected loss's exits"
+            )
+        if self.router_hard_weight and not (model.router and model.router_recipe == "expected"):
+            raise ConfigError(
+                f"objective.router_hard_weight={self.router_hard_weight} needs model.router_recipe=expected "
+                "(t-loopformer): its target is read from the expected loss's exits"
             )
         if not 0.0 <= self.router_explore <= 1.0:
             raise ConfigError(f"objective.router_explore must lie in [0, 1], got {self.router_explore}")

@@ -255,12 +255,15 @@ def test_logged_alignment_is_within_1e_6_of_the_materialised_path():
         ("t-loopformer", ("objective.align_target=hidden",)),
         ("t-loopformer", ("model.exited_keys=frozen",)),
         ("base-loop-router", ("model.exited_keys=frozen",)),  # no shortcut pass, no modulation
+        ("base-loop-router", ("model.exited_keys=frozen", "objective.router_hard_weight=0.5")),
+        ("t-loopformer", ("objective.router_hard_weight=0.5",)),
     ],
 )
 def test_expected_exit_objective_fused_equals_the_plain_path(variant, extra, monkeypatch):
     """The expected recipe's objective (pipeline/train/objective.py): every exit's cross-entropy weighted by the
     router's pi through the fused head, over several chunks, equals the materialised sum_d pi_d CE_d: the loss,
-    its parts and every gradient, the router's included (its only task gradient is through pi)."""
+    its parts and every gradient, the router's included (its only task gradient is through pi). With the hard
+    target on, the per-token losses the fused heads return give the plain path's target and term."""
     m = _model(variant, *EXPECTED_RECIPE, *extra)
     with torch.no_grad():  # modulators away from zero: each exit's state and loss differ
         for layer in m.net.layers:
@@ -271,7 +274,8 @@ def test_expected_exit_objective_fused_equals_the_plain_path(variant, extra, mon
     fused, g_f = _run(m, x, y, True)
     ref, g_r = _run(m, x, y, False)
     short = {"loss_S", "loss_align"} if m.cfg.shortcut else set()  # base-loop-router: no shortcut pass
-    assert fused.parts.keys() == ref.parts.keys() == {"loss_L", "loss_router", "loss_exits", *short}
+    hard = {"loss_hard"} if m.cfg.router_hard_weight else set()
+    assert fused.parts.keys() == ref.parts.keys() == {"loss_L", "loss_router", "loss_exits", *short, *hard}
     torch.testing.assert_close(fused.loss, ref.loss, rtol=1e-5, atol=0)
     for n in ref.parts:
         torch.testing.assert_close(fused.parts[n], ref.parts[n], rtol=RTOL.get(n, 1e-5), atol=0, msg=n)

@@ -234,6 +234,26 @@ def test_router_probabilities():
     torch.testing.assert_close(r.cont[..., 1], 1 - pi[..., 0], atol=1e-6, rtol=0)
 
 
+def test_the_hard_token_target_is_each_tokens_first_exit_no_worse_than_the_batch_mean():
+    """Router.hard_loss (objective.router_hard_weight): a scored token's target is its first exit whose loss is at
+    most the mean over the batch's scored tokens at that exit, the last exit if none; the term is the mean of
+    -log pi there, and only the router's logits get its gradient (the losses are read, not trained)."""
+    from pipeline.model.router import Router
+
+    ce = torch.tensor(
+        [[[0.1, 0.1, 0.1], [3.0, 0.2, 0.1], [3.0, 3.0, 3.0], [0.0, 0.0, 0.0]]]
+    )  # (1, 4, 3); exit means over the three scored tokens: 2.03, 1.10, 1.07
+    scored = torch.tensor([[True, True, True, False]])
+    logits = torch.randn(1, 4, 3, requires_grad=True)
+    loss = Router.hard_loss(RouterOutput(logits, torch.ones(1, 4, 3)), ce, scored)
+    logp = torch.log_softmax(logits.detach(), -1)[0]
+    want = -(logp[0, 0] + logp[1, 1] + logp[2, 2]) / 3  # targets: exit 1, exit 2, none easy -> exit 3
+    torch.testing.assert_close(loss.detach(), want)
+    loss.backward()
+    assert float(logits.grad[0, 3].abs().sum()) == 0.0  # the unscored token has no target
+    assert float(logits.grad[0, 2, 2]) < 0 < float(logits.grad[0, 1, 0])  # towards each target, away from the rest
+
+
 def test_straight_through_estimator():
     model = make()
     idx, tgt = batch()

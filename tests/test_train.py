@@ -323,12 +323,14 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch,
     assert rest.start_step == 3 and rest.losses == full.losses[3:]
 
 
-@pytest.mark.parametrize("recipe", ["paper", "budget", "expected"])
+@pytest.mark.parametrize("recipe", ["paper", "budget", "expected", "expected hard"])
 def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
     from pipeline.train.trainer import run
 
+    hard = ["objective.router_hard_weight=1"] if recipe.endswith("hard") else []  # the router's hard-token target
     extra = [
-        *(EXPECTED_RECIPE if recipe == "expected" else [f"model.router_recipe={recipe}"]),
+        *(EXPECTED_RECIPE if recipe.startswith("expected") else [f"model.router_recipe={recipe}"]),
+        *hard,
         "train.zero_stage=2",
         "train.grad_accum_steps=2",
         "train.global_batch_size=4",

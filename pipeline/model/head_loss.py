@@ -57,11 +57,20 @@ class LMHead(nn.Linear):
         lambda_align: float | None = None,
         align_scored: bool = False,
         weight: torch.Tensor | None = None,
+        rows: bool = False,
     ):
         if targets is None:
             return F.linear(x, self.weight)  # (..., V)
         return head_objective(
-            x, self.weight, targets, x_short, lambda_short, lambda_align, align_scored=align_scored, weight=weight
+            x,
+            self.weight,
+            targets,
+            x_short,
+            lambda_short,
+            lambda_align,
+            align_scored=align_scored,
+            weight=weight,
+            rows=rows,
         )
 
 
@@ -75,7 +84,8 @@ def head_objective(
     chunk: int | None = None,
     align_scored: bool = False,
     weight: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    rows: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """hf (B, T, d) full-pass states, W (V, d), targets (B, T) (-1 ignored), hs (B, T, d) shortcut-pass states
     or None (no shortcut pass: loss = CE of hf alone); lambda_align None: no logits alignment (the caller adds
     its own, e.g. on the hidden states); align_scored: the alignment averages over the rows with a target only
@@ -84,7 +94,7 @@ def head_objective(
     loss () and its detached parts (3,) fp32: loss_L (unweighted), loss_S, loss_align (0 where absent)."""
     cdt = _compute_dtype(hf)
     chunk = int(chunk or rows_per_chunk(W.shape[0]))
-    return _HeadObjective.apply(
+    loss, parts, ce_rows = _HeadObjective.apply(
         hf,
         W,
         targets,
@@ -96,6 +106,7 @@ def head_objective(
         bool(align_scored),
         weight,
     )
+    return (loss, parts, ce_rows) if rows else (loss, parts)
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -132,21 +143,22 @@ class _HeadObjective(torch.autograd.Function):
     def forward(ctx, hf, W, targets, hs, lam_s, lam_a, chunk, cdt, scored, weight):
         with torch.autocast(hf.device.type, enabled=False):
             needs = ctx.needs_input_grad
-            loss, parts, saved = _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored, weight)
+            loss, parts, rows, saved = _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored, weight)
         ctx.save_for_backward(*saved)
-        ctx.mark_non_differentiable(parts)
-        return loss, parts
+        ctx.mark_non_differentiable(parts, rows)
+        return loss, parts, rows
 
     @staticmethod
-    def backward(ctx, g, _g_parts):
+    def backward(ctx, g, _g_parts, _g_rows):
         g_hf, g_W, g_hs, g_w = ctx.saved_tensors
         scale = lambda t: None if t is None else t * g
         return scale(g_hf), scale(g_W), None, scale(g_hs), None, None, None, None, None, scale(g_w)
 
 
 def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored=False, weight=None):
-    """The forward of `_HeadObjective`: (loss, parts, (grad_hf, grad_W, grad_hs, grad_weight)) with None for a
-    gradient not needed. scored: the alignment over rows with a target only (mean over count * V entries);
+    """The forward of `_HeadObjective`: (loss, parts, rows, (grad_hf, grad_W, grad_hs, grad_weight)) with None for
+    a gradient not needed; rows (B, T): each token's full-pass cross-entropy with weights (0 where ignored), else
+    an empty tensor. scored: the alignment over rows with a target only (mean over count * V entries);
     weight (B, T) or None: per-row weights of the full pass's cross-entropy."""
     B, T, d = hf.shape
     V = W.shape[0]
@@ -212,4 +224,5 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored=False, we
     g_W = None if g_W is None else g_W.to(W.dtype)
     view = lambda t: None if t is None else t.view(B, T, d)
     g_w = None if (w is None or not needs[9]) else (ce_rows * inv).view(B, T).to(weight.dtype)
-    return loss, parts, (view(g_x), g_W, view(g_xs), g_w)
+    rows = ce_rows.view(B, T) if ce_rows is not None else hf.new_empty(0, dtype=torch.float32)
+    return loss, parts, rows, (view(g_x), g_W, view(g_xs), g_w)

@@ -29,7 +29,11 @@ Two training recipes (`model.router_recipe`):
   adds the balance term above and `objective.router_prior_weight * mean_tau KL(pi_tau || q)`, which keeps each
   token's pi from collapsing onto one exit before its answer counts (in place of the entropy term, which would
   cancel it). Exit d is a depth-d token only if depth d runs the pass's first d steps
-  (`model.exit_schedule=prefix`, or no conditioning): the config requires it.
+  (`model.exit_schedule=prefix`, or no conditioning): the config requires it. With
+  `objective.router_hard_weight` > 0 the router also learns a target of its own (`Router.hard_loss`): each scored
+  token's first exit whose loss is no worse than the batch's mean loss there (exit L if none). The expected loss's
+  gradient compares exits, so it is blind while two exits are equally wrong; this target sends a token that a
+  shallow exit answers worse than the batch's average deeper before the deeper exit answers it better.
 """
 
 from __future__ import annotations
@@ -207,3 +211,19 @@ class Router(nn.Module):
         prior_kl = (pi * (logp - q.log())).sum(-1).mean()  # = -H(pi) - mean sum pi log q
         loss = balance_weight * kl + entropy_weight * ent + prior_weight * prior_kl
         return loss, RouterLossStats(kl.detach(), ent.detach(), prior_kl.detach(), r.cont.detach().sum(-1).mean())
+
+    @staticmethod
+    def hard_loss(r: RouterOutput, ce: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+        """The expected recipe's hard-token target (`objective.router_hard_weight`, module doc): ce (B, T, L) each
+        token's cross-entropy at every exit (detached, 0 where not scored), scored (B, T) bool. A scored token's
+        target is its first exit d whose loss is at most the mean loss of the batch's scored tokens at exit d (exit
+        L if none); returns () the mean over scored tokens of -log pi at the target (the mean of the rank's batch:
+        no host read, no collective)."""
+        keep = scored.float()  # (B, T)
+        n = keep.sum().clamp_min(1.0)
+        mean = ce.sum((0, 1)) / n  # (L,) the batch's mean loss at each exit
+        easy = ce <= mean  # (B, T, L)
+        easy[..., -1] = True  # exit L if no exit is easy
+        target = easy.to(torch.uint8).argmax(-1, keepdim=True)  # (B, T, 1) the first easy exit (argmax: the first)
+        nll = -torch.log_softmax(r.logits.float(), dim=-1).gather(-1, target)[..., 0]  # (B, T)
+        return (nll * keep).sum() / n

@@ -27,7 +27,9 @@ depths the router would give (the pass itself runs every token L loops, which is
 The result is typed (`ObjectiveOutput`): its field names are the names of the training metrics (README
 "Logging"): `loss`, the parts `loss_L`, `loss_S`, `loss_align`, `loss_router`, `loss_exits`, and per pass the
 `DepthStats` fields, logged as `router/<pass>/<field>` (`router/short/loops` too; `router/routed/<field>` under
-the expected recipe) next to `router/<RouterLossStats field>`.
+the expected recipe) next to `router/<RouterLossStats field>`. With `router_hard_weight` > 0 the expected recipe adds
+that weight times the router's hard-token target (`Router.hard_loss`, from each exit's per-token cross-entropy the
+fused heads return), logged as `loss_hard`.
 
 The wrapper holds the network as `net`, so DeepSpeed's files name its parameters `net.<name>`; checkpoints
 written before the wrapper existed hold the bare names and load through `_add_prefix`. Exports store the
@@ -75,9 +77,10 @@ class ObjectiveOutput:
     loss_align: torch.Tensor | None = None  # () alignment of the shortcut pass to the full pass
     loss_router: torch.Tensor | None = None  # () the router's own loss (budget and expected recipes)
     loss_exits: torch.Tensor | None = None  # () the expected loss over exits (expected recipe)
+    loss_hard: torch.Tensor | None = None  # () the router's hard-token target (objective.router_hard_weight)
     full_heads: int = 1  # LM-head applications per token of the full pass (L under the expected recipe)
 
-    PARTS: ClassVar[tuple[str, ...]] = ("loss_L", "loss_S", "loss_align", "loss_router", "loss_exits")
+    PARTS: ClassVar[tuple[str, ...]] = ("loss_L", "loss_S", "loss_align", "loss_router", "loss_exits", "loss_hard")
 
     @property
     def parts(self) -> dict[str, torch.Tensor]:
@@ -178,7 +181,11 @@ class Objective(nn.Module):
             if c.router_exit_uniform:  # the network's weights mix in 1/L; the router's gradient stays CE_d
                 a = c.router_exit_uniform
                 pi = ((1 - a) * pi + a / out.loops).detach() + pi - pi.detach()
-            loss, parts = self._fused_exits(out, targets, pi) if fused_loss else self._exit_losses(out, targets, pi)
+            loss, parts, ce = (self._fused_exits if fused_loss else self._exit_losses)(out, targets, pi)
+            if c.router_hard_weight:  # the router's hard-token target (Router.hard_loss)
+                hard = self.net.router.hard_loss(out.router, ce, targets != -1)
+                loss = loss + c.router_hard_weight * hard
+                parts["loss_hard"] = hard.detach()
         else:
             loss, parts = self._fused_losses(out, targets) if fused_loss else self._losses(out, targets)
         if out.short is not None and not (fused_loss and c.align_target == "logits"):  # (the fused call aligns logits)
@@ -216,23 +223,26 @@ class Objective(nn.Module):
     def _expected(self) -> bool:
         return self.net.router is not None and self.net.cfg.router_recipe == "expected"
 
-    def _fused_exits(self, out: LoopedLMOutput, targets: torch.Tensor, pi: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """(loss, parts): every exit's cross-entropy weighted by pi through the fused head; the last exit's call
-        also runs the shortcut pass's terms (`_fused_losses`)."""
+    def _fused_exits(self, out: LoopedLMOutput, targets: torch.Tensor, pi: torch.Tensor) -> tuple:
+        """(loss, parts, ce): every exit's cross-entropy weighted by pi through the fused head; the last exit's call
+        also runs the shortcut pass's terms (`_fused_losses`). ce (B, T, L): each token's cross-entropy at every
+        exit (detached, 0 where not scored)."""
         c = self.cfg
         exits = torch.zeros((), dtype=torch.float32, device=pi.device)
+        rows = []
         for d, hd in enumerate(out.exits[:-1]):
-            ld, _ = self.net.lm_head(hd, targets, None, 0.0, None, False, pi[..., d])
+            ld, _, ce = self.net.lm_head(hd, targets, None, 0.0, None, False, pi[..., d], True)
             exits = exits + ld
-        loss, parts = self._fused_losses(out, targets, pi[..., -1])
+            rows.append(ce)
+        loss, parts, ce = self._fused_losses(out, targets, pi[..., -1], rows=True)
         last = loss.detach()  # the last exit's weighted CE, less the shortcut pass's terms
         if out.short is not None:
             last = last - c.lambda_short * parts["loss_S"] - c.lambda_align * parts.get("loss_align", 0.0)
         parts["loss_exits"] = exits.detach() + last
-        return exits + loss, parts
+        return exits + loss, parts, torch.stack([*rows, ce], -1)
 
-    def _exit_losses(self, out: LoopedLMOutput, targets: torch.Tensor, pi: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """(loss, parts) from materialised logits (the reference of `_fused_exits`)."""
+    def _exit_losses(self, out: LoopedLMOutput, targets: torch.Tensor, pi: torch.Tensor) -> tuple:
+        """(loss, parts, ce) from materialised logits (the reference of `_fused_exits`)."""
         scored = targets != -1
         ce = torch.stack(
             [
@@ -245,7 +255,7 @@ class Objective(nn.Module):
         )  # (B, T, L): 0 where not scored
         exits = (pi * ce).sum() / scored.sum().clamp_min(1)
         parts = {"loss_L": ce[..., -1][scored].mean().detach(), "loss_exits": exits.detach()}
-        return self._add_short_ce(out, targets, exits, parts), parts
+        return self._add_short_ce(out, targets, exits, parts), parts, ce.detach()
 
     def _schedule(self, shortcut: torch.Tensor | None) -> torch.Tensor:
         """The shortcut pass's schedule (S,) of positive ints summing to L: the one given (checked) or a drawn
@@ -259,23 +269,24 @@ class Objective(nn.Module):
         return shortcut
 
     def _fused_losses(
-        self, out: LoopedLMOutput, targets: torch.Tensor, weight: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, dict]:
+        self, out: LoopedLMOutput, targets: torch.Tensor, weight: torch.Tensor | None = None, rows: bool = False
+    ) -> tuple:
         """(loss, parts) of both passes' cross-entropies and, when aligning logits, the alignment: one chunked
         call through the network's head, from the final-normed states (B, T, d); no (B, T, V) logits. weight
-        (B, T): per-token weights of the full pass's cross-entropy (the expected recipe's last exit)."""
+        (B, T): per-token weights of the full pass's cross-entropy (the expected recipe's last exit); rows (with
+        weight): (loss, parts, the full pass's per-token cross-entropy (B, T), detached)."""
         c = self.cfg
         on_logits = c.align_target == "logits"
         hs = None if out.short is None else out.short.hidden  # (B, T, d)
         lam_a = c.lambda_align if on_logits else None
         scored = c.align_positions == "scored"
-        loss, p = self.net.lm_head(out.hidden, targets, hs, c.lambda_short, lam_a, scored, weight)
+        loss, p, *ce = self.net.lm_head(out.hidden, targets, hs, c.lambda_short, lam_a, scored, weight, rows)
         parts = {"loss_L": p[0]}
         if out.short is not None:
             parts["loss_S"] = p[1]
             if on_logits:
                 parts["loss_align"] = p[2]
-        return loss, parts
+        return (loss, parts, *ce)
 
     def _losses(self, out: LoopedLMOutput, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """(loss, parts) of both passes' cross-entropies from their materialised logits (B, T, V)."""
