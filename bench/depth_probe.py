@@ -654,27 +654,28 @@ GRID16.update(
     }
 )
 # Grid 17: the router's own target for the hard tokens (objective.router_hard_weight=w): each scored token's first
-# exit whose loss is at most the batch's mean there (the last if none). At the curriculum's level-2 entry the
-# level-1 answers are right at exit 1 and the level-2 answers at chance at both exits: the expected loss's gradient
-# is blind between the two exits, the target sends the level-2 answers to exit 2 at once. The pipeline's variant
-# for the task (base-loop-router) at three seeds, and the unconditioned t-loopformer at the two seeds that stuck.
+# exit where its loss is at most r x the batch's mean there (objective.router_hard_ratio=r; the last exit if none).
+# At the curriculum's level-2 entry the level-1 answers are right at exit 1 and the level-2 answers at chance at
+# both exits: the expected loss's gradient is blind between the two exits, the target sends the level-2 answers to
+# exit 2 at once. The pipeline's variant for the task (base-loop-router) at three seeds (r = 1: the batch mean
+# itself, first run), and the unconditioned t-loopformer at the two seeds that stuck.
 GRID17 = {
-    f"fold m32 L2 typed random slots 2 base-loop-router expected hard {w} curriculum seed {k}": (
+    f"fold m32 L2 typed random slots 2 base-loop-router expected hard {w} ratio {r} curriculum seed {k}": (
         "depth/base-loop-router",
-        [*expected(), f"objective.router_hard_weight={w}"],
+        [*expected(), f"objective.router_hard_weight={w}", f"objective.router_hard_ratio={r}"],
         {**SLOTS2, "target": "need", "seed": k},
     )
-    for w in (1.0,)
+    for w, r in ((1.0, 1.0), (1.0, 1.5))
     for k in range(3)
 }
 GRID17.update(
     {
-        f"fold m32 L2 typed random slots 2 t-loopformer expected unconditioned hard {w} curriculum seed {k}": (
+        f"fold m32 L2 typed random slots 2 t-loopformer expected unconditioned hard {w} ratio {r} curriculum seed {k}": (
             "depth/t-loopformer",
-            [*expected(), f"objective.router_hard_weight={w}"],
+            [*expected(), f"objective.router_hard_weight={w}", f"objective.router_hard_ratio={r}"],
             {**SLOTS2, "target": "need", "unconditioned": True, "seed": k},
         )
-        for w in (1.0,)
+        for w, r in ((1.0, 1.5),)
         for k in (1, 2)
     }
 )

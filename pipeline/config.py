@@ -251,7 +251,11 @@ class ObjectiveConfig:
     )
     router_hard_weight: float = f(
         0.0,
-        "expected router recipe: weight of the router's hard-token target, the cross-entropy of each scored token's exit distribution to its first exit whose loss is at most the batch's mean loss at that exit (the last exit if none), so tokens a shallow exit answers worse than average go deeper before a deeper exit answers them better (README 'Router training'). 0: off.",
+        "expected router recipe: weight of the router's hard-token target, the cross-entropy of each scored token's exit distribution to its first exit where its loss is at most router_hard_ratio times the batch's mean loss there (the last exit if none), so tokens a shallow exit answers far worse than average go deeper before a deeper exit answers them better (README 'Router training'). 0: off.",
+    )
+    router_hard_ratio: float = f(
+        1.5,
+        "The hard-token target's margin: a token is hard at an exit when its loss there exceeds this multiple (>= 1) of the batch's mean loss at that exit; above 1, a batch whose tokens are all alike (all at chance, or one kind of token) has no hard token (README 'Router training').",
     )
     router_explore: float = f(
         0.0,
@@ -280,6 +284,13 @@ class ObjectiveConfig:
             raise ConfigError(
                 f"objective.router_exit_uniform={self.router_exit_uniform} needs model.router_recipe=expected "
                 "(t-loopformer): it weights the expected loss's exits"
+            )
+        if self.router_hard_ratio < 1:
+            raise ConfigError(f"objective.router_hard_ratio must be >= 1, got {self.router_hard_ratio}")
+        if self.router_hard_ratio != 1.5 and not self.router_hard_weight:
+            raise ConfigError(
+                f"objective.router_hard_ratio={self.router_hard_ratio} needs the hard-token target "
+                "(objective.router_hard_weight > 0)"
             )
         if self.router_hard_weight and not (model.router and model.router_recipe == "expected"):
             raise ConfigError(

@@ -146,6 +146,7 @@ def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_ke
         "router_prior_weight",
         "router_exit_uniform",
         "router_hard_weight",
+        "router_hard_ratio",
     }  # objective keys that were never model keys
     assert set(ModelConfig.MOVED) == {f.name for f in dataclasses.fields(ObjectiveConfig)} - born_there
     for old, new in ModelConfig.MOVED.items():
@@ -175,6 +176,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     objective.pop("router_prior_weight")
     objective.pop("router_exit_uniform")
     objective.pop("router_hard_weight")
+    objective.pop("router_hard_ratio")
     old["model"].update(objective, lambda_short=0.3, align_target="hidden")
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in old.items()}
     cfg = config_from_dict(old, "old checkpoint")
@@ -191,6 +193,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
         router_prior_weight=0.1,
         router_exit_uniform=0.0,
         router_hard_weight=0.0,
+        router_hard_ratio=1.5,
     )
     assert cfg.to_dict() == expected and old == before  # the stored dict is left as it was
 
@@ -264,6 +267,8 @@ def test_the_expected_router_recipe_needs_its_exits_to_be_depths():
         ),
         ([*ok, "objective.router_hard_weight=-1"], r"objective.router_hard_weight must be >= 0, got -1"),
         (["objective.router_hard_weight=0.5"], r"objective.router_hard_weight=0.5 needs model.router_recipe=expected"),
+        ([*ok, "objective.router_hard_weight=1", "objective.router_hard_ratio=0.5"], r"router_hard_ratio must be >= 1"),
+        ([*ok, "objective.router_hard_ratio=2"], r"objective.router_hard_ratio=2.0 needs the hard-token target"),
     ]
     for overrides, msg in bad:
         with pytest.raises(ConfigError, match=msg):

@@ -234,24 +234,36 @@ def test_router_probabilities():
     torch.testing.assert_close(r.cont[..., 1], 1 - pi[..., 0], atol=1e-6, rtol=0)
 
 
-def test_the_hard_token_target_is_each_tokens_first_exit_no_worse_than_the_batch_mean():
-    """Router.hard_loss (objective.router_hard_weight): a scored token's target is its first exit whose loss is at
-    most the mean over the batch's scored tokens at that exit, the last exit if none; the term is the mean of
-    -log pi there, and only the router's logits get its gradient (the losses are read, not trained)."""
+def test_the_hard_token_target_is_each_tokens_first_exit_within_the_margin_of_the_batch_mean():
+    """Router.hard_loss (objective.router_hard_weight): a scored token is hard at exit d when its loss there exceeds
+    ratio x the mean over the batch's scored tokens; its target is its first exit where it is not (the last if
+    none); the term is the mean of -log pi there, and only the router's logits get its gradient. Above ratio 1 a
+    batch of alike tokens has no hard token (at ratio 1 about half of them are: noise)."""
     from pipeline.model.router import Router
 
     ce = torch.tensor(
-        [[[0.1, 0.1, 0.1], [3.0, 0.2, 0.1], [3.0, 3.0, 3.0], [0.0, 0.0, 0.0]]]
-    )  # (1, 4, 3); exit means over the three scored tokens: 2.03, 1.10, 1.07
-    scored = torch.tensor([[True, True, True, False]])
-    logits = torch.randn(1, 4, 3, requires_grad=True)
-    loss = Router.hard_loss(RouterOutput(logits, torch.ones(1, 4, 3)), ce, scored)
+        [[[0.1, 0.1, 0.1], [5.0, 0.2, 0.1], [5.0, 5.0, 5.0], [0.1, 0.1, 0.1], [0.0, 0.0, 0.0]]]
+    )  # (1, 5, 3); exit means over the four scored tokens: 2.55, 1.35, 1.33
+    scored = torch.tensor([[True, True, True, True, False]])
+    logits = torch.randn(1, 5, 3, requires_grad=True)
     logp = torch.log_softmax(logits.detach(), -1)[0]
-    want = -(logp[0, 0] + logp[1, 1] + logp[2, 2]) / 3  # targets: exit 1, exit 2, none easy -> exit 3
-    torch.testing.assert_close(loss.detach(), want)
-    loss.backward()
-    assert float(logits.grad[0, 3].abs().sum()) == 0.0  # the unscored token has no target
-    assert float(logits.grad[0, 2, 2]) < 0 < float(logits.grad[0, 1, 0])  # towards each target, away from the rest
+    want = -(logp[0, 0] + logp[1, 1] + logp[2, 2] + logp[3, 0]) / 4  # exit 1, exit 2, none easy -> exit 3, exit 1
+    for ratio in (1.0, 1.5):
+        logits.grad = None
+        loss = Router.hard_loss(RouterOutput(logits, torch.ones(1, 5, 3)), ce, scored, ratio)
+        torch.testing.assert_close(loss.detach(), want)
+        loss.backward()
+        assert float(logits.grad[0, 4].abs().sum()) == 0.0  # the unscored token has no target
+        assert float(logits.grad[0, 2, 2]) < 0 < float(logits.grad[0, 1, 0])  # towards each target, from the rest
+    alike = (3.4 + 0.1 * torch.randn(1, 64, 2, generator=torch.Generator().manual_seed(0))).abs()  # all at chance
+    flat = torch.zeros(1, 64, 2)  # pi uniform: -log pi = log 2 at either exit, -log pi_2 - -log pi_1 = 0
+    at = lambda k: flat.clone().index_fill_(-1, torch.tensor([k]), 1.0)  # logits favouring exit k + 1
+    ones = torch.ones(64, dtype=torch.bool)[None]
+    # ratio 1.5: every token's target is exit 1, so logits favouring exit 1 lose less than those favouring exit 2
+    lo, hi = (float(Router.hard_loss(RouterOutput(at(k), flat), alike, ones, 1.5)) for k in (0, 1))
+    assert lo < hi and lo == pytest.approx(float(-torch.log_softmax(at(0)[0, 0], -1)[0]))
+    hard = (alike[..., 0] > alike[..., 0].mean()).float().mean()  # ratio 1: the tokens above the mean
+    assert 0.3 < float(hard) < 0.7
 
 
 def test_straight_through_estimator():

@@ -31,9 +31,10 @@ Two training recipes (`model.router_recipe`):
   cancel it). Exit d is a depth-d token only if depth d runs the pass's first d steps
   (`model.exit_schedule=prefix`, or no conditioning): the config requires it. With
   `objective.router_hard_weight` > 0 the router also learns a target of its own (`Router.hard_loss`): each scored
-  token's first exit whose loss is no worse than the batch's mean loss there (exit L if none). The expected loss's
-  gradient compares exits, so it is blind while two exits are equally wrong; this target sends a token that a
-  shallow exit answers worse than the batch's average deeper before the deeper exit answers it better.
+  token's first exit where its loss is at most `objective.router_hard_ratio` times the batch's mean loss there
+  (exit L if none). The expected loss's gradient compares exits, so it is blind while two exits are equally
+  wrong; this target sends a token that a shallow exit answers far worse than the batch's average deeper before
+  the deeper exit answers it better.
 """
 
 from __future__ import annotations
@@ -213,16 +214,17 @@ class Router(nn.Module):
         return loss, RouterLossStats(kl.detach(), ent.detach(), prior_kl.detach(), r.cont.detach().sum(-1).mean())
 
     @staticmethod
-    def hard_loss(r: RouterOutput, ce: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    def hard_loss(r: RouterOutput, ce: torch.Tensor, scored: torch.Tensor, ratio: float) -> torch.Tensor:
         """The expected recipe's hard-token target (`objective.router_hard_weight`, module doc): ce (B, T, L) each
-        token's cross-entropy at every exit (detached, 0 where not scored), scored (B, T) bool. A scored token's
-        target is its first exit d whose loss is at most the mean loss of the batch's scored tokens at exit d (exit
-        L if none); returns () the mean over scored tokens of -log pi at the target (the mean of the rank's batch:
-        no host read, no collective)."""
+        token's cross-entropy at every exit (detached, 0 where not scored), scored (B, T) bool. A scored token is
+        hard at exit d when its loss there exceeds `ratio` (objective.router_hard_ratio) times the mean loss of the
+        batch's scored tokens at exit d; its target is its first exit where it is not hard (exit L if none).
+        Returns () the mean over scored tokens of -log pi at the target (the rank's batch: no host read, no
+        collective)."""
         keep = scored.float()  # (B, T)
         n = keep.sum().clamp_min(1.0)
         mean = ce.sum((0, 1)) / n  # (L,) the batch's mean loss at each exit
-        easy = ce <= mean  # (B, T, L)
+        easy = ce <= ratio * mean  # (B, T, L)
         easy[..., -1] = True  # exit L if no exit is easy
         target = easy.to(torch.uint8).argmax(-1, keepdim=True)  # (B, T, 1) the first easy exit (argmax: the first)
         nll = -torch.log_softmax(r.logits.float(), dim=-1).gather(-1, target)[..., 0]  # (B, T)

@@ -183,7 +183,7 @@ class Objective(nn.Module):
                 pi = ((1 - a) * pi + a / out.loops).detach() + pi - pi.detach()
             loss, parts, ce = (self._fused_exits if fused_loss else self._exit_losses)(out, targets, pi)
             if c.router_hard_weight:  # the router's hard-token target (Router.hard_loss)
-                hard = self.net.router.hard_loss(out.router, ce, targets != -1)
+                hard = self.net.router.hard_loss(out.router, ce, targets != -1, c.router_hard_ratio)
                 loss = loss + c.router_hard_weight * hard
                 parts["loss_hard"] = hard.detach()
         else:
