@@ -679,6 +679,27 @@ GRID17.update(
         for k in (1, 2)
     }
 )
+# ... and gated by the router's forecast (model.router_forecast, objective.router_hard_gate=tau): at r = 1.5 the
+# level-1 answers not yet learnt were sent deeper while level 1 was being learnt, loop 2 learnt the step too, and
+# composition slowed or stopped; the gate lets the target act only on a kind of token the forecast calls hard
+# with probability > tau (the level-2 answers: always hard at exit 1; the level-1 answers: less and less often)
+GRID17.update(
+    {
+        f"fold m32 L2 typed random slots 2 base-loop-router expected hard {w} ratio {r} gate {g} curriculum seed {k}": (
+            "depth/base-loop-router",
+            [
+                *expected(),
+                f"objective.router_hard_weight={w}",
+                f"objective.router_hard_ratio={r}",
+                "model.router_forecast=true",
+                f"objective.router_hard_gate={g}",
+            ],
+            {**SLOTS2, "target": "need", "seed": k},
+        )
+        for w, r, g in ((1.0, 1.5, 0.9),)
+        for k in range(3)
+    }
+)
 GRIDS = {
     "1": GRID1,
     "2": GRID2,

@@ -106,6 +106,10 @@ class ModelConfig:
     router_init_std: float = f(
         2.0, "budget recipe: std of the router's output weights x sqrt(hidden) at init (logit spread across tokens)."
     )
+    router_forecast: bool = f(
+        False,
+        "expected router recipe: the router also forecasts, for each exit but the last, the probability that a token is hard there (objective.router_hard_gate trains and reads it); depth never reads it (README 'Router training').",
+    )
     gather_scatter: bool = f(True, "Compute only active tokens per loop (false: dense masked reference path).")
     exit_schedule: Literal["own", "prefix"] = f(
         "own",
@@ -153,7 +157,7 @@ class ModelConfig:
     }
     # Network keys newer than some stored configs, with the value every network before them had: `upgrade`
     # fills them in, so an older checkpoint resumes and an older export loads as what it was.
-    ADDED: ClassVar[dict[str, Any]] = {"exited_keys": "drop", "exit_schedule": "own"}
+    ADDED: ClassVar[dict[str, Any]] = {"exited_keys": "drop", "exit_schedule": "own", "router_forecast": False}
 
     def validate(self) -> None:
         if self.variant not in VARIANTS:
@@ -179,6 +183,11 @@ class ModelConfig:
             )
         if self.router_init_std < 0:
             raise ConfigError(f"model.router_init_std must be >= 0, got {self.router_init_std}")
+        if self.router_forecast and not (self.router and self.router_recipe == "expected"):
+            raise ConfigError(
+                "model.router_forecast=true needs the expected router recipe (model.router=true, "
+                "model.router_recipe=expected): it forecasts the hard-token target read from the expected loss's exits"
+            )
         if self.router_recipe == "expected" and self.exit_schedule != "prefix" and self.conditioning != "none":
             raise ConfigError(
                 "model.router_recipe=expected needs model.exit_schedule=prefix: the recipe trains the exit after "
@@ -257,6 +266,10 @@ class ObjectiveConfig:
         1.5,
         "The hard-token target's margin: a token is hard at an exit when its loss there exceeds this multiple (>= 1) of the batch's mean loss at that exit; above 1, a batch whose tokens are all alike (all at chance, or one kind of token) has no hard token (README 'Router training').",
     )
+    router_hard_gate: float = f(
+        0.0,
+        "tau in [0, 1): the hard-token target acts on a token at an exit only where the router's forecast (model.router_forecast) that it is hard there exceeds tau, so only tokens of a kind that is hard nearly always go deeper, not the not-yet-learnt part of a kind being learnt (README 'Router training'). 0: every hard token.",
+    )
     router_explore: float = f(
         0.0,
         "Share of tokens whose training depth is drawn from the router's prior (budget recipe; uniform over 1..loops for paper) instead of the router's, so the straight-through estimator also sees loops past a token's exit; validation and eval never explore. 0: off.",
@@ -290,6 +303,19 @@ class ObjectiveConfig:
         if self.router_hard_ratio != 1.5 and not self.router_hard_weight:
             raise ConfigError(
                 f"objective.router_hard_ratio={self.router_hard_ratio} needs the hard-token target "
+                "(objective.router_hard_weight > 0)"
+            )
+        if not 0.0 <= self.router_hard_gate < 1.0:
+            raise ConfigError(f"objective.router_hard_gate must lie in [0, 1), got {self.router_hard_gate}")
+        if bool(self.router_hard_gate) != model.router_forecast:
+            raise ConfigError(
+                f"objective.router_hard_gate={self.router_hard_gate} with model.router_forecast="
+                f"{str(model.router_forecast).lower()}: the gate reads the router's forecast and the forecast is "
+                "trained only for the gate (set both, or neither)"
+            )
+        if self.router_hard_gate and not self.router_hard_weight:
+            raise ConfigError(
+                f"objective.router_hard_gate={self.router_hard_gate} needs the hard-token target "
                 "(objective.router_hard_weight > 0)"
             )
         if self.router_hard_weight and not (model.router and model.router_recipe == "expected"):

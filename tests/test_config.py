@@ -147,6 +147,7 @@ def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_ke
         "router_exit_uniform",
         "router_hard_weight",
         "router_hard_ratio",
+        "router_hard_gate",
     }  # objective keys that were never model keys
     assert set(ModelConfig.MOVED) == {f.name for f in dataclasses.fields(ObjectiveConfig)} - born_there
     for old, new in ModelConfig.MOVED.items():
@@ -173,17 +174,19 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
         objective.pop(k)
     old["model"].pop("exited_keys")  # newer too
     old["model"].pop("exit_schedule")
+    old["model"].pop("router_forecast")
     objective.pop("router_prior_weight")
     objective.pop("router_exit_uniform")
     objective.pop("router_hard_weight")
     objective.pop("router_hard_ratio")
+    objective.pop("router_hard_gate")
     old["model"].update(objective, lambda_short=0.3, align_target="hidden")
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in old.items()}
     cfg = config_from_dict(old, "old checkpoint")
     assert cfg.objective.lambda_short == 0.3 and cfg.objective.align_target == "hidden"
     assert cfg.objective.router_explore == 0.0  # a key the old file lacks keeps its default
     expected = upgrade(old)
-    expected["model"].update(exited_keys="drop", exit_schedule="own")
+    expected["model"].update(exited_keys="drop", exit_schedule="own", router_forecast=False)
     expected["objective"].update(
         router_explore=0.0,
         router_explore_span=1,
@@ -194,6 +197,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
         router_exit_uniform=0.0,
         router_hard_weight=0.0,
         router_hard_ratio=1.5,
+        router_hard_gate=0.0,
     )
     assert cfg.to_dict() == expected and old == before  # the stored dict is left as it was
 
@@ -269,6 +273,10 @@ def test_the_expected_router_recipe_needs_its_exits_to_be_depths():
         (["objective.router_hard_weight=0.5"], r"objective.router_hard_weight=0.5 needs model.router_recipe=expected"),
         ([*ok, "objective.router_hard_weight=1", "objective.router_hard_ratio=0.5"], r"router_hard_ratio must be >= 1"),
         ([*ok, "objective.router_hard_ratio=2"], r"objective.router_hard_ratio=2.0 needs the hard-token target"),
+        ([*ok, "model.router_forecast=true"], r"objective.router_hard_gate=0.0 with model.router_forecast=true"),
+        ([*ok, "objective.router_hard_gate=0.9"], r"objective.router_hard_gate=0.9 with model.router_forecast=false"),
+        ([*ok, "model.router_forecast=true", "objective.router_hard_gate=0.9"], r"router_hard_gate=0.9 needs the hard"),
+        (["model.router_forecast=true"], r"model.router_forecast=true needs the expected router recipe"),
     ]
     for overrides, msg in bad:
         with pytest.raises(ConfigError, match=msg):

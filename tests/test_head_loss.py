@@ -257,6 +257,15 @@ def test_logged_alignment_is_within_1e_6_of_the_materialised_path():
         ("base-loop-router", ("model.exited_keys=frozen",)),  # no shortcut pass, no modulation
         ("base-loop-router", ("model.exited_keys=frozen", "objective.router_hard_weight=0.5")),
         ("t-loopformer", ("objective.router_hard_weight=0.5",)),
+        (
+            "base-loop-router",
+            (
+                "model.exited_keys=frozen",
+                "objective.router_hard_weight=0.5",
+                "model.router_forecast=true",
+                "objective.router_hard_gate=0.5",
+            ),
+        ),
     ],
 )
 def test_expected_exit_objective_fused_equals_the_plain_path(variant, extra, monkeypatch):
@@ -275,11 +284,13 @@ def test_expected_exit_objective_fused_equals_the_plain_path(variant, extra, mon
     ref, g_r = _run(m, x, y, False)
     short = {"loss_S", "loss_align"} if m.cfg.shortcut else set()  # base-loop-router: no shortcut pass
     hard = {"loss_hard"} if m.cfg.router_hard_weight else set()
+    hard |= {"loss_forecast"} if m.cfg.router_hard_gate else set()
     assert fused.parts.keys() == ref.parts.keys() == {"loss_L", "loss_router", "loss_exits", *short, *hard}
     torch.testing.assert_close(fused.loss, ref.loss, rtol=1e-5, atol=0)
     for n in ref.parts:
         torch.testing.assert_close(fused.parts[n], ref.parts[n], rtol=RTOL.get(n, 1e-5), atol=0, msg=n)
     assert g_f.keys() == g_r.keys() and "router.fc2.weight" in g_r
+    assert ("router.forecast.weight" in g_r) == bool(m.cfg.router_hard_gate)  # the forecast learns its labels
     for n in g_r:
         _close(g_f[n], g_r[n], 1e-5, n)
     L = m.net.cfg.loops

@@ -238,7 +238,8 @@ def test_the_hard_token_target_is_each_tokens_first_exit_within_the_margin_of_th
     """Router.hard_loss (objective.router_hard_weight): a scored token is hard at exit d when its loss there exceeds
     ratio x the mean over the batch's scored tokens; its target is its first exit where it is not (the last if
     none); the term is the mean of -log pi there, and only the router's logits get its gradient. Above ratio 1 a
-    batch of alike tokens has no hard token (at ratio 1 about half of them are: noise)."""
+    batch of alike tokens has no hard token (at ratio 1 about half of them are: noise). With a gate, a token whose target
+    lies past an exit where it is hard and the gate is shut has no target."""
     from pipeline.model.router import Router
 
     ce = torch.tensor(
@@ -250,17 +251,32 @@ def test_the_hard_token_target_is_each_tokens_first_exit_within_the_margin_of_th
     want = -(logp[0, 0] + logp[1, 1] + logp[2, 2] + logp[3, 0]) / 4  # exit 1, exit 2, none easy -> exit 3, exit 1
     for ratio in (1.0, 1.5):
         logits.grad = None
-        loss = Router.hard_loss(RouterOutput(logits, torch.ones(1, 5, 3)), ce, scored, ratio)
+        loss = Router.hard_loss(
+            RouterOutput(logits, torch.ones(1, 5, 3)), Router.hard_labels(ce, scored, ratio), scored
+        )
         torch.testing.assert_close(loss.detach(), want)
         loss.backward()
         assert float(logits.grad[0, 4].abs().sum()) == 0.0  # the unscored token has no target
         assert float(logits.grad[0, 2, 2]) < 0 < float(logits.grad[0, 1, 0])  # towards each target, from the rest
+    # the gate: token 1 (target exit 2) keeps its target only if the gate is open at exit 1; token 2 (target exit 3)
+    # only if it is open at exits 1 and 2; a token not hard before its target (0 and 3) keeps it whatever the gate
+    hard = Router.hard_labels(ce, scored, 1.5)
+    gate = torch.ones(1, 5, 2, dtype=torch.bool)
+    gate[0, 2, 1] = False  # shut at exit 2 for token 2
+    gate[0, 0, 0] = gate[0, 3, 0] = False  # shut where the tokens are easy: no effect
+    got = Router.hard_loss(RouterOutput(logits.detach(), torch.ones(1, 5, 3)), hard, scored, gate)
+    torch.testing.assert_close(got, -(logp[0, 0] + logp[1, 1] + logp[3, 0]) / 3)
+    gate[0, 1, 0] = False  # shut at exit 1 for token 1 too
+    got = Router.hard_loss(RouterOutput(logits.detach(), torch.ones(1, 5, 3)), hard, scored, gate)
+    torch.testing.assert_close(got, -(logp[0, 0] + logp[3, 0]) / 2)
     alike = (3.4 + 0.1 * torch.randn(1, 64, 2, generator=torch.Generator().manual_seed(0))).abs()  # all at chance
     flat = torch.zeros(1, 64, 2)  # pi uniform: -log pi = log 2 at either exit, -log pi_2 - -log pi_1 = 0
     at = lambda k: flat.clone().index_fill_(-1, torch.tensor([k]), 1.0)  # logits favouring exit k + 1
     ones = torch.ones(64, dtype=torch.bool)[None]
     # ratio 1.5: every token's target is exit 1, so logits favouring exit 1 lose less than those favouring exit 2
-    lo, hi = (float(Router.hard_loss(RouterOutput(at(k), flat), alike, ones, 1.5)) for k in (0, 1))
+    lo, hi = (
+        float(Router.hard_loss(RouterOutput(at(k), flat), Router.hard_labels(alike, ones, 1.5), ones)) for k in (0, 1)
+    )
     assert lo < hi and lo == pytest.approx(float(-torch.log_softmax(at(0)[0, 0], -1)[0]))
     hard = (alike[..., 0] > alike[..., 0].mean()).float().mean()  # ratio 1: the tokens above the mean
     assert 0.3 < float(hard) < 0.7

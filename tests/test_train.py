@@ -327,7 +327,9 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch,
 def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
     from pipeline.train.trainer import run
 
-    hard = ["objective.router_hard_weight=1"] if recipe.endswith("hard") else []  # the router's hard-token target
+    # the router's hard-token target, gated by its forecast (a parameter the network gains: checkpointed, resumed)
+    gated = ["objective.router_hard_weight=1", "model.router_forecast=true", "objective.router_hard_gate=0.5"]
+    hard = gated if recipe.endswith("hard") else []
     extra = [
         *(EXPECTED_RECIPE if recipe.startswith("expected") else [f"model.router_recipe={recipe}"]),
         *hard,

@@ -183,6 +183,7 @@ class LoopedLM(nn.Module):
                 cfg.router_recipe,
                 cfg.router_target_depth,
                 cfg.router_init_std,
+                cfg.router_forecast,
             )
             if cfg.router
             else None

@@ -34,11 +34,15 @@ Two training recipes (`model.router_recipe`):
   token's first exit where its loss is at most `objective.router_hard_ratio` times the batch's mean loss there
   (exit L if none). The expected loss's gradient compares exits, so it is blind while two exits are equally
   wrong; this target sends a token that a shallow exit answers far worse than the batch's average deeper before
-  the deeper exit answers it better.
+  the deeper exit answers it better. With `model.router_forecast` and `objective.router_hard_gate` = tau > 0 the
+  router also forecasts, from its hidden features, whether a token is hard at each exit (trained on those labels),
+  and the target acts only where that forecast exceeds tau: a kind of token that is nearly always hard, not the
+  not-yet-learnt part of a kind the network is learning.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -54,6 +58,7 @@ class RouterOutput:
     cont: torch.Tensor  # (B, T, L) continue probabilities p(i), p(1) == 1 exactly (float32)
     drawn: torch.Tensor | None = None  # (B, T) int64 exploration depths in 0..L (0: the router's own), or None
     deeper: torch.Tensor | None = None  # (B, T) bool: explored one loop past the router's own depth, or None
+    forecast: torch.Tensor | None = None  # (B, T, L-1) logits: is the token hard at exit d (model.router_forecast)
 
     def depth(self, M: int, threshold: float) -> torch.Tensor:
         """(B, T) int64 depth in 1..M: 1 + #{2 <= i <= M : p(i) > theta} (= max{i <= M : p(i) > theta}); a token
@@ -137,10 +142,13 @@ class Router(nn.Module):
         recipe: str = "paper",
         target_depth: float = 0.0,
         init_std: float = 2.0,
+        forecast: bool = False,
     ):
         super().__init__()
         self.fc1 = nn.Linear(d, hidden)
         self.fc2 = nn.Linear(hidden, max_loops)
+        # model.router_forecast: P(hard at exit d), d < L, from the router's hidden features (read by the objective)
+        self.forecast = nn.Linear(hidden, max_loops - 1) if forecast else None
         self.recipe = recipe
         self.init_std = init_std
         self.has_prior = recipe in ("budget", "expected")  # the budget router: normalised h0, defined init, prior
@@ -157,19 +165,25 @@ class Router(nn.Module):
             nn.init.zeros_(self.fc1.bias)
             nn.init.normal_(self.fc2.weight, 0.0, self.init_std / math.sqrt(self.fc2.in_features))
             self.fc2.bias.copy_(self.prior.log())
+            if self.forecast is not None:  # every forecast 1/2 at init: below any gate
+                nn.init.zeros_(self.forecast.weight)
+                nn.init.zeros_(self.forecast.bias)
 
     def forward(self, h0: torch.Tensor) -> RouterOutput:
         x = h0
         if self.has_prior:
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        logits = self.fc2(F.gelu(self.fc1(x)))  # (B, T, L)
+        z = F.gelu(self.fc1(x))  # (B, T, hidden)
+        logits = self.fc2(z)  # (B, T, L)
+        # the forecast reads the features without shaping them: the router's hidden layer serves its depths
+        forecast = None if self.forecast is None else self.forecast(z.detach())  # (B, T, L-1)
         pi = torch.softmax(logits.float(), dim=-1)
         # p(i) = sum_{l >= i} pi_l: reverse cumulative sum; p(1) is 1 by definition (set exactly). The suffix
         # sums are non-increasing in floating point too (each adds a term >= 0), but p(2) can round above 1
         # when pi_1 is tiny: capped, so p is non-increasing from p(1) on.
         cont = pi.flip(-1).cumsum(-1).flip(-1)
         cont = torch.cat([torch.ones_like(cont[..., :1]), cont[..., 1:].clamp_max(1.0)], dim=-1)
-        return RouterOutput(logits=logits, cont=cont)
+        return RouterOutput(logits=logits, cont=cont, forecast=forecast)
 
     def explore(self, r: RouterOutput, share: float, span: int = 1, draw: str = "prior") -> RouterOutput:
         """r with exploration depths (`objective.router_explore`): each token, with probability `share`, runs a
@@ -189,11 +203,11 @@ class Router(nn.Module):
         u = torch.rand((B, -(-T // span)), device=r.cont.device)  # (B, windows)
         u = u if span == 1 else u.repeat_interleave(span, dim=1)[:, :T]  # (B, T)
         if draw == "next":
-            return RouterOutput(r.logits, r.cont, deeper=u < share)
+            return dataclasses.replace(r, deeper=u < share)
         q = self.prior if self.has_prior else torch.full((L,), 1.0 / L, device=r.cont.device)
         cdf = q.to(u.dtype).cumsum(0)[:-1]  # (L-1,) the last is 1
         drawn = 1 + (u[..., None] / share >= cdf).sum(-1)  # (B, T) in 1..L
-        return RouterOutput(r.logits, r.cont, torch.where(u < share, drawn, torch.zeros_like(drawn)))
+        return dataclasses.replace(r, drawn=torch.where(u < share, drawn, torch.zeros_like(drawn)))
 
     def aux_loss(
         self, r: RouterOutput, balance_weight: float, entropy_weight: float, prior_weight: float = 0.0
@@ -214,18 +228,30 @@ class Router(nn.Module):
         return loss, RouterLossStats(kl.detach(), ent.detach(), prior_kl.detach(), r.cont.detach().sum(-1).mean())
 
     @staticmethod
-    def hard_loss(r: RouterOutput, ce: torch.Tensor, scored: torch.Tensor, ratio: float) -> torch.Tensor:
-        """The expected recipe's hard-token target (`objective.router_hard_weight`, module doc): ce (B, T, L) each
-        token's cross-entropy at every exit (detached, 0 where not scored), scored (B, T) bool. A scored token is
-        hard at exit d when its loss there exceeds `ratio` (objective.router_hard_ratio) times the mean loss of the
-        batch's scored tokens at exit d; its target is its first exit where it is not hard (exit L if none).
-        Returns () the mean over scored tokens of -log pi at the target (the rank's batch: no host read, no
-        collective)."""
-        keep = scored.float()  # (B, T)
-        n = keep.sum().clamp_min(1.0)
-        mean = ce.sum((0, 1)) / n  # (L,) the batch's mean loss at each exit
-        easy = ce <= ratio * mean  # (B, T, L)
+    def hard_labels(ce: torch.Tensor, scored: torch.Tensor, ratio: float) -> torch.Tensor:
+        """(B, T, L) bool: whether each scored token is hard at exit d, its loss there above `ratio`
+        (objective.router_hard_ratio) times the mean loss of the batch's scored tokens at exit d. ce (B, T, L) each
+        token's cross-entropy at every exit (detached, 0 where not scored), scored (B, T) bool. The mean is the
+        rank's batch: no host read, no collective."""
+        mean = ce.sum((0, 1)) / scored.sum().clamp_min(1)  # (L,) the batch's mean loss at each exit
+        return (ce > ratio * mean) & scored[..., None]
+
+    @staticmethod
+    def hard_loss(
+        r: RouterOutput, hard: torch.Tensor, scored: torch.Tensor, gate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The expected recipe's hard-token target (`objective.router_hard_weight`, module doc): a scored token's
+        target is its first exit where it is not hard (hard (B, T, L) bool, `hard_labels`; exit L if it is hard at
+        every exit). gate (B, T, L-1) bool or None (objective.router_hard_gate): a token whose target lies past an
+        exit where the gate is shut has none (it is left to the expected loss and the prior). Returns () the mean
+        over the scored tokens (scored (B, T) bool) that have a target of -log pi there."""
+        easy = ~hard
         easy[..., -1] = True  # exit L if no exit is easy
         target = easy.to(torch.uint8).argmax(-1, keepdim=True)  # (B, T, 1) the first easy exit (argmax: the first)
+        keep = scored
+        if gate is not None:  # the first exit that is hard with its gate shut must not lie before the target
+            shut = F.pad(hard[..., :-1] & ~gate, (0, 1), value=True)  # (B, T, L); exit L stands for "none"
+            keep = keep & (shut.to(torch.uint8).argmax(-1) >= target[..., 0])
+        keep = keep.float()
         nll = -torch.log_softmax(r.logits.float(), dim=-1).gather(-1, target)[..., 0]  # (B, T)
-        return (nll * keep).sum() / n
+        return (nll * keep).sum() / keep.sum().clamp_min(1.0)

@@ -29,7 +29,8 @@ The result is typed (`ObjectiveOutput`): its field names are the names of the tr
 `DepthStats` fields, logged as `router/<pass>/<field>` (`router/short/loops` too; `router/routed/<field>` under
 the expected recipe) next to `router/<RouterLossStats field>`. With `router_hard_weight` > 0 the expected recipe adds
 that weight times the router's hard-token target (`Router.hard_loss`, from each exit's per-token cross-entropy the
-fused heads return), logged as `loss_hard`.
+fused heads return), logged as `loss_hard`; with `router_hard_gate` the router's forecast of hard tokens gates it
+and learns the labels (`loss_forecast`).
 
 The wrapper holds the network as `net`, so DeepSpeed's files name its parameters `net.<name>`; checkpoints
 written before the wrapper existed hold the bare names and load through `_add_prefix`. Exports store the
@@ -78,9 +79,18 @@ class ObjectiveOutput:
     loss_router: torch.Tensor | None = None  # () the router's own loss (budget and expected recipes)
     loss_exits: torch.Tensor | None = None  # () the expected loss over exits (expected recipe)
     loss_hard: torch.Tensor | None = None  # () the router's hard-token target (objective.router_hard_weight)
+    loss_forecast: torch.Tensor | None = None  # () the router's forecast of hard tokens (objective.router_hard_gate)
     full_heads: int = 1  # LM-head applications per token of the full pass (L under the expected recipe)
 
-    PARTS: ClassVar[tuple[str, ...]] = ("loss_L", "loss_S", "loss_align", "loss_router", "loss_exits", "loss_hard")
+    PARTS: ClassVar[tuple[str, ...]] = (
+        "loss_L",
+        "loss_S",
+        "loss_align",
+        "loss_router",
+        "loss_exits",
+        "loss_hard",
+        "loss_forecast",
+    )
 
     @property
     def parts(self) -> dict[str, torch.Tensor]:
@@ -183,9 +193,7 @@ class Objective(nn.Module):
                 pi = ((1 - a) * pi + a / out.loops).detach() + pi - pi.detach()
             loss, parts, ce = (self._fused_exits if fused_loss else self._exit_losses)(out, targets, pi)
             if c.router_hard_weight:  # the router's hard-token target (Router.hard_loss)
-                hard = self.net.router.hard_loss(out.router, ce, targets != -1, c.router_hard_ratio)
-                loss = loss + c.router_hard_weight * hard
-                parts["loss_hard"] = hard.detach()
+                loss = loss + self._hard_target(out.router, ce, targets != -1, parts)
         else:
             loss, parts = self._fused_losses(out, targets) if fused_loss else self._losses(out, targets)
         if out.short is not None and not (fused_loss and c.align_target == "logits"):  # (the fused call aligns logits)
@@ -218,6 +226,25 @@ class Objective(nn.Module):
             **parts,
             full_heads=L if expected else 1,
         )
+
+    def _hard_target(self, r, ce: torch.Tensor, scored: torch.Tensor, parts: dict) -> torch.Tensor:
+        """The router's hard-token target, weighted (`Router.hard_labels`, `Router.hard_loss`), from each exit's
+        per-token loss ce (B, T, L); with the gate (router_hard_gate = tau) only for tokens whose forecast says
+        hard with probability > tau at every exit before their target, and the forecast's own loss (binary cross-entropy to the labels over the
+        scored tokens, exits 1..L-1). Its terms go into parts as loss_hard and loss_forecast."""
+        c = self.cfg
+        hard = self.net.router.hard_labels(ce, scored, c.router_hard_ratio)  # (B, T, L)
+        total, gate = torch.zeros((), dtype=torch.float32, device=ce.device), None
+        if c.router_hard_gate:
+            f = r.forecast.float()  # (B, T, L-1) logits
+            bce = F.binary_cross_entropy_with_logits(f, hard[..., :-1].float(), reduction="none").mean(-1)
+            fit = (bce * scored).sum() / scored.sum().clamp_min(1)
+            gate = torch.sigmoid(f.detach()) > c.router_hard_gate  # (B, T, L-1)
+            total = total + fit
+            parts["loss_forecast"] = fit.detach()
+        term = self.net.router.hard_loss(r, hard, scored, gate)
+        parts["loss_hard"] = term.detach()
+        return total + c.router_hard_weight * term
 
     @property
     def _expected(self) -> bool:
