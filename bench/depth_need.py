@@ -17,7 +17,8 @@ case the same data order, and the same initial weights for the parts the archite
   `no shortcut terms`: the same with the shortcut pass's and the alignment's weights at 0; `uniform exits`: that,
   with the network learning every exit with equal weight (objective.router_exit_uniform=1);
 - base-loop-router expected: the expected recipe (as above) on the looped baseline with the router, no
-  conditioning and no shortcut pass (model.variant=base-loop-router);
+  conditioning and no shortcut pass (model.variant=base-loop-router); `hard`: with the router's target for hard
+  tokens gated by its forecast (objective.router_hard_weight, model.router_forecast; README "Router training");
 `--curriculum c` trains with data.curriculum=c (levels one at a time, validated every `--eval-every` steps), which
 the fold task needs.
 Measured on the first `--windows` validation windows (evaluation/levels.py, the code `tlf eval` runs): answer
@@ -27,7 +28,7 @@ level x depth table, the share of level-k answers run at depth >= k, and Spearma
 The value question: t-loopformer's accuracy at its executed work against loopformer's elastic curve
 interpolated at the same work, per seed (paired), mean +- std.
 
-    python bench/depth_need.py                              # 3 seeds x 8 cases
+    python bench/depth_need.py                              # 3 seeds x 10 cases
     python bench/depth_need.py --seeds 0 --cases loopformer,"t-loopformer budget need"   # one seed, two cases
 
 Writes `<out>/depth_need.json`, `<out>/depth_need_accuracy_vs_work.png`, `<out>/depth_need_level_depth.png`
@@ -73,6 +74,15 @@ EXPECTED = [
 ]
 
 
+# the router's hard-token target (weight 1, ratio 1.5), gated at 0.9 by the router's forecast
+HARD = [
+    "objective.router_hard_weight=1",
+    "objective.router_hard_ratio=1.5",
+    "model.router_forecast=true",
+    "objective.router_hard_gate=0.9",
+]
+
+
 def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
     """label -> (preset, overrides); a target is a number or `need` (filled in from the manifest; `needf`: the
     mean need with frozen exited keys)."""
@@ -99,6 +109,8 @@ def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
     # ... and on the looped baseline's network (base-loop-router: no conditioning, no shortcut pass), the network
     # of the probes that composed on the slots layout (bench/README `### Where the step is learnt`)
     out["base-loop-router expected"] = ("depth/base-loop-router", EXPECTED)
+    # ... with the router's target for hard tokens, gated by its forecast (README "Router training")
+    out["base-loop-router expected hard"] = ("depth/base-loop-router", [*EXPECTED, *HARD])
     return out
 
 

@@ -700,6 +700,28 @@ GRID17.update(
         for k in range(3)
     }
 )
+# ... and with the router reading sg(h0) (model.router_detach; first run as a probe setting doing the same): with
+# the router at the need's depths (seed 1: pi_2 = 0.995 on the level-2 answers from the level-2 entry on) the network
+# still did not compose in 9,500 steps, where the `need` pass, the same network at the same exits, composed within
+# 1,000-5,000 steps in five runs; what is left between them is the router's own losses reaching the embeddings
+# through h0. And the `need` pass at two more seeds: how reliably does the network compose at those exits?
+GRID17.update(
+    {
+        f"{name} detached router": (preset, [*ov, "model.router_detach=true"], st)
+        for name, (preset, ov, st) in list(GRID17.items())
+        if "gate" in name
+    }
+)
+GRID17.update(
+    {
+        f"fold m32 L2 typed random slots 2 exits need curriculum seed {k}": (
+            "depth/base-loop",
+            [],
+            {**T32R, "exits": "need", "slots": 2, "seed": k},
+        )
+        for k in (3, 4)
+    }
+)
 GRIDS = {
     "1": GRID1,
     "2": GRID2,

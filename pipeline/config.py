@@ -106,6 +106,10 @@ class ModelConfig:
     router_init_std: float = f(
         2.0, "budget recipe: std of the router's output weights x sqrt(hidden) at init (logit spread across tokens)."
     )
+    router_detach: bool = f(
+        False,
+        "The router reads sg(h0): its losses and the gradient of the depths it gives train the router alone, not the embeddings the network shares (README 'Router training'). Values unchanged.",
+    )
     router_forecast: bool = f(
         False,
         "expected router recipe: the router also forecasts, for each exit but the last, the probability that a token is hard there (objective.router_hard_gate trains and reads it); depth never reads it (README 'Router training').",
@@ -131,14 +135,16 @@ class ModelConfig:
 
     # What a resume may change (README 'Determinism contract'): the inits (moot once weights are loaded; the
     # target depth also moves the balance loss's prior) and the execution knobs (the dense reference path, the
-    # router's exit threshold). Every other field defines the network: its parameters and what a forward pass
-    # computes from them, so a resume refuses to change it. The `objective` section may always change.
+    # router's exit threshold, whether the router's gradient reaches h0). Every other field defines the network: its
+    # parameters and what a forward pass computes from them, so a resume refuses to change it. The `objective`
+    # section may always change.
     RESUMABLE: ClassVar[tuple[str, ...]] = (
         "router_target_depth",
         "router_init_std",
         "gate_init",
         "gather_scatter",
         "router_threshold",
+        "router_detach",
     )
     # Keys that moved to the `objective` section (issue 26): naming one here is an error that names the new key;
     # configs tlf stored before the move (checkpoints, exports) are read through `upgrade`.
@@ -157,7 +163,12 @@ class ModelConfig:
     }
     # Network keys newer than some stored configs, with the value every network before them had: `upgrade`
     # fills them in, so an older checkpoint resumes and an older export loads as what it was.
-    ADDED: ClassVar[dict[str, Any]] = {"exited_keys": "drop", "exit_schedule": "own", "router_forecast": False}
+    ADDED: ClassVar[dict[str, Any]] = {
+        "exited_keys": "drop",
+        "exit_schedule": "own",
+        "router_forecast": False,
+        "router_detach": False,
+    }
 
     def validate(self) -> None:
         if self.variant not in VARIANTS:
@@ -183,6 +194,8 @@ class ModelConfig:
             )
         if self.router_init_std < 0:
             raise ConfigError(f"model.router_init_std must be >= 0, got {self.router_init_std}")
+        if self.router_detach and not self.router:
+            raise ConfigError("model.router_detach=true needs a router (model.router=true, t-loopformer)")
         if self.router_forecast and not (self.router and self.router_recipe == "expected"):
             raise ConfigError(
                 "model.router_forecast=true needs the expected router recipe (model.router=true, "

@@ -134,6 +134,9 @@ def test_router_training_options_without_what_they_act_on_are_errors():
     with pytest.raises(ConfigError, match=r"objective.router_ste_keys=true needs model.exited_keys=drop"):
         load_config("tiny/t-loopformer", ["objective.router_ste_keys=true", "model.exited_keys=frozen"])
     load_config("tiny/t-loopformer", ["objective.router_ste_log=true", "model.exited_keys=frozen"])
+    with pytest.raises(ConfigError, match=r"model.router_detach=true needs a router"):
+        load_config("tiny/loopformer", ["model.router_detach=true"])
+    load_config("tiny/t-loopformer", ["model.router_detach=true"])
 
 
 def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_key(tmp_path):
@@ -175,6 +178,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     old["model"].pop("exited_keys")  # newer too
     old["model"].pop("exit_schedule")
     old["model"].pop("router_forecast")
+    old["model"].pop("router_detach")
     objective.pop("router_prior_weight")
     objective.pop("router_exit_uniform")
     objective.pop("router_hard_weight")
@@ -186,7 +190,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     assert cfg.objective.lambda_short == 0.3 and cfg.objective.align_target == "hidden"
     assert cfg.objective.router_explore == 0.0  # a key the old file lacks keeps its default
     expected = upgrade(old)
-    expected["model"].update(exited_keys="drop", exit_schedule="own", router_forecast=False)
+    expected["model"].update(exited_keys="drop", exit_schedule="own", router_forecast=False, router_detach=False)
     expected["objective"].update(
         router_explore=0.0,
         router_explore_span=1,

@@ -282,6 +282,28 @@ def test_the_hard_token_target_is_each_tokens_first_exit_within_the_margin_of_th
     assert 0.3 < float(hard) < 0.7
 
 
+def test_a_detached_router_trains_itself_and_leaves_the_embeddings_alone():
+    """model.router_detach: the router reads sg(h0). The forward and the router's own gradients are unchanged; the
+    gradient its losses send into the token and position embeddings is gone (without it, those losses move them)."""
+    ov = [*EXPECTED_RECIPE, "model.exited_keys=frozen", "objective.router_hard_weight=1"]
+    idx, tgt = batch(T=24, V=512)
+    runs = {}
+    for detach in (False, True):
+        m = make("base-loop-router", *ov, f"model.router_detach={str(detach).lower()}", "model.vocab_size=512")
+        obj = Objective(m, load_config("tiny/base-loop-router", ov).objective)
+        out = obj(idx, tgt)
+        r = m.route(m.embed(idx))
+        aux, _ = m.router.aux_loss(r, 1.0, 0.0, 0.1)  # the router's own loss alone
+        aux.backward()
+        own = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        runs[detach] = (out, own)
+    (a, ga), (b, gb) = runs[False], runs[True]
+    torch.testing.assert_close(a.loss, b.loss, rtol=0, atol=0)  # the same values
+    assert set(ga) == {*gb, "wte.weight", "wpe.weight"} and float(ga["wte.weight"].abs().sum()) > 0
+    for n in gb:  # the router's own gradients are the same
+        torch.testing.assert_close(ga[n], gb[n])
+
+
 def test_straight_through_estimator():
     model = make()
     idx, tgt = batch()

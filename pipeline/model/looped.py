@@ -422,8 +422,11 @@ class LoopedLM(nn.Module):
 
     def route(self, h0: torch.Tensor, router: bool = True) -> RouterOutput | None:
         """The router's output for h0 (B, T, d), or None without a router or with router=False (every token
-        then runs the whole budget: with the same weights, t-loopformer becomes loopformer)."""
-        return self.router(h0) if (self.router is not None and router) else None
+        then runs the whole budget: with the same weights, t-loopformer becomes loopformer). With
+        model.router_detach the router reads sg(h0): its gradients stop at the router."""
+        if self.router is None or not router:
+            return None
+        return self.router(h0.detach() if self.cfg.router_detach else h0)
 
     def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hf = self.norm_f(h)
