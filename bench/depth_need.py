@@ -18,7 +18,8 @@ case the same data order, and the same initial weights for the parts the archite
   with the network learning every exit with equal weight (objective.router_exit_uniform=1);
 - base-loop-router expected: the expected recipe (as above) on the looped baseline with the router, no
   conditioning and no shortcut pass (model.variant=base-loop-router); `hard`: with the router's target for hard
-  tokens gated by its forecast (objective.router_hard_weight, model.router_forecast; README "Router training");
+  tokens gated by its forecast, reading sg(h0) (objective.router_hard_weight, model.router_forecast,
+  model.router_detach; README "Router training");
 `--curriculum c` trains with data.curriculum=c (levels one at a time, validated every `--eval-every` steps), which
 the fold task needs.
 Measured on the first `--windows` validation windows (evaluation/levels.py, the code `tlf eval` runs): answer
@@ -74,12 +75,13 @@ EXPECTED = [
 ]
 
 
-# the router's hard-token target (weight 1, ratio 1.5), gated at 0.9 by the router's forecast
+# the router's hard-token target (weight 1, ratio 1.5), gated at 0.9 by the router's forecast, the router on sg(h0)
 HARD = [
     "objective.router_hard_weight=1",
     "objective.router_hard_ratio=1.5",
     "model.router_forecast=true",
     "objective.router_hard_gate=0.9",
+    "model.router_detach=true",
 ]
 
 

@@ -697,7 +697,7 @@ GRID17.update(
             {**SLOTS2, "target": "need", "seed": k},
         )
         for w, r, g in ((1.0, 1.5, 0.9),)
-        for k in range(3)
+        for k in range(5)
     }
 )
 # ... and with the router reading sg(h0) (model.router_detach; first run as a probe setting doing the same): with
