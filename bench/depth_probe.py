@@ -712,6 +712,26 @@ GRID17.update(
         if "gate" in name
     }
 )
+# ... and the `need` pass on the routed probes' network (the same preset, overrides and so the same initial weights
+# and data as the detached seeds 0 and 3, which did not compose; the router is built and never used): does the
+# network compose at the need's exact exits from that start?
+GRID17.update(
+    {
+        f"{name} router unused exits need": (preset, ov, {**st, "exits": "need"})
+        for name, (preset, ov, st) in list(GRID17.items())
+        if name.endswith("detached router")
+    }
+)
+# ... and with a sharper router (objective.router_prior_weight=0.01, not 0.1): detached, the level-2 answers kept
+# pi_1 = 0.04-0.06 at exit 1, which the `need` pass trains at 0, and in seed 2 exit 1 began to learn a third of
+# them as a table and the router followed it back to depth 1
+GRID17.update(
+    {
+        f"{name} prior 0.01": (preset, [*ov, "objective.router_prior_weight=0.01"], st)
+        for name, (preset, ov, st) in list(GRID17.items())
+        if name.endswith("detached router")
+    }
+)
 GRID17.update(
     {
         f"fold m32 L2 typed random slots 2 exits need curriculum seed {k}": (
@@ -936,10 +956,11 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         need = torch.from_numpy(need).to(device)  # (T-1,)
     if s.get("warm") and (fold_need is None or model.router is None):
         raise ValueError("settings 'warm' needs task 'fold' and a model with a router")
+    exits_set = bool(s.get("exits"))  # the pass at fixed exits; a router, if the preset has one, is not used
     exits = None  # settings "exits": (Lt + 1, Lm) weights of each level's answer at each exit
     if s.get("exits"):
-        if model.router is not None or oracle or model.cfg.conditioning != "none":
-            raise ValueError("settings 'exits' needs a looped model without a router, conditioning or forced depths")
+        if oracle or model.cfg.conditioning != "none":
+            raise ValueError("settings 'exits' needs a looped model without conditioning or forced depths")
         exits = exit_weights(s["exits"], Lt, Lm).to(device)
     if P and exits is None:
         raise ValueError("settings 'offsets' needs settings 'exits' (the pass it shifts)")
@@ -950,8 +971,8 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         y[torch.from_numpy((lev == 0) | (lev > limit))] = -1
         return x.to(device), y.to(device)
 
-    def logits(x, M, depth=None):
-        return model(x, loops=M) if depth is None else forced_depth_logits(model, x, depth, M)
+    def logits(x, M, depth=None):  # with settings "exits" a router is bypassed: every token runs the M loops
+        return model(x, loops=M, router=not exits_set) if depth is None else forced_depth_logits(model, x, depth, M)
 
     val_lev = np.ascontiguousarray(levels_of(val_docs)[:, :-1])  # (B, T-1) level of each target
     prefix = None  # the fold task at levels >= 2: (B, T-1) the prefix y_j each context cell x_j holds once folded
