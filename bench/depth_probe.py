@@ -958,7 +958,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         raise ValueError("settings 'warm' needs task 'fold' and a model with a router")
     exits_set = bool(s.get("exits"))  # the pass at fixed exits; a router, if the preset has one, is not used
     exits = None  # settings "exits": (Lt + 1, Lm) weights of each level's answer at each exit
-    if s.get("exits"):
+    if exits_set:
         if oracle or model.cfg.conditioning != "none":
             raise ValueError("settings 'exits' needs a looped model without conditioning or forced depths")
         exits = exit_weights(s["exits"], Lt, Lm).to(device)
