@@ -91,7 +91,10 @@ def head_objective(
     its own, e.g. on the hidden states); align_scored: the alignment averages over the rows with a target only
     (default: every row). chunk: rows per chunk (default `rows_per_chunk(V)`). weight (B, T) or None: each
     token's weight on the full pass's cross-entropy (differentiable; module doc). Returns the differentiable
-    loss () and its detached parts (3,) fp32: loss_L (unweighted), loss_S, loss_align (0 where absent)."""
+    loss () and its detached parts (3,) fp32: loss_L (unweighted), loss_S, loss_align (0 where absent). rows (with
+    weight): also each token's full-pass cross-entropy (B, T) fp32, detached, 0 where ignored (the expected recipe's
+    per-exit losses, which objective.router_hard_weight reads)."""
+    assert weight is not None or not rows, "rows: the per-token losses are kept only with weights"
     cdt = _compute_dtype(hf)
     chunk = int(chunk or rows_per_chunk(W.shape[0]))
     loss, parts, ce_rows = _HeadObjective.apply(

@@ -58,7 +58,7 @@ class RouterOutput:
     cont: torch.Tensor  # (B, T, L) continue probabilities p(i), p(1) == 1 exactly (float32)
     drawn: torch.Tensor | None = None  # (B, T) int64 exploration depths in 0..L (0: the router's own), or None
     deeper: torch.Tensor | None = None  # (B, T) bool: explored one loop past the router's own depth, or None
-    forecast: torch.Tensor | None = None  # (B, T, L-1) logits: is the token hard at exit d (model.router_forecast)
+    features: torch.Tensor | None = None  # (B, T, hidden) the router's hidden features (its forecast reads them)
 
     def depth(self, M: int, threshold: float) -> torch.Tensor:
         """(B, T) int64 depth in 1..M: 1 + #{2 <= i <= M : p(i) > theta} (= max{i <= M : p(i) > theta}); a token
@@ -147,7 +147,7 @@ class Router(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(d, hidden)
         self.fc2 = nn.Linear(hidden, max_loops)
-        # model.router_forecast: P(hard at exit d), d < L, from the router's hidden features (read by the objective)
+        # model.router_forecast: P(hard at exit d), d < L, from the router's hidden features (`hard_forecast`)
         self.forecast = nn.Linear(hidden, max_loops - 1) if forecast else None
         self.recipe = recipe
         self.init_std = init_std
@@ -175,15 +175,13 @@ class Router(nn.Module):
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
         z = F.gelu(self.fc1(x))  # (B, T, hidden)
         logits = self.fc2(z)  # (B, T, L)
-        # the forecast reads the features without shaping them: the router's hidden layer serves its depths
-        forecast = None if self.forecast is None else self.forecast(z.detach())  # (B, T, L-1)
         pi = torch.softmax(logits.float(), dim=-1)
         # p(i) = sum_{l >= i} pi_l: reverse cumulative sum; p(1) is 1 by definition (set exactly). The suffix
         # sums are non-increasing in floating point too (each adds a term >= 0), but p(2) can round above 1
         # when pi_1 is tiny: capped, so p is non-increasing from p(1) on.
         cont = pi.flip(-1).cumsum(-1).flip(-1)
         cont = torch.cat([torch.ones_like(cont[..., :1]), cont[..., 1:].clamp_max(1.0)], dim=-1)
-        return RouterOutput(logits=logits, cont=cont, forecast=forecast)
+        return RouterOutput(logits=logits, cont=cont, features=z)
 
     def explore(self, r: RouterOutput, share: float, span: int = 1, draw: str = "prior") -> RouterOutput:
         """r with exploration depths (`objective.router_explore`): each token, with probability `share`, runs a
@@ -226,6 +224,12 @@ class Router(nn.Module):
         prior_kl = (pi * (logp - q.log())).sum(-1).mean()  # = -H(pi) - mean sum pi log q
         loss = balance_weight * kl + entropy_weight * ent + prior_weight * prior_kl
         return loss, RouterLossStats(kl.detach(), ent.detach(), prior_kl.detach(), r.cont.detach().sum(-1).mean())
+
+    def hard_forecast(self, r: RouterOutput) -> torch.Tensor:
+        """(B, T, L-1) logits of the probability that each token is hard at exit d < L (model.router_forecast), from
+        r's hidden features without shaping them (the router's hidden layer serves its depths). Only the training
+        objective reads it (objective.router_hard_gate), so the forward pass, decoding included, does not run it."""
+        return self.forecast(r.features.detach())
 
     @staticmethod
     def hard_labels(ce: torch.Tensor, scored: torch.Tensor, ratio: float) -> torch.Tensor:

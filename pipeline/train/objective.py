@@ -236,7 +236,7 @@ class Objective(nn.Module):
         hard = self.net.router.hard_labels(ce, scored, c.router_hard_ratio)  # (B, T, L)
         total, gate = torch.zeros((), dtype=torch.float32, device=ce.device), None
         if c.router_hard_gate:
-            f = r.forecast.float()  # (B, T, L-1) logits
+            f = self.net.router.hard_forecast(r).float()  # (B, T, L-1) logits
             bce = F.binary_cross_entropy_with_logits(f, hard[..., :-1].float(), reduction="none").mean(-1)
             fit = (bce * scored).sum() / scored.sum().clamp_min(1)
             gate = torch.sigmoid(f.detach()) > c.router_hard_gate  # (B, T, L-1)
