@@ -742,6 +742,21 @@ GRID17.update(
         for k in (3, 4)
     }
 )
+# Grid 18: the network's exit weights at the router's depth (objective.router_exit_weights=depth): 1 at the exit of
+# the depth the router gives the token, 0 elsewhere, the router's gradient the expected loss's. Detached and
+# gated, two seeds of five did not compose where the `need` pass from the same start did; what was left between
+# them is the exit-1 weight pi_1 = 0.02-0.06 on the level-2 answers (and the steps before the router moved them),
+# where exit 1 can begin the two-step table and the router follow it back. At the router's depth that weight is 0.
+GRID18 = {
+    f"{name} exits at depth": (preset, [*ov, "objective.router_exit_weights=depth"], st)
+    for name, (preset, ov, st) in GRID17.items()
+    if "gate 0.9" in name and name.endswith("detached router")
+}
+# ... and with the router's gradient norm clipped apart from the network's (settings "clip_apart"): one norm over
+# every parameter, as the probes and the trainer clip, lets the router's own losses scale the network's step
+GRID18.update(
+    {f"{name} clip apart": (preset, ov, {**st, "clip_apart": True}) for name, (preset, ov, st) in list(GRID18.items())}
+)
 GRIDS = {
     "1": GRID1,
     "2": GRID2,
@@ -760,6 +775,7 @@ GRIDS = {
     "15": GRID15,
     "16": GRID16,
     "17": GRID17,
+    "18": GRID18,
 }
 GRID = {name: probe for grid in GRIDS.values() for name, probe in grid.items()}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
@@ -1053,7 +1069,12 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
             loss = torch.nn.functional.cross_entropy(logits(x, Lm, dm).flatten(0, 1), y.flatten(), ignore_index=-1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if s.get("clip_apart"):  # the router's gradient norm clipped apart from the network's (each at 1)
+            router_params = set(model.router.parameters()) if model.router is not None else set()
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p not in router_params], 1.0)
+            torch.nn.utils.clip_grad_norm_(list(router_params), 1.0)
+        else:  # one norm over every parameter, as the trainer clips
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         step += 1

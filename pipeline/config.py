@@ -271,6 +271,10 @@ class ObjectiveConfig:
         0.0,
         "expected router recipe: share a of each exit's weight in the network's loss that is uniform, (1 - a) * pi_d + a / loops instead of pi_d, so every exit learns every answer whatever the router picks; the router's gradient is the expected loss's, unchanged (README 'Router training'). 0: the recipe as it is.",
     )
+    router_exit_weights: Literal["pi", "depth"] = f(
+        "pi",
+        "expected router recipe: what weighs each exit's loss in the network's part of the objective: pi, the router's exit distribution; depth, 1 at the exit of the depth the router gives the token (model.router_threshold, as inference runs it) and 0 at the others, so the network learns each answer only at the exit the routed model answers it from. The router's gradient is the expected loss's either way (README 'Router training').",
+    )
     router_hard_weight: float = f(
         0.0,
         "expected router recipe: weight of the router's hard-token target, the cross-entropy of each scored token's exit distribution to its first exit where its loss is at most router_hard_ratio times the batch's mean loss there (the last exit if none), so tokens a shallow exit answers far worse than average go deeper before a deeper exit answers them better (README 'Router training'). 0: off.",
@@ -310,6 +314,16 @@ class ObjectiveConfig:
             raise ConfigError(
                 f"objective.router_exit_uniform={self.router_exit_uniform} needs model.router_recipe=expected "
                 "(t-loopformer): it weights the expected loss's exits"
+            )
+        if self.router_exit_weights != "pi" and not (model.router and model.router_recipe == "expected"):
+            raise ConfigError(
+                f"objective.router_exit_weights={self.router_exit_weights} needs model.router_recipe=expected "
+                "(t-loopformer): it weights the expected loss's exits"
+            )
+        if self.router_exit_weights != "pi" and self.router_exit_uniform:
+            raise ConfigError(
+                f"objective.router_exit_weights={self.router_exit_weights} with objective.router_exit_uniform="
+                f"{self.router_exit_uniform}: the uniform share mixes into pi's weights (set one of them)"
             )
         if self.router_hard_ratio < 1:
             raise ConfigError(f"objective.router_hard_ratio must be >= 1, got {self.router_hard_ratio}")

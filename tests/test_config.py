@@ -148,6 +148,7 @@ def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_ke
         "router_ste_keys",
         "router_prior_weight",
         "router_exit_uniform",
+        "router_exit_weights",
         "router_hard_weight",
         "router_hard_ratio",
         "router_hard_gate",
@@ -181,6 +182,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     old["model"].pop("router_detach")
     objective.pop("router_prior_weight")
     objective.pop("router_exit_uniform")
+    objective.pop("router_exit_weights")
     objective.pop("router_hard_weight")
     objective.pop("router_hard_ratio")
     objective.pop("router_hard_gate")
@@ -199,6 +201,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
         router_ste_keys=False,
         router_prior_weight=0.1,
         router_exit_uniform=0.0,
+        router_exit_weights="pi",
         router_hard_weight=0.0,
         router_hard_ratio=1.5,
         router_hard_gate=0.0,
@@ -273,6 +276,15 @@ def test_the_expected_router_recipe_needs_its_exits_to_be_depths():
             ["objective.router_exit_uniform=0.5"],
             r"objective.router_exit_uniform=0.5 needs model.router_recipe=expected",
         ),
+        (
+            ["objective.router_exit_weights=depth"],
+            r"objective.router_exit_weights=depth needs model.router_recipe=expected",
+        ),
+        (
+            [*ok, "objective.router_exit_weights=depth", "objective.router_exit_uniform=0.1"],
+            r"objective.router_exit_weights=depth with objective.router_exit_uniform=0.1: .* \(set one of them\)$",
+        ),
+        ([*ok, "objective.router_exit_weights=hard"], r"objective.router_exit_weights"),
         ([*ok, "objective.router_hard_weight=-1"], r"objective.router_hard_weight must be >= 0, got -1"),
         (["objective.router_hard_weight=0.5"], r"objective.router_hard_weight=0.5 needs model.router_recipe=expected"),
         ([*ok, "objective.router_hard_weight=1", "objective.router_hard_ratio=0.5"], r"router_hard_ratio must be >= 1"),

@@ -257,6 +257,7 @@ def test_logged_alignment_is_within_1e_6_of_the_materialised_path():
         ("base-loop-router", ("model.exited_keys=frozen",)),  # no shortcut pass, no modulation
         ("base-loop-router", ("model.exited_keys=frozen", "objective.router_hard_weight=0.5")),
         ("t-loopformer", ("objective.router_hard_weight=0.5",)),
+        ("t-loopformer", ("objective.router_exit_weights=depth",)),
         (
             "base-loop-router",
             (
@@ -312,20 +313,24 @@ def test_expected_exit_objective_fused_equals_the_plain_path(variant, extra, mon
     assert hi - lo > 1e-3 and lo < float(fused.parts["loss_exits"]) < hi
 
 
-def test_uniform_share_of_the_exits_moves_the_networks_weights_and_not_the_routers_gradient():
-    """objective.router_exit_uniform=a: the exits' weights in the network's loss are (1 - a) pi_d + a / L, the
-    router's gradient stays the expected loss's. The loss and every gradient are affine in a, so a = 1 against
-    a = 0 must differ by exactly sum_tau sum_d (1 / L - sg(pi)) CE_d / N in value and network gradients, and not at
-    all in the router's gradients (the network runs every loop whatever the router says)."""
+@pytest.mark.parametrize("key,value", [("router_exit_uniform", 1.0), ("router_exit_weights", "depth")])
+def test_the_networks_exit_weights_move_and_the_routers_gradient_does_not(key, value):
+    """objective.router_exit_uniform=a: the exits' weights in the network's loss are (1 - a) pi_d + a / L;
+    objective.router_exit_weights=depth: 1 at the exit of the depth the router gives the token, 0 elsewhere. The
+    router's gradient stays the expected loss's either way. The loss and every gradient are linear in the weights'
+    value, so the setting against pi must differ by exactly sum_tau sum_d (w_d - sg(pi_d)) CE_d / N (w: 1 / L, or
+    the one-hot of the routed depth) in value and network gradients, and not at all in the router's gradients
+    (the network runs every loop whatever the router says)."""
     m = _model("t-loopformer", *EXPECTED_RECIPE, "objective.lambda_short=0", "objective.lambda_align=0")
     with torch.no_grad():
         for layer in m.net.layers:
             layer.modulator[1].weight.normal_(0, 0.05)
     x, y = _batch()
+    default = getattr(m.cfg, key)
     runs = {}
-    for a in (0.0, 1.0):
-        m.cfg.router_exit_uniform = a
-        runs[a] = (_run(m, x, y, True), _run(m, x, y, False))
+    for v in (default, value):
+        setattr(m.cfg, key, v)
+        runs[v] = (_run(m, x, y, True), _run(m, x, y, False))
     m.zero_grad()
     out = m.net(x, exits=True)
     pi = torch.softmax(out.router.logits.float(), -1).detach()
@@ -337,12 +342,20 @@ def test_uniform_share_of_the_exits_moves_the_networks_weights_and_not_the_route
         -1,
     ).view(*y.shape, -1)  # (B, T, L): 0 where not scored
     L = ce.shape[-1]
-    delta = ((1 / L - pi) * ce).sum() / (y != -1).sum()
+    if key == "router_exit_uniform":
+        w = torch.full_like(pi, 1 / L)
+    else:  # by hand: depth 1 + #{i >= 2 : p(i) = sum_{d >= i} pi_d > theta}
+        cont = pi.flip(-1).cumsum(-1).flip(-1)[..., 1:]
+        depth = 1 + (cont > m.net.cfg.router_threshold).sum(-1)
+        assert len(set(depth[y != -1].tolist())) > 1  # the router spreads the scored tokens over several depths
+        w = F.one_hot(depth - 1, L).float()
+    delta = ((w - pi) * ce).sum() / (y != -1).sum()
     delta.backward()
     g_delta = {n: p.grad.clone() for n, p in m.net.named_parameters() if p.grad is not None}
-    assert float(delta.detach().abs()) > 1e-3  # the two weightings differ here
+    assert float((w - pi)[y != -1].abs().max()) > 0.1  # the two weightings differ here ...
+    assert max(float(g.abs().max()) for g in g_delta.values()) > 1e-3  # ... and so do the network's gradients
     for i in range(2):  # fused, plain
-        (o0, g0), (o1, g1) = runs[0.0][i], runs[1.0][i]
+        (o0, g0), (o1, g1) = runs[default][i], runs[value][i]
         for got in (o1.parts["loss_exits"] - o0.parts["loss_exits"], o1.loss - o0.loss):  # fp32 losses ~10: 1e-6 off
             torch.testing.assert_close(got, delta.detach(), rtol=0, atol=1e-5)
         routers = [n for n in g0 if n.startswith("router.")]

@@ -19,7 +19,10 @@ exits: every token runs every loop (`forward(exits=True)`), a head reads the sta
 
 each exit through the fused head with the per-token weights pi_d (no (B, T, V) logits either). With
 `router_exit_uniform` = a > 0 the weights' value is (1 - a) pi_d + a / L and their gradient pi_d's: the network
-learns every exit in proportion to that mix, the router from every exit's CE as before. The router's own
+learns every exit in proportion to that mix, the router from every exit's CE as before. With
+`router_exit_weights=depth` their value is instead 1 at the exit of the depth the router gives the token (the
+routed pass's depth) and 0 elsewhere, their gradient again pi_d's: the network learns each answer only at the exit
+the routed model answers it from, and `loss_exits` is the routed model's loss. The router's own
 loss is its balance term and the per-token KL to its prior (`Router.aux_loss`). Validation (`full_only`) runs the
 routed pass inference runs. `loss_L` stays the last exit's plain cross-entropy, and `routed` the statistics of the
 depths the router would give (the pass itself runs every token L loops, which is what `full` and the FLOP count see).
@@ -191,6 +194,10 @@ class Objective(nn.Module):
             if c.router_exit_uniform:  # the network's weights mix in 1/L; the router's gradient stays CE_d
                 a = c.router_exit_uniform
                 pi = ((1 - a) * pi + a / out.loops).detach() + pi - pi.detach()
+            elif c.router_exit_weights == "depth":  # the network's weight: 1 at the routed depth's exit
+                theta = self.net.cfg.router_threshold if threshold is None else float(threshold)
+                at = F.one_hot(out.router.depth(out.loops, theta) - 1, out.loops).to(pi.dtype)  # (B, T, L)
+                pi = at + pi - pi.detach()
             loss, parts, ce = (self._fused_exits if fused_loss else self._exit_losses)(out, targets, pi)
             if c.router_hard_weight:  # the router's hard-token target (Router.hard_loss)
                 loss = loss + self._hard_target(out.router, ce, targets != -1, parts)
