@@ -339,6 +339,12 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--out", default="bench/results/depth_need")
     ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="evaluate a case whose checkpoint dir under --out holds a finished run of the same preset and "
+        "overrides instead of training it again (a study stopped half-way, or a case added to one)",
+    )
+    ap.add_argument(
         "--set",
         action="append",
         default=[],
@@ -405,6 +411,7 @@ def main(argv=None) -> dict:
                     f"train.global_batch_size={mb}",
                     f"checkpoint.dir={out / 'checkpoints' / f'{_slug(label)}_s{s}'}",
                 ],
+                "reuse": a.reuse,
             }
     t0 = time.time()
     print(
@@ -415,6 +422,9 @@ def main(argv=None) -> dict:
     with mp.get_context("spawn").Pool(a.jobs) as pool:
         trained = dict(zip(specs, pool.map(train_case, list(specs.values()), chunksize=1)))
     t_train = time.time() - t0
+    reused = [f"{label} s{s}" for (label, s), tr in trained.items() if tr.get("reused")]
+    if reused:
+        print(f"reused {len(reused)} finished runs (--reuse): {', '.join(reused)}", flush=True)
     res = {
         "command": "python bench/depth_need.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "steps": a.steps,

@@ -96,10 +96,16 @@ def count_forwards(model):
         handle.remove()
 
 
+STUDY_CASE = "study_case.json"  # a finished study run's spec and result, in its checkpoint dir
+
+
 def train_case(spec: dict) -> dict:
     """A study's worker (own process, one thread): trains `spec["preset"]` with `spec["overrides"]` through the
     project's trainer; returns its run id and tracking URI (None without MLflow), checkpoint dir, wall and CPU
-    seconds and final training loss."""
+    seconds and final training loss, and writes them with the spec to `STUDY_CASE` in the checkpoint dir. With
+    `spec["reuse"]` a run whose checkpoint dir holds that file for the same preset and overrides is not trained
+    again: its result comes back with `"reused": True`."""
+    import json
     import os
     import time
 
@@ -109,9 +115,15 @@ def train_case(spec: dict) -> dict:
     from pipeline.train.trainer import run
 
     cfg = load_config(spec["preset"], spec["overrides"])
+    done = Path(cfg.checkpoint.dir) / STUDY_CASE
+    key = {"preset": spec["preset"], "overrides": list(spec["overrides"])}
+    if spec.get("reuse") and done.is_file():
+        saved = json.loads(done.read_text())
+        if saved.get("spec") == key:
+            return {**saved["result"], "reused": True}
     t0, c0 = time.time(), time.process_time()
     res = run(cfg)
-    return {
+    out = {
         "run_id": res.run_id,
         "dir": cfg.checkpoint.dir,
         "uri": cfg.logging.tracking_uri,
@@ -119,3 +131,5 @@ def train_case(spec: dict) -> dict:
         "cpu_s": time.process_time() - c0,
         "final_train_loss": res.losses[-1],
     }
+    done.write_text(json.dumps({"spec": key, "result": out}, indent=1))
+    return out

@@ -562,3 +562,19 @@ def test_cli_errors_are_clear(tmp_path, data):
         env=clean_env(),
     )
     assert p.returncode == 1 and "nothing: no 'train' shards" in p.stderr
+
+
+def test_a_study_reuses_a_finished_run_only_for_the_same_preset_and_overrides(tmp_path, data):
+    """bench/testkit.py `train_case` with reuse (bench/depth_need.py --reuse): a checkpoint dir that holds a
+    finished run of the same spec gives that run's result back, marked reused, and trains nothing; another spec
+    in the same dir, or no reuse, trains."""
+    from bench.testkit import STUDY_CASE, train_case
+
+    ov = [*TINY, f"data.dir={data}", f"checkpoint.dir={tmp_path}", "schedule.max_steps=2", "checkpoint.resume=none"]
+    spec = {"preset": "tiny/base-loop", "overrides": ov, "reuse": True}
+    first = train_case(spec)
+    assert "reused" not in first and (tmp_path / STUDY_CASE).is_file() and first["dir"] == str(tmp_path)
+    assert train_case(spec) == {**first, "reused": True}
+    other = train_case({**spec, "overrides": [*ov, "optim.lr=5e-3"]})  # another spec: trained, and now the one saved
+    assert "reused" not in other and other["wall_s"] != first["wall_s"]
+    assert "reused" not in train_case({**spec, "reuse": False})
