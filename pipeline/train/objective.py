@@ -189,13 +189,13 @@ class Objective(nn.Module):
             explore_draw=c.router_explore_draw,
             exits=expected,
         )
+        theta = self.net.cfg.router_threshold if threshold is None else float(threshold)  # the routed depth's
         if expected:
             pi = torch.softmax(out.router.logits.float(), -1)  # (B, T, L)
             if c.router_exit_uniform:  # the network's weights mix in 1/L; the router's gradient stays CE_d
                 a = c.router_exit_uniform
                 pi = ((1 - a) * pi + a / out.loops).detach() + pi - pi.detach()
             elif c.router_exit_weights == "depth":  # the network's weight: 1 at the routed depth's exit
-                theta = self.net.cfg.router_threshold if threshold is None else float(threshold)
                 at = F.one_hot(out.router.depth(out.loops, theta) - 1, out.loops).to(pi.dtype)  # (B, T, L)
                 pi = at + pi - pi.detach()
             loss, parts, ce = (self._fused_exits if fused_loss else self._exit_losses)(out, targets, pi)
@@ -219,7 +219,6 @@ class Objective(nn.Module):
         L = out.loops
         routed = None
         if expected:  # the depths the router gives; the pass itself ran every token L loops
-            theta = self.net.cfg.router_threshold if threshold is None else float(threshold)
             routed = depth_stats(out.router.depth(L, theta), L)
         full = depth_stats(out.depth, L)
         return ObjectiveOutput(
