@@ -102,7 +102,8 @@ STUDY_CASE = "study_case.json"  # a finished study run's spec and result, in its
 def train_case(spec: dict) -> dict:
     """A study's worker (own process, one thread): trains `spec["preset"]` with `spec["overrides"]` through the
     project's trainer; returns its run id and tracking URI (None without MLflow), checkpoint dir, wall and CPU
-    seconds and final training loss, and writes them with the spec to `STUDY_CASE` in the checkpoint dir. With
+    seconds and final training loss, and, once the run has reached its last step (not stopped by a signal), writes
+    them with the spec to `STUDY_CASE` in the checkpoint dir. With
     `spec["reuse"]` a run whose checkpoint dir holds that file for the same preset and overrides is not trained
     again: its result comes back with `"reused": True`."""
     import json
@@ -131,5 +132,6 @@ def train_case(spec: dict) -> dict:
         "cpu_s": time.process_time() - c0,
         "final_train_loss": res.losses[-1],
     }
-    done.write_text(json.dumps({"spec": key, "result": out}, indent=1))
+    if res.stopped_by is None and res.step == cfg.schedule.max_steps:  # finished, not stopped by a signal
+        done.write_text(json.dumps({"spec": key, "result": out}, indent=1))
     return out

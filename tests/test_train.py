@@ -3,6 +3,8 @@ signals, faults (NaN, full disk, killed save), MLflow. The 2-rank launcher tests
 
 from __future__ import annotations
 
+import dataclasses
+
 import errno
 import json
 import os
@@ -578,3 +580,20 @@ def test_a_study_reuses_a_finished_run_only_for_the_same_preset_and_overrides(tm
     other = train_case({**spec, "overrides": [*ov, "optim.lr=5e-3"]})  # another spec: trained, and now the one saved
     assert "reused" not in other and other["wall_s"] != first["wall_s"]
     assert "reused" not in train_case({**spec, "reuse": False})
+
+
+def test_a_study_does_not_reuse_a_run_a_signal_stopped(tmp_path, data, monkeypatch):
+    """A run that SIGTERM ended early returns normally (the trainer checkpoints and stops): `train_case` must not
+    mark it finished, or `--reuse` would report a half-trained model as the case's result."""
+    import pipeline.train.trainer as trainer
+    from bench.testkit import STUDY_CASE, train_case
+
+    real = trainer.run
+
+    def stopped(cfg):  # the real run, then the result a SIGTERM after step 1 gives
+        return dataclasses.replace(real(cfg), step=1, stopped_by="SIGTERM")
+
+    monkeypatch.setattr(trainer, "run", stopped)
+    ov = [*TINY, f"data.dir={data}", f"checkpoint.dir={tmp_path}", "schedule.max_steps=2", "checkpoint.resume=none"]
+    train_case({"preset": "tiny/base-loop", "overrides": ov, "reuse": True})
+    assert not (tmp_path / STUDY_CASE).exists()
