@@ -179,11 +179,24 @@ def on_curve(curve: dict, work: float) -> float:
     return accuracy_at_work([(c["layer_work"], c["accuracy"]) for c in curve.values()], work)
 
 
-def ms(values) -> str:
+def ms(values) -> dict | None:
+    """{"mean", "std", "n"} over the values given (None skipped; std None for one value), or None if none."""
     v = np.asarray([x for x in values if x is not None], dtype=float)
     if v.size == 0:
+        return None
+    return {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if v.size > 1 else None, "n": int(v.size)}
+
+
+def fmt(m: dict | None) -> str:
+    """An `ms` summary as the tables print it: "mean ± std", the mean alone for one seed, "–" for none."""
+    if m is None:
         return "–"
-    return f"{v.mean():.3f} ± {v.std(ddof=1):.3f}" if v.size > 1 else f"{v.mean():.3f}"
+    return f"{m['mean']:.3f}" if m["std"] is None else f"{m['mean']:.3f} ± {m['std']:.3f}"
+
+
+def routed(label: str) -> bool:
+    """Whether a case's model has a router (every case but the base and loopformer baselines)."""
+    return label not in ("base", "loopformer")
 
 
 def summarise(res: dict) -> None:
@@ -202,7 +215,7 @@ def summarise(res: dict) -> None:
             "accuracy_by_budget": {M: ms(s["levels"][M]["accuracy"] for s in seeds.values()) for M in range(1, L + 1)},
             "level_depth_at_L": np.sum([f["level_depth"] for f in full], axis=0).tolist(),
         }
-        if lf is not None and label not in ("loopformer", "base"):
+        if lf is not None and routed(label):
             deltas = []
             for seed, s in seeds.items():
                 if seed in lf["seeds"]:
@@ -229,10 +242,10 @@ def table(res: dict) -> str:
     for label, c in res["cases"].items():
         s = c["summary"]
         lines.append(
-            f"| {label} | {s['accuracy_at_L']} | "
-            + " | ".join(s["accuracy_by_level_at_L"][k] for k in range(1, L + 1))
-            + f" | {s['work_at_L']} | {s['spearman_at_L']} | {s.get('loopformer_at_work', '–')} | "
-            f"{s.get('delta_vs_loopformer', '–')} |"
+            f"| {label} | {fmt(s['accuracy_at_L'])} | "
+            + " | ".join(fmt(s["accuracy_by_level_at_L"][k]) for k in range(1, L + 1))
+            + f" | {fmt(s['work_at_L'])} | {fmt(s['spearman_at_L'])} | {fmt(s.get('loopformer_at_work'))} | "
+            f"{fmt(s.get('delta_vs_loopformer'))} |"
         )
     return "\n".join(lines)
 
@@ -244,7 +257,7 @@ def elastic_table(res: dict) -> str:
         if label == "base":
             continue
         lines.append(
-            f"| {label} | " + " | ".join(c["summary"]["accuracy_by_budget"][M] for M in range(1, L + 1)) + " |"
+            f"| {label} | " + " | ".join(fmt(c["summary"]["accuracy_by_budget"][M]) for M in range(1, L + 1)) + " |"
         )
     return "\n".join(lines)
 
@@ -267,7 +280,7 @@ def figures(res: dict, out: Path) -> list[Path]:
             M: [(s["levels"][M]["layer_work"], s["levels"][M]["accuracy"]) for s in c["seeds"].values()]
             for M in range(1, L + 1)
         }
-        Ms = [L] if label.startswith("t-loopformer") or label == "base" else list(range(1, L + 1))
+        Ms = [L] if routed(label) or label == "base" else list(range(1, L + 1))
         xs = [np.mean([p[0] for p in pts[M]]) for M in Ms]
         ys = [np.mean([p[1] for p in pts[M]]) for M in Ms]
         es = [np.std([p[1] for p in pts[M]], ddof=1) if len(pts[M]) > 1 else 0.0 for M in Ms]
@@ -287,10 +300,10 @@ def figures(res: dict, out: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     paths.append(save(fig, out / "depth_need_accuracy_vs_work.png"))
-    routed = [k for k in res["cases"] if k.startswith("t-loopformer")]
-    if routed:
-        fig, axes = plt.subplots(1, len(routed), figsize=(3.4 * len(routed), 3.2), squeeze=False)
-        for ax, label in zip(axes[0], routed):
+    with_router = [k for k in res["cases"] if routed(k)]
+    if with_router:
+        fig, axes = plt.subplots(1, len(with_router), figsize=(3.4 * len(with_router), 3.2), squeeze=False)
+        for ax, label in zip(axes[0], with_router):
             t = np.asarray(res["cases"][label]["summary"]["level_depth_at_L"], dtype=float)
             ax.imshow(t / np.maximum(t.sum(1, keepdims=True), 1), vmin=0, vmax=1, cmap="Blues")
             ax.set_xticks(range(L), [str(d) for d in range(1, L + 1)])
@@ -450,9 +463,7 @@ def main(argv=None) -> dict:
     summarise(res)
     res["wall_s"] = time.time() - t0
     res["table"], res["elastic_table"] = table(res), elastic_table(res)
-    res["level_depth_text"] = "\n\n".join(
-        level_depth_text(k, c, L) for k, c in res["cases"].items() if k.startswith("t-loopformer")
-    )
+    res["level_depth_text"] = "\n\n".join(level_depth_text(k, c, L) for k, c in res["cases"].items() if routed(k))
     for p in figures(res, out):
         print(f"wrote {p}")
     write_json(out / "depth_need.json", res)
