@@ -1032,6 +1032,11 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         model.train()
         return acc
 
+    # one norm over every parameter, as the trainer clips; settings "clip_apart": the router's apart from the network's
+    router_params = list(model.router.parameters()) if (s.get("clip_apart") and model.router is not None) else []
+    ids = {id(p) for p in router_params}
+    clip_groups = [[p for p in model.parameters() if id(p) not in ids], router_params]
+    clip_groups = [g for g in clip_groups if g]
     curve, step, t0 = [], 0, time.time()
     model.train()
     while time.time() - t0 < minutes * 60 and (not steps or step < steps):
@@ -1069,12 +1074,8 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
             loss = torch.nn.functional.cross_entropy(logits(x, Lm, dm).flatten(0, 1), y.flatten(), ignore_index=-1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if s.get("clip_apart"):  # the router's gradient norm clipped apart from the network's (each at 1)
-            router_params = set(model.router.parameters()) if model.router is not None else set()
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p not in router_params], 1.0)
-            torch.nn.utils.clip_grad_norm_(list(router_params), 1.0)
-        else:  # one norm over every parameter, as the trainer clips
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for group in clip_groups:  # each group's gradient norm clipped at 1
+            torch.nn.utils.clip_grad_norm_(group, 1.0)
         opt.step()
         sched.step()
         step += 1

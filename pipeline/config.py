@@ -310,16 +310,15 @@ class ObjectiveConfig:
                 raise ConfigError(f"objective.{k} must be >= 0, got {getattr(self, k)}")
         if not 0.0 <= self.router_exit_uniform <= 1.0:
             raise ConfigError(f"objective.router_exit_uniform must lie in [0, 1], got {self.router_exit_uniform}")
-        if self.router_exit_uniform and not (model.router and model.router_recipe == "expected"):
-            raise ConfigError(
-                f"objective.router_exit_uniform={self.router_exit_uniform} needs model.router_recipe=expected "
-                "(t-loopformer): it weights the expected loss's exits"
-            )
-        if self.router_exit_weights != "pi" and not (model.router and model.router_recipe == "expected"):
-            raise ConfigError(
-                f"objective.router_exit_weights={self.router_exit_weights} needs model.router_recipe=expected "
-                "(t-loopformer): it weights the expected loss's exits"
-            )
+        for k, on in (
+            ("router_exit_uniform", bool(self.router_exit_uniform)),
+            ("router_exit_weights", self.router_exit_weights != "pi"),
+        ):
+            if on and not (model.router and model.router_recipe == "expected"):
+                raise ConfigError(
+                    f"objective.{k}={getattr(self, k)} needs model.router_recipe=expected "
+                    "(t-loopformer): it weights the expected loss's exits"
+                )
         if self.router_exit_weights != "pi" and self.router_exit_uniform:
             raise ConfigError(
                 f"objective.router_exit_weights={self.router_exit_weights} with objective.router_exit_uniform="

@@ -4,7 +4,6 @@ signals, faults (NaN, full disk, killed save), MLflow. The 2-rank launcher tests
 from __future__ import annotations
 
 import dataclasses
-
 import errno
 import json
 import os
@@ -566,13 +565,18 @@ def test_cli_errors_are_clear(tmp_path, data):
     assert p.returncode == 1 and "nothing: no 'train' shards" in p.stderr
 
 
+def _study_overrides(tmp_path, data) -> list[str]:
+    """A two-step study run of TINY in tmp_path (bench/testkit.py `train_case`)."""
+    return [*TINY, f"data.dir={data}", f"checkpoint.dir={tmp_path}", "schedule.max_steps=2", "checkpoint.resume=none"]
+
+
 def test_a_study_reuses_a_finished_run_only_for_the_same_preset_and_overrides(tmp_path, data):
     """bench/testkit.py `train_case` with reuse (bench/depth_need.py --reuse): a checkpoint dir that holds a
     finished run of the same spec gives that run's result back, marked reused, and trains nothing; another spec
     in the same dir, or no reuse, trains."""
     from bench.testkit import STUDY_CASE, train_case
 
-    ov = [*TINY, f"data.dir={data}", f"checkpoint.dir={tmp_path}", "schedule.max_steps=2", "checkpoint.resume=none"]
+    ov = _study_overrides(tmp_path, data)
     spec = {"preset": "tiny/base-loop", "overrides": ov, "reuse": True}
     first = train_case(spec)
     assert "reused" not in first and (tmp_path / STUDY_CASE).is_file() and first["dir"] == str(tmp_path)
@@ -594,6 +598,5 @@ def test_a_study_does_not_reuse_a_run_a_signal_stopped(tmp_path, data, monkeypat
         return dataclasses.replace(real(cfg), step=1, stopped_by="SIGTERM")
 
     monkeypatch.setattr(trainer, "run", stopped)
-    ov = [*TINY, f"data.dir={data}", f"checkpoint.dir={tmp_path}", "schedule.max_steps=2", "checkpoint.resume=none"]
-    train_case({"preset": "tiny/base-loop", "overrides": ov, "reuse": True})
+    train_case({"preset": "tiny/base-loop", "overrides": _study_overrides(tmp_path, data), "reuse": True})
     assert not (tmp_path / STUDY_CASE).exists()

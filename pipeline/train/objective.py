@@ -189,14 +189,16 @@ class Objective(nn.Module):
             explore_draw=c.router_explore_draw,
             exits=expected,
         )
-        theta = self.net.cfg.router_threshold if threshold is None else float(threshold)  # the routed depth's
+        routed_depth = None  # (B, T) the depth the router gives each token (the expected recipe's pass runs all L)
         if expected:
+            theta = self.net.cfg.router_threshold if threshold is None else float(threshold)
+            routed_depth = out.router.depth(out.loops, theta)
             pi = torch.softmax(out.router.logits.float(), -1)  # (B, T, L)
             if c.router_exit_uniform:  # the network's weights mix in 1/L; the router's gradient stays CE_d
                 a = c.router_exit_uniform
                 pi = ((1 - a) * pi + a / out.loops).detach() + pi - pi.detach()
             elif c.router_exit_weights == "depth":  # the network's weight: 1 at the routed depth's exit
-                at = F.one_hot(out.router.depth(out.loops, theta) - 1, out.loops).to(pi.dtype)  # (B, T, L)
+                at = F.one_hot(routed_depth - 1, out.loops).to(pi.dtype)  # (B, T, L)
                 pi = at + pi - pi.detach()
             loss, parts, ce = (self._fused_exits if fused_loss else self._exit_losses)(out, targets, pi)
             if c.router_hard_weight:  # the router's hard-token target (Router.hard_loss)
@@ -217,9 +219,7 @@ class Objective(nn.Module):
                 loss = loss + aux
                 parts["loss_router"] = aux.detach()
         L = out.loops
-        routed = None
-        if expected:  # the depths the router gives; the pass itself ran every token L loops
-            routed = depth_stats(out.router.depth(L, theta), L)
+        routed = None if routed_depth is None else depth_stats(routed_depth, L)  # the router's, not the pass's
         full = depth_stats(out.depth, L)
         return ObjectiveOutput(
             loss,
