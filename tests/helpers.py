@@ -6,6 +6,10 @@ from bench.testkit import spread_router as _spread_router
 from pipeline.config import load_config
 from pipeline.model.looped import LoopedLM
 
+DEVICES = ["cpu"] + (
+    ["cuda"] if torch.cuda.is_available() else []
+)  # exactness tests run on a GPU too, where there is one
+
 
 def perturbed_tiny(name: str = "tiny/t-loopformer", seed: int = 0, overrides: tuple = ()):
     """A tiny model with every weight perturbed (zero-initialised modulators would make loops identities) and a

@@ -5,7 +5,7 @@ plus proofs that a cache attending to an empty slot fails those checks."""
 import numpy as np
 import pytest
 import torch
-from helpers import spread_router
+from helpers import DEVICES, spread_router
 
 from pipeline.config import list_presets, load_config
 from pipeline.inference.cache import LoopView, RecursionKVCache
@@ -16,7 +16,6 @@ torch.set_num_threads(1)
 ATOL = 1e-5
 TINY = sorted(p.split("/")[1] for p in list_presets() if p.startswith("tiny/"))
 CASES = TINY + ["t-loopformer@budget"]  # variant@router_recipe: the budget recipe's router (normalised input) too
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def make(variant="t-loopformer", seed=0, device="cpu", *overrides):

@@ -14,7 +14,7 @@ from pipeline.model.router import depth_prior
 from pipeline.model.schedule import sample_shortcut, table_index, time_table, uniform
 from pipeline.train.ac import apply_ac, checkpointed_mode
 from pipeline.train.objective import Objective
-from tests.helpers import spread_router
+from tests.helpers import DEVICES, spread_router
 
 torch.set_num_threads(1)
 
@@ -66,12 +66,13 @@ def grads(model):
         ("base-loop-router", ["model.router_recipe=budget"], {"router_explore": 0.5, "router_explore_draw": "next"}),
     ],
 )
-def test_gather_scatter_equals_dense_reference(variant, overrides, router_training):
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_scatter_equals_dense_reference(variant, overrides, router_training, device):
     """router_training: objective settings of the router's training (exploration draws the same depths on both
-    paths: the RNG is reseeded before each)."""
-    model = make(variant, *overrides)
-    idx, tgt = batch()
-    k = torch.tensor([1, 2, 1])  # a fixed shortcut schedule so both paths see the same objective
+    paths: the RNG is reseeded before each). fp32 on every device (on CUDA without TF32)."""
+    model = make(variant, *overrides).to(device)
+    idx, tgt = (t.to(device) for t in batch())
+    k = torch.tensor([1, 2, 1], device=device)  # a fixed shortcut schedule so both paths see the same objective
     model.train()
     obj = objective(model)
     for key, v in router_training.items():
