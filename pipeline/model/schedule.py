@@ -43,6 +43,6 @@ def time_table(delta: torch.Tensor, prefix: bool = False) -> tuple[torch.Tensor,
     ts, dts = [], []
     for m in range(1, M + 1):
         d = delta[:m] if prefix else delta[:m] / delta[:m].sum()
-        ts.append(torch.cat([torch.zeros(1, dtype=d.dtype), d.cumsum(0)[:-1]]))
+        ts.append(torch.cat([d.new_zeros(1), d.cumsum(0)[:-1]]))
         dts.append(d)
     return torch.cat(ts), torch.cat(dts)
