@@ -70,10 +70,10 @@ def test_fused_objective_equals_the_plain_path_over_several_chunks(variant, extr
     m = _model(variant, *extra)
     x, y = _batch()
     calls = []
-    monkeypatch.setattr(head_loss, "rows_per_chunk", lambda V_: calls.append(V_) or 7)  # 40 rows: 6 chunks
+    monkeypatch.setattr(head_loss, "rows_per_chunk", lambda V_, dev: calls.append((V_, dev)) or 7)  # 6 chunks
     fused, g_f = _run(m, x, y, True)
     ref, g_r = _run(m, x, y, False)
-    assert calls == [V] and fused.logits is None and ref.logits.shape == (2, 20, V)
+    assert calls == [(V, "cpu")] and fused.logits is None and ref.logits.shape == (2, 20, V)
     assert (
         fused.parts.keys() == ref.parts.keys() == ({"loss_L", "loss_S", "loss_align"} if m.cfg.shortcut else {"loss_L"})
     )
@@ -128,6 +128,10 @@ def test_chunk_rows_follow_the_byte_budget():
     assert rows_per_chunk(8192) == head_loss.CHUNK_BYTES // (4 * 8192) == 256  # the d=512 bench: 4 chunks of 1024
     assert rows_per_chunk(V) * V * 4 <= head_loss.CHUNK_BYTES < (rows_per_chunk(V) + 1) * V * 4
     assert rows_per_chunk(10**7) == head_loss.MIN_ROWS
+    # on a GPU (and the meta device a plan traces) chunks are 32 x larger: the paper's vocabulary, 1334 rows, not 41
+    for dev in ("cuda", "meta"):
+        assert rows_per_chunk(50304, dev) == head_loss.GPU_CHUNK_BYTES // (4 * 50304) == 1334
+    assert rows_per_chunk(50304) == 41
 
 
 def test_all_targets_ignored_gives_nan_like_the_plain_path():
@@ -280,7 +284,7 @@ def test_expected_exit_objective_fused_equals_the_plain_path(variant, extra, mon
             if hasattr(layer, "modulator"):
                 layer.modulator[1].weight.normal_(0, 0.05)
     x, y = _batch()
-    monkeypatch.setattr(head_loss, "rows_per_chunk", lambda V_: 7)
+    monkeypatch.setattr(head_loss, "rows_per_chunk", lambda V_, dev: 7)
     fused, g_f = _run(m, x, y, True)
     ref, g_r = _run(m, x, y, False)
     short = {"loss_S", "loss_align"} if m.cfg.shortcut else set()  # base-loop-router: no shortcut pass

@@ -201,3 +201,15 @@ def test_plan_command_json_and_sweep(tmp_path):
 def test_bad_input_is_one_line(args, msg):
     r = CliRunner().invoke(plan_cmd, args)
     assert r.exit_code != 0 and msg in r.output and "Traceback" not in r.output, r.output
+
+
+def test_the_trace_chunks_the_heads_as_the_planned_device_does():
+    """The fused heads take 32 x more rows per chunk on a GPU (head_loss.rows_per_chunk): a plan for a GPU traces
+    those chunks on the meta device, a plan for the CPU host the CPU's, and the real rule is back afterwards."""
+    from pipeline.model import head_loss
+    from pipeline.plan.trace import on_meta
+
+    for dev, rows in (("cuda", 1334), ("cpu", 41)):
+        with on_meta(None, dev):
+            assert head_loss.rows_per_chunk(50304, "meta") == rows
+    assert head_loss.rows_per_chunk(50304, "meta") == 1334 and head_loss.rows_per_chunk(50304, "cpu") == 41

@@ -13,7 +13,10 @@ both passes, the losses and their gradients w.r.t. the logits in closed form
 then grad_hf = glogits_f W, grad_hs = glogits_s W, grad_W += glogits_f^T hf + glogits_s^T hs. Only grad_hf,
 grad_hs (B, T, d) and grad_W (V, d) are kept for backward, which scales them by the incoming gradient: no
 (B, T, V) tensor outlives a chunk. Chunk rows: `rows_per_chunk`, the chunk's fp32 logits of one pass within
-CHUNK_BYTES (a few such buffers are live at once), at least MIN_ROWS rows.
+CHUNK_BYTES on CPU, GPU_CHUNK_BYTES on a GPU (and on the meta device `tlf plan` traces for one), at least MIN_ROWS
+rows; a few such buffers are live at once. Each chunk reads W and adds into grad_W (V, d) once per pass, so on a
+GPU thin chunks cost more than their matmuls: at the paper's scale 41-row chunks (8 MiB) made that add 1/3 of a
+step on an H200 (bench/README `## plan_check`).
 
 With per-token weights w (B, T) (the expected router recipe's pi_d at one exit) the full pass's term is
 sum_tau w_tau CE_tau / N instead: the logits' gradient is scaled by w row by row, and w gets CE_tau / N (each
@@ -31,13 +34,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-CHUNK_BYTES = 8 * 2**20  # fp32 logits of one pass for one chunk of rows
+CHUNK_BYTES = 8 * 2**20  # fp32 logits of one pass for one chunk of rows, on CPU
+GPU_CHUNK_BYTES = 256 * 2**20  # ... on a GPU: per-chunk passes over W and grad_W stay small beside the matmuls
 MIN_ROWS = 32  # fewer rows make the head's matmuls too thin to run well
 
 
-def rows_per_chunk(vocab_size: int) -> int:
-    """Rows (tokens) of one chunk: the chunk's fp32 (rows, V) logits within CHUNK_BYTES, at least MIN_ROWS."""
-    return max(MIN_ROWS, CHUNK_BYTES // (4 * vocab_size))
+def rows_per_chunk(vocab_size: int, device_type: str = "cpu") -> int:
+    """Rows (tokens) of one chunk: the chunk's fp32 (rows, V) logits within CHUNK_BYTES on CPU, GPU_CHUNK_BYTES
+    on any other device (cuda, and meta: `tlf plan` traces a GPU's step), at least MIN_ROWS."""
+    size = CHUNK_BYTES if device_type == "cpu" else GPU_CHUNK_BYTES
+    return max(MIN_ROWS, size // (4 * vocab_size))
 
 
 class LMHead(nn.Linear):
@@ -96,7 +102,7 @@ def head_objective(
     per-exit losses, which objective.router_hard_weight reads)."""
     assert weight is not None or not rows, "rows: the per-token losses are kept only with weights"
     cdt = _compute_dtype(hf)
-    chunk = int(chunk or rows_per_chunk(W.shape[0]))
+    chunk = int(chunk or rows_per_chunk(W.shape[0], W.device.type))
     loss, parts, ce_rows = _HeadObjective.apply(
         hf,
         W,

@@ -90,6 +90,7 @@ class Planner:
                 self.counts,
                 sc,
                 count_flops=not worst,
+                device_type="cpu" if self.hw.name == "cpu" else "cuda",
             )
         return self._cache[key]
 

@@ -108,9 +108,10 @@ class LiveBytes(TorchDispatchMode):
 
 
 @contextmanager
-def on_meta(counts: np.ndarray | None):
+def on_meta(counts: np.ndarray | None, device_type: str = "cuda"):
     """Within it, the model's host read of the depth map returns `counts` ((B, L) |A_i| per row and loop,
-    or (1, L) for every row; None: unchanged),
+    or (1, L) for every row; None: unchanged), the fused heads chunk their rows as on `device_type` (the planned
+    run's: CPU chunks are smaller, head_loss.rows_per_chunk),
     causal attention runs the flash kernel (on meta torch would pick the math one, which keeps the (B, H, T, T)
     weights for backward; the GPU's flash/efficient kernels and CPU's flash kernel keep q, k, v, the output and
     its log-sum-exp: this op's meta kernel), and autocast is off for the meta device (torch has no autocast there; `tlf train` runs no autocast:
@@ -118,6 +119,8 @@ def on_meta(counts: np.ndarray | None):
     from pipeline.model import head_loss, looped
 
     real = looped.active_counts, head_loss._compute_dtype, torch.autocast, F.scaled_dot_product_attention
+    real_rows = head_loss.rows_per_chunk
+    head_loss.rows_per_chunk = lambda vocab_size, _meta: real_rows(vocab_size, device_type)
     if counts is not None:
         looped.active_counts = lambda depth, M: (
             counts[:, :M] if len(counts) == depth.shape[0] else np.broadcast_to(counts[:1, :M], (depth.shape[0], M))
@@ -135,6 +138,7 @@ def on_meta(counts: np.ndarray | None):
         yield
     finally:
         looped.active_counts, head_loss._compute_dtype, torch.autocast, F.scaled_dot_product_attention = real
+        head_loss.rows_per_chunk = real_rows
 
 
 def _addmm(acc, a, b, *args, out_shape=None, **kwargs) -> int:  # shapes: (n, p) += (n, k) @ (k, p)
@@ -177,11 +181,13 @@ def trace_step(
     counts: np.ndarray | None,
     shortcut: torch.Tensor | None,
     count_flops: bool = False,
+    device_type: str = "cuda",
 ) -> StepTrace:
     """Forward of the objective and backward for a micro-batch of `batch` x block_size tokens on meta tensors.
     shortcut: the shortcut pass's schedule (None: the model samples one). count_flops: count FLOPs (flops stays 0
     otherwise); then the bytes are not the step's: the flop counter's module tracker wraps the modules' outputs,
-    which keeps what activation checkpointing frees alive, so memory and FLOPs are traced apart."""
+    which keeps what activation checkpointing frees alive, so memory and FLOPs are traced apart. device_type: the
+    planned run's device (cuda or cpu)."""
     model = build_model(cfg, dtype)
     T, L = cfg.model.block_size, cfg.model.loops
     x = torch.zeros(batch, T, dtype=torch.long, device="meta")
@@ -208,7 +214,7 @@ def trace_step(
     hooks += [model.layers[0].register_forward_pre_hook(loop_start), model.norm_f.register_forward_pre_hook(head_start)]
     saved.label = "embed+router"
     flops = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS) if count_flops else None
-    with on_meta(counts), flops or nullcontext(), live:
+    with on_meta(counts, device_type), flops or nullcontext(), live:
         with saved:
             loss = loss_of(model, cfg, x, y, shortcut)
         saved.label = None
