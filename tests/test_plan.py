@@ -213,3 +213,22 @@ def test_the_trace_chunks_the_heads_as_the_planned_device_does():
         with on_meta(None, dev):
             assert head_loss.rows_per_chunk(50304, "meta") == rows
     assert head_loss.rows_per_chunk(50304, "meta") == 1334 and head_loss.rows_per_chunk(50304, "cpu") == 41
+
+
+@pytest.mark.parametrize("ac", ["none", "loop"])
+def test_the_largest_micro_batch_is_the_traces_own(ac):
+    """Planner.max_micro_batch: on a device whose memory ends just above the traced peak at micro-batch 25, the
+    answer is 25 (its peak fits, 26's does not), whatever a line through micro-batches 1 and 2 says (on a GPU the
+    fused heads' chunk buffers are a constant there, and the line's slope came out too low: loopformer with loop
+    checkpointing on an A100-40GB planned 191 where 61 fit)."""
+    import dataclasses
+
+    from pipeline.plan.core import Planner
+    from pipeline.plan.hardware import gpu
+
+    cfg = load_config("tiny/loopformer", [])
+    probe = Planner(cfg, gpu("a100-80gb"))
+    hw = dataclasses.replace(gpu("a100-80gb"), memory=probe.memory(1, ac, 25, 8)["peak"] + 1)
+    p = Planner(cfg, hw)
+    assert p.max_micro_batch(1, ac, 8) == 25
+    assert p.memory(1, ac, 26, 8)["peak"] > hw.memory

@@ -64,6 +64,9 @@ def with_settings(cfg: Config, **train) -> Config:
     return c
 
 
+MAX_MICRO_BATCH = 256  # the largest micro-batch `tlf plan` searches for (more if the per-rank batch is larger)
+
+
 class Planner:
     """Traces cached by (activation checkpointing, micro-batch, shortcut): ZeRO stage and world size only change
     the model-state accounting."""
@@ -169,20 +172,33 @@ class Planner:
         }
 
     def max_micro_batch(self, zero: int, ac: str, ranks: int) -> int:
-        """The largest micro-batch whose peak fits; 0 if 1 does not fit. The traced peak of the step is linear in
-        the micro-batch (fitted on traces at 1 and 2); the reduction phase after backward (gradients + bucket)
-        does not grow with it."""
+        """The largest micro-batch whose traced peak fits, searched up to MAX_MICRO_BATCH or the per-rank global
+        batch, whichever is larger (a model that fits more is reported at that limit); 0 if 1 does not fit. A
+        line fitted on traces at 1 and 2 gives the first guess; a bisection over traces settles it, since at small
+        micro-batches the peak can be a moment that grows slower than the rest or not at all (the fused heads'
+        chunk buffers on a GPU, the head's weight gradient late in backward), and the line then misses either
+        way."""
         share = 1.0 / ranks if zero >= 2 else 1.0
+        fits = lambda b: self.memory(zero, ac, b, ranks)["peak"] <= self.hw.memory
+        limit = max(MAX_MICRO_BATCH, self.cfg.train.global_batch_size // ranks)
         p1 = self.memory(zero, ac, 1, ranks)["peak"]
         if p1 > self.hw.memory:
             return 0
         t1, t2 = self.trace(ac, 1), self.trace(ac, 2)
         a1, a2 = t1.live.peak(share), t2.live.peak(share)
         other = p1 - max(a1, t1.grad_bytes * share + self._zero0_bucket(zero, ranks, t1.params))  # the states
-        # where the peak is a moment that does not grow with the batch at 1 and 2 (e.g. the head's weight gradient
-        # late in backward), the bytes kept for backward per sample still do: the slope is at least theirs
         slope = max(a2 - a1, sum(t2.saved.values()) - sum(t1.saved.values()), 1.0)
-        return max(1, int(1 + (self.hw.memory - other - a1) // slope))
+        guess = min(limit, max(1, int(1 + (self.hw.memory - other - a1) // slope)))
+        if fits(guess):
+            if guess == limit or fits(limit):
+                return limit
+            lo, hi = guess, limit  # lo fits, hi does not
+        else:
+            lo, hi = 1, guess
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
     def flops_per_micro_batch(self, batch: int) -> float:
         """Model FLOPs of one micro-batch's forward + backward (no recomputation: traced without checkpointing),
