@@ -264,16 +264,21 @@ def main(argv=None) -> dict:
         "--peak-flops",
         type=float,
         default=None,
-        help="for MFU; default: logging.peak_flops, else an A100's bf16 312e12",
+        help="for MFU; default: logging.peak_flops, else this GPU's row of pipeline/plan/hardware.py, else an A100's",
     )
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "train_step.json"))
     a = ap.parse_args(argv)
     from pipeline.config import VARIANTS, load_config
-    from pipeline.plan.hardware import gpu
+    from pipeline.plan.hardware import gpu, this_gpu
     from pipeline.demo import EXPECTED_RECIPE
 
     overrides = a.overrides if a.overrides is not None else ["model.vocab_size=8192"]
-    peak = a.peak_flops or load_config(f"{a.scale}/t-loopformer").logging.peak_flops or gpu("a100-80gb").peak_flops
+    on_gpu = a.device.startswith("cuda") and this_gpu()  # the table's row for this GPU, if it holds one
+    peak = (
+        a.peak_flops
+        or load_config(f"{a.scale}/t-loopformer").logging.peak_flops
+        or (on_gpu or gpu("a100-80gb")).peak_flops
+    )
     variants = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
     common = {
         "scale": a.scale,

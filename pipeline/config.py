@@ -485,7 +485,9 @@ class LoggingConfig:
     experiment: str = f("tlf", "MLflow experiment name.")
     run_name: str = f("", "MLflow run name; empty derives it from the preset and variant.")
     peak_flops: float = f(
-        0.0, "Peak FLOP/s per device for MFU (0: an A100's bf16 312e12 on CUDA; on CPU no MFU is reported unless set)."
+        0.0,
+        "Peak FLOP/s per device for MFU (0 on CUDA: this GPU's dense bf16 peak from pipeline/plan/hardware.py, "
+        "an A100's 312e12 if it is not there; on CPU no MFU is reported unless set).",
     )
     mlflow: bool = f(
         True, "Log to MLflow (rank 0, off the training thread); false keeps the console and metrics.jsonl."

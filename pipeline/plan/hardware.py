@@ -75,3 +75,27 @@ def gpu(name: str) -> GPU:
     if name not in GPUS:
         raise ValueError(f"unknown GPU {name!r}: one of {', '.join(GPUS)} (pipeline/plan/hardware.py)")
     return GPUS[name]
+
+
+def detect(device_name: str, memory_bytes: float) -> GPU | None:
+    """The row of a CUDA device by its name (torch.cuda.get_device_name) and memory (total_memory, bytes): the
+    A100's two sizes apart by memory; None for a device the table does not hold."""
+    n = device_name.upper()
+    if "H200" in n:
+        return GPUS["h200"]
+    if "H100" in n:
+        return GPUS["h100-80gb"]
+    if "A100" in n:
+        return GPUS["a100-80gb" if memory_bytes > 60e9 else "a100-40gb"]
+    return None
+
+
+def this_gpu() -> GPU | None:
+    """`detect` for the current CUDA device (None without one)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return detect(
+        torch.cuda.get_device_name(), torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    )

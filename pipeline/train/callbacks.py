@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from pipeline.memory import memory_metrics
-from pipeline.plan.hardware import gpu  # logging.peak_flops=0 on CUDA: an A100's bf16 peak, from the one GPU table
+from pipeline.plan.hardware import GPU, gpu, this_gpu  # logging.peak_flops=0 on CUDA: the GPU table's peak
 from pipeline.train.logger import fmt_duration, log
 from pipeline.train.validation import evaluate
 
@@ -54,12 +54,33 @@ def run_tags(t) -> dict:
     }
 
 
+_warned_gpu = []
+
+
+def cuda_row() -> GPU:
+    """The GPU table's row for this CUDA device, or an A100-80GB's (said once: set logging.peak_flops)."""
+    row = this_gpu()
+    if row is None:
+        if not _warned_gpu:
+            _warned_gpu.append(True)
+            log.warn(
+                "MFU against an A100's bf16 peak: this GPU is not in pipeline/plan/hardware.py (set logging.peak_flops)"
+            )
+        row = gpu("a100-80gb")
+    return row
+
+
 class Speed(Callback):
     """step_time_s (wall clock from the previous step's end: logging, validation and saves included),
     tokens_per_s and MFU over the executed loops and heads of the step (`trainer.work`, a StepWork;
-    model.flops_per_token; README "MFU")."""
+    model.flops_per_token; README "MFU"). The peak is `logging.peak_flops`, else on CUDA the GPU table's row for
+    this device (`hardware.this_gpu`: A100, H100, H200), else an A100's, said once at the start."""
 
     def pre_train(self) -> None:
+        t = self.trainer
+        self.peak = t.cfg.logging.peak_flops
+        if not self.peak and t.device_kind == "cuda":
+            self.peak = cuda_row().peak_flops
         self.t_last = time.time()
 
     def post_step(self, step: int, metrics: dict) -> None:
@@ -70,9 +91,8 @@ class Speed(Callback):
         fpt = t.model.flops_per_token(
             loops_executed=t.work.loops, seq_len=t.cfg.model.block_size, lm_heads=t.work.lm_heads
         )
-        peak = t.cfg.logging.peak_flops or (gpu("a100-80gb").peak_flops if t.device_kind == "cuda" else 0.0)
-        if peak:  # on CPU no MFU unless logging.peak_flops says what the peak is (an A100's would read 0.00%)
-            metrics["mfu"] = metrics["tokens_per_s"] * fpt / (peak * t.ws)
+        if self.peak:  # on CPU no MFU unless logging.peak_flops says what the peak is (an A100's would read 0.00%)
+            metrics["mfu"] = metrics["tokens_per_s"] * fpt / (self.peak * t.ws)
 
 
 class Memory(Callback):
@@ -104,7 +124,7 @@ class PlannedMemory(Callback):
             cfg = copy.deepcopy(t.cfg)
             cfg.train.precision = t.precision
             c = cfg.train
-            mem = Planner(cfg, gpu("cpu" if t.device_kind == "cpu" else "a100-80gb")).memory(
+            mem = Planner(cfg, gpu("cpu") if t.device_kind == "cpu" else cuda_row()).memory(
                 c.zero_stage, c.activation_checkpointing, c.micro_batch_size, t.ws
             )
             self.predicted = mem["peak"] / 2**30
