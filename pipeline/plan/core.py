@@ -174,12 +174,13 @@ class Planner:
     def max_micro_batch(self, zero: int, ac: str, ranks: int) -> int:
         """The largest micro-batch whose traced peak fits, searched up to MAX_MICRO_BATCH or the per-rank global
         batch, whichever is larger (a model that fits more is reported at that limit); 0 if 1 does not fit. A
-        line fitted on traces at 1 and 2 gives the first guess; a bisection over traces settles it, since at small
-        micro-batches the peak can be a moment that grows slower than the rest or not at all (the fused heads'
-        chunk buffers on a GPU, the head's weight gradient late in backward), and the line then misses either
-        way."""
+        line fitted on traces at 1 and 2 gives the first guess; a search over traces (false position, then
+        bisection) settles it, since at small micro-batches the peak can be a moment that grows slower than the
+        rest or not at all (the fused heads' chunk buffers on a GPU, the head's weight gradient late in
+        backward), and the line then misses either way."""
         share = 1.0 / ranks if zero >= 2 else 1.0
-        fits = lambda b: self.memory(zero, ac, b, ranks)["peak"] <= self.hw.memory
+        peak = lambda b: self.memory(zero, ac, b, ranks)["peak"]
+        fits = lambda b: peak(b) <= self.hw.memory
         limit = max(MAX_MICRO_BATCH, self.cfg.train.global_batch_size // ranks)
         p1 = self.memory(zero, ac, 1, ranks)["peak"]
         if p1 > self.hw.memory:
@@ -195,9 +196,20 @@ class Planner:
             lo, hi = guess, limit  # lo fits, hi does not
         else:
             lo, hi = 1, guess
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        for step in range(64):  # false position (the chord's crossing, then its neighbour), bisection after 4
+            if hi - lo <= 1:
+                break
+            p_lo, p_hi = peak(lo), peak(hi)  # traced already: cached
+            m = lo + int((self.hw.memory - p_lo) * (hi - lo) // max(p_hi - p_lo, 1.0)) if step < 4 else (lo + hi) // 2
+            m = min(max(m, lo + 1), hi - 1)
+            if fits(m):
+                lo = m
+                if step < 4 and m + 1 < hi and not fits(m + 1):
+                    hi = m + 1
+            else:
+                hi = m
+                if step < 4 and m - 1 > lo and fits(m - 1):
+                    lo = m - 1
         return lo
 
     def flops_per_micro_batch(self, batch: int) -> float:
