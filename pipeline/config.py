@@ -283,6 +283,10 @@ class ObjectiveConfig:
         1.5,
         "The hard-token target's margin: a token is hard at an exit when its loss there exceeds this multiple (>= 1) of the batch's mean loss at that exit; above 1, a batch whose tokens are all alike (all at chance, or one kind of token) has no hard token (README 'Router training').",
     )
+    router_hard_bound: bool = f(
+        False,
+        "The hard-token target's losses bounded at chance, ln(vocab_size), before the batch's mean and the comparison: an exit that is never trained on some answers (router_exit_weights=depth) can score them far above chance, which inflates the mean and stops tokens near chance from counting as hard (README 'Router training').",
+    )
     router_hard_gate: float = f(
         0.0,
         "tau in [0, 1): the hard-token target acts on a token at an exit only where the router's forecast (model.router_forecast) that it is hard there exceeds tau, so only tokens of a kind that is hard nearly always go deeper, not the not-yet-learnt part of a kind being learnt (README 'Router training'). 0: every hard token.",
@@ -330,6 +334,10 @@ class ObjectiveConfig:
             raise ConfigError(
                 f"objective.router_hard_ratio={self.router_hard_ratio} needs the hard-token target "
                 "(objective.router_hard_weight > 0)"
+            )
+        if self.router_hard_bound and not self.router_hard_weight:
+            raise ConfigError(
+                "objective.router_hard_bound=true needs the hard-token target (objective.router_hard_weight > 0)"
             )
         if not 0.0 <= self.router_hard_gate < 1.0:
             raise ConfigError(f"objective.router_hard_gate must lie in [0, 1), got {self.router_hard_gate}")

@@ -151,6 +151,7 @@ def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_ke
         "router_exit_weights",
         "router_hard_weight",
         "router_hard_ratio",
+        "router_hard_bound",
         "router_hard_gate",
     }  # objective keys that were never model keys
     assert set(ModelConfig.MOVED) == {f.name for f in dataclasses.fields(ObjectiveConfig)} - born_there
@@ -185,6 +186,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     objective.pop("router_exit_weights")
     objective.pop("router_hard_weight")
     objective.pop("router_hard_ratio")
+    objective.pop("router_hard_bound")
     objective.pop("router_hard_gate")
     old["model"].update(objective, lambda_short=0.3, align_target="hidden")
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in old.items()}
@@ -204,6 +206,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
         router_exit_weights="pi",
         router_hard_weight=0.0,
         router_hard_ratio=1.5,
+        router_hard_bound=False,
         router_hard_gate=0.0,
     )
     assert cfg.to_dict() == expected and old == before  # the stored dict is left as it was
@@ -288,6 +291,7 @@ def test_the_expected_router_recipe_needs_its_exits_to_be_depths():
         ([*ok, "objective.router_hard_weight=-1"], r"objective.router_hard_weight must be >= 0, got -1"),
         (["objective.router_hard_weight=0.5"], r"objective.router_hard_weight=0.5 needs model.router_recipe=expected"),
         ([*ok, "objective.router_hard_weight=1", "objective.router_hard_ratio=0.5"], r"router_hard_ratio must be >= 1"),
+        ([*ok, "objective.router_hard_bound=true"], r"router_hard_bound=true needs the hard-token target"),
         ([*ok, "objective.router_hard_ratio=2"], r"objective.router_hard_ratio=2.0 needs the hard-token target"),
         ([*ok, "model.router_forecast=true"], r"objective.router_hard_gate=0.0 with model.router_forecast=true"),
         ([*ok, "objective.router_hard_gate=0.9"], r"objective.router_hard_gate=0.9 with model.router_forecast=false"),

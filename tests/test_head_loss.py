@@ -4,6 +4,8 @@ chunks, with ignored targets, under bf16, and keeps no (B, T, V) tensor for back
 
 from pathlib import Path
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -368,3 +370,27 @@ def test_the_networks_exit_weights_move_and_the_routers_gradient_does_not(key, v
             _close(g1[n], g0[n], 1e-5, n)
         for n in g_delta:
             _close(g1[n] - g0[n], g_delta[n], 1e-3, n)
+
+
+def test_the_hard_labels_read_losses_bounded_at_chance(monkeypatch):
+    """objective.router_hard_bound: the hard-token labels are computed from each exit's per-token loss bounded at
+    ln(vocab_size), so the losses above chance (a perturbed net has many) enter the batch mean and the comparison
+    as chance; the loss itself is not bounded."""
+    from pipeline.model.router import Router
+
+    seen = []
+    real = Router.hard_labels
+    monkeypatch.setattr(Router, "hard_labels", staticmethod(lambda ce, *a: seen.append(ce.clone()) or real(ce, *a)))
+    x, y = _batch()
+    outs = []
+    for bound in ("false", "true"):
+        m = _model(
+            "t-loopformer", *EXPECTED_RECIPE, "objective.router_hard_weight=0.5", f"objective.router_hard_bound={bound}"
+        )
+        with torch.no_grad():
+            m.net.lm_head.weight.mul_(30.0)  # confident wrong answers: many losses far above chance
+        outs.append(_run(m, x, y, True)[0])
+    free, bounded = seen
+    assert float(free.max()) > math.log(V) + 1  # the case the bound is for
+    torch.testing.assert_close(bounded, free.clamp_max(math.log(V)))
+    assert float(outs[0].parts["loss_L"]) == float(outs[1].parts["loss_L"]) > math.log(V)  # the loss is not bounded

@@ -43,6 +43,7 @@ network alone, under its own names.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -239,6 +240,8 @@ class Objective(nn.Module):
         hard with probability > tau at every exit before their target, and the forecast's own loss (binary cross-entropy to the labels over the
         scored tokens, exits 1..L-1). Its terms go into parts as loss_hard and loss_forecast."""
         c = self.cfg
+        if c.router_hard_bound:  # losses past chance count as chance (objective.router_hard_bound)
+            ce = ce.clamp_max(math.log(self.net.cfg.vocab_size))
         hard = self.net.router.hard_labels(ce, scored, c.router_hard_ratio)  # (B, T, L)
         total, gate = torch.zeros((), dtype=torch.float32, device=ce.device), None
         if c.router_hard_gate:
