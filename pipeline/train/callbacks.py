@@ -58,13 +58,15 @@ _warned_gpu = []
 
 
 def cuda_row() -> GPU:
-    """The GPU table's row for this CUDA device, or an A100-80GB's (said once: set logging.peak_flops)."""
+    """The GPU table's row for this CUDA device (MFU's default peak, the plan callback's GPU), or an A100-80GB's,
+    said once."""
     row = this_gpu()
     if row is None:
         if not _warned_gpu:
             _warned_gpu.append(True)
             log.warn(
-                "MFU against an A100's bf16 peak: this GPU is not in pipeline/plan/hardware.py (set logging.peak_flops)"
+                "this GPU is not in pipeline/plan/hardware.py: MFU is against an A100's bf16 peak unless "
+                "logging.peak_flops is set, and the plan's figures are an A100-80GB's"
             )
         row = gpu("a100-80gb")
     return row
