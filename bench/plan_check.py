@@ -60,9 +60,10 @@ def run_case(case: str, data: str, steps: int, peak_flops: float, extra: list[st
             rc, tail = p.returncode, (p.stdout + p.stderr)[-3000:]
         except subprocess.TimeoutExpired as e:
             rc, tail = "timeout", str(e.stdout or "")[-3000:]
+        wall = time.time() - t0
         f = Path(ckpt) / "metrics.jsonl"
         rows = [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
-    out = {"case": case, "preset": preset, "ac": ac, "micro_batch": mb, "rc": rc, "wall_s": time.time() - t0}
+    out = {"case": case, "preset": preset, "ac": ac, "micro_batch": mb, "rc": rc, "wall_s": wall}
     if not rows:
         return {**out, "error": tail}
     first, timed = rows[0], rows[2:] or rows

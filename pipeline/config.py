@@ -330,15 +330,12 @@ class ObjectiveConfig:
             )
         if self.router_hard_ratio < 1:
             raise ConfigError(f"objective.router_hard_ratio must be >= 1, got {self.router_hard_ratio}")
-        if self.router_hard_ratio != 1.5 and not self.router_hard_weight:
-            raise ConfigError(
-                f"objective.router_hard_ratio={self.router_hard_ratio} needs the hard-token target "
-                "(objective.router_hard_weight > 0)"
-            )
-        if self.router_hard_bound and not self.router_hard_weight:
-            raise ConfigError(
-                "objective.router_hard_bound=true needs the hard-token target (objective.router_hard_weight > 0)"
-            )
+        for k, v, on in (
+            ("router_hard_ratio", self.router_hard_ratio, self.router_hard_ratio != 1.5),
+            ("router_hard_bound", "true", self.router_hard_bound),
+        ):
+            if on and not self.router_hard_weight:
+                raise ConfigError(f"objective.{k}={v} needs the hard-token target (objective.router_hard_weight > 0)")
         if not 0.0 <= self.router_hard_gate < 1.0:
             raise ConfigError(f"objective.router_hard_gate must lie in [0, 1), got {self.router_hard_gate}")
         if bool(self.router_hard_gate) != model.router_forecast:

@@ -182,7 +182,7 @@ class Planner:
         peak = lambda b: self.memory(zero, ac, b, ranks)["peak"]
         fits = lambda b: peak(b) <= self.hw.memory
         limit = max(MAX_MICRO_BATCH, self.cfg.train.global_batch_size // ranks)
-        p1 = self.memory(zero, ac, 1, ranks)["peak"]
+        p1 = peak(1)
         if p1 > self.hw.memory:
             return 0
         t1, t2 = self.trace(ac, 1), self.trace(ac, 2)
