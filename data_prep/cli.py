@@ -36,7 +36,12 @@ def _fail(e: Exception) -> None:
 @click.option("--shard-tokens", type=int, help="Tokens per shard (default 100000000).")
 @click.option("--val-every", type=int, help="Every N-th document to val (0 auto, -1 none).")
 @click.option("--max-tokens", type=int, help="Stop after this many tokens (0: all).")
-@click.option("--workers", "-j", type=int, help="Tokenizer processes (-1 all cores, 0 in-process).")
+@click.option(
+    "--workers",
+    "-j",
+    type=int,
+    help="Worker processes: tokenizers, or a synthetic source's document makers (-1 all cores, 0 in-process).",
+)
 @click.option("--skip-bad/--no-skip-bad", default=None, help="Skip malformed records (counted) instead of failing.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr.")
 @click.option("--overwrite", is_flag=True, help="Delete this directory's existing shards and start again.")

@@ -62,7 +62,10 @@ class PrepConfig:
         "val) for demo-enwiki, 1000 otherwise; 1 puts everything in val; -1 writes no val split.",
     )
     max_tokens: int = f(0, "Stop once this many tokens (all splits, EOTs included) are written; 0: whole input.")
-    workers: int = f(-1, "Tokenizer worker processes; -1: all cores; 0: tokenize in the main process.")
+    workers: int = f(
+        -1,
+        "Worker processes that tokenize (the synthetic depth sources: make documents); -1: all cores; 0: in the main process.",
+    )
     batch_bytes: int = f(1 << 20, "Text per task sent to a worker (bytes, approximate).")
     skip_bad: bool = f(False, "Skip (count and report) malformed lines and records without text instead of failing.")
     progress: bool = f(True, "Show a tqdm progress bar (tokens, tokens/s, ETA) on stderr.")

@@ -41,6 +41,7 @@ the same options.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -172,8 +173,10 @@ def fingerprint(cfg) -> dict:
     return fp
 
 
-def generate(cfg, out: Path, tokenizer: dict, log) -> dict:
-    """Writes train/val shards + manifest.json for cfg (source=depth-hops or depth-fold); returns the manifest."""
+def generate(cfg, out: Path, tokenizer: dict, log, pool=None) -> dict:
+    """Writes train/val shards + manifest.json for cfg (source=depth-hops or depth-fold); returns the manifest.
+    Documents are made in chunks by `pool`'s processes (None: in this one), in order: the bytes do not depend on
+    the pool (document i is a function of the seed and i alone)."""
     if cfg.source == "depth-fold":
         from data_prep import foldtask
 
@@ -187,7 +190,7 @@ def generate(cfg, out: Path, tokenizer: dict, log) -> dict:
         task["scored"] = "the target after the last cell x_k of a level-k segment " + (
             "(slot position k + 1)" if kind == "slots" else "(k + 1 after its opener W_k = k)"
         )
-        doc = lambda i: foldtask.make_document(cfg.seed, i, g, L, cfg.fold_typed, kind)
+        doc = functools.partial(foldtask.make_document, seed=cfg.seed, g=g, L=L, typed=cfg.fold_typed, kind=kind)
         cells = ", typed cells" if cfg.fold_typed else ""
         what = f"{cfg.fold_symbols} symbols ({cfg.fold_rule} rule{cells}), levels 1..{L}, {kind} layout"
     else:
@@ -202,13 +205,22 @@ def generate(cfg, out: Path, tokenizer: dict, log) -> dict:
             "scored": "target t+1 is scored iff token t-1 is ASK; its level d* is the distance of token t's symbol "
             "from its root",
         }
-        doc = lambda i: make_document(cfg.seed, i, R, L, Q)
+        doc = functools.partial(make_document, seed=cfg.seed, R=R, L=L, queries=Q)
         what = f"{R} chains, levels 1..{L}"
-    return _write(cfg, out, tokenizer, log, task, doc, what)
+    return _write(cfg, out, tokenizer, log, task, doc, what, pool)
 
 
-def _write(cfg, out: Path, tokenizer: dict, log, task: dict, doc, what: str) -> dict:
-    """The shards and manifest of a synthetic depth task: document i is doc(i), every split's stream one
+CHUNK_DOCS = 4096  # documents a pool task makes
+
+
+def _chunk(args) -> np.ndarray:
+    """(stop - start, T) uint16: documents start..stop-1 of doc (a picklable partial taking index=)."""
+    doc, start, stop = args
+    return np.stack([doc(index=i) for i in range(start, stop)]).astype(np.uint16)
+
+
+def _write(cfg, out: Path, tokenizer: dict, log, task: dict, doc, what: str, pool=None) -> dict:
+    """The shards and manifest of a synthetic depth task: document i is doc(index=i), every split's stream one
     document after another; the manifest holds `task` as `depth_task`."""
     from data_prep.files import write_json
     from data_prep.writer import MANIFEST, SplitWriter, manifest
@@ -223,10 +235,13 @@ def _write(cfg, out: Path, tokenizer: dict, log, task: dict, doc, what: str) -> 
     if cfg.max_tokens:
         docs = min(docs, cfg.max_tokens // T)
     counts = {"train": 0, "val": 0}
-    for i in range(docs):
-        split = "val" if val_every > 0 and i % val_every == 0 else "train"
-        writers[split].add(doc(i).astype(np.uint16), lambda _: None)
-        counts[split] += 1
+    tasks = [(doc, a, min(a + CHUNK_DOCS, docs)) for a in range(0, docs, CHUNK_DOCS)]
+    chunks = map(_chunk, tasks) if pool is None else pool.imap(_chunk, tasks)  # in order
+    for (_, a, _), rows in zip(tasks, chunks):
+        for i, row in enumerate(rows, a):
+            split = "val" if val_every > 0 and i % val_every == 0 else "train"
+            writers[split].add(row, lambda _: None)
+            counts[split] += 1
     for w in writers.values():
         w.commit()
     rule = (

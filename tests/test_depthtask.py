@@ -158,3 +158,23 @@ def test_loader_scores_only_the_answers(tmp_path):
         assert (y[y != -1] >= 16).all() and (y[y != -1] < 16 + 16).all()  # answers are symbols
         # unmasked targets are the plain next tokens
         assert (x[:, 1:][y[:, :-1] != -1] == y[:, :-1][y[:, :-1] != -1]).all()
+
+
+@pytest.mark.parametrize("source,opts", [("depth-hops", []), ("depth-fold", ["fold_layout=slots", "fold_symbols=8"])])
+def test_worker_processes_write_the_same_bytes(tmp_path, monkeypatch, source, opts):
+    """prep-data's `workers` make a synthetic source's documents in chunks, in order: shards and manifest are the
+    bytes one process writes (here 9 chunks of 7 documents across 2 processes)."""
+    from data_prep import depthtask
+    from data_prep.config import load_prep_config
+    from data_prep.prep import prepare
+
+    monkeypatch.setattr(depthtask, "CHUNK_DOCS", 7)
+    files = {}
+    for w in (0, 2):
+        out = tmp_path / f"w{w}"
+        cfg = load_prep_config(
+            None, {"source": source, "out": str(out), "progress": False}, ["depth_docs=60", f"workers={w}", *opts]
+        )
+        prepare(cfg, log=lambda m: None)
+        files[w] = {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.suffix in (".bin", ".json")}
+    assert files[0] == files[2] and any(n.endswith(".bin") for n in files[0])
