@@ -19,7 +19,9 @@ case the same data order, and the same initial weights for the parts the archite
 - base-loop-router expected: the expected recipe (as above) on the looped baseline with the router, no
   conditioning and no shortcut pass (model.variant=base-loop-router); `hard`: with the router's target for hard
   tokens gated by its forecast, reading sg(h0) (objective.router_hard_weight, model.router_forecast,
-  model.router_detach; README "Router training");
+  model.router_detach; README "Router training"); `hard bound`: that, with the network's exits at the router's
+  depth and the hard labels' losses bounded at chance (objective.router_exit_weights=depth,
+  objective.router_hard_bound);
 `--curriculum c` trains with data.curriculum=c (levels one at a time, validated every `--eval-every` steps), which
 the fold task needs.
 Measured on the first `--windows` validation windows (evaluation/levels.py, the code `tlf eval` runs): answer
@@ -85,6 +87,10 @@ HARD = [
 ]
 
 
+# the network trained at the router's depth only, the hard labels reading each exit's loss bounded at ln V
+BOUND = ["objective.router_exit_weights=depth", "objective.router_hard_bound=true"]
+
+
 def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
     """label -> (preset, overrides); a target is a number or `need` (filled in from the manifest; `needf`: the
     mean need with frozen exited keys)."""
@@ -113,6 +119,9 @@ def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
     out["base-loop-router expected"] = ("depth/base-loop-router", EXPECTED)
     # ... with the router's target for hard tokens, gated by its forecast (README "Router training")
     out["base-loop-router expected hard"] = ("depth/base-loop-router", [*EXPECTED, *HARD])
+    # ... with the network's exits at the router's depth and the hard labels' losses bounded at chance (bench/README
+    # `### The hard labels bounded at chance`: the probes' first level-2 answers by the router's depth)
+    out["base-loop-router expected hard bound"] = ("depth/base-loop-router", [*EXPECTED, *HARD, *BOUND])
     return out
 
 

@@ -764,6 +764,31 @@ GRID19 = {
     f"{name} bounded": (preset, [*ov, "objective.router_hard_bound=true"], st)
     for name, (preset, ov, st) in GRID18.items()
 }
+# Grid 20: why the first slot's step did not come. In grid 19's two seeds that composed, level 2 was right in a
+# window's second slot (0.98) and at chance in its first: the learnt positions differ between the slots (positions
+# 0..4 and 5..9), so the same step is learnt twice. With positions that restart at every slot (settings
+# "slot_positions") one step serves both; and the same recipe without clip apart, as `tlf train` clips (one norm)
+GRID20 = {
+    f"{name} slot positions": (preset, ov, {**st, "slot_positions": True})
+    for name, (preset, ov, st) in GRID19.items()
+    if name.endswith("clip apart bounded")
+}
+# ... and the `need` pass (no router; grid 17's exits need) with them: does composition itself change?
+GRID20["fold m32 L2 typed random slots 2 exits need curriculum seed 0 slot positions"] = (
+    "depth/base-loop",
+    [],
+    {**T32R, "exits": "need", "slots": 2, "seed": 0, "slot_positions": True},
+)
+# ... and the routed probes' network at the need's depths from step 0 with the router bypassed (settings "warm" past
+# the last level: never handed over): the need pass's exits with the routed forward's frozen exited keys, from the
+# routed probes' initial weights. Do frozen keys compose as the need pass (every token visible) does?
+GRID20.update(
+    {
+        f"{name} oracle frozen": (preset, ov, {**st, "warm": 3})
+        for name, (preset, ov, st) in GRID19.items()
+        if name.endswith("clip apart bounded")
+    }
+)
 GRIDS = {
     "1": GRID1,
     "2": GRID2,
@@ -784,6 +809,7 @@ GRIDS = {
     "17": GRID17,
     "18": GRID18,
     "19": GRID19,
+    "20": GRID20,
 }
 GRID = {name: probe for grid in GRIDS.values() for name, probe in grid.items()}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
@@ -959,6 +985,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     model = LoopedLM(cfg.model).to(device)
     if s.get("unconditioned"):  # outside the variant table (grid 9): no modulation tables, so every layer runs
         model.cfg.conditioning = "none"  # its plain path (RMSNorm without affine), the same at every depth
+    slot_positions(model, s)
     objective = Objective(model, cfg.objective)
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, s["beta2"]), weight_decay=s["wd"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s["warmup"]))
@@ -1053,7 +1080,9 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         x, y = batch(d, lev, cap[0])
         warm = bool(s.get("warm")) and cap[0] < s["warm"]  # settings "warm": c: at the oracle depths until cap c
         dm = None  # a forced depth map, or None: the model's own (router) depths and the objective
-        if warm:  # a routed model's network trained with its router bypassed (no router loss, no exploration)
+        if warm and s.get("slots"):  # the need of each training row's own slots (need_t is the val rows')
+            dm = torch.from_numpy(foldtask.slot_need_map(d, Lt, visible)[:, :-1].clip(max=Lm)).to(device)
+        elif warm:  # a routed model's network trained with its router bypassed (no router loss, no exploration)
             dm = need_t
         elif oracle:
             dm = need
@@ -1109,6 +1138,28 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     return {"name": name, "preset": preset, "overrides": overrides, "settings": s, "steps": step, "curve": curve}
 
 
+class PeriodicPositions(torch.nn.Embedding):
+    """Learnt positions that repeat every `num_embeddings` tokens: position p reads row p mod period."""
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return super().forward(pos % self.num_embeddings)
+
+
+def slot_positions(model, s: dict) -> None:
+    """Settings "slot_positions" (with "slots"): the model's learnt positions restart at every slot, so a slot's
+    tokens sit at positions 0..L+2 wherever the slot lies in the row (initialised from the model's first rows)."""
+    if not s.get("slot_positions"):
+        return
+    if not s.get("slots"):
+        raise ValueError("settings 'slot_positions' needs settings 'slots'")
+    from data_prep.foldtask import slot_length
+
+    old = model.wpe
+    model.wpe = PeriodicPositions(slot_length(s.get("levels", s["L"])), old.embedding_dim).to(old.weight.device)
+    with torch.no_grad():
+        model.wpe.weight.copy_(old.weight[: model.wpe.num_embeddings])
+
+
 def loop_predictions(model, x: torch.Tensor, M: int) -> list:
     """The head's argmax (B, T) after each of loops 1..M, every token running every loop."""
     from pipeline.model.looped import uniform
@@ -1123,12 +1174,14 @@ def readout(path: str) -> dict:
     """What a saved fold-task probe (`<out>/<probe>.pt`) holds after each loop, every token running every loop,
     read through its head on 1,024 held-out documents: {loop i: [answer accuracy of level 1..L, the prefix
     accuracy of the context cells]} (`prefix_targets`; the evaluation's `prefix` for probes saved before it)."""
+    from data_prep import foldtask
     from pipeline.config import load_config
     from pipeline.model.looped import LoopedLM
 
-    ck = torch.load(path, weights_only=False)
+    ck = torch.load(path, weights_only=False, map_location="cpu")
     s, cfg = ck["settings"], load_config(ck["preset"], ck["overrides"])
     model = LoopedLM(cfg.model)
+    slot_positions(model, s)
     model.load_state_dict(ck["state"])
     model.eval()
     if s.get("unconditioned"):
@@ -1136,11 +1189,17 @@ def readout(path: str) -> dict:
     _, _, _, docs, levels_of, _ = _fold(s, FROZEN[0] in ck["overrides"])
     x = torch.from_numpy(docs[:, :-1])
     y, lev, pre = docs[:, 1:], levels_of(docs)[:, :-1], prefix_targets(docs, s)[:, :-1]
+    slot = None  # settings "slots": (T-1,) the slot each target lies in
+    if s.get("slots"):
+        slot = (np.arange(x.shape[1]) + 1) // foldtask.slot_length(s["levels"])
     out = {}
     for i, p in enumerate(loop_predictions(model, x, cfg.model.loops), 1):
         p = p.numpy()
         out[i] = [float((p == y)[lev == k].mean()) for k in range(1, s["levels"] + 1)]
         out[i].append(float((p == pre)[pre >= 0].mean()))
+        for j in range(int(s.get("slots", 0))):  # each slot's answers apart: levels 1..L (nan where none)
+            at = slot[None] == j
+            out[f"{i} slot {j}"] = [float((p == y)[(lev == k) & at].mean()) for k in range(1, s["levels"] + 1)]
     return out
 
 
@@ -1162,7 +1221,7 @@ def main(argv=None) -> dict:
         for path in a.readout:
             res[path] = r = readout(path)
             cells = "  ".join(f"loop {i}: " + " ".join(f"{v:.2f}" for v in r[i]) for i in r)
-            print(f"{Path(path).stem:<72} {cells}  (levels 1..L, then the cells' prefix)")
+            print(f"{Path(path).stem:<72} {cells}  (levels 1..L, then the cells' prefix; by slot: levels 1..L)")
         return res
     names = [n.strip() for n in a.probes.split(",") if n.strip()] or list(GRIDS[a.grid])
     unknown = [n for n in names if n not in GRID]
