@@ -324,6 +324,28 @@ def figures(res: dict, out: Path) -> list[Path]:
     return paths
 
 
+def _int_keys(d):
+    """A JSON-read study's dicts keyed by seed, budget or level back to int keys (recursively)."""
+    if isinstance(d, dict):
+        return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v) for k, v in d.items()}
+    return [_int_keys(v) for v in d] if isinstance(d, list) else d
+
+
+def merge(res: dict, path: str) -> None:
+    """Adds to res the cases of the study at path that res does not hold; the task, steps, documents per step,
+    seeds and windows must match (an error names the first that does not)."""
+    import json
+
+    old = json.loads(Path(path).read_text())
+    for key in ("task", "steps", "documents_per_step", "seeds", "windows"):
+        if old.get(key) != res[key]:
+            sys.exit(f"--merge {path}: its {key} {old.get(key)!r} differs from this study's {res[key]!r}")
+    for label, c in old["cases"].items():
+        if label not in res["cases"]:
+            res["cases"][label] = {k: _int_keys(v) for k, v in c.items() if k != "summary"}
+    res["merged_from"] = str(path)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3000, help="training steps per case")
@@ -365,6 +387,12 @@ def main(argv=None) -> dict:
         action="store_true",
         help="evaluate a case whose checkpoint dir under --out holds a finished run of the same preset and "
         "overrides instead of training it again (a study stopped half-way, or a case added to one)",
+    )
+    ap.add_argument(
+        "--merge",
+        metavar="JSON",
+        help="an earlier study's depth_need.json of the same task, steps, batch and seeds: its cases not run now "
+        "join the table and figures (a case added in a later session, on another machine)",
     )
     ap.add_argument(
         "--set",
@@ -465,6 +493,8 @@ def main(argv=None) -> dict:
             o for o in specs[(label, s)]["overrides"] if not o.startswith(("train.seed", "checkpoint.dir"))
         ]
         c["seeds"][s] = {**tr, "levels": evaluate_case(tr["dir"], data, a.windows)}
+    if a.merge:
+        merge(res, a.merge)
     res["loops"] = L = max(len(c["seeds"][seeds[0]]["levels"]) for c in res["cases"].values())
     for c in res["cases"].values():  # base (L = 1): its single pass stands for every budget
         for s in c["seeds"].values():

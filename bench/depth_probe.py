@@ -789,6 +789,34 @@ GRID20.update(
         if name.endswith("clip apart bounded")
     }
 )
+# Grid 21: grid 19's recipe with the router's initial logit spread near 0 (model.router_init_std=0.01, not 2): at
+# the default init 29 % of the level-1 answers start at depth 2 (seed 3), so the first steps train them at exit 2,
+# which the need pass never does; near 0 every token starts at the prior's median, depth 1
+GRID21 = {
+    f"{name} init 0.01": (preset, [*ov, "model.router_init_std=0.01"], st) for name, (preset, ov, st) in GRID19.items()
+}
+# ... and the causal test of what grid 21 found (its routed probe, seed 3, at the need's depths except for the 250
+# steps after level 2 entered, in which 75 % of the level-2 training answers ran at depth 1, did not compose where
+# the need pass from the same start did): the need pass with the new level's answers trained at exit 1 for the
+# first `window` steps after the level enters (settings "window")
+GRID21.update(
+    {
+        f"fold m32 L2 typed random slots 2 base-loop-router expected hard 1.0 ratio 1.5 gate 0.9 curriculum seed {k} "
+        f"detached router router unused exits need window {n}": (
+            preset,
+            ov,
+            {**st, "window": n},
+        )
+        for k in (2, 3)
+        for n in (250,)
+        for preset, ov, st in [
+            GRID17[
+                f"fold m32 L2 typed random slots 2 base-loop-router expected hard 1.0 ratio 1.5 gate 0.9 curriculum "
+                f"seed {k} detached router router unused exits need"
+            ]
+        ]
+    }
+)
 GRIDS = {
     "1": GRID1,
     "2": GRID2,
@@ -810,6 +838,7 @@ GRIDS = {
     "18": GRID18,
     "19": GRID19,
     "20": GRID20,
+    "21": GRID21,
 }
 GRID = {name: probe for grid in GRIDS.values() for name, probe in grid.items()}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
@@ -1073,6 +1102,8 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     clip_groups = [[p for p in model.parameters() if id(p) not in ids], router_params]
     clip_groups = [g for g in clip_groups if g]
     curve, step, t0 = [], 0, time.time()
+    raised = [0]  # the step of the curriculum's last raise (settings "window")
+    off = np.zeros((Lt, 2), dtype=np.int64)  # per level: training answers run off their level, answers (since eval)
     model.train()
     while time.time() - t0 < minutes * 60 and (not steps or step < steps):
         d = draw(s["batch"])
@@ -1104,9 +1135,22 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
             else:
                 out = model(x, loops=Lm, exits=True, logits=False)  # the expected recipe's exit losses take as pi
             w = exits[torch.from_numpy(lev).to(device).long().clamp(max=Lt)]  # (B, T-1, Lm)
+            if s.get("window") and cap[0] > 1 and step - raised[0] < s["window"]:  # the new level's answers at exit 1
+                new = torch.from_numpy(lev == cap[0]).to(device)
+                w = torch.where(
+                    new[..., None],
+                    torch.nn.functional.one_hot(torch.zeros_like(new, dtype=torch.long), Lm).to(w.dtype),
+                    w,
+                )
             loss = objective._exit_losses(out, y, w)[0]
         elif dm is None:
             loss = objective(x, y).loss
+            if model.router is not None and fold_need is not None:  # the training answers run off their level
+                with torch.no_grad():
+                    rd = model.route(model.embed(x)).depth(Lm, model.cfg.router_threshold).cpu().numpy()
+                for k in range(1, cap[0] + 1):
+                    at = lev == k
+                    off[k - 1] += [int((rd[at] != k).sum()), int(at.sum())]
         else:
             loss = torch.nn.functional.cross_entropy(logits(x, Lm, dm).flatten(0, 1), y.flatten(), ignore_index=-1)
         opt.zero_grad(set_to_none=True)
@@ -1118,11 +1162,15 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         step += 1
         if step % eval_every == 0:
             curve.append({"step": step, "seconds": round(time.time() - t0, 1), "acc": evaluate(), "cap": cap[0]})
+            if off.any():  # routed probes: share of the scored level-k training answers run at a depth other than k
+                curve[-1]["train_off_level"] = [float(o / max(n, 1)) for o, n in off]
+                off[:] = 0
             key = "oracle" if oracle else "at_need" if (warm or exits is not None) else Lm  # the curriculum's
             a = curve[-1]["acc"][key]
             curve[-1]["warm"] = warm
             if cap[0] < Lt and min(a[1 : cap[0] + 1]) >= 0.9:
                 cap[0] += 1
+                raised[0] = step
             with open(log, "a") as fh:  # progress survives a killed run: one line per point, appended
                 fh.write(json.dumps({"name": name, **curve[-1]}) + "\n")
             print(

@@ -600,3 +600,25 @@ def test_a_study_does_not_reuse_a_run_a_signal_stopped(tmp_path, data, monkeypat
     monkeypatch.setattr(trainer, "run", stopped)
     train_case({"preset": "tiny/base-loop", "overrides": _study_overrides(tmp_path, data), "reuse": True})
     assert not (tmp_path / STUDY_CASE).exists()
+
+
+def test_a_study_merges_the_cases_of_an_earlier_one_of_the_same_task(tmp_path):
+    """bench/depth_need.py --merge: the cases an earlier study's JSON holds and this one does not join it, read
+    back with int seeds, budgets and levels (JSON writes them as strings); a case run now is kept as run; a study
+    of other steps is refused with the key named."""
+    import json
+
+    from bench.depth_need import merge
+
+    def case(acc):
+        return {"preset": "p", "seeds": {0: {"levels": {1: {"accuracy": acc, "accuracy_by_level": {1: acc}}}}}}
+
+    head = {"task": {"levels": 2}, "steps": 10, "documents_per_step": 4, "seeds": [0], "windows": 8}
+    old = {**head, "cases": {"a": case(0.1), "b": {**case(0.2), "summary": {"x": 1}}}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    res = {**head, "cases": {"a": case(0.9)}}
+    merge(res, str(path))
+    assert res["cases"]["a"] == case(0.9) and res["cases"]["b"] == case(0.2) and res["merged_from"] == str(path)
+    with pytest.raises(SystemExit, match="steps"):
+        merge({**head, "steps": 11, "cases": {}}, str(path))
