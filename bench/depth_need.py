@@ -332,17 +332,20 @@ def _int_keys(d):
 
 
 def merge(res: dict, path: str) -> None:
-    """Adds to res the cases of the study at path that res does not hold; the task, steps, documents per step,
-    seeds and windows must match (an error names the first that does not)."""
+    """Adds to res the cases of the study at path that res does not hold, ahead of its own; the task, steps,
+    documents per step, seeds and windows must match (an error names the first that does not)."""
     import json
 
     old = json.loads(Path(path).read_text())
     for key in ("task", "steps", "documents_per_step", "seeds", "windows"):
         if old.get(key) != res[key]:
             sys.exit(f"--merge {path}: its {key} {old.get(key)!r} differs from this study's {res[key]!r}")
-    for label, c in old["cases"].items():
-        if label not in res["cases"]:
-            res["cases"][label] = {k: _int_keys(v) for k, v in c.items() if k != "summary"}
+    earlier = {
+        label: {k: _int_keys(v) for k, v in c.items() if k != "summary"}
+        for label, c in old["cases"].items()
+        if label not in res["cases"]
+    }
+    res["cases"] = {**earlier, **res["cases"]}  # the earlier study's order, then the cases run now
     res["merged_from"] = str(path)
 
 
