@@ -1023,8 +1023,11 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     if s.get("task") == "fold":
         from data_prep import foldtask
 
-        if s.get("slots"):  # (B, T-1) per row of the val documents: the need depends on each slot's level
-            fold_need = foldtask.slot_need_map(val_docs, Lt, visible)[:, :-1].clip(max=Lm)
+        def slot_need(docs):  # (B, T-1) per row: the need depends on each slot's level
+            return foldtask.slot_need_map(docs, Lt, visible)[:, :-1].clip(max=Lm)
+
+        if s.get("slots"):  # the val documents'
+            fold_need = slot_need(val_docs)
         else:
             fold_need = foldtask.need(Lt, visible, bool(s.get("descending")))[:-1].clip(max=Lm)
         need_t = torch.from_numpy(fold_need).to(device)  # (T-1,) the same, on the device
@@ -1112,7 +1115,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         warm = bool(s.get("warm")) and cap[0] < s["warm"]  # settings "warm": c: at the oracle depths until cap c
         dm = None  # a forced depth map, or None: the model's own (router) depths and the objective
         if warm and s.get("slots"):  # the need of each training row's own slots (need_t is the val rows')
-            dm = torch.from_numpy(foldtask.slot_need_map(d, Lt, visible)[:, :-1].clip(max=Lm)).to(device)
+            dm = torch.from_numpy(slot_need(d)).to(device)
         elif warm:  # a routed model's network trained with its router bypassed (no router loss, no exploration)
             dm = need_t
         elif oracle:

@@ -44,23 +44,24 @@ class PrepError(RuntimeError):
 # ---------------------------------------------------------------------------------------------------
 # Ordered, bounded parallel map
 # ---------------------------------------------------------------------------------------------------
-def make_pool(workers: int):
-    """A pool of tokenizer processes (None for workers=0). Forked where possible: a spawned child would
-    re-import the launching script (for `tlf`, every command's imports, torch included). Create it
-    before any helper thread (progress bar, Hub client) starts."""
+def make_pool(workers: int, initializer=init_worker):
+    """A pool of worker processes (None for workers=0), each started by `initializer` (default: load the
+    tokenizer; None for work that needs none). Forked where possible: a spawned child would re-import the
+    launching script (for `tlf`, every command's imports, torch included). Create it before any helper thread
+    (progress bar, Hub client) starts."""
     if workers == 0:
         return None
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    return mp.get_context(method).Pool(workers, initializer=init_worker)
+    return mp.get_context(method).Pool(workers, initializer=initializer)
 
 
 @contextlib.contextmanager
-def tokenizer_pool(workers: int):
+def tokenizer_pool(workers: int, initializer=init_worker):
     """`make_pool` for a `with` block. The pool is shut down the quiet way, close() then join(), when the block
     ends normally or stops early (max_tokens; `ordered_results` has by then collected the tasks it had in
     flight), and terminated only when the block raises: terminating workers that may hold the task queue's lock
     is the one shutdown CPython's Pool can hang in, and it is kept for errors, where waiting is worse."""
-    pool = make_pool(workers)
+    pool = make_pool(workers, initializer)
     if pool is None:
         yield None
         return
@@ -155,7 +156,7 @@ def _generate_depth(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
     for f in out.glob("*.bin"):
         f.unlink()
     info = tokenizer_info()
-    with tokenizer_pool(cfg.resolved_workers() if cfg.depth_docs > CHUNK_DOCS else 0) as pool:
+    with tokenizer_pool(cfg.resolved_workers() if cfg.depth_docs > CHUNK_DOCS else 0, initializer=None) as pool:
         return generate(cfg, out, info, log, pool)
 
 
