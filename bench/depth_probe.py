@@ -817,6 +817,15 @@ GRID21.update(
         ]
     }
 )
+# Grid 22: grid 19's recipe with the window closed (objective.router_exit_weights=depth_label): an answer whose hard
+# label lies deeper than the depth the router gives it is not trained at any exit until the router sends it there,
+# so the new level's answers are never learnt at exit 1 in the steps the router needs to move them (grid 21's
+# causal test: 250 such steps stopped the need pass composing). Clip apart as grid 19's, and one norm as `tlf train`
+GRID22 = {
+    f"{name} label": (preset, [o.replace("=depth", "=depth_label") for o in ov], st)
+    for name, (preset, ov, st) in GRID19.items()
+    if name.endswith("bounded")
+}
 GRIDS = {
     "1": GRID1,
     "2": GRID2,
@@ -839,6 +848,7 @@ GRIDS = {
     "19": GRID19,
     "20": GRID20,
     "21": GRID21,
+    "22": GRID22,
 }
 GRID = {name: probe for grid in GRIDS.values() for name, probe in grid.items()}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
@@ -1106,7 +1116,8 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     clip_groups = [g for g in clip_groups if g]
     curve, step, t0 = [], 0, time.time()
     raised = [0]  # the step of the curriculum's last raise (settings "window")
-    off = np.zeros((Lt, 2), dtype=np.int64)  # per level: training answers run off their level, answers (since eval)
+    # per level: training answers learnt off their level, withheld (router_exit_weights=depth_label), all (since eval)
+    off = np.zeros((Lt, 3), dtype=np.int64)
     model.train()
     while time.time() - t0 < minutes * 60 and (not steps or step < steps):
         d = draw(s["batch"])
@@ -1147,13 +1158,17 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
                 )
             loss = objective._exit_losses(out, y, w)[0]
         elif dm is None:
-            loss = objective(x, y).loss
+            o = objective(x, y)
+            loss = o.loss
             if model.router is not None and fold_need is not None:  # the training answers run off their level
-                with torch.no_grad():
-                    rd = model.route(model.embed(x)).depth(Lm, model.cfg.router_threshold).cpu().numpy()
+                if o.learnt_exit is not None:  # the exit each answer was learnt at (0: withheld)
+                    rd = o.learnt_exit.cpu().numpy()
+                else:  # pi's weights: the depth the router gives it
+                    with torch.no_grad():
+                        rd = model.route(model.embed(x)).depth(Lm, model.cfg.router_threshold).cpu().numpy()
                 for k in range(1, cap[0] + 1):
                     at = lev == k
-                    off[k - 1] += [int((rd[at] != k).sum()), int(at.sum())]
+                    off[k - 1] += [int(((rd[at] != k) & (rd[at] != 0)).sum()), int((rd[at] == 0).sum()), int(at.sum())]
         else:
             loss = torch.nn.functional.cross_entropy(logits(x, Lm, dm).flatten(0, 1), y.flatten(), ignore_index=-1)
         opt.zero_grad(set_to_none=True)
@@ -1166,7 +1181,9 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
         if step % eval_every == 0:
             curve.append({"step": step, "seconds": round(time.time() - t0, 1), "acc": evaluate(), "cap": cap[0]})
             if off.any():  # routed probes: share of the scored level-k training answers run at a depth other than k
-                curve[-1]["train_off_level"] = [float(o / max(n, 1)) for o, n in off]
+                curve[-1]["train_off_level"] = [float(o / max(n, 1)) for o, _, n in off]
+                if off[:, 1].any():  # ... and the share withheld from the network's loss
+                    curve[-1]["train_withheld"] = [float(w / max(n, 1)) for _, w, n in off]
                 off[:] = 0
             key = "oracle" if oracle else "at_need" if (warm or exits is not None) else Lm  # the curriculum's
             a = curve[-1]["acc"][key]

@@ -271,9 +271,9 @@ class ObjectiveConfig:
         0.0,
         "expected router recipe: share a of each exit's weight in the network's loss that is uniform, (1 - a) * pi_d + a / loops instead of pi_d, so every exit learns every answer whatever the router picks; the router's gradient is the expected loss's, unchanged (README 'Router training'). 0: the recipe as it is.",
     )
-    router_exit_weights: Literal["pi", "depth"] = f(
+    router_exit_weights: Literal["pi", "depth", "depth_label"] = f(
         "pi",
-        "expected router recipe: what weighs each exit's loss in the network's part of the objective: pi, the router's exit distribution; depth, 1 at the exit of the depth the router gives the token (model.router_threshold, as inference runs it) and 0 at the others, so the network learns each answer only at the exit the routed model answers it from. The router's gradient is the expected loss's either way (README 'Router training').",
+        "expected router recipe: what weighs each exit's loss in the network's part of the objective: pi, the router's exit distribution; depth, 1 at the exit of the depth the router gives the token (model.router_threshold, as inference runs it) and 0 at the others, so the network learns each answer only at the exit the routed model answers it from; depth_label, as depth but 0 at every exit for a token whose hard-token target (router_hard_weight; the forecast's gate not applied) lies deeper than that depth, so no answer is learnt at an exit shallower than it needs while the router catches up (logged router/withheld). The router's gradient is the expected loss's either way (README 'Router training').",
     )
     router_hard_weight: float = f(
         0.0,
@@ -327,6 +327,11 @@ class ObjectiveConfig:
             raise ConfigError(
                 f"objective.router_exit_weights={self.router_exit_weights} with objective.router_exit_uniform="
                 f"{self.router_exit_uniform}: the uniform share mixes into pi's weights (set one of them)"
+            )
+        if self.router_exit_weights == "depth_label" and not self.router_hard_weight:
+            raise ConfigError(
+                "objective.router_exit_weights=depth_label needs the hard-token target "
+                "(objective.router_hard_weight > 0): its labels decide which answers wait"
             )
         if self.router_hard_ratio < 1:
             raise ConfigError(f"objective.router_hard_ratio must be >= 1, got {self.router_hard_ratio}")

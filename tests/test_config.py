@@ -288,6 +288,10 @@ def test_the_expected_router_recipe_needs_its_exits_to_be_depths():
             r"objective.router_exit_weights=depth with objective.router_exit_uniform=0.1: .* \(set one of them\)$",
         ),
         ([*ok, "objective.router_exit_weights=hard"], r"objective.router_exit_weights"),
+        (
+            [*ok, "objective.router_exit_weights=depth_label"],
+            r"objective.router_exit_weights=depth_label needs the hard-token target",
+        ),
         ([*ok, "objective.router_hard_weight=-1"], r"objective.router_hard_weight must be >= 0, got -1"),
         (["objective.router_hard_weight=0.5"], r"objective.router_hard_weight=0.5 needs model.router_recipe=expected"),
         ([*ok, "objective.router_hard_weight=1", "objective.router_hard_ratio=0.5"], r"router_hard_ratio must be >= 1"),

@@ -126,6 +126,30 @@ def test_head_objective_equals_autograd_of_the_plain_losses(short, align, scored
         _close(a, b, 1e-5)
 
 
+@pytest.mark.parametrize("chunk", [1, 5, None])
+def test_head_rows_are_the_fused_heads_per_token_losses(chunk):
+    """`head_rows` (the per-token losses objective.router_exit_weights=depth_label reads before the weighted heads
+    run) gives the fused head's returned rows bit for bit, the plain cross-entropy within fp32, 0 where ignored,
+    and no gradient; the module entry `LMHead(h, y, rows=True)` is the same call."""
+    g = torch.Generator().manual_seed(3)
+    B, T, d, Vs = 2, 9, 8, 97
+    hf = torch.randn(B, T, d, generator=g, requires_grad=True)
+    W = torch.randn(Vs, d, generator=g)
+    y = torch.randint(0, Vs, (B, T), generator=g)
+    y[1, 3:7] = -1
+    got = head_loss.head_rows(hf, W, y, chunk)
+    _, _, rows = head_objective(hf, W, y, weight=torch.ones(B, T), rows=True, chunk=chunk)
+    assert not got.requires_grad and got.dtype == torch.float32 and got.shape == (B, T)
+    assert torch.equal(got, rows)
+    want = F.cross_entropy((hf @ W.t()).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none").view(B, T)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert float(got[1, 3:7].abs().max()) == 0.0
+    head = head_loss.LMHead(d, Vs)
+    with torch.no_grad():
+        head.weight.copy_(W)
+    assert torch.equal(head(hf, y, rows=True), head_loss.head_rows(hf, W, y))
+
+
 def test_chunk_rows_follow_the_byte_budget():
     assert rows_per_chunk(8192) == head_loss.CHUNK_BYTES // (4 * 8192) == 256  # the d=512 bench: 4 chunks of 1024
     assert rows_per_chunk(V) * V * 4 <= head_loss.CHUNK_BYTES < (rows_per_chunk(V) + 1) * V * 4
@@ -264,6 +288,7 @@ def test_logged_alignment_is_within_1e_6_of_the_materialised_path():
         ("base-loop-router", ("model.exited_keys=frozen", "objective.router_hard_weight=0.5")),
         ("t-loopformer", ("objective.router_hard_weight=0.5",)),
         ("t-loopformer", ("objective.router_exit_weights=depth",)),
+        ("t-loopformer", ("objective.router_hard_weight=0.5", "objective.router_exit_weights=depth_label")),
         (
             "base-loop-router",
             (
@@ -319,15 +344,22 @@ def test_expected_exit_objective_fused_equals_the_plain_path(variant, extra, mon
     assert hi - lo > 1e-3 and lo < float(fused.parts["loss_exits"]) < hi
 
 
-@pytest.mark.parametrize("key,value", [("router_exit_uniform", 1.0), ("router_exit_weights", "depth")])
+@pytest.mark.parametrize(
+    "key,value",
+    [("router_exit_uniform", 1.0), ("router_exit_weights", "depth"), ("router_exit_weights", "depth_label")],
+)
 def test_the_networks_exit_weights_move_and_the_routers_gradient_does_not(key, value):
     """objective.router_exit_uniform=a: the exits' weights in the network's loss are (1 - a) pi_d + a / L;
-    objective.router_exit_weights=depth: 1 at the exit of the depth the router gives the token, 0 elsewhere. The
-    router's gradient stays the expected loss's either way. The loss and every gradient are linear in the weights'
-    value, so the setting against pi must differ by exactly sum_tau sum_d (w_d - sg(pi_d)) CE_d / N (w: 1 / L, or
-    the one-hot of the routed depth) in value and network gradients, and not at all in the router's gradients
-    (the network runs every loop whatever the router says)."""
-    m = _model("t-loopformer", *EXPECTED_RECIPE, "objective.lambda_short=0", "objective.lambda_align=0")
+    objective.router_exit_weights=depth: 1 at the exit of the depth the router gives the token, 0 elsewhere;
+    depth_label: as depth, but 0 everywhere for a token whose hard-token target (its first exit whose loss is at
+    most the batch's mean there (ratio 1), the last if none; recomputed here by hand) lies deeper than its routed
+    depth; the objective reports which (`learnt_exit`, `withheld`). The router's gradient stays the expected loss's (and the hard target's) either way. The loss and every
+    gradient are linear in the weights' value, so the setting against pi must differ by exactly
+    sum_tau sum_d (w_d - sg(pi_d)) CE_d / N in value and network gradients, and not at all in the router's
+    gradients (the network runs every loop whatever the router says)."""
+    # ratio 1: about half the tokens are hard at each exit of an untrained net, whose losses are alike
+    hard = ("objective.router_hard_weight=0.5", "objective.router_hard_ratio=1") if value == "depth_label" else ()
+    m = _model("t-loopformer", *EXPECTED_RECIPE, "objective.lambda_short=0", "objective.lambda_align=0", *hard)
     with torch.no_grad():
         for layer in m.net.layers:
             layer.modulator[1].weight.normal_(0, 0.05)
@@ -355,6 +387,18 @@ def test_the_networks_exit_weights_move_and_the_routers_gradient_does_not(key, v
         depth = 1 + (cont > m.net.cfg.router_threshold).sum(-1)
         assert len(set(depth[y != -1].tolist())) > 1  # the router spreads the scored tokens over several depths
         w = F.one_hot(depth - 1, L).float()
+        if value == "depth_label":
+            scored = y != -1
+            is_hard = ce > ce.sum((0, 1)) / scored.sum()  # (B, T, L) ratio 1
+            label = [[next((d for d in range(L) if not row[d]), L - 1) + 1 for row in r] for r in is_hard.tolist()]
+            wait = (torch.tensor(label) > depth) & scored  # (B, T) the answers that wait for the router
+            assert 0 < int(wait.sum()) < int((scored & (depth < L)).sum())  # some wait, some do not
+            w = w * ~wait[..., None]
+            for o, _ in runs[value]:  # what the objective reports: the exit each token was learnt at, the share
+                assert torch.equal(o.learnt_exit, torch.where(scored & ~wait, depth, 0))
+                assert float(o.stats["withheld"]) == pytest.approx(float(wait.sum() / scored.sum()))
+        else:
+            assert torch.equal(runs[value][0][0].learnt_exit, torch.where(y != -1, depth, 0))
     delta = ((w - pi) * ce).sum() / (y != -1).sum()
     delta.backward()
     g_delta = {n: p.grad.clone() for n, p in m.net.named_parameters() if p.grad is not None}
@@ -394,3 +438,26 @@ def test_the_hard_labels_read_losses_bounded_at_chance(monkeypatch):
     assert float(free.max()) > math.log(V) + 1  # the case the bound is for
     torch.testing.assert_close(bounded, free.clamp_max(math.log(V)))
     assert float(outs[0].parts["loss_L"]) == float(outs[1].parts["loss_L"]) > math.log(V)  # the loss is not bounded
+
+
+def test_the_forecasts_gate_does_not_decide_which_answers_wait():
+    """objective.router_exit_weights=depth_label withholds a token's loss by its hard-token label alone: the gate
+    (objective.router_hard_gate) decides where the router sends a token, not what the network learns, so the same
+    weights and batch withhold the same tokens with the gate shut nearly everywhere (an untrained forecast says ~0.5,
+    below tau 0.9) as without it, while the router's hard target itself changes."""
+    m = _model(
+        "base-loop-router",
+        *EXPECTED_RECIPE,
+        "model.exited_keys=frozen",
+        "objective.router_hard_weight=0.5",
+        "objective.router_hard_ratio=1",
+        "objective.router_exit_weights=depth_label",
+        "model.router_forecast=true",
+        "objective.router_hard_gate=0.9",
+    )
+    x, y = _batch()
+    gated = _run(m, x, y, True)[0]
+    m.cfg.router_hard_gate = 0.0  # the same network, the labels ungated
+    free = _run(m, x, y, True)[0]
+    assert float(gated.withheld) > 0 and torch.equal(gated.learnt_exit, free.learnt_exit)
+    assert float(gated.loss_hard) != float(free.loss_hard)  # the gate still shapes the router's target

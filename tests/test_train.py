@@ -324,13 +324,15 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch,
     assert rest.start_step == 3 and rest.losses == full.losses[3:]
 
 
-@pytest.mark.parametrize("recipe", ["paper", "budget", "expected", "expected hard"])
+@pytest.mark.parametrize("recipe", ["paper", "budget", "expected", "expected hard", "expected hard label"])
 def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
     from pipeline.train.trainer import run
 
     # the router's hard-token target, gated by its forecast (a parameter the network gains: checkpointed, resumed)
     gated = ["objective.router_hard_weight=1", "model.router_forecast=true", "objective.router_hard_gate=0.5"]
-    hard = gated if recipe.endswith("hard") else []
+    # ... and the network's loss withheld where the labels say deeper than the router (router_exit_weights)
+    label = ["objective.router_exit_weights=depth_label", "objective.router_hard_bound=true"]
+    hard = [*gated, *(label if recipe.endswith("label") else [])] if "hard" in recipe else []
     extra = [
         *(EXPECTED_RECIPE if recipe.startswith("expected") else [f"model.router_recipe={recipe}"]),
         *hard,
@@ -345,6 +347,9 @@ def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
     full = run(tiny_cfg(tmp_path / "a", data, *extra))
     part = run(tiny_cfg(tmp_path / "b", data, *extra, f"checkpoint.resume={tmp_path / 'a' / 'global_step3'}"))
     assert part.losses == full.losses[3:]
+    logged = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    withheld = [r["router/withheld"] for r in logged if "router/withheld" in r]
+    assert len(withheld) == (6 if recipe.endswith("label") else 0) and all(0 <= w <= 1 for w in withheld)
 
 
 @pytest.mark.parametrize("target", [1.6, 2.4])

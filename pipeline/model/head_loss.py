@@ -48,7 +48,8 @@ def rows_per_chunk(vocab_size: int, device_type: str = "cpu") -> int:
 
 class LMHead(nn.Linear):
     """The LM head W (V, d), no bias. `head(x)` -> logits (..., V); `head(hf, targets, hs, lambda_short,
-    lambda_align)` -> the fused objective (`head_objective`). Both entries run through Module.__call__, so
+    lambda_align)` -> the fused objective (`head_objective`); `head(hf, targets, rows=True)` -> each token's
+    cross-entropy (B, T), detached (`head_rows`). Every entry runs through Module.__call__, so
     DeepSpeed ZeRO-3's module hooks gather W for either; its tensors go positionally so the hooks see them."""
 
     def __init__(self, d_model: int, vocab_size: int):
@@ -67,6 +68,8 @@ class LMHead(nn.Linear):
     ):
         if targets is None:
             return F.linear(x, self.weight)  # (..., V)
+        if rows and weight is None:  # each token's cross-entropy alone, no gradient
+            return head_rows(x, self.weight, targets)
         return head_objective(
             x,
             self.weight,
@@ -118,6 +121,25 @@ def head_objective(
     return (loss, parts, ce_rows) if rows else (loss, parts)
 
 
+@torch.no_grad()
+def head_rows(hf: torch.Tensor, W: torch.Tensor, targets: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """Each token's cross-entropy (B, T) fp32, 0 where ignored, no gradient: the values `head_objective(...,
+    rows=True)` returns for the same states (the same chunks, dtypes and operations), without its gradients'
+    matmuls (objective.router_exit_weights=depth_label reads them before the weighted heads run)."""
+    B, T, d = hf.shape
+    chunk = int(chunk or rows_per_chunk(W.shape[0], W.device.type))
+    cdt = _compute_dtype(hf)
+    x, y = hf.reshape(-1, d), targets.reshape(-1)
+    out = torch.empty(B * T, dtype=torch.float32, device=hf.device)
+    with torch.autocast(hf.device.type, enabled=False):
+        Wc = W.to(cdt)
+        for a in range(0, B * T, chunk):
+            b = min(a + chunk, B * T)
+            yc = y[a:b]
+            out[a:b] = _nll((x[a:b].to(cdt) @ Wc.t()).float(), yc.clamp_min(0)[:, None], (yc != -1).float())[1]
+    return out.view(B, T)
+
+
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The matmuls' dtype for t's device: autocast's when autocast is on there, else t's own."""
     dev = t.device.type
@@ -128,12 +150,18 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else t.dtype
 
 
+def _nll(logits: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (r, V) fp32, y (r, 1) int64 in 0..V-1, valid (r,) -> (logsumexp (r,), CE per row (r,), 0 where
+    valid is 0)."""
+    lse = torch.logsumexp(logits, -1)  # (r,)
+    return lse, (lse - logits.gather(1, y)[:, 0]).mul_(valid)
+
+
 def _ce_grad_(logits: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor):
     """In place: logits (r, V) fp32 -> scale * (softmax - onehot(y)); y (r, 1) int64 clamped into 0..V-1,
     scale (r,) (0 on ignored rows). Returns the chunk's CE per row (r,), 0 where valid (r,) is 0, and the
     gradient (the logits' storage)."""
-    lse = torch.logsumexp(logits, -1)  # (r,)
-    nll = (lse - logits.gather(1, y)[:, 0]).mul_(valid)
+    lse, nll = _nll(logits, y, valid)
     logits.sub_(lse[:, None]).exp_()  # softmax
     logits.scatter_add_(1, y, torch.full_like(y, -1, dtype=logits.dtype))
     return nll, logits.mul_(scale[:, None])

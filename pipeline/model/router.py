@@ -37,7 +37,10 @@ Two training recipes (`model.router_recipe`):
   the deeper exit answers it better. With `model.router_forecast` and `objective.router_hard_gate` = tau > 0 the
   router also forecasts, from its hidden features, whether a token is hard at each exit (trained on those labels),
   and the target acts only where that forecast exceeds tau: a kind of token that is nearly always hard, not the
-  not-yet-learnt part of a kind the network is learning.
+  not-yet-learnt part of a kind the network is learning. With `objective.router_exit_weights=depth_label` the
+  same target (ungated) also withholds the network's loss on a token whose target lies deeper than the depth the
+  router gives it (`Router.hard_target`), so the network never learns, at a shallower exit, an answer the router
+  has not yet sent deeper.
 """
 
 from __future__ import annotations
@@ -249,13 +252,23 @@ class Router(nn.Module):
         every exit). gate (B, T, L-1) bool or None (objective.router_hard_gate): a token whose target lies past an
         exit where the gate is shut has none (it is left to the expected loss and the prior). Returns () the mean
         over the scored tokens (scored (B, T) bool) that have a target of -log pi there."""
+        target, keep = Router.hard_target(hard, scored, gate)
+        keep = keep.float()
+        nll = -torch.log_softmax(r.logits.float(), dim=-1).gather(-1, target[..., None])[..., 0]  # (B, T)
+        return (nll * keep).sum() / keep.sum().clamp_min(1.0)
+
+    @staticmethod
+    def hard_target(
+        hard: torch.Tensor, scored: torch.Tensor, gate: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hard-token target of `hard_loss`: (target (B, T) int64, the exit index 0..L-1 of each token's first
+        exit where it is not hard, L-1 if none; keep (B, T) bool, the scored tokens that have a target, the gate
+        permitting)."""
         easy = ~hard
         easy[..., -1] = True  # exit L if no exit is easy
-        target = easy.to(torch.uint8).argmax(-1, keepdim=True)  # (B, T, 1) the first easy exit (argmax: the first)
+        target = easy.to(torch.uint8).argmax(-1)  # (B, T) the first easy exit (argmax: the first)
         keep = scored
         if gate is not None:  # the first exit that is hard with its gate shut must not lie before the target
             shut = F.pad(hard[..., :-1] & ~gate, (0, 1), value=True)  # (B, T, L); exit L stands for "none"
-            keep = keep & (shut.to(torch.uint8).argmax(-1) >= target[..., 0])
-        keep = keep.float()
-        nll = -torch.log_softmax(r.logits.float(), dim=-1).gather(-1, target)[..., 0]  # (B, T)
-        return (nll * keep).sum() / keep.sum().clamp_min(1.0)
+            keep = keep & (shut.to(torch.uint8).argmax(-1) >= target)
+        return target, keep

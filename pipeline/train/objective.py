@@ -22,7 +22,12 @@ each exit through the fused head with the per-token weights pi_d (no (B, T, V) l
 learns every exit in proportion to that mix, the router from every exit's CE as before. With
 `router_exit_weights=depth` their value is instead 1 at the exit of the depth the router gives the token (the
 routed pass's depth) and 0 elsewhere, their gradient again pi_d's: the network learns each answer only at the exit
-the routed model answers it from, and `loss_exits` is the routed model's loss. The router's own
+the routed model answers it from, and `loss_exits` is the routed model's loss; `depth_label` withholds that 1 as
+well (weight 0 at every exit) from a token whose hard-token target (below, without the forecast's gate, which
+decides where the router sends a token, not what the network learns) lies deeper than its routed depth, so an
+answer the network cannot give at its routed exit is not learnt there while the router catches up (its labels are
+read from each exit's per-token loss in a head pass without gradients before the weighted heads). `learnt_exit`
+says which exit each token was learnt at (0: withheld) and `withheld` (logged `router/withheld`) the share. The router's own
 loss is its balance term and the per-token KL to its prior (`Router.aux_loss`). Validation (`full_only`) runs the
 routed pass inference runs. `loss_L` stays the last exit's plain cross-entropy, and `routed` the statistics of the
 depths the router would give (the pass itself runs every token L loops, which is what `full` and the FLOP count see).
@@ -85,6 +90,10 @@ class ObjectiveOutput:
     loss_hard: torch.Tensor | None = None  # () the router's hard-token target (objective.router_hard_weight)
     loss_forecast: torch.Tensor | None = None  # () the router's forecast of hard tokens (objective.router_hard_gate)
     full_heads: int = 1  # LM-head applications per token of the full pass (L under the expected recipe)
+    # router_exit_weights=depth, depth_label: (B, T) int64 the exit whose loss the network learns each token from
+    # (its routed depth), 0 where not scored or withheld; depth_label: () the share of scored tokens withheld
+    learnt_exit: torch.Tensor | None = None
+    withheld: torch.Tensor | None = None
 
     PARTS: ClassVar[tuple[str, ...]] = (
         "loss_L",
@@ -111,6 +120,8 @@ class ObjectiveOutput:
                 out.update({f"{name}/{k}": v for k, v in _fields(getattr(self, name)).items()})
         if self.router is not None:
             out.update(_fields(self.router))
+        if self.withheld is not None:
+            out["withheld"] = self.withheld
         return out
 
     @property
@@ -191,19 +202,31 @@ class Objective(nn.Module):
             exits=expected,
         )
         routed_depth = None  # (B, T) the depth the router gives each token (the expected recipe's pass runs all L)
+        learnt = {}  # router_exit_weights=depth*: learnt_exit (and withheld)
         if expected:
             theta = self.net.cfg.router_threshold if threshold is None else float(threshold)
             routed_depth = out.router.depth(out.loops, theta)
             pi = torch.softmax(out.router.logits.float(), -1)  # (B, T, L)
+            scored, labels = targets != -1, None
+            if c.router_exit_weights == "depth_label":  # the hard labels first: they set the network's weights
+                rows = [self.net.lm_head(h, targets, rows=True) for h in out.exits]  # L x (B, T), no gradient
+                labels = self._hard_labels(out.router, torch.stack(rows, -1), scored)
             if c.router_exit_uniform:  # the network's weights mix in 1/L; the router's gradient stays CE_d
                 a = c.router_exit_uniform
                 pi = ((1 - a) * pi + a / out.loops).detach() + pi - pi.detach()
-            elif c.router_exit_weights == "depth":  # the network's weight: 1 at the routed depth's exit
+            elif c.router_exit_weights != "pi":  # the network's weight: 1 at the routed depth's exit
                 at = F.one_hot(routed_depth - 1, out.loops).to(pi.dtype)  # (B, T, L)
+                wait = torch.zeros_like(scored)
+                if labels is not None:  # ... 0 where the (ungated) hard target lies deeper than the routed depth
+                    wait = scored & (self.net.router.hard_target(labels[0], scored)[0] >= routed_depth)  # 0-based
+                    at = at * ~wait[..., None]
+                    learnt["withheld"] = wait.sum() / scored.sum().clamp_min(1)
+                learnt["learnt_exit"] = torch.where(scored & ~wait, routed_depth, 0)
                 pi = at + pi - pi.detach()
             loss, parts, ce = (self._fused_exits if fused_loss else self._exit_losses)(out, targets, pi)
             if c.router_hard_weight:  # the router's hard-token target (Router.hard_loss)
-                loss = loss + self._hard_target(out.router, ce, targets != -1, parts)
+                labels = labels or self._hard_labels(out.router, ce, scored)
+                loss = loss + self._hard_target(out.router, labels, parts)
         else:
             loss, parts = self._fused_losses(out, targets) if fused_loss else self._losses(out, targets)
         if out.short is not None and not (fused_loss and c.align_target == "logits"):  # (the fused call aligns logits)
@@ -231,29 +254,39 @@ class Objective(nn.Module):
             router_stats,
             routed,
             **parts,
+            **learnt,
             full_heads=L if expected else 1,
         )
 
-    def _hard_target(self, r, ce: torch.Tensor, scored: torch.Tensor, parts: dict) -> torch.Tensor:
-        """The router's hard-token target, weighted (`Router.hard_labels`, `Router.hard_loss`), from each exit's
-        per-token loss ce (B, T, L); with the gate (router_hard_gate = tau) only for tokens whose forecast says
-        hard with probability > tau at every exit before their target, and the forecast's own loss (binary cross-entropy to the labels over the
-        scored tokens, exits 1..L-1). Its terms go into parts as loss_hard and loss_forecast."""
+    def _hard_labels(self, r, ce: torch.Tensor, scored: torch.Tensor) -> tuple:
+        """(hard (B, T, L) bool, scored (B, T) bool, gate (B, T, L-1) bool or None, fit () or None): the hard-token
+        labels (`Router.hard_labels`) from each exit's per-token loss ce (B, T, L), bounded at chance with
+        router_hard_bound; with the gate (router_hard_gate = tau) the router's forecast of them above tau, and the
+        forecast's own loss (binary cross-entropy to the labels over the scored tokens, exits 1..L-1)."""
         c = self.cfg
         if c.router_hard_bound:  # losses past chance count as chance (objective.router_hard_bound)
             ce = ce.clamp_max(math.log(self.net.cfg.vocab_size))
         hard = self.net.router.hard_labels(ce, scored, c.router_hard_ratio)  # (B, T, L)
-        total, gate = torch.zeros((), dtype=torch.float32, device=ce.device), None
+        gate = fit = None
         if c.router_hard_gate:
             f = self.net.router.hard_forecast(r).float()  # (B, T, L-1) logits
             bce = F.binary_cross_entropy_with_logits(f, hard[..., :-1].float(), reduction="none").mean(-1)
             fit = (bce * scored).sum() / scored.sum().clamp_min(1)
             gate = torch.sigmoid(f.detach()) > c.router_hard_gate  # (B, T, L-1)
-            total = total + fit
-            parts["loss_forecast"] = fit.detach()
+        return hard, scored, gate, fit
+
+    def _hard_target(self, r, labels: tuple, parts: dict) -> torch.Tensor:
+        """The router's hard-token target, weighted (`Router.hard_loss`), from `_hard_labels`: for tokens whose
+        forecast says hard with probability > tau at every exit before their target when gated, plus the
+        forecast's loss. Its terms go into parts as loss_hard and loss_forecast."""
+        hard, scored, gate, fit = labels
         term = self.net.router.hard_loss(r, hard, scored, gate)
         parts["loss_hard"] = term.detach()
-        return total + c.router_hard_weight * term
+        total = self.cfg.router_hard_weight * term
+        if fit is not None:
+            parts["loss_forecast"] = fit.detach()
+            total = total + fit
+        return total
 
     @property
     def _expected(self) -> bool:
