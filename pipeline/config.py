@@ -291,6 +291,10 @@ class ObjectiveConfig:
         0.0,
         "tau in [0, 1): the hard-token target acts on a token at an exit only where the router's forecast (model.router_forecast) that it is hard there exceeds tau, so only tokens of a kind that is hard nearly always go deeper, not the not-yet-learnt part of a kind being learnt (README 'Router training'). 0: every hard token.",
     )
+    router_withhold_gate: float = f(
+        0.0,
+        "g in [0, 1): with router_exit_weights=depth_label a token's loss is withheld only where the router's forecast (model.router_forecast) that it is hard at its routed exit also exceeds g, so the not-yet-learnt part of a kind being learnt (at most 1/router_hard_ratio of it is hard) keeps being learnt while a new kind that is always hard waits (README 'Router training'). 0: by the labels alone.",
+    )
     router_explore: float = f(
         0.0,
         "Share of tokens whose training depth is drawn from the router's prior (budget recipe; uniform over 1..loops for paper) instead of the router's, so the straight-through estimator also sees loops past a token's exit; validation and eval never explore. 0: off.",
@@ -332,6 +336,14 @@ class ObjectiveConfig:
             raise ConfigError(
                 "objective.router_exit_weights=depth_label needs the hard-token target "
                 "(objective.router_hard_weight > 0): its labels decide which answers wait"
+            )
+        if not 0.0 <= self.router_withhold_gate < 1.0:
+            raise ConfigError(f"objective.router_withhold_gate must lie in [0, 1), got {self.router_withhold_gate}")
+        if self.router_withhold_gate and not (self.router_exit_weights == "depth_label" and model.router_forecast):
+            raise ConfigError(
+                f"objective.router_withhold_gate={self.router_withhold_gate} needs "
+                "objective.router_exit_weights=depth_label and model.router_forecast=true (it gates the withholding "
+                "by the forecast)"
             )
         if self.router_hard_ratio < 1:
             raise ConfigError(f"objective.router_hard_ratio must be >= 1, got {self.router_hard_ratio}")

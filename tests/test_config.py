@@ -153,6 +153,7 @@ def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_ke
         "router_hard_ratio",
         "router_hard_bound",
         "router_hard_gate",
+        "router_withhold_gate",
     }  # objective keys that were never model keys
     assert set(ModelConfig.MOVED) == {f.name for f in dataclasses.fields(ObjectiveConfig)} - born_there
     for old, new in ModelConfig.MOVED.items():
@@ -188,6 +189,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     objective.pop("router_hard_ratio")
     objective.pop("router_hard_bound")
     objective.pop("router_hard_gate")
+    objective.pop("router_withhold_gate")
     old["model"].update(objective, lambda_short=0.3, align_target="hidden")
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in old.items()}
     cfg = config_from_dict(old, "old checkpoint")
@@ -208,6 +210,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
         router_hard_ratio=1.5,
         router_hard_bound=False,
         router_hard_gate=0.0,
+        router_withhold_gate=0.0,
     )
     assert cfg.to_dict() == expected and old == before  # the stored dict is left as it was
 
@@ -291,6 +294,11 @@ def test_the_expected_router_recipe_needs_its_exits_to_be_depths():
         (
             [*ok, "objective.router_exit_weights=depth_label"],
             r"objective.router_exit_weights=depth_label needs the hard-token target",
+        ),
+        ([*ok, "objective.router_withhold_gate=1"], r"objective.router_withhold_gate must lie in \[0, 1\), got 1"),
+        (
+            [*ok, "objective.router_hard_weight=1", "objective.router_withhold_gate=0.7"],
+            r"objective.router_withhold_gate=0.7 needs objective.router_exit_weights=depth_label and model.router_f",
         ),
         ([*ok, "objective.router_hard_weight=-1"], r"objective.router_hard_weight must be >= 0, got -1"),
         (["objective.router_hard_weight=0.5"], r"objective.router_hard_weight=0.5 needs model.router_recipe=expected"),

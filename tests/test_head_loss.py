@@ -440,11 +440,12 @@ def test_the_hard_labels_read_losses_bounded_at_chance(monkeypatch):
     assert float(outs[0].parts["loss_L"]) == float(outs[1].parts["loss_L"]) > math.log(V)  # the loss is not bounded
 
 
-def test_the_forecasts_gate_does_not_decide_which_answers_wait():
+def test_the_forecasts_gate_does_not_decide_which_answers_wait_the_withhold_gate_does():
     """objective.router_exit_weights=depth_label withholds a token's loss by its hard-token label alone: the gate
     (objective.router_hard_gate) decides where the router sends a token, not what the network learns, so the same
     weights and batch withhold the same tokens with the gate shut nearly everywhere (an untrained forecast says ~0.5,
-    below tau 0.9) as without it, while the router's hard target itself changes."""
+    below tau 0.9) as without it, while the router's hard target itself changes. objective.router_withhold_gate = g
+    keeps, of those, the ones whose forecast at their routed exit exceeds g (recomputed here)."""
     m = _model(
         "base-loop-router",
         *EXPECTED_RECIPE,
@@ -461,3 +462,16 @@ def test_the_forecasts_gate_does_not_decide_which_answers_wait():
     free = _run(m, x, y, True)[0]
     assert float(gated.withheld) > 0 and torch.equal(gated.learnt_exit, free.learnt_exit)
     assert float(gated.loss_hard) != float(free.loss_hard)  # the gate still shapes the router's target
+    # objective.router_withhold_gate = g: of those, only where the forecast says hard at the routed exit above g
+    with torch.no_grad():
+        r = m.net(x, exits=True).router
+        f = torch.sigmoid(m.net.router.hard_forecast(r).float())  # (B, T, L-1)
+    waits = free.learnt_exit == 0
+    waits &= y != -1
+    routed = r.depth(m.net.cfg.loops, m.net.cfg.router_threshold)
+    at = f.gather(-1, (routed - 1).clamp(max=f.shape[-1] - 1)[..., None])[..., 0]  # (B, T)
+    g = float(at[waits].median())
+    m.cfg.router_withhold_gate = g
+    gated_w = _run(m, x, y, True)[0]
+    want = torch.where((y != -1) & ~(waits & (at > g)), routed, 0)
+    assert 0 < int((waits & (at > g)).sum()) < int(waits.sum()) and torch.equal(gated_w.learnt_exit, want)

@@ -26,7 +26,9 @@ the routed model answers it from, and `loss_exits` is the routed model's loss; `
 well (weight 0 at every exit) from a token whose hard-token target (below, without the forecast's gate, which
 decides where the router sends a token, not what the network learns) lies deeper than its routed depth, so an
 answer the network cannot give at its routed exit is not learnt there while the router catches up (its labels are
-read from each exit's per-token loss in a head pass without gradients before the weighted heads). `learnt_exit`
+read from each exit's per-token loss in a head pass without gradients before the weighted heads); with
+`router_withhold_gate` = g only where the router's forecast that the token is hard at its routed exit exceeds g.
+`learnt_exit`
 says which exit each token was learnt at (0: withheld) and `withheld` (logged `router/withheld`) the share. The router's own
 loss is its balance term and the per-token KL to its prior (`Router.aux_loss`). Validation (`full_only`) runs the
 routed pass inference runs. `loss_L` stays the last exit's plain cross-entropy, and `routed` the statistics of the
@@ -219,6 +221,10 @@ class Objective(nn.Module):
                 wait = torch.zeros_like(scored)
                 if labels is not None:  # ... 0 where the (ungated) hard target lies deeper than the routed depth
                     wait = scored & (self.net.router.hard_target(labels[0], scored)[0] >= routed_depth)  # 0-based
+                    if c.router_withhold_gate:  # ... and the forecast says hard at the routed exit
+                        f = torch.sigmoid(self.net.router.hard_forecast(out.router).detach().float())  # (B, T, L-1)
+                        d = (routed_depth - 1).clamp(max=out.loops - 2)[..., None]  # depth L never waits
+                        wait = wait & (f.gather(-1, d)[..., 0] > c.router_withhold_gate)
                     at = at * ~wait[..., None]
                     learnt["withheld"] = wait.sum() / scored.sum().clamp_min(1)
                 learnt["learnt_exit"] = torch.where(scored & ~wait, routed_depth, 0)
