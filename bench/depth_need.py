@@ -21,8 +21,7 @@ case the same data order, and the same initial weights for the parts the archite
   tokens gated by its forecast, reading sg(h0) (objective.router_hard_weight, model.router_forecast,
   model.router_detach; README "Router training"); `hard bound`: that, with the network's exits at the router's
   depth and the hard labels' losses bounded at chance (objective.router_exit_weights=depth,
-  objective.router_hard_bound); `hard bound label`: that, with an answer whose hard label lies deeper than the
-  router's depth left out of the network's loss (objective.router_exit_weights=depth_label);
+  objective.router_hard_bound);
 `--curriculum c` trains with data.curriculum=c (levels one at a time, validated every `--eval-every` steps), which
 the fold task needs.
 Measured on the first `--windows` validation windows (evaluation/levels.py, the code `tlf eval` runs): answer
@@ -123,11 +122,6 @@ def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
     # ... with the network's exits at the router's depth and the hard labels' losses bounded at chance (bench/README
     # `### The hard labels bounded at chance`: the probes' first level-2 answers by the router's depth)
     out["base-loop-router expected hard bound"] = ("depth/base-loop-router", [*EXPECTED, *HARD, *BOUND])
-    # ... and with an answer whose hard label lies deeper than its routed depth left out of the network's loss
-    # until the router sends it there (objective.router_exit_weights=depth_label; bench/README `### Closing the
-    # window`)
-    label = [o.replace("=depth", "=depth_label") for o in BOUND]
-    out["base-loop-router expected hard bound label"] = ("depth/base-loop-router", [*EXPECTED, *HARD, *label])
     return out
 
 

@@ -295,6 +295,10 @@ class ObjectiveConfig:
         0.0,
         "g in [0, 1): with router_exit_weights=depth_label a token's loss is withheld only where the router's forecast (model.router_forecast) that it is hard at its routed exit also exceeds g, so the not-yet-learnt part of a kind being learnt (at most 1/router_hard_ratio of it is hard) keeps being learnt while a new kind that is always hard waits (README 'Router training'). 0: by the labels alone.",
     )
+    router_withhold_learnt: float = f(
+        0.0,
+        "e > 0 (nats): with router_exit_weights=depth_label a token's loss is withheld only where the batch's scored tokens that are not hard at its routed exit also have a mean loss there below e, so nothing waits while the batch is still being learnt and a new kind that arrives once the rest is learnt waits from its first step (README 'Router training'). 0: off.",
+    )
     router_explore: float = f(
         0.0,
         "Share of tokens whose training depth is drawn from the router's prior (budget recipe; uniform over 1..loops for paper) instead of the router's, so the straight-through estimator also sees loops past a token's exit; validation and eval never explore. 0: off.",
@@ -344,6 +348,13 @@ class ObjectiveConfig:
                 f"objective.router_withhold_gate={self.router_withhold_gate} needs "
                 "objective.router_exit_weights=depth_label and model.router_forecast=true (it gates the withholding "
                 "by the forecast)"
+            )
+        if self.router_withhold_learnt < 0:
+            raise ConfigError(f"objective.router_withhold_learnt must be >= 0, got {self.router_withhold_learnt}")
+        if self.router_withhold_learnt and self.router_exit_weights != "depth_label":
+            raise ConfigError(
+                f"objective.router_withhold_learnt={self.router_withhold_learnt} needs "
+                "objective.router_exit_weights=depth_label (it decides which answers wait)"
             )
         if self.router_hard_ratio < 1:
             raise ConfigError(f"objective.router_hard_ratio must be >= 1, got {self.router_hard_ratio}")

@@ -154,6 +154,7 @@ def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_ke
         "router_hard_bound",
         "router_hard_gate",
         "router_withhold_gate",
+        "router_withhold_learnt",
     }  # objective keys that were never model keys
     assert set(ModelConfig.MOVED) == {f.name for f in dataclasses.fields(ObjectiveConfig)} - born_there
     for old, new in ModelConfig.MOVED.items():
@@ -190,6 +191,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     objective.pop("router_hard_bound")
     objective.pop("router_hard_gate")
     objective.pop("router_withhold_gate")
+    objective.pop("router_withhold_learnt")
     old["model"].update(objective, lambda_short=0.3, align_target="hidden")
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in old.items()}
     cfg = config_from_dict(old, "old checkpoint")
@@ -211,6 +213,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
         router_hard_bound=False,
         router_hard_gate=0.0,
         router_withhold_gate=0.0,
+        router_withhold_learnt=0.0,
     )
     assert cfg.to_dict() == expected and old == before  # the stored dict is left as it was
 
@@ -294,6 +297,11 @@ def test_the_expected_router_recipe_needs_its_exits_to_be_depths():
         (
             [*ok, "objective.router_exit_weights=depth_label"],
             r"objective.router_exit_weights=depth_label needs the hard-token target",
+        ),
+        ([*ok, "objective.router_withhold_learnt=-1"], r"objective.router_withhold_learnt must be >= 0, got -1"),
+        (
+            [*ok, "objective.router_withhold_learnt=0.1"],
+            r"objective.router_withhold_learnt=0.1 needs objective.router_exit_weights=depth_label",
         ),
         ([*ok, "objective.router_withhold_gate=1"], r"objective.router_withhold_gate must lie in \[0, 1\), got 1"),
         (

@@ -440,12 +440,13 @@ def test_the_hard_labels_read_losses_bounded_at_chance(monkeypatch):
     assert float(outs[0].parts["loss_L"]) == float(outs[1].parts["loss_L"]) > math.log(V)  # the loss is not bounded
 
 
-def test_the_forecasts_gate_does_not_decide_which_answers_wait_the_withhold_gate_does():
+def test_which_answers_wait_the_forecasts_gate_does_not_decide_the_withhold_keys_do():
     """objective.router_exit_weights=depth_label withholds a token's loss by its hard-token label alone: the gate
     (objective.router_hard_gate) decides where the router sends a token, not what the network learns, so the same
     weights and batch withhold the same tokens with the gate shut nearly everywhere (an untrained forecast says ~0.5,
     below tau 0.9) as without it, while the router's hard target itself changes. objective.router_withhold_gate = g
-    keeps, of those, the ones whose forecast at their routed exit exceeds g (recomputed here)."""
+    keeps, of those, the ones whose forecast at their routed exit exceeds g, and objective.router_withhold_learnt =
+    e the ones at an exit where the batch's tokens that are not hard have a mean loss below e (recomputed here)."""
     m = _model(
         "base-loop-router",
         *EXPECTED_RECIPE,
@@ -475,3 +476,24 @@ def test_the_forecasts_gate_does_not_decide_which_answers_wait_the_withhold_gate
     gated_w = _run(m, x, y, True)[0]
     want = torch.where((y != -1) & ~(waits & (at > g)), routed, 0)
     assert 0 < int((waits & (at > g)).sum()) < int(waits.sum()) and torch.equal(gated_w.learnt_exit, want)
+    # objective.router_withhold_learnt = e: only where the batch's scored tokens not hard at the routed exit have a
+    # mean loss there below e (labels by hand at ratio 1: hard where above the batch's mean at that exit)
+    m.cfg.router_withhold_gate = 0.0
+    with torch.no_grad():
+        ce = torch.stack(
+            [
+                F.cross_entropy(m.net.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+                for h in m.net(x, exits=True).exits
+            ],
+            -1,
+        ).view(*y.shape, -1)  # (B, T, L): 0 where not scored
+    easy = ((ce <= ce.sum((0, 1)) / (y != -1).sum()) & (y != -1)[..., None]).float()
+    rest = (ce * easy).sum((0, 1)) / easy.sum((0, 1))  # (L,)
+    seen = sorted(set(rest[routed[waits] - 1].tolist()))
+    assert len(seen) > 1  # the waiting tokens sit at exits whose rest differ: e can split them
+    e = (seen[0] + seen[1]) / 2
+    m.cfg.router_withhold_learnt = e
+    learnt = _run(m, x, y, True)[0]
+    kept = waits & (rest[routed - 1] < e)
+    assert 0 < int(kept.sum()) < int(waits.sum())
+    assert torch.equal(learnt.learnt_exit, torch.where((y != -1) & ~kept, routed, 0))

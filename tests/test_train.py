@@ -324,7 +324,7 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch,
     assert rest.start_step == 3 and rest.losses == full.losses[3:]
 
 
-@pytest.mark.parametrize("recipe", ["paper", "budget", "expected", "expected hard", "expected hard label"])
+@pytest.mark.parametrize("recipe", ["paper", "budget", "expected", "expected hard label"])
 def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
     from pipeline.train.trainer import run
 
@@ -332,7 +332,7 @@ def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
     gated = ["objective.router_hard_weight=1", "model.router_forecast=true", "objective.router_hard_gate=0.5"]
     # ... and the network's loss withheld where the labels say deeper than the router (router_exit_weights)
     label = ["objective.router_exit_weights=depth_label", "objective.router_hard_bound=true"]
-    hard = [*gated, *(label if recipe.endswith("label") else [])] if "hard" in recipe else []
+    hard = [*gated, *label] if recipe.endswith("hard label") else []
     extra = [
         *(EXPECTED_RECIPE if recipe.startswith("expected") else [f"model.router_recipe={recipe}"]),
         *hard,

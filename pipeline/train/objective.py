@@ -27,7 +27,9 @@ well (weight 0 at every exit) from a token whose hard-token target (below, witho
 decides where the router sends a token, not what the network learns) lies deeper than its routed depth, so an
 answer the network cannot give at its routed exit is not learnt there while the router catches up (its labels are
 read from each exit's per-token loss in a head pass without gradients before the weighted heads); with
-`router_withhold_gate` = g only where the router's forecast that the token is hard at its routed exit exceeds g.
+`router_withhold_gate` = g only where the router's forecast that the token is hard at its routed exit exceeds g,
+and with `router_withhold_learnt` = e only where the batch's scored tokens that are not hard at that exit have a mean
+loss there below e nats (the rest of the batch is learnt).
 `learnt_exit`
 says which exit each token was learnt at (0: withheld) and `withheld` (logged `router/withheld`) the share. The router's own
 loss is its balance term and the per-token KL to its prior (`Router.aux_loss`). Validation (`full_only`) runs the
@@ -211,8 +213,8 @@ class Objective(nn.Module):
             pi = torch.softmax(out.router.logits.float(), -1)  # (B, T, L)
             scored, labels = targets != -1, None
             if c.router_exit_weights == "depth_label":  # the hard labels first: they set the network's weights
-                rows = [self.net.lm_head(h, targets, rows=True) for h in out.exits]  # L x (B, T), no gradient
-                labels = self._hard_labels(out.router, torch.stack(rows, -1), scored)
+                rows = torch.stack([self.net.lm_head(h, targets, rows=True) for h in out.exits], -1)  # (B, T, L)
+                labels = self._hard_labels(out.router, rows, scored)
             if c.router_exit_uniform:  # the network's weights mix in 1/L; the router's gradient stays CE_d
                 a = c.router_exit_uniform
                 pi = ((1 - a) * pi + a / out.loops).detach() + pi - pi.detach()
@@ -225,6 +227,10 @@ class Objective(nn.Module):
                         f = torch.sigmoid(self.net.router.hard_forecast(out.router).detach().float())  # (B, T, L-1)
                         d = (routed_depth - 1).clamp(max=out.loops - 2)[..., None]  # depth L never waits
                         wait = wait & (f.gather(-1, d)[..., 0] > c.router_withhold_gate)
+                    if c.router_withhold_learnt:  # ... and the batch's other answers at the routed exit are learnt
+                        easy = (scored[..., None] & ~labels[0]).float()  # (B, T, L) the scored tokens not hard
+                        rest = (rows * easy).sum((0, 1)) / easy.sum((0, 1)).clamp_min(1)  # (L,) their mean loss
+                        wait = wait & (rest[routed_depth - 1] < c.router_withhold_learnt)
                     at = at * ~wait[..., None]
                     learnt["withheld"] = wait.sum() / scored.sum().clamp_min(1)
                 learnt["learnt_exit"] = torch.where(scored & ~wait, routed_depth, 0)
