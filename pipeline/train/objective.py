@@ -29,12 +29,11 @@ answer the network cannot give at its routed exit is not learnt there while the 
 read from each exit's per-token loss in a head pass without gradients before the weighted heads); with
 `router_withhold_gate` = g only where the router's forecast that the token is hard at its routed exit exceeds g,
 and with `router_withhold_learnt` = e only where the batch's scored tokens that are not hard at that exit have a mean
-loss there below e nats (the rest of the batch is learnt).
-`learnt_exit`
-says which exit each token was learnt at (0: withheld) and `withheld` (logged `router/withheld`) the share. The router's own
-loss is its balance term and the per-token KL to its prior (`Router.aux_loss`). Validation (`full_only`) runs the
-routed pass inference runs. `loss_L` stays the last exit's plain cross-entropy, and `routed` the statistics of the
-depths the router would give (the pass itself runs every token L loops, which is what `full` and the FLOP count see).
+loss there below e nats (the rest of the batch is learnt). `learnt_exit` says which exit each token was learnt at
+(0: withheld) and `withheld` (logged `router/withheld`) the share. The router's own loss is its balance term and
+the per-token KL to its prior (`Router.aux_loss`). Validation (`full_only`) runs the routed pass inference runs.
+`loss_L` stays the last exit's plain cross-entropy, and `routed` the statistics of the depths the router would give
+(the pass itself runs every token L loops, which is what `full` and the FLOP count see).
 
 The result is typed (`ObjectiveOutput`): its field names are the names of the training metrics (README
 "Logging"): `loss`, the parts `loss_L`, `loss_S`, `loss_align`, `loss_router`, `loss_exits`, and per pass the
@@ -292,13 +291,13 @@ class Objective(nn.Module):
         forecast says hard with probability > tau at every exit before their target when gated, plus the
         forecast's loss. Its terms go into parts as loss_hard and loss_forecast."""
         hard, scored, gate, fit = labels
+        total = torch.zeros((), dtype=torch.float32, device=hard.device)
+        if fit is not None:  # (summed in this order since the gate was built: the same bits)
+            total = total + fit
+            parts["loss_forecast"] = fit.detach()
         term = self.net.router.hard_loss(r, hard, scored, gate)
         parts["loss_hard"] = term.detach()
-        total = self.cfg.router_hard_weight * term
-        if fit is not None:
-            parts["loss_forecast"] = fit.detach()
-            total = total + fit
-        return total
+        return total + self.cfg.router_hard_weight * term
 
     @property
     def _expected(self) -> bool:
