@@ -858,6 +858,15 @@ GRID22.update(
         for e in (0.1,)
     }
 )
+# ... and the bound on what any withholding can give: the network's loss withheld from exactly the answers the
+# router runs shallower than their level, from the first step (settings "oracle_wait"; the router as before)
+GRID22.update(
+    {
+        f"{name} oracle wait": (preset, ov, {**st, "oracle_wait": True})
+        for name, (preset, ov, st) in list(GRID22.items())
+        if name.endswith("label")
+    }
+)
 GRIDS = {
     "1": GRID1,
     "2": GRID2,
@@ -1026,6 +1035,20 @@ def forced_depth_logits(model, x: torch.Tensor, depth: torch.Tensor, M: int) -> 
     return model.head(h)[0]
 
 
+def _oracle_wait(base):
+    """settings "oracle_wait" (with objective.router_exit_weights=depth_label): the objective that withholds the
+    network's loss from exactly the answers the router runs shallower than their level, from a new level's first
+    step (`levels` (B, T), the training batch's, set before each step): what a perfect label would withhold."""
+
+    class OracleWait(base):
+        levels = None
+
+        def _wait(self, out, routed_depth, hard, rows, scored):
+            return scored & (self.levels > routed_depth)
+
+    return OracleWait
+
+
 def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device, log) -> dict:
     torch.set_num_threads(1)
     from pipeline.config import load_config
@@ -1057,7 +1080,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     if s.get("unconditioned"):  # outside the variant table (grid 9): no modulation tables, so every layer runs
         model.cfg.conditioning = "none"  # its plain path (RMSNorm without affine), the same at every depth
     slot_positions(model, s)
-    objective = Objective(model, cfg.objective)
+    objective = (_oracle_wait(Objective) if s.get("oracle_wait") else Objective)(model, cfg.objective)
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, s["beta2"]), weight_decay=s["wd"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s["warmup"]))
     Lm = cfg.model.loops
@@ -1189,6 +1212,8 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
                 w = torch.where(new[..., None], at, w)
             loss = objective._exit_losses(out, y, w)[0]
         elif dm is None:
+            if s.get("oracle_wait"):
+                objective.levels = torch.from_numpy(lev).to(device)
             o = objective(x, y)
             loss = o.loss
             if model.router is not None and fold_need is not None:  # the training answers run off their level

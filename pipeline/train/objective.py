@@ -221,15 +221,7 @@ class Objective(nn.Module):
                 at = F.one_hot(routed_depth - 1, out.loops).to(pi.dtype)  # (B, T, L)
                 wait = torch.zeros_like(scored)
                 if labels is not None:  # ... 0 where the (ungated) hard target lies deeper than the routed depth
-                    wait = scored & (self.net.router.hard_target(labels[0], scored)[0] >= routed_depth)  # 0-based
-                    if c.router_withhold_gate:  # ... and the forecast says hard at the routed exit
-                        f = torch.sigmoid(self.net.router.hard_forecast(out.router).detach().float())  # (B, T, L-1)
-                        d = (routed_depth - 1).clamp(max=out.loops - 2)[..., None]  # depth L never waits
-                        wait = wait & (f.gather(-1, d)[..., 0] > c.router_withhold_gate)
-                    if c.router_withhold_learnt:  # ... and the batch's other answers at the routed exit are learnt
-                        easy = (scored[..., None] & ~labels[0]).float()  # (B, T, L) the scored tokens not hard
-                        rest = (rows * easy).sum((0, 1)) / easy.sum((0, 1)).clamp_min(1)  # (L,) their mean loss
-                        wait = wait & (rest[routed_depth - 1] < c.router_withhold_learnt)
+                    wait = self._wait(out, routed_depth, labels[0], rows, scored)
                     at = at * ~wait[..., None]
                     learnt["withheld"] = wait.sum() / scored.sum().clamp_min(1)
                 learnt["learnt_exit"] = torch.where(scored & ~wait, routed_depth, 0)
@@ -268,6 +260,23 @@ class Objective(nn.Module):
             **learnt,
             full_heads=L if expected else 1,
         )
+
+    def _wait(self, out, routed_depth, hard, rows, scored) -> torch.Tensor:
+        """router_exit_weights=depth_label: (B, T) bool, the scored tokens whose loss is withheld: their ungated
+        hard target (hard (B, T, L), `Router.hard_target`) lies deeper than their routed depth (B, T); with
+        router_withhold_gate only where the forecast says hard at the routed exit, with router_withhold_learnt only
+        where the batch's tokens not hard there have a mean loss (rows (B, T, L)) below it."""
+        c = self.cfg
+        wait = scored & (self.net.router.hard_target(hard, scored)[0] >= routed_depth)  # target: 0-based
+        if c.router_withhold_gate:  # ... and the forecast says hard at the routed exit
+            f = torch.sigmoid(self.net.router.hard_forecast(out.router).detach().float())  # (B, T, L-1)
+            d = (routed_depth - 1).clamp(max=out.loops - 2)[..., None]  # depth L never waits
+            wait = wait & (f.gather(-1, d)[..., 0] > c.router_withhold_gate)
+        if c.router_withhold_learnt:  # ... and the batch's other answers at the routed exit are learnt
+            easy = (scored[..., None] & ~hard).float()  # (B, T, L) the scored tokens not hard
+            rest = (rows * easy).sum((0, 1)) / easy.sum((0, 1)).clamp_min(1)  # (L,) their mean loss
+            wait = wait & (rest[routed_depth - 1] < c.router_withhold_learnt)
+        return wait
 
     def _hard_labels(self, r, ce: torch.Tensor, scored: torch.Tensor) -> tuple:
         """(hard (B, T, L) bool, scored (B, T) bool, gate (B, T, L-1) bool or None, fit () or None): the hard-token
