@@ -818,8 +818,9 @@ GRID21.update(
     }
 )
 # ... and its control: the same steps with the new level's answers withheld (weight 0 at every exit) instead of
-# trained at exit 1 (settings "withhold"): one step at exit 1 delayed composition past 1,000 steps; does any change of
-# those steps, or the exit-1 table?
+# trained at exit 1 (settings "withhold"): is it the exit-1 table that blocks composition, or any change of those
+# steps? (measured: the withheld steps compose on the need pass's schedule; one step at exit 1 delayed it ~250 steps,
+# ten stopped it)
 GRID21.update(
     {
         name.replace(" window ", " withhold "): (preset, ov, {**st, "withhold": True})
@@ -837,7 +838,7 @@ GRID22 = {
     if name.endswith("bounded")
 }
 # ... measured: by the labels alone the not-yet-learnt part of level 1 waits too and is never learnt (level 1 held at
-# 0.72 / 0.68, 27-31 % of its answers withheld); the forecast's gate at 0.9 opens only as the router moves anyway.
+# 0.72 / 0.69, 27-32 % of its answers withheld); the forecast's gate at 0.9 opens only as the router moves anyway.
 # A withholding gate g between the two: a kind being learnt has at most 1/ratio = 2/3 of its answers hard, a new
 # kind that needs another loop all of them (objective.router_withhold_gate)
 GRID22.update(
