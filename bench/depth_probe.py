@@ -1044,8 +1044,8 @@ def _oracle_wait(base):
     class OracleWait(base):
         levels = None
 
-        def _wait(self, out, routed_depth, hard, rows, scored):
-            return scored & (self.levels > routed_depth)
+        def _wait(self, loops, routed_depth, labels, rows):
+            return labels[1] & (self.levels > routed_depth)  # labels[1]: scored
 
     return OracleWait
 

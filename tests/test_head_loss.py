@@ -472,7 +472,7 @@ def test_which_answers_wait_the_forecasts_gate_does_not_decide_the_withhold_keys
     routed = r.depth(m.net.cfg.loops, m.net.cfg.router_threshold)
     at = f.gather(-1, (routed - 1).clamp(max=f.shape[-1] - 1)[..., None])[..., 0]  # (B, T)
     g = float(at[waits].median())
-    m.cfg.router_withhold_gate = g
+    m.cfg.router_hard_gate, m.cfg.router_withhold_gate = 0.9, g  # (the config holds the forecast and gate together)
     gated_w = _run(m, x, y, True)[0]
     want = torch.where((y != -1) & ~(waits & (at > g)), routed, 0)
     assert 0 < int((waits & (at > g)).sum()) < int(waits.sum()) and torch.equal(gated_w.learnt_exit, want)

@@ -221,7 +221,7 @@ class Objective(nn.Module):
                 at = F.one_hot(routed_depth - 1, out.loops).to(pi.dtype)  # (B, T, L)
                 wait = torch.zeros_like(scored)
                 if labels is not None:  # ... 0 where the (ungated) hard target lies deeper than the routed depth
-                    wait = self._wait(out, routed_depth, labels[0], rows, scored)
+                    wait = self._wait(out.loops, routed_depth, labels, rows)
                     at = at * ~wait[..., None]
                     learnt["withheld"] = wait.sum() / scored.sum().clamp_min(1)
                 learnt["learnt_exit"] = torch.where(scored & ~wait, routed_depth, 0)
@@ -261,17 +261,18 @@ class Objective(nn.Module):
             full_heads=L if expected else 1,
         )
 
-    def _wait(self, out, routed_depth, hard, rows, scored) -> torch.Tensor:
+    def _wait(self, loops: int, routed_depth, labels: tuple, rows) -> torch.Tensor:
         """router_exit_weights=depth_label: (B, T) bool, the scored tokens whose loss is withheld: their ungated
-        hard target (hard (B, T, L), `Router.hard_target`) lies deeper than their routed depth (B, T); with
-        router_withhold_gate only where the forecast says hard at the routed exit, with router_withhold_learnt only
-        where the batch's tokens not hard there have a mean loss (rows (B, T, L)) below it."""
+        hard target (`Router.hard_target` of the labels from `_hard_labels`) lies deeper than their routed depth
+        (B, T); with router_withhold_gate only where the forecast says hard at the routed exit, with
+        router_withhold_learnt only where the batch's tokens not hard there have a mean loss (rows (B, T, L)) below
+        it."""
         c = self.cfg
+        hard, scored, _, _, prob = labels
         wait = scored & (self.net.router.hard_target(hard, scored)[0] >= routed_depth)  # target: 0-based
-        if c.router_withhold_gate:  # ... and the forecast says hard at the routed exit
-            f = torch.sigmoid(self.net.router.hard_forecast(out.router).detach().float())  # (B, T, L-1)
-            d = (routed_depth - 1).clamp(max=out.loops - 2)[..., None]  # depth L never waits
-            wait = wait & (f.gather(-1, d)[..., 0] > c.router_withhold_gate)
+        if c.router_withhold_gate:  # ... and the forecast (the gate's, prob (B, T, L-1)) says hard at the routed exit
+            d = (routed_depth - 1).clamp(max=loops - 2)[..., None]  # depth L never waits
+            wait = wait & (prob.gather(-1, d)[..., 0] > c.router_withhold_gate)
         if c.router_withhold_learnt:  # ... and the batch's other answers at the routed exit are learnt
             easy = (scored[..., None] & ~hard).float()  # (B, T, L) the scored tokens not hard
             rest = (rows * easy).sum((0, 1)) / easy.sum((0, 1)).clamp_min(1)  # (L,) their mean loss
@@ -279,27 +280,29 @@ class Objective(nn.Module):
         return wait
 
     def _hard_labels(self, r, ce: torch.Tensor, scored: torch.Tensor) -> tuple:
-        """(hard (B, T, L) bool, scored (B, T) bool, gate (B, T, L-1) bool or None, fit () or None): the hard-token
-        labels (`Router.hard_labels`) from each exit's per-token loss ce (B, T, L), bounded at chance with
-        router_hard_bound; with the gate (router_hard_gate = tau) the router's forecast of them above tau, and the
-        forecast's own loss (binary cross-entropy to the labels over the scored tokens, exits 1..L-1)."""
+        """(hard (B, T, L) bool, scored (B, T) bool, gate (B, T, L-1) bool or None, fit () or None, prob (B, T, L-1)
+        or None): the hard-token labels (`Router.hard_labels`) from each exit's per-token loss ce (B, T, L), bounded
+        at chance with router_hard_bound; with the gate (router_hard_gate = tau) the router's forecast of them
+        (prob, detached), where it is above tau, and the forecast's own loss (binary cross-entropy to the labels
+        over the scored tokens, exits 1..L-1)."""
         c = self.cfg
         if c.router_hard_bound:  # losses past chance count as chance (objective.router_hard_bound)
             ce = ce.clamp_max(math.log(self.net.cfg.vocab_size))
         hard = self.net.router.hard_labels(ce, scored, c.router_hard_ratio)  # (B, T, L)
-        gate = fit = None
+        gate = fit = prob = None
         if c.router_hard_gate:
             f = self.net.router.hard_forecast(r).float()  # (B, T, L-1) logits
             bce = F.binary_cross_entropy_with_logits(f, hard[..., :-1].float(), reduction="none").mean(-1)
             fit = (bce * scored).sum() / scored.sum().clamp_min(1)
-            gate = torch.sigmoid(f.detach()) > c.router_hard_gate  # (B, T, L-1)
-        return hard, scored, gate, fit
+            prob = torch.sigmoid(f.detach())  # (B, T, L-1)
+            gate = prob > c.router_hard_gate
+        return hard, scored, gate, fit, prob
 
     def _hard_target(self, r, labels: tuple, parts: dict) -> torch.Tensor:
         """The router's hard-token target, weighted (`Router.hard_loss`), from `_hard_labels`: for tokens whose
         forecast says hard with probability > tau at every exit before their target when gated, plus the
         forecast's loss. Its terms go into parts as loss_hard and loss_forecast."""
-        hard, scored, gate, fit = labels
+        hard, scored, gate, fit, _ = labels
         total = torch.zeros((), dtype=torch.float32, device=hard.device)
         if fit is not None:  # (summed in this order since the gate was built: the same bits)
             total = total + fit
