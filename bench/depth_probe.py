@@ -868,6 +868,16 @@ GRID22.update(
         if name.endswith("label")
     }
 )
+# Grid 23: a label that knows a new kind at once (objective.router_withhold_kind = g): the labels' withholding, only
+# where the token's kind (its (token, position) pair; here one bucket per kind) has a running hard rate above g at
+# the routed exit, presumed 1 for a kind never scored: level 2's queries sit at positions no level-1 answer is
+# predicted from, so they wait from their first step, while a level-1 kind being learnt stays below g
+GRID23 = {
+    f"{name} kind {g}": (preset, [*ov, f"objective.router_withhold_kind={g}"], st)
+    for name, (preset, ov, st) in GRID22.items()
+    if name.endswith("label")
+    for g in (0.9,)
+}
 GRIDS = {
     "1": GRID1,
     "2": GRID2,
@@ -891,6 +901,7 @@ GRIDS = {
     "20": GRID20,
     "21": GRID21,
     "22": GRID22,
+    "23": GRID23,
 }
 GRID = {name: probe for grid in GRIDS.values() for name, probe in grid.items()}
 DEFAULTS = {"lr": 3e-3, "wd": 0.0, "beta2": 0.99, "batch": 256, "R": 6, "L": 4, "Q": 4, "warmup": 100, "seed": 0}
@@ -1044,7 +1055,7 @@ def _oracle_wait(base):
     class OracleWait(base):
         levels = None
 
-        def _wait(self, loops, routed_depth, labels, rows):
+        def _wait(self, loops, routed_depth, labels, rows, idx):
             return labels[1] & (self.levels > routed_depth)  # labels[1]: scored
 
     return OracleWait

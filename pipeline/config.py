@@ -299,6 +299,18 @@ class ObjectiveConfig:
         0.0,
         "e > 0 (nats): with router_exit_weights=depth_label a token's loss is withheld only where the batch's scored tokens that are not hard at its routed exit also have a mean loss there below e, so nothing waits while the batch is still being learnt and a new kind that arrives once the rest is learnt waits from its first step (README 'Router training'). 0: off.",
     )
+    router_withhold_kind: float = f(
+        0.0,
+        "g in [0, 1): with router_exit_weights=depth_label a token's loss is withheld only where its kind's running hard rate at its routed exit also exceeds g. A kind is the (input token, position) pair at the predicting position, in bucket (position x vocab_size + token) mod router_kind_buckets; the objective keeps each kind's exponential mean of its hard labels (router_kind_decay per batch that holds it), presumed 1 for a kind never scored, so a new kind that is always hard waits from its first step while the not-yet-learnt part of a kind being learnt (at most 1/router_hard_ratio of it is hard) keeps being learnt (README 'Router training'). 0: off.",
+    )
+    router_kind_buckets: int = f(
+        4093,
+        "With router_withhold_kind: the number of buckets the (token, position) kinds share (one per kind when at least block_size x vocab_size; a prime spreads them evenly otherwise); the table (buckets x (loops - 1) floats) lives on the device, is summed over ranks each step and is saved with each rank's training state.",
+    )
+    router_kind_decay: float = f(
+        0.9,
+        "With router_withhold_kind: each kind's hard rate moves to decay x rate + (1 - decay) x the batch's mean hard label of that kind, for the kinds the batch holds; in [0, 1).",
+    )
     router_explore: float = f(
         0.0,
         "Share of tokens whose training depth is drawn from the router's prior (budget recipe; uniform over 1..loops for paper) instead of the router's, so the straight-through estimator also sees loops past a token's exit; validation and eval never explore. 0: off.",
@@ -356,6 +368,23 @@ class ObjectiveConfig:
                 f"objective.router_withhold_learnt={self.router_withhold_learnt} needs "
                 "objective.router_exit_weights=depth_label (it decides which answers wait)"
             )
+        if not 0.0 <= self.router_withhold_kind < 1.0:
+            raise ConfigError(f"objective.router_withhold_kind must lie in [0, 1), got {self.router_withhold_kind}")
+        if self.router_withhold_kind and self.router_exit_weights != "depth_label":
+            raise ConfigError(
+                f"objective.router_withhold_kind={self.router_withhold_kind} needs "
+                "objective.router_exit_weights=depth_label (it decides which answers wait)"
+            )
+        if self.router_kind_buckets < 1:
+            raise ConfigError(f"objective.router_kind_buckets must be >= 1, got {self.router_kind_buckets}")
+        if not 0.0 <= self.router_kind_decay < 1.0:
+            raise ConfigError(f"objective.router_kind_decay must lie in [0, 1), got {self.router_kind_decay}")
+        for k, v, on in (
+            ("router_kind_buckets", self.router_kind_buckets, self.router_kind_buckets != 4093),
+            ("router_kind_decay", self.router_kind_decay, self.router_kind_decay != 0.9),
+        ):
+            if on and not self.router_withhold_kind:
+                raise ConfigError(f"objective.{k}={v} needs objective.router_withhold_kind > 0 (it sets its table)")
         if self.router_hard_ratio < 1:
             raise ConfigError(f"objective.router_hard_ratio must be >= 1, got {self.router_hard_ratio}")
         for k, v, on in (

@@ -497,3 +497,64 @@ def test_which_answers_wait_the_forecasts_gate_does_not_decide_the_withhold_keys
     kept = waits & (rest[routed - 1] < e)
     assert 0 < int(kept.sum()) < int(waits.sum())
     assert torch.equal(learnt.learnt_exit, torch.where((y != -1) & ~kept, routed, 0))
+
+
+def test_a_new_kind_waits_from_its_first_step_a_kind_seldom_hard_does_not():
+    """objective.router_withhold_kind = g: of the answers the labels withhold, only those whose kind's running hard
+    rate at the routed exit exceeds g wait. The table (`KindRates`, the objective's, not the network's) starts at 1,
+    so on the first batch every kind is new and the labels alone decide; each batch then moves its kinds' rates
+    toward their tokens' mean hard label (recomputed here token by token), and the next batch reads them (from a
+    table set by hand). Its state
+    goes out and back in whole; a table of another shape is a one-line error."""
+    from pipeline.train.objective import KindRates
+
+    args = [*EXPECTED_RECIPE, "model.exited_keys=frozen", "objective.router_hard_weight=0.5"]
+    args += ["objective.router_hard_ratio=1", "objective.router_exit_weights=depth_label"]
+    m = _model("base-loop-router", *args, "objective.router_withhold_kind=0.5", "objective.router_kind_buckets=61")
+    m.kind_rates.decay = 0.25
+    labels_only = Objective(m.net, m.cfg)
+    labels_only.kind_rates = None
+    x, y = _batch()
+    scored = y != -1
+    first = _run(m, x, y, True)[0]
+    plain = _run(labels_only, x, y, True)[0]
+    assert float(first.withheld) > 0 and torch.equal(first.learnt_exit, plain.learnt_exit)  # every kind new
+    # the table by hand: bucket (position x vocab + token) mod 61, each scored kind's mean label at exits 1..L-1
+    with torch.no_grad():
+        ce = torch.stack(
+            [
+                F.cross_entropy(m.net.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+                for h in m.net(x, exits=True).exits
+            ],
+            -1,
+        ).view(*y.shape, -1)
+    hard = (ce > ce.sum((0, 1)) / scored.sum()) & scored[..., None]  # ratio 1
+    L = hard.shape[-1]
+    want = torch.ones(61, L - 1)
+    by_kind = {}
+    for b, t in scored.nonzero().tolist():
+        by_kind.setdefault((t * V + int(x[b, t])) % 61, []).append(hard[b, t, :-1].float())
+    for k, rows in by_kind.items():
+        want[k] = 0.25 + 0.75 * torch.stack(rows).mean(0)
+    assert torch.allclose(m.kind_rates.rate, want, atol=1e-6) and len(by_kind) < 61  # unseen kinds stay at 1
+    # the next batch waits only where the labels say so and the kind's rate exceeds 0.5 (rates set here at random)
+    rate = torch.rand(61, L - 1, generator=torch.Generator().manual_seed(2))
+    m.kind_rates.rate.copy_(rate)
+    second = _run(m, x, y, True)[0]
+    routed = m.net(x, exits=True).router.depth(L, m.net.cfg.router_threshold)
+    kinds = (torch.arange(x.shape[1]) * V + x) % 61
+    at = rate[kinds].gather(-1, (routed - 1).clamp(max=L - 2)[..., None])[..., 0]  # (B, T)
+    waits = plain.learnt_exit == 0
+    waits &= scored
+    kept = waits & (at > 0.5)
+    assert 0 < int(kept.sum()) < int(waits.sum())
+    assert torch.equal(second.learnt_exit, torch.where(scored & ~kept, routed, 0))
+    # the objective's state: out and back in whole; another shape names the checkpoint
+    other = Objective(m.net, m.cfg)
+    other.load_state(m.state(), "ck")
+    assert torch.equal(other.kind_rates.rate, m.kind_rates.rate) and labels_only.state() == {}
+    other.kind_rates = KindRates(7, L, V, 0.25)
+    with pytest.raises(
+        ValueError, match=rf"^ck: its kind table is \(61, {L - 1}\), this run.s .* needs \(7, {L - 1}\)"
+    ):
+        other.load_state(m.state(), "ck")

@@ -23,6 +23,7 @@ import torch
 
 from data_prep.shards import write_shard
 from pipeline.config import ConfigError, load_config
+from helpers import spread_router
 from pipeline.demo import EXPECTED_RECIPE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -326,12 +327,20 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch,
 
 @pytest.mark.parametrize("recipe", ["paper", "budget", "expected", "expected hard label"])
 def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
-    from pipeline.train.trainer import run
+    from pipeline.model import LoopedLM
+    from pipeline.train.trainer import Trainer
 
     # the router's hard-token target, gated by its forecast (a parameter the network gains: checkpointed, resumed)
     gated = ["objective.router_hard_weight=1", "model.router_forecast=true", "objective.router_hard_gate=0.5"]
-    # ... and the network's loss withheld where the labels say deeper than the router (router_exit_weights)
+    # ... and the network's loss withheld where the labels say deeper than the router (router_exit_weights), for
+    # kinds whose running hard rate (the objective's table, saved in the training state) says so
     label = ["objective.router_exit_weights=depth_label", "objective.router_hard_bound=true"]
+    label += [
+        "objective.router_withhold_kind=0.5",
+        "objective.router_kind_buckets=31",
+        "objective.router_kind_decay=0.5",
+    ]
+    label += ["objective.router_hard_ratio=1"]  # (labels on a near-uniform loss: hard above the mean)
     hard = [*gated, *label] if recipe.endswith("hard label") else []
     extra = [
         *(EXPECTED_RECIPE if recipe.startswith("expected") else [f"model.router_recipe={recipe}"]),
@@ -344,12 +353,21 @@ def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
         "checkpoint.interval=3",
         "train.eval_interval=0",
     ]
-    full = run(tiny_cfg(tmp_path / "a", data, *extra))
-    part = run(tiny_cfg(tmp_path / "b", data, *extra, f"checkpoint.resume={tmp_path / 'a' / 'global_step3'}"))
+
+    def train(d, *more):  # the label recipe from a spread router, so that some answers are routed shallow
+        cfg = tiny_cfg(tmp_path / d, data, *extra, *more)
+        return Trainer.build(cfg, model=spread_router(LoopedLM(cfg.model)) if hard else None).fit()
+
+    full = train("a")
+    part = train("b", f"checkpoint.resume={tmp_path / 'a' / 'global_step3'}")
     assert part.losses == full.losses[3:]
     logged = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     withheld = [r["router/withheld"] for r in logged if "router/withheld" in r]
     assert len(withheld) == (6 if recipe.endswith("label") else 0) and all(0 <= w <= 1 for w in withheld)
+    assert not hard or max(withheld) > 0
+    if hard:  # the resumed table has kinds below the gate (a fresh one, all 1, would withhold their answers)
+        saved = torch.load(tmp_path / "a" / "global_step3" / "rank0_state.pt", weights_only=True)["objective"]
+        assert 0 < float(saved["kind_rate"].min()) < 0.5
 
 
 @pytest.mark.parametrize("target", [1.6, 2.4])

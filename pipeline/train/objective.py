@@ -29,7 +29,9 @@ answer the network cannot give at its routed exit is not learnt there while the 
 read from each exit's per-token loss in a head pass without gradients before the weighted heads); with
 `router_withhold_gate` = g only where the router's forecast that the token is hard at its routed exit exceeds g,
 and with `router_withhold_learnt` = e only where the batch's scored tokens that are not hard at that exit have a mean
-loss there below e nats (the rest of the batch is learnt). `learnt_exit` says which exit each token was learnt at
+loss there below e nats (the rest of the batch is learnt), and with `router_withhold_kind` = g only where the
+token's kind has a running hard rate at that exit above g (`KindRates`: a table the objective keeps, not the
+network, presumed 1 for a kind never scored, so a new kind waits from its first step). `learnt_exit` says which exit each token was learnt at
 (0: withheld) and `withheld` (logged `router/withheld`) the share. The router's own loss is its balance term and
 the per-token KL to its prior (`Router.aux_loss`). Validation (`full_only`) runs the routed pass inference runs.
 `loss_L` stays the last exit's plain cross-entropy, and `routed` the statistics of the depths the router would give
@@ -45,7 +47,8 @@ and learns the labels (`loss_forecast`).
 
 The wrapper holds the network as `net`, so DeepSpeed's files name its parameters `net.<name>`; checkpoints
 written before the wrapper existed hold the bare names and load through `_add_prefix`. Exports store the
-network alone, under its own names.
+network alone, under its own names. The objective's own state (the kind table) is not in the module's state dict:
+`state()` / `load_state()` carry it in each rank's training state file, so a resume on another world size keeps it.
 """
 
 from __future__ import annotations
@@ -163,6 +166,38 @@ def _add_prefix(module, state_dict, prefix, *args) -> None:
         state_dict[prefix + PREFIX + k[len(prefix) :]] = state_dict.pop(k)
 
 
+class KindRates(nn.Module):
+    """objective.router_withhold_kind: each kind's running hard rate at exits 1..L-1, rate (K, L-1) (a
+    non-persistent buffer: it moves with the module, it is saved in the training state, not the weights), 1 where
+    a kind was never scored. A kind is the (input token, position) pair at the position that predicts a target,
+    bucket (position x vocab + token) mod K: one bucket per kind when K >= block_size x vocab_size; after each training batch every kind the batch scores moves to decay x rate + (1 - decay)
+    x the mean of its tokens' hard labels (sums over every rank's batch: each rank keeps the same table)."""
+
+    def __init__(self, buckets: int, loops: int, vocab: int, decay: float) -> None:
+        super().__init__()
+        self.vocab, self.decay = vocab, decay
+        self.register_buffer("rate", torch.ones(buckets, loops - 1), persistent=False)
+
+    def kinds(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) int64: the bucket of each position's (token, position) kind; idx (B, T) the input tokens."""
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return (pos * self.vocab + idx.long()) % self.rate.shape[0]
+
+    @torch.no_grad()
+    def update(self, kinds: torch.Tensor, hard: torch.Tensor, scored: torch.Tensor) -> None:
+        """One batch: kinds (B, T), hard (B, T, L) bool (`Router.hard_labels`), scored (B, T) bool."""
+        k = kinds[scored]  # (N,)
+        sums = torch.zeros_like(self.rate).index_add_(0, k, hard[scored][:, :-1].float())  # (K, L-1) counts of 0/1:
+        count = torch.zeros_like(self.rate[:, 0]).index_add_(0, k, torch.ones_like(k, dtype=self.rate.dtype))  # exact
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            both = torch.cat([sums, count[:, None]], 1)
+            torch.distributed.all_reduce(both)  # integer-valued floats: the same sum in any order
+            sums, count = both[:, :-1], both[:, -1]
+        seen = (count > 0)[:, None]
+        mean = sums / count.clamp_min(1)[:, None]
+        self.rate.copy_(torch.where(seen, self.decay * self.rate + (1 - self.decay) * mean, self.rate))
+
+
 class Objective(nn.Module):
     """The training objective around the network `net` (module doc); cfg: the objective's settings."""
 
@@ -170,6 +205,27 @@ class Objective(nn.Module):
         super().__init__()
         self.net, self.cfg = net, cfg
         self.register_load_state_dict_pre_hook(_add_prefix)
+        self.kind_rates = None  # objective.router_withhold_kind: the kinds' running hard rates (`KindRates`)
+        if cfg.router_withhold_kind:
+            self.kind_rates = KindRates(
+                cfg.router_kind_buckets, net.cfg.loops, net.cfg.vocab_size, cfg.router_kind_decay
+            )
+
+    def state(self) -> dict:
+        """The objective's own training state (saved in each rank's training state file): the kind table."""
+        return {} if self.kind_rates is None else {"kind_rate": self.kind_rates.rate.detach().cpu().clone()}
+
+    def load_state(self, state: dict, where: str) -> None:
+        """`state()` of a checkpoint; where names it in the one-line error."""
+        if self.kind_rates is None:
+            return
+        if "kind_rate" not in state or state["kind_rate"].shape != self.kind_rates.rate.shape:
+            got = tuple(state["kind_rate"].shape) if "kind_rate" in state else "none"
+            raise ValueError(
+                f"{where}: its kind table is {got}, this run's objective.router_withhold_kind needs "
+                f"{tuple(self.kind_rates.rate.shape)} (router_kind_buckets x (loops - 1))"
+            )
+        self.kind_rates.rate.copy_(state["kind_rate"])
 
     def forward(
         self,
@@ -221,7 +277,7 @@ class Objective(nn.Module):
                 at = F.one_hot(routed_depth - 1, out.loops).to(pi.dtype)  # (B, T, L)
                 wait = torch.zeros_like(scored)
                 if labels is not None:  # ... 0 where the (ungated) hard target lies deeper than the routed depth
-                    wait = self._wait(out.loops, routed_depth, labels, rows)
+                    wait = self._wait(out.loops, routed_depth, labels, rows, idx)
                     at = at * ~wait[..., None]
                     learnt["withheld"] = wait.sum() / scored.sum().clamp_min(1)
                 learnt["learnt_exit"] = torch.where(scored & ~wait, routed_depth, 0)
@@ -261,12 +317,13 @@ class Objective(nn.Module):
             full_heads=L if expected else 1,
         )
 
-    def _wait(self, loops: int, routed_depth, labels: tuple, rows) -> torch.Tensor:
+    def _wait(self, loops: int, routed_depth, labels: tuple, rows, idx) -> torch.Tensor:
         """router_exit_weights=depth_label: (B, T) bool, the scored tokens whose loss is withheld: their ungated
         hard target (`Router.hard_target` of the labels from `_hard_labels`) lies deeper than their routed depth
         (B, T); with router_withhold_gate only where the forecast says hard at the routed exit, with
         router_withhold_learnt only where the batch's tokens not hard there have a mean loss (rows (B, T, L)) below
-        it."""
+        it; with router_withhold_kind only where the kind of the token (idx (B, T) the input tokens) has a running
+        hard rate at the routed exit above it (the rate before this batch, which then updates it)."""
         c = self.cfg
         hard, scored, _, _, prob = labels
         wait = scored & (self.net.router.hard_target(hard, scored)[0] >= routed_depth)  # target: 0-based
@@ -277,6 +334,11 @@ class Objective(nn.Module):
             easy = (scored[..., None] & ~hard).float()  # (B, T, L) the scored tokens not hard
             rest = (rows * easy).sum((0, 1)) / easy.sum((0, 1)).clamp_min(1)  # (L,) their mean loss
             wait = wait & (rest[routed_depth - 1] < c.router_withhold_learnt)
+        if self.kind_rates is not None:  # ... and the token's kind is nearly always hard at the routed exit
+            kinds = self.kind_rates.kinds(idx)  # (B, T)
+            d = (routed_depth - 1).clamp(max=loops - 2)[..., None]
+            wait = wait & (self.kind_rates.rate[kinds].gather(-1, d)[..., 0] > c.router_withhold_kind)
+            self.kind_rates.update(kinds, hard, scored)
         return wait
 
     def _hard_labels(self, r, ce: torch.Tensor, scored: torch.Tensor) -> tuple:

@@ -288,6 +288,10 @@ class Trainer:
             else:
                 ckpt.load_engine(engine, resume_from)
             loader.load_state_dict(state["loader"])
+            try:  # the Objective's own state (the kind table)
+                engine.module.load_state(state.get("objective", {}), str(resume_from))
+            except ValueError as e:
+                raise ckpt.CheckpointError(str(e)) from e
             ckpt.set_rng_state(state["rng"])
             step, run_id = int(state["step"]), state.get("mlflow_run_id")
             if engine.global_steps != step:
@@ -372,6 +376,7 @@ class Trainer:
             "rank": self.rank,
             "loader": self.loader.state_dict(),
             "rng": ckpt.rng_state(),
+            "objective": self.engine.module.state(),
             "config": self.cfg.to_dict(),
             "mlflow_run_id": self.run_id,
         }
