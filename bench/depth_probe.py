@@ -878,6 +878,17 @@ GRID23 = {
     if name.endswith("label")
     for g in (0.9,)
 }
+# ... measured at g = 0.9: the labels still let 13-15 % of the first 500 steps' level-2 answers be learnt at exit 1
+# (those below 1.5 x the batch mean there by chance, not labelled hard), as many as grid 22's gate let through. The
+# kind alone decides (settings "kind_wait": every answer of a kind whose rate exceeds g waits, whatever its label)
+GRID23.update(
+    {
+        f"{name} kind {g} only": (preset, [*ov, f"objective.router_withhold_kind={g}"], {**st, "kind_wait": True})
+        for name, (preset, ov, st) in GRID22.items()
+        if name.endswith("label")
+        for g in (0.8,)
+    }
+)
 GRIDS = {
     "1": GRID1,
     "2": GRID2,
@@ -1061,6 +1072,24 @@ def _oracle_wait(base):
     return OracleWait
 
 
+def _kind_wait(base):
+    """settings "kind_wait" (with objective.router_withhold_kind = g): the objective that withholds the network's
+    loss from every answer the router runs at an exit (before the last) where the answer's kind's running hard rate
+    exceeds g, whatever that answer's own label says: the kind decides, not the token."""
+
+    class KindWait(base):
+        def _wait(self, loops, routed_depth, labels, rows, idx):
+            hard, scored = labels[0], labels[1]
+            kinds = self.kind_rates.kinds(idx)  # (B, T)
+            d = (routed_depth - 1).clamp(max=loops - 2)[..., None]
+            rate = self.kind_rates.rate[kinds].gather(-1, d)[..., 0]  # (B, T) the kind's rate at the routed exit
+            wait = scored & (routed_depth < loops) & (rate > self.cfg.router_withhold_kind)
+            self.kind_rates.update(kinds, hard, scored)
+            return wait
+
+    return KindWait
+
+
 def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device, log) -> dict:
     torch.set_num_threads(1)
     from pipeline.config import load_config
@@ -1092,7 +1121,8 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     if s.get("unconditioned"):  # outside the variant table (grid 9): no modulation tables, so every layer runs
         model.cfg.conditioning = "none"  # its plain path (RMSNorm without affine), the same at every depth
     slot_positions(model, s)
-    objective = (_oracle_wait(Objective) if s.get("oracle_wait") else Objective)(model, cfg.objective)
+    wrap = _oracle_wait if s.get("oracle_wait") else _kind_wait if s.get("kind_wait") else lambda c: c
+    objective = wrap(Objective)(model, cfg.objective)
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, s["beta2"]), weight_decay=s["wd"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s["warmup"]))
     Lm = cfg.model.loops
@@ -1253,6 +1283,12 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
                 if off[:, 1].any():  # ... and the share withheld from the network's loss
                     curve[-1]["train_withheld"] = [float(w / max(n, 1)) for _, w, n in off]
                 off[:] = 0
+            if objective.kind_rates is not None:  # (min, mean, max) of the rate at exit 1 of the level-k answers'
+                rate = objective.kind_rates.rate[objective.kind_rates.kinds(x)][..., 0].cpu().numpy()  # kinds
+                curve[-1]["kind_rate"] = [
+                    [float(f(rate[lev == k])) for f in (np.min, np.mean, np.max)] if (lev == k).any() else None
+                    for k in range(1, Lt + 1)
+                ]
             key = "oracle" if oracle else "at_need" if (warm or exits is not None) else Lm  # the curriculum's
             a = curve[-1]["acc"][key]
             curve[-1]["warm"] = warm

@@ -75,15 +75,19 @@ def test_deterministic_off_changes_nothing():
 def test_deterministic_on_sets_the_contract(kind, monkeypatch):
     from pipeline.train import determinism
 
-    threads = torch.get_num_threads()
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = determinism._settings()
     try:
         got = determinism.apply(True, kind)
         assert torch.are_deterministic_algorithms_enabled()
         if kind == "cuda":
             assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and got["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+            assert torch.utils.deterministic.fill_uninitialized_memory  # a device memset: cheap, kept
         else:
             assert torch.get_num_threads() == 1 and got["cpu_threads"] == 1
+            assert not torch.utils.deterministic.fill_uninitialized_memory and not got["fill_uninitialized_memory"]
+        determinism.apply(True, kind)  # a second run on: still the settings from before the first
     finally:
-        torch.use_deterministic_algorithms(False)
-        torch.set_num_threads(threads)
+        # a later run with it off gets back what was there before (a sweep or notebook runs many in one process)
+        assert determinism.apply(False, kind) == {}
+        assert determinism._settings() == before and determinism._before is None

@@ -23,7 +23,6 @@ import torch
 
 from data_prep.shards import write_shard
 from pipeline.config import ConfigError, load_config
-from helpers import spread_router
 from pipeline.demo import EXPECTED_RECIPE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -327,6 +326,7 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch,
 
 @pytest.mark.parametrize("recipe", ["paper", "budget", "expected", "expected hard label"])
 def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
+    from helpers import spread_router  # (here: rank scripts import this module without bench on their path)
     from pipeline.model import LoopedLM
     from pipeline.train.trainer import Trainer
 
