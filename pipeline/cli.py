@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from importlib.metadata import entry_points
 
@@ -11,13 +12,22 @@ from pipeline.config import ConfigError, field_docs, list_presets, load_config, 
 
 
 class _Group(click.Group):
-    """Turns a ConfigError anywhere below into a clean one-line error (exit 2), not a traceback."""
+    """Turns a ConfigError anywhere below into a clean one-line error (exit 2), not a traceback; the components'
+    subcommands (`tlf.commands` entry points) load when named, so `tlf prep-data` never imports torch."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except ConfigError as e:
             raise click.UsageError(f"config error: {e}") from None
+
+    def list_commands(self, ctx) -> list[str]:
+        return sorted({*super().list_commands(ctx), *_entry_points()})
+
+    def get_command(self, ctx, name: str):
+        if name not in self.commands and name in _entry_points():
+            self.add_command(_entry_points()[name].load(), name)
+        return super().get_command(ctx, name)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -58,25 +68,39 @@ def config_show(name: str, overrides: tuple[str, ...], doc: bool) -> None:
 COMMAND_GROUP = "tlf.commands"
 
 
-def _add_commands() -> None:
-    eps = entry_points(group=COMMAND_GROUP)
-    if not eps:
-        raise SystemExit(
-            "tlf is not installed: its subcommands are entry points (`pip install -e .` in the "
-            "checkout, or `make setup`)"
-        )
-    for ep in sorted(eps, key=lambda e: e.name):
-        main.add_command(ep.load(), ep.name)
+_EPS: dict = {}
 
 
-_add_commands()
+def _entry_points() -> dict:
+    """{name: entry point} of the `tlf.commands` group (read once)."""
+    if not _EPS:
+        eps = entry_points(group=COMMAND_GROUP)
+        if not eps:
+            raise SystemExit(
+                "tlf is not installed: its subcommands are entry points (`pip install -e .` in the "
+                "checkout, or `make setup`)"
+            )
+        _EPS.update({ep.name: ep for ep in eps})
+    return _EPS
+
+
+def strip_local_rank(argv: list[str]) -> list[str]:
+    """argv without the `--local_rank=N` / `--local_rank N` (or --local-rank) the DeepSpeed launcher appends to
+    every rank's command; N goes to $LOCAL_RANK unless the launcher set it already."""
+    out, it = [], iter(argv)
+    for a in it:
+        name, eq, val = a.partition("=")
+        if name in ("--local_rank", "--local-rank"):
+            os.environ.setdefault("LOCAL_RANK", val if eq else next(it, "0"))
+        else:
+            out.append(a)
+    return out
 
 
 def entry() -> None:
     """Console-script entry: drops the `--local_rank=N` the DeepSpeed launcher appends to every rank's
     argv (the rank is also in $LOCAL_RANK), so `deepspeed $(which tlf) train ...` works as is."""
-    from pipeline.train.ds import strip_local_rank
-
+    _entry_points()  # (an uninstalled checkout says so at once)
     main(args=strip_local_rank(sys.argv[1:]), prog_name="tlf")
 
 

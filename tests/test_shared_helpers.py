@@ -21,7 +21,7 @@ from pipeline.config import load_config
 from pipeline.device import resolve_device
 from pipeline.memory import memory_metrics
 from pipeline.model import LoopedLM
-from pipeline.train.ds import strip_local_rank
+from pipeline.cli import strip_local_rank
 
 
 def test_one_config_machinery_for_both_configs(tmp_path):

@@ -6,7 +6,7 @@ import sys
 
 def main() -> None:
     from pipeline.train.cli import train
-    from pipeline.train.ds import strip_local_rank
+    from pipeline.cli import strip_local_rank
 
     train.main(args=strip_local_rank(sys.argv[1:]), prog_name="python -m pipeline.train")
 

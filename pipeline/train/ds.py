@@ -126,19 +126,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def strip_local_rank(argv: list[str]) -> list[str]:
-    """argv without the `--local_rank=N` / `--local_rank N` (or --local-rank) the DeepSpeed launcher appends to
-    every rank's command; N goes to $LOCAL_RANK unless the launcher set it already."""
-    out, it = [], iter(argv)
-    for a in it:
-        name, eq, val = a.partition("=")
-        if name in ("--local_rank", "--local-rank"):
-            os.environ.setdefault("LOCAL_RANK", val if eq else next(it, "0"))
-        else:
-            out.append(a)
-    return out
-
-
 SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory all-reduce, JIT-built by torch on first use
 
 
