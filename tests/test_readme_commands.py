@@ -52,9 +52,10 @@ def readme_commands() -> list[tuple[int, list[str]]]:
 def resolve(argv: list[str]) -> tuple[tuple[str, ...], click.Command, list[str]]:
     cmd, path = main, []
     while isinstance(cmd, click.Group):
-        assert argv and argv[0] in cmd.commands, f"`tlf {' '.join(path + argv[:1])}`: no such subcommand"
+        ctx = click.Context(cmd)
+        assert argv and argv[0] in cmd.list_commands(ctx), f"`tlf {' '.join(path + argv[:1])}`: no such subcommand"
         path.append(argv[0])
-        cmd, argv = cmd.commands[argv[0]], argv[1:]
+        cmd, argv = cmd.get_command(ctx, argv[0]), argv[1:]
     return tuple(path), cmd, argv
 
 
@@ -170,8 +171,9 @@ def test_cheap_readme_commands_run_as_written(tmp_path, monkeypatch):
 
 def _commands(cmd=main, path=()):
     if isinstance(cmd, click.Group):
-        for name, sub in cmd.commands.items():
-            yield from _commands(sub, path + (name,))
+        ctx = click.Context(cmd)
+        for name in cmd.list_commands(ctx):
+            yield from _commands(cmd.get_command(ctx, name), path + (name,))
     else:
         yield path, cmd
 
