@@ -30,7 +30,6 @@ overrides.
 from __future__ import annotations
 
 import argparse
-import math
 import json
 import multiprocessing as mp
 import sys
@@ -39,7 +38,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -882,20 +880,25 @@ GRID23 = {
 }
 # ... measured at g = 0.9: the labels still let 13-15 % of the first 500 steps' level-2 answers be learnt at exit 1
 # (those below 1.5 x the batch mean there by chance, not labelled hard), as many as grid 22's gate let through. The
-# kind alone decides (settings "kind_wait": every answer of a kind whose rate exceeds g waits, whatever its label)
+# kind alone decides (objective.router_withhold_kind_only: every answer of a kind whose rate exceeds g waits,
+# whatever its label; first run as a probe setting, bit for bit the same for 2,000 steps)
 GRID23.update(
     {
-        f"{name} kind {g} only": (preset, [*ov, f"objective.router_withhold_kind={g}"], {**st, "kind_wait": True})
+        f"{name} kind {g} only": (
+            preset,
+            [*ov, f"objective.router_withhold_kind={g}", "objective.router_withhold_kind_only=true"],
+            st,
+        )
         for name, (preset, ov, st) in GRID22.items()
         if name.endswith("label")
         for g in (0.8,)
     }
 )
-# ... and the labels against each exit's own answers (settings "routed_mean": the mean of the tokens the router runs
-# at that depth, not the batch's), for the router's target and the kinds' table alike
+# ... and the labels against each exit's own answers (objective.router_hard_reference=routed: the mean of the tokens
+# the router runs at that depth, not the batch's), for the router's target and the kinds' table alike
 GRID23.update(
     {
-        f"{name} routed mean": (preset, ov, {**st, "routed_mean": True})
+        f"{name} routed mean": (preset, [*ov, "objective.router_hard_reference=routed"], st)
         for name, (preset, ov, st) in list(GRID23.items())
         if name.endswith("only")
     }
@@ -1098,54 +1101,6 @@ def _oracle_wait(base):
     return OracleWait
 
 
-def _kind_wait(base):
-    """settings "kind_wait" (with objective.router_withhold_kind = g): the objective that withholds the network's
-    loss from every answer the router runs at an exit (before the last) where the answer's kind's running hard rate
-    exceeds g, whatever that answer's own label says: the kind decides, not the token."""
-
-    class KindWait(base):
-        def _wait(self, loops, routed_depth, labels, rows, idx):
-            hard, scored = labels[0], labels[1]
-            kinds = self.kind_rates.kinds(idx)  # (B, T)
-            d = (routed_depth - 1).clamp(max=loops - 2)[..., None]
-            rate = self.kind_rates.rate[kinds].gather(-1, d)[..., 0]  # (B, T) the kind's rate at the routed exit
-            wait = scored & (routed_depth < loops) & (rate > self.cfg.router_withhold_kind)
-            self.kind_rates.update(kinds, hard, scored)
-            return wait
-
-    return KindWait
-
-
-def _routed_mean(base):
-    """settings "routed_mean": the hard labels against each exit's own answers: a token is hard at exit d when its
-    loss there exceeds ratio x the mean loss of the scored tokens the router runs at depth d (the batch's mean
-    where none), not of the whole batch, whose tokens answered at other exits can lift the mean past a new kind at
-    chance (grid 23, seed 3)."""
-
-    class RoutedMean(base):
-        def _hard_labels(self, r, ce, scored):
-            c = self.cfg
-            if c.router_hard_bound:
-                ce = ce.clamp_max(math.log(self.net.cfg.vocab_size))
-            L = ce.shape[-1]
-            at = F.one_hot(r.depth(L, self.net.cfg.router_threshold) - 1, L).bool() & scored[..., None]  # (B, T, L)
-            n = at.sum((0, 1))
-            mean = torch.where(
-                n > 0, (ce * at).sum((0, 1)) / n.clamp_min(1), ce.sum((0, 1)) / scored.sum().clamp_min(1)
-            )
-            hard = (ce > c.router_hard_ratio * mean) & scored[..., None]
-            gate = fit = prob = None
-            if c.router_hard_gate:  # as Objective._hard_labels
-                f = self.net.router.hard_forecast(r).float()
-                bce = F.binary_cross_entropy_with_logits(f, hard[..., :-1].float(), reduction="none").mean(-1)
-                fit = (bce * scored).sum() / scored.sum().clamp_min(1)
-                prob = torch.sigmoid(f.detach())
-                gate = prob > c.router_hard_gate
-            return hard, scored, gate, fit, prob
-
-    return RoutedMean
-
-
 def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device, log) -> dict:
     torch.set_num_threads(1)
     from pipeline.config import load_config
@@ -1177,9 +1132,7 @@ def _probe(name, preset, overrides, settings, minutes, steps, eval_every, device
     if s.get("unconditioned"):  # outside the variant table (grid 9): no modulation tables, so every layer runs
         model.cfg.conditioning = "none"  # its plain path (RMSNorm without affine), the same at every depth
     slot_positions(model, s)
-    cls = _routed_mean(Objective) if s.get("routed_mean") else Objective
-    wrap = _oracle_wait if s.get("oracle_wait") else _kind_wait if s.get("kind_wait") else lambda c: c
-    objective = wrap(cls)(model, cfg.objective)
+    objective = (_oracle_wait(Objective) if s.get("oracle_wait") else Objective)(model, cfg.objective)
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, s["beta2"]), weight_decay=s["wd"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s["warmup"]))
     Lm = cfg.model.loops

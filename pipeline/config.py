@@ -287,6 +287,10 @@ class ObjectiveConfig:
         False,
         "The hard-token target's losses bounded at chance, ln(vocab_size), before the batch's mean and the comparison: an exit that is never trained on some answers (router_exit_weights=depth) can score them far above chance, which inflates the mean and stops tokens near chance from counting as hard (README 'Router training').",
     )
+    router_hard_reference: Literal["batch", "routed"] = f(
+        "batch",
+        "The mean the hard-token labels compare a token's loss at an exit with: batch, the batch's scored tokens at that exit; routed, the scored tokens the router runs at that depth, i.e. the answers that exit is trained to give (the batch's where it runs none), so answers run elsewhere and never trained there cannot lift the mean past a new kind at chance (README 'Router training').",
+    )
     router_hard_gate: float = f(
         0.0,
         "tau in [0, 1): the hard-token target acts on a token at an exit only where the router's forecast (model.router_forecast) that it is hard there exceeds tau, so only tokens of a kind that is hard nearly always go deeper, not the not-yet-learnt part of a kind being learnt (README 'Router training'). 0: every hard token.",
@@ -302,6 +306,10 @@ class ObjectiveConfig:
     router_withhold_kind: float = f(
         0.0,
         "g in [0, 1): with router_exit_weights=depth_label a token's loss is withheld only where its kind's running hard rate at its routed exit also exceeds g. A kind is the (input token, position) pair at the predicting position, in bucket (position x vocab_size + token) mod router_kind_buckets; the objective keeps each kind's exponential mean of its hard labels (router_kind_decay per batch that holds it), presumed 1 for a kind never scored, so a new kind that is always hard waits from its first step while the not-yet-learnt part of a kind being learnt (at most 1/router_hard_ratio of it is hard) keeps being learnt (README 'Router training'). 0: off.",
+    )
+    router_withhold_kind_only: bool = f(
+        False,
+        "With router_withhold_kind = g: the kind alone decides: every scored answer the router runs shallower than the last loop waits where its kind's running hard rate at its routed exit exceeds g, whatever its own hard label (README 'Router training').",
     )
     router_kind_buckets: int = f(
         4093,
@@ -382,14 +390,16 @@ class ObjectiveConfig:
         for k, v, on in (
             ("router_kind_buckets", self.router_kind_buckets, self.router_kind_buckets != 4093),
             ("router_kind_decay", self.router_kind_decay, self.router_kind_decay != 0.9),
+            ("router_withhold_kind_only", "true", self.router_withhold_kind_only),
         ):
             if on and not self.router_withhold_kind:
-                raise ConfigError(f"objective.{k}={v} needs objective.router_withhold_kind > 0 (it sets its table)")
+                raise ConfigError(f"objective.{k}={v} needs objective.router_withhold_kind > 0 (the kinds' table)")
         if self.router_hard_ratio < 1:
             raise ConfigError(f"objective.router_hard_ratio must be >= 1, got {self.router_hard_ratio}")
         for k, v, on in (
             ("router_hard_ratio", self.router_hard_ratio, self.router_hard_ratio != 1.5),
             ("router_hard_bound", "true", self.router_hard_bound),
+            ("router_hard_reference", self.router_hard_reference, self.router_hard_reference != "batch"),
         ):
             if on and not self.router_hard_weight:
                 raise ConfigError(f"objective.{k}={v} needs the hard-token target (objective.router_hard_weight > 0)")

@@ -158,6 +158,8 @@ def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_ke
         "router_withhold_kind",
         "router_kind_buckets",
         "router_kind_decay",
+        "router_withhold_kind_only",
+        "router_hard_reference",
     }  # objective keys that were never model keys
     assert set(ModelConfig.MOVED) == {f.name for f in dataclasses.fields(ObjectiveConfig)} - born_there
     for old, new in ModelConfig.MOVED.items():
@@ -195,7 +197,13 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
     objective.pop("router_hard_gate")
     objective.pop("router_withhold_gate")
     objective.pop("router_withhold_learnt")
-    for k in ("router_withhold_kind", "router_kind_buckets", "router_kind_decay"):
+    for k in (
+        "router_withhold_kind",
+        "router_kind_buckets",
+        "router_kind_decay",
+        "router_withhold_kind_only",
+        "router_hard_reference",
+    ):
         objective.pop(k)
     old["model"].update(objective, lambda_short=0.3, align_target="hidden")
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in old.items()}
@@ -222,6 +230,8 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
         router_withhold_kind=0.0,
         router_kind_buckets=4093,
         router_kind_decay=0.9,
+        router_withhold_kind_only=False,
+        router_hard_reference="batch",
     )
     assert cfg.to_dict() == expected and old == before  # the stored dict is left as it was
 
@@ -325,12 +335,21 @@ def test_the_expected_router_recipe_needs_its_exits_to_be_depths():
         ([*ok, "objective.router_kind_decay=1"], r"objective.router_kind_decay must lie in \[0, 1\), got 1"),
         (
             [*ok, "objective.router_kind_buckets=64"],
-            r"objective.router_kind_buckets=64 needs objective.router_withhold_kind > 0 \(it sets its table\)$",
+            r"objective.router_kind_buckets=64 needs objective.router_withhold_kind > 0 \(the kinds' table\)$",
         ),
         (
             [*ok, "objective.router_kind_decay=0.5"],
             r"objective.router_kind_decay=0.5 needs objective.router_withhold_kind > 0",
         ),
+        (
+            [*ok, "objective.router_withhold_kind_only=true"],
+            r"objective.router_withhold_kind_only=true needs objective.router_withhold_kind > 0",
+        ),
+        (
+            [*ok, "objective.router_hard_reference=routed"],
+            r"objective.router_hard_reference=routed needs the hard-token target \(objective.router_hard_weight > 0\)$",
+        ),
+        ([*ok, "objective.router_hard_reference=exit"], r"objective.router_hard_reference"),
         ([*ok, "objective.router_hard_weight=-1"], r"objective.router_hard_weight must be >= 0, got -1"),
         (["objective.router_hard_weight=0.5"], r"objective.router_hard_weight=0.5 needs model.router_recipe=expected"),
         ([*ok, "objective.router_hard_weight=1", "objective.router_hard_ratio=0.5"], r"router_hard_ratio must be >= 1"),

@@ -558,3 +558,56 @@ def test_a_new_kind_waits_from_its_first_step_a_kind_seldom_hard_does_not():
         ValueError, match=rf"^ck: its kind table is \(61, {L - 1}\), this run.s .* needs \(7, {L - 1}\)"
     ):
         other.load_state(m.state(), "ck")
+
+
+def test_labels_against_each_exits_answers_and_the_kind_alone_deciding():
+    """objective.router_hard_reference=routed: a token is hard at exit d when its loss there exceeds ratio x the mean
+    loss of the scored tokens the router runs at depth d (the batch's at an exit that runs none), recomputed here and
+    read through the kinds' table it updates; objective.router_withhold_kind_only: every scored answer the router
+    runs short of the last loop waits where its kind's rate at its routed exit exceeds g, whatever its own label."""
+    args = [*EXPECTED_RECIPE, "model.exited_keys=frozen", "objective.router_hard_weight=0.5"]
+    args += ["objective.router_hard_ratio=1", "objective.router_exit_weights=depth_label"]
+    args += [
+        "objective.router_withhold_kind=0.5",
+        "objective.router_kind_buckets=61",
+        "objective.router_kind_decay=0.25",
+    ]
+    m = _model(
+        "base-loop-router", *args, "objective.router_withhold_kind_only=true", "objective.router_hard_reference=routed"
+    )
+    x, y = _batch()
+    scored = y != -1
+    L = m.net.cfg.loops
+    rate = torch.rand(61, L - 1, generator=torch.Generator().manual_seed(3))
+    m.kind_rates.rate.copy_(rate)
+    out = _run(m, x, y, True)[0]
+    with torch.no_grad():
+        r = m.net(x, exits=True)
+        ce = torch.stack(
+            [
+                F.cross_entropy(m.net.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+                for h in r.exits
+            ],
+            -1,
+        ).view(*y.shape, -1)
+    routed = r.router.depth(L, m.net.cfg.router_threshold)
+    kinds = (torch.arange(x.shape[1]) * V + x) % 61
+    at = rate[kinds].gather(-1, (routed - 1).clamp(max=L - 2)[..., None])[..., 0]  # (B, T)
+    short = scored & (routed < L)
+    kept = short & (at > 0.5)
+    assert 0 < int(kept.sum()) < int(short.sum())
+    assert torch.equal(out.learnt_exit, torch.where(scored & ~kept, routed, 0))
+    # the labels the table learnt: against the mean of each exit's own answers
+    answers = F.one_hot(routed - 1, L).bool() & scored[..., None]  # (B, T, L)
+    n = answers.sum((0, 1))
+    batch_mean = ce.sum((0, 1)) / scored.sum()
+    mean = torch.where(n > 0, (ce * answers).sum((0, 1)) / n.clamp_min(1), batch_mean)
+    hard = (ce > mean) & scored[..., None]
+    assert not torch.equal(hard, (ce > batch_mean) & scored[..., None])  # (the two references differ here)
+    want = rate.clone()
+    by_kind = {}
+    for b, t in scored.nonzero().tolist():
+        by_kind.setdefault(int(kinds[b, t]), []).append(hard[b, t, :-1].float())
+    for k, rows in by_kind.items():
+        want[k] = 0.25 * rate[k] + 0.75 * torch.stack(rows).mean(0)
+    assert torch.allclose(m.kind_rates.rate, want, atol=1e-5)

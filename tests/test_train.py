@@ -332,8 +332,8 @@ def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
 
     # the router's hard-token target, gated by its forecast (a parameter the network gains: checkpointed, resumed)
     gated = ["objective.router_hard_weight=1", "model.router_forecast=true", "objective.router_hard_gate=0.5"]
-    # ... and the network's loss withheld where the labels say deeper than the router (router_exit_weights), for
-    # kinds whose running hard rate (the objective's table, saved in the training state) says so
+    # ... and the network's loss withheld (router_exit_weights) where the kind's running hard rate (the objective's
+    # table, saved in the training state) says so, the labels read against each exit's own answers
     label = ["objective.router_exit_weights=depth_label", "objective.router_hard_bound=true"]
     label += [
         "objective.router_withhold_kind=0.5",
@@ -341,6 +341,7 @@ def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
         "objective.router_kind_decay=0.5",
     ]
     label += ["objective.router_hard_ratio=1"]  # (labels on a near-uniform loss: hard above the mean)
+    label += ["objective.router_withhold_kind_only=true", "objective.router_hard_reference=routed"]
     hard = [*gated, *label] if recipe.endswith("hard label") else []
     extra = [
         *(EXPECTED_RECIPE if recipe.startswith("expected") else [f"model.router_recipe={recipe}"]),

@@ -235,12 +235,19 @@ class Router(nn.Module):
         return self.forecast(r.features.detach())
 
     @staticmethod
-    def hard_labels(ce: torch.Tensor, scored: torch.Tensor, ratio: float) -> torch.Tensor:
+    def hard_labels(
+        ce: torch.Tensor, scored: torch.Tensor, ratio: float, answers: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(B, T, L) bool: whether each scored token is hard at exit d, its loss there above `ratio`
         (objective.router_hard_ratio) times the mean loss of the batch's scored tokens at exit d. ce (B, T, L) each
-        token's cross-entropy at every exit (detached, 0 where not scored), scored (B, T) bool. The mean is the
-        rank's batch: no host read, no collective."""
+        token's cross-entropy at every exit (detached, 0 where not scored), scored (B, T) bool. answers (B, T, L) bool
+        or None (objective.router_hard_reference=routed): the mean at exit d is over the tokens marked there (those
+        the router runs at depth d), the batch's at an exit that marks none. The mean is the rank's batch: no host
+        read, no collective."""
         mean = ce.sum((0, 1)) / scored.sum().clamp_min(1)  # (L,) the batch's mean loss at each exit
+        if answers is not None:  # ... or the mean of the answers each exit gives
+            n = answers.sum((0, 1))  # (L,)
+            mean = torch.where(n > 0, (ce * answers).sum((0, 1)) / n.clamp_min(1), mean)
         return (ce > ratio * mean) & scored[..., None]
 
     @staticmethod

@@ -31,7 +31,8 @@ read from each exit's per-token loss in a head pass without gradients before the
 and with `router_withhold_learnt` = e only where the batch's scored tokens that are not hard at that exit have a mean
 loss there below e nats (the rest of the batch is learnt), and with `router_withhold_kind` = g only where the
 token's kind has a running hard rate at that exit above g (`KindRates`: a table the objective keeps, not the
-network, presumed 1 for a kind never scored, so a new kind waits from its first step). `learnt_exit` says which exit each token was learnt at
+network, presumed 1 for a kind never scored, so a new kind waits from its first step; with `router_withhold_kind_only`
+the kind alone decides, whatever the token's label). `learnt_exit` says which exit each token was learnt at
 (0: withheld) and `withheld` (logged `router/withheld`) the share. The router's own loss is its balance term and
 the per-token KL to its prior (`Router.aux_loss`). Validation (`full_only`) runs the routed pass inference runs.
 `loss_L` stays the last exit's plain cross-entropy, and `routed` the statistics of the depths the router would give
@@ -43,7 +44,8 @@ The result is typed (`ObjectiveOutput`): its field names are the names of the tr
 the expected recipe) next to `router/<RouterLossStats field>`. With `router_hard_weight` > 0 the expected recipe adds
 that weight times the router's hard-token target (`Router.hard_loss`, from each exit's per-token cross-entropy the
 fused heads return), logged as `loss_hard`; with `router_hard_gate` the router's forecast of hard tokens gates it
-and learns the labels (`loss_forecast`).
+and learns the labels (`loss_forecast`). The labels compare a token's loss at an exit with the batch's mean there,
+or with `router_hard_reference=routed` with the mean of the tokens the router runs at that depth.
 
 The wrapper holds the network as `net`, so DeepSpeed's files name its parameters `net.<name>`; checkpoints
 written before the wrapper existed hold the bare names and load through `_add_prefix`. Exports store the
@@ -269,7 +271,7 @@ class Objective(nn.Module):
             scored, labels = targets != -1, None
             if c.router_exit_weights == "depth_label":  # the hard labels first: they set the network's weights
                 rows = torch.stack([self.net.lm_head(h, targets, rows=True) for h in out.exits], -1)  # (B, T, L)
-                labels = self._hard_labels(out.router, rows, scored)
+                labels = self._hard_labels(out.router, rows, scored, routed_depth)
             if c.router_exit_uniform:  # the network's weights mix in 1/L; the router's gradient stays CE_d
                 a = c.router_exit_uniform
                 pi = ((1 - a) * pi + a / out.loops).detach() + pi - pi.detach()
@@ -284,7 +286,7 @@ class Objective(nn.Module):
                 pi = at + pi - pi.detach()
             loss, parts, ce = (self._fused_exits if fused_loss else self._exit_losses)(out, targets, pi)
             if c.router_hard_weight:  # the router's hard-token target (Router.hard_loss)
-                labels = labels or self._hard_labels(out.router, ce, scored)
+                labels = labels or self._hard_labels(out.router, ce, scored, routed_depth)
                 loss = loss + self._hard_target(out.router, labels, parts)
         else:
             loss, parts = self._fused_losses(out, targets) if fused_loss else self._losses(out, targets)
@@ -323,10 +325,14 @@ class Objective(nn.Module):
         (B, T); with router_withhold_gate only where the forecast says hard at the routed exit, with
         router_withhold_learnt only where the batch's tokens not hard there have a mean loss (rows (B, T, L)) below
         it; with router_withhold_kind only where the kind of the token (idx (B, T) the input tokens) has a running
-        hard rate at the routed exit above it (the rate before this batch, which then updates it)."""
+        hard rate at the routed exit above it (the rate before this batch, which then updates it), and with
+        router_withhold_kind_only wherever that rate is above it, whatever the token's own label."""
         c = self.cfg
         hard, scored, _, _, prob = labels
-        wait = scored & (self.net.router.hard_target(hard, scored)[0] >= routed_depth)  # target: 0-based
+        if c.router_withhold_kind_only:  # the kind alone decides (below): every scored answer short of the last loop
+            wait = scored & (routed_depth < loops)
+        else:
+            wait = scored & (self.net.router.hard_target(hard, scored)[0] >= routed_depth)  # target: 0-based
         if c.router_withhold_gate:  # ... and the forecast (the gate's, prob (B, T, L-1)) says hard at the routed exit
             d = (routed_depth - 1).clamp(max=loops - 2)[..., None]  # depth L never waits
             wait = wait & (prob.gather(-1, d)[..., 0] > c.router_withhold_gate)
@@ -341,16 +347,20 @@ class Objective(nn.Module):
             self.kind_rates.update(kinds, hard, scored)
         return wait
 
-    def _hard_labels(self, r, ce: torch.Tensor, scored: torch.Tensor) -> tuple:
+    def _hard_labels(self, r, ce: torch.Tensor, scored: torch.Tensor, routed_depth: torch.Tensor) -> tuple:
         """(hard (B, T, L) bool, scored (B, T) bool, gate (B, T, L-1) bool or None, fit () or None, prob (B, T, L-1)
         or None): the hard-token labels (`Router.hard_labels`) from each exit's per-token loss ce (B, T, L), bounded
-        at chance with router_hard_bound; with the gate (router_hard_gate = tau) the router's forecast of them
+        at chance with router_hard_bound, against the mean of the answers each exit gives (routed_depth (B, T))
+        with router_hard_reference=routed; with the gate (router_hard_gate = tau) the router's forecast of them
         (prob, detached), where it is above tau, and the forecast's own loss (binary cross-entropy to the labels
         over the scored tokens, exits 1..L-1)."""
         c = self.cfg
         if c.router_hard_bound:  # losses past chance count as chance (objective.router_hard_bound)
             ce = ce.clamp_max(math.log(self.net.cfg.vocab_size))
-        hard = self.net.router.hard_labels(ce, scored, c.router_hard_ratio)  # (B, T, L)
+        answers = None  # router_hard_reference=routed: (B, T, L) the scored tokens the router runs at each depth
+        if c.router_hard_reference == "routed":
+            answers = F.one_hot(routed_depth - 1, ce.shape[-1]).bool() & scored[..., None]
+        hard = self.net.router.hard_labels(ce, scored, c.router_hard_ratio, answers)  # (B, T, L)
         gate = fit = prob = None
         if c.router_hard_gate:
             f = self.net.router.hard_forecast(r).float()  # (B, T, L-1) logits
