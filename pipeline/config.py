@@ -313,11 +313,11 @@ class ObjectiveConfig:
     )
     router_kind_buckets: int = f(
         4093,
-        "With router_withhold_kind: the number of buckets the (token, position) kinds share (one per kind when at least block_size x vocab_size; a prime spreads them evenly otherwise); the table (buckets x (loops - 1) floats) lives on the device, is summed over ranks each step and is saved with each rank's training state.",
+        "With router_withhold_kind: the number of buckets the (token, position) kinds share (one per kind when at least block_size x vocab_size; a prime spreads them evenly otherwise); the table (buckets x (loops - 1) floats) lives on the device, is summed over ranks each micro-batch and is saved with each rank's training state.",
     )
     router_kind_decay: float = f(
         0.9,
-        "With router_withhold_kind: each kind's hard rate moves to decay x rate + (1 - decay) x the batch's mean hard label of that kind, for the kinds the batch holds; in [0, 1).",
+        "With router_withhold_kind: each kind's hard rate moves to decay x rate + (1 - decay) x the micro-batch's mean hard label of that kind, for the kinds it holds; in [0, 1).",
     )
     router_explore: float = f(
         0.0,

@@ -172,8 +172,9 @@ class KindRates(nn.Module):
     """objective.router_withhold_kind: each kind's running hard rate at exits 1..L-1, rate (K, L-1) (a
     non-persistent buffer: it moves with the module, it is saved in the training state, not the weights), 1 where
     a kind was never scored. A kind is the (input token, position) pair at the position that predicts a target,
-    bucket (position x vocab + token) mod K: one bucket per kind when K >= block_size x vocab_size; after each training batch every kind the batch scores moves to decay x rate + (1 - decay)
-    x the mean of its tokens' hard labels (sums over every rank's batch: each rank keeps the same table)."""
+    bucket (position x vocab + token) mod K: one bucket per kind when K >= block_size x vocab_size. After each
+    training micro-batch every kind it scores moves to decay x rate + (1 - decay) x the mean of its tokens' hard
+    labels (sums over every rank's micro-batch: each rank keeps the same table)."""
 
     def __init__(self, buckets: int, loops: int, vocab: int, decay: float) -> None:
         super().__init__()
@@ -329,12 +330,12 @@ class Objective(nn.Module):
         router_withhold_kind_only wherever that rate is above it, whatever the token's own label."""
         c = self.cfg
         hard, scored, _, _, prob = labels
+        d = (routed_depth - 1).clamp(max=loops - 2)[..., None]  # (B, T, 1) the routed exit of 1..L-1 (L never waits)
         if c.router_withhold_kind_only:  # the kind alone decides (below): every scored answer short of the last loop
             wait = scored & (routed_depth < loops)
         else:
             wait = scored & (self.net.router.hard_target(hard, scored)[0] >= routed_depth)  # target: 0-based
         if c.router_withhold_gate:  # ... and the forecast (the gate's, prob (B, T, L-1)) says hard at the routed exit
-            d = (routed_depth - 1).clamp(max=loops - 2)[..., None]  # depth L never waits
             wait = wait & (prob.gather(-1, d)[..., 0] > c.router_withhold_gate)
         if c.router_withhold_learnt:  # ... and the batch's other answers at the routed exit are learnt
             easy = (scored[..., None] & ~hard).float()  # (B, T, L) the scored tokens not hard
@@ -342,7 +343,6 @@ class Objective(nn.Module):
             wait = wait & (rest[routed_depth - 1] < c.router_withhold_learnt)
         if self.kind_rates is not None:  # ... and the token's kind is nearly always hard at the routed exit
             kinds = self.kind_rates.kinds(idx)  # (B, T)
-            d = (routed_depth - 1).clamp(max=loops - 2)[..., None]
             wait = wait & (self.kind_rates.rate[kinds].gather(-1, d)[..., 0] > c.router_withhold_kind)
             self.kind_rates.update(kinds, hard, scored)
         return wait
