@@ -132,6 +132,32 @@ def test_planned_peak_under_activation_checkpointing_matches_the_measured_step(a
     assert planned < 0.5 * pl.memory(0, "none", B, 1)["peak"]
 
 
+# the recipe whose objective keeps a state of its own, the kinds' running hard rates (objective.router_withhold_kind)
+KIND = [
+    *EXPECTED_RECIPE,
+    "objective.router_hard_weight=1",
+    "model.router_forecast=true",
+    "objective.router_hard_gate=0.9",
+    "objective.router_exit_weights=depth_label",
+    "objective.router_hard_bound=true",
+    "objective.router_withhold_kind=0.8",
+    "objective.router_withhold_kind_only=true",
+    "objective.router_hard_reference=routed",
+]
+
+
+def test_the_plan_traces_an_objective_with_a_state_of_its_own():
+    """The kind table is the objective's buffer, not the network's: the trace moves it to the meta device with the
+    network and runs its update there (it failed with `not on the expected device meta`, and then on a boolean
+    index, whose size a meta tensor cannot know); the planned peak still matches the measured step."""
+    cfg = load_config("tiny/base-loop-router", [*OVR, *KIND])
+    peak, _, saved = _measured(cfg)
+    pl = Planner(cfg, gpu("cpu"))
+    planned = pl.memory(0, "none", B, 1)
+    assert abs(planned["peak"] / peak - 1) <= 0.05, (planned["peak"], peak)
+    assert sum(pl.trace("none", B).saved.values()) == saved
+
+
 def test_router_depth_lowers_the_plan():
     cfg = load_config("tiny/t-loopformer")
     hw = gpu("cpu")

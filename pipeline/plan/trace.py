@@ -36,7 +36,7 @@ def loss_of(model, cfg, x: torch.Tensor, y: torch.Tensor, shortcut: torch.Tensor
     with cfg.objective wrapped around the network)."""
     from pipeline.train.objective import Objective
 
-    return Objective(model, cfg.objective)(x, y, shortcut).loss
+    return Objective(model, cfg.objective).to(x.device)(x, y, shortcut).loss  # its own state (the kind table) too
 
 
 def build_model(cfg, dtype: torch.dtype):

@@ -189,9 +189,11 @@ class KindRates(nn.Module):
     @torch.no_grad()
     def update(self, kinds: torch.Tensor, hard: torch.Tensor, scored: torch.Tensor) -> None:
         """One batch: kinds (B, T), hard (B, T, L) bool (`Router.hard_labels`), scored (B, T) bool."""
-        k = kinds[scored]  # (N,)
-        sums = torch.zeros_like(self.rate).index_add_(0, k, hard[scored][:, :-1].float())  # (K, L-1) counts of 0/1:
-        count = torch.zeros_like(self.rate[:, 0]).index_add_(0, k, torch.ones_like(k, dtype=self.rate.dtype))  # exact
+        k, w = kinds.flatten(), scored.flatten().to(self.rate.dtype)  # (B T,): 1 where scored (no boolean index:
+        # no host sync, and the plan traces it on meta tensors)
+        hits = hard[..., :-1].flatten(0, 1).to(self.rate.dtype) * w[:, None]  # (B T, L-1)
+        sums = torch.zeros_like(self.rate).index_add_(0, k, hits)  # (K, L-1) counts of 0/1: exact
+        count = torch.zeros_like(self.rate[:, 0]).index_add_(0, k, w)  # (K,)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             both = torch.cat([sums, count[:, None]], 1)
             torch.distributed.all_reduce(both)  # integer-valued floats: the same sum in any order
