@@ -21,7 +21,11 @@ case the same data order, and the same initial weights for the parts the archite
   tokens gated by its forecast, reading sg(h0) (objective.router_hard_weight, model.router_forecast,
   model.router_detach; README "Router training"); `hard bound`: that, with the network's exits at the router's
   depth and the hard labels' losses bounded at chance (objective.router_exit_weights=depth,
-  objective.router_hard_bound);
+  objective.router_hard_bound); `hard bound kind`: that, with an answer the router runs short of the last loop
+  withheld from the network while its kind's running hard rate exceeds 0.8, the hard labels read against each
+  exit's own answers (objective.router_exit_weights=depth_label, router_withhold_kind, router_withhold_kind_only,
+  router_hard_reference=routed); `hard bound kind gate`: that, with the router's hard target acting wherever the
+  kind's rate exceeds 0.8, the forecast's gate shut or not (objective.router_kind_gate);
 `--curriculum c` trains with data.curriculum=c (levels one at a time, validated every `--eval-every` steps), which
 the fold task needs.
 Measured on the first `--windows` validation windows (evaluation/levels.py, the code `tlf eval` runs): answer
@@ -90,6 +94,15 @@ HARD = [
 # the network trained at the router's depth only, the hard labels reading each exit's loss bounded at ln V
 BOUND = ["objective.router_exit_weights=depth", "objective.router_hard_bound=true"]
 
+# ... the same, with the labels' wait decided by the kind's running hard rate alone, against each exit's own answers
+BOUND_KIND = [
+    "objective.router_exit_weights=depth_label",
+    "objective.router_hard_bound=true",
+    "objective.router_withhold_kind=0.8",
+    "objective.router_withhold_kind_only=true",
+    "objective.router_hard_reference=routed",
+]
+
 
 def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
     """label -> (preset, overrides); a target is a number or `need` (filled in from the manifest; `needf`: the
@@ -122,6 +135,19 @@ def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
     # ... with the network's exits at the router's depth and the hard labels' losses bounded at chance (bench/README
     # `### The hard labels bounded at chance`: the probes' first level-2 answers by the router's depth)
     out["base-loop-router expected hard bound"] = ("depth/base-loop-router", [*EXPECTED, *HARD, *BOUND])
+    # ... with the network's loss on an answer the router runs short of the last loop withheld while its kind's
+    # running hard rate exceeds 0.8, the labels read against each exit's own answers (bench/README `### A label with
+    # no lag`: the recipe that composed in four probe seeds of four)
+    out["base-loop-router expected hard bound kind"] = (
+        "depth/base-loop-router",
+        [*EXPECTED, *HARD, *BOUND_KIND],
+    )
+    # ... and the router's hard target acting wherever the kind's rate exceeds 0.8, the forecast's gate shut or not:
+    # what waits is sent deeper (without it a kind of level 1 between 0.8 and the forecast's 0.9 waited for good)
+    out["base-loop-router expected hard bound kind gate"] = (
+        "depth/base-loop-router",
+        [*EXPECTED, *HARD, *BOUND_KIND, "objective.router_kind_gate=true"],
+    )
     return out
 
 
@@ -373,7 +399,8 @@ def main(argv=None) -> dict:
         "--recipe",
         choices=["preset", "probe"],
         default="preset",
-        help="optimiser and init: the presets' or the probe's",
+        help="optimiser and init: the presets' or the probe's (not its learning rate: the fold task's probes ran at "
+        "1e-3, the presets' is 3e-3; set --lr)",
     )
     ap.add_argument("--seeds", default="0,1,2", help="training seeds (comma-separated); cases are paired by seed")
     ap.add_argument(

@@ -311,6 +311,10 @@ class ObjectiveConfig:
         False,
         "With router_withhold_kind = g: the kind alone decides: every scored answer the router runs shallower than the last loop waits where its kind's running hard rate at its routed exit exceeds g, whatever its own hard label (README 'Router training').",
     )
+    router_kind_gate: bool = f(
+        False,
+        "With router_withhold_kind = g and router_hard_gate: the router's hard-token target also acts at each exit where the token's kind has a running hard rate above g, whatever the forecast says, so what waits for its kind is also sent deeper; without it a kind whose rate lies between g and what the forecast needs to pass tau waits at its routed exit and is never sent deeper (README 'Router training').",
+    )
     router_kind_buckets: int = f(
         4093,
         "With router_withhold_kind: the number of buckets the (token, position) kinds share (one per kind when at least block_size x vocab_size; a prime spreads them evenly otherwise); the table (buckets x (loops - 1) floats) lives on the device, is summed over ranks each micro-batch and is saved with each rank's training state.",
@@ -391,6 +395,7 @@ class ObjectiveConfig:
             ("router_kind_buckets", self.router_kind_buckets, self.router_kind_buckets != 4093),
             ("router_kind_decay", self.router_kind_decay, self.router_kind_decay != 0.9),
             ("router_withhold_kind_only", "true", self.router_withhold_kind_only),
+            ("router_kind_gate", "true", self.router_kind_gate),
         ):
             if on and not self.router_withhold_kind:
                 raise ConfigError(f"objective.{k}={v} needs objective.router_withhold_kind > 0 (the kinds' table)")
@@ -410,6 +415,10 @@ class ObjectiveConfig:
                 f"objective.router_hard_gate={self.router_hard_gate} with model.router_forecast="
                 f"{str(model.router_forecast).lower()}: the gate reads the router's forecast and the forecast is "
                 "trained only for the gate (set both, or neither)"
+            )
+        if self.router_kind_gate and not self.router_hard_gate:
+            raise ConfigError(
+                "objective.router_kind_gate=true needs objective.router_hard_gate > 0 (the gate the kinds' table opens)"
             )
         if self.router_hard_gate and not self.router_hard_weight:
             raise ConfigError(

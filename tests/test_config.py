@@ -159,6 +159,7 @@ def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_ke
         "router_kind_buckets",
         "router_kind_decay",
         "router_withhold_kind_only",
+        "router_kind_gate",
         "router_hard_reference",
     }  # objective keys that were never model keys
     assert set(ModelConfig.MOVED) == {f.name for f in dataclasses.fields(ObjectiveConfig)} - born_there
@@ -202,6 +203,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
         "router_kind_buckets",
         "router_kind_decay",
         "router_withhold_kind_only",
+        "router_kind_gate",
         "router_hard_reference",
     ):
         objective.pop(k)
@@ -231,6 +233,7 @@ def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
         router_kind_buckets=4093,
         router_kind_decay=0.9,
         router_withhold_kind_only=False,
+        router_kind_gate=False,
         router_hard_reference="batch",
     )
     assert cfg.to_dict() == expected and old == before  # the stored dict is left as it was
@@ -344,6 +347,20 @@ def test_the_expected_router_recipe_needs_its_exits_to_be_depths():
         (
             [*ok, "objective.router_withhold_kind_only=true"],
             r"objective.router_withhold_kind_only=true needs objective.router_withhold_kind > 0",
+        ),
+        (
+            [*ok, "objective.router_kind_gate=true"],
+            r"objective.router_kind_gate=true needs objective.router_withhold_kind > 0",
+        ),
+        (
+            [
+                *ok,
+                "objective.router_hard_weight=1",
+                "objective.router_exit_weights=depth_label",
+                "objective.router_withhold_kind=0.8",
+                "objective.router_kind_gate=true",
+            ],
+            r"objective.router_kind_gate=true needs objective.router_hard_gate > 0 \(the gate the kinds' table opens\)$",
         ),
         (
             [*ok, "objective.router_hard_reference=routed"],

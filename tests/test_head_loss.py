@@ -611,3 +611,42 @@ def test_labels_against_each_exits_answers_and_the_kind_alone_deciding():
     for k, rows in by_kind.items():
         want[k] = 0.25 * rate[k] + 0.75 * torch.stack(rows).mean(0)
     assert torch.allclose(m.kind_rates.rate, want, atol=1e-5)
+
+
+def test_the_kinds_table_opens_the_routers_gate():
+    """objective.router_kind_gate: the router's hard-token target acts where the forecast's gate is open (tau 0.9;
+    an untrained forecast says ~0.5, so it is shut nearly everywhere) or the token's kind has a running hard rate
+    above g at that exit (a table set by hand), recomputed here through `Router.hard_loss`; what waits is the same."""
+    args = [*EXPECTED_RECIPE, "model.exited_keys=frozen", "objective.router_hard_weight=0.5"]
+    args += ["objective.router_hard_ratio=1", "objective.router_exit_weights=depth_label"]
+    args += ["model.router_forecast=true", "objective.router_hard_gate=0.9"]
+    args += ["objective.router_withhold_kind=0.5", "objective.router_kind_buckets=61"]
+    m = _model("base-loop-router", *args, "objective.router_kind_gate=true")
+    x, y = _batch()
+    scored = y != -1
+    L = m.net.cfg.loops
+    rate = torch.rand(61, L - 1, generator=torch.Generator().manual_seed(4))
+    m.kind_rates.rate.copy_(rate)
+    opened = _run(m, x, y, True)[0]
+    m.kind_rates.rate.copy_(rate)
+    m.cfg.router_kind_gate = False
+    shut = _run(m, x, y, True)[0]
+    assert float(opened.withheld) > 0 and torch.equal(opened.learnt_exit, shut.learnt_exit)
+    with torch.no_grad():
+        r = m.net(x, exits=True)
+        ce = torch.stack(
+            [
+                F.cross_entropy(m.net.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+                for h in r.exits
+            ],
+            -1,
+        ).view(*y.shape, -1)
+        gate = torch.sigmoid(m.net.router.hard_forecast(r.router).float()) > 0.9  # (B, T, L-1)
+        hard = (ce > ce.sum((0, 1)) / scored.sum()) & scored[..., None]  # ratio 1, the batch's mean
+        hot = rate[(torch.arange(x.shape[1]) * V + x) % 61] > 0.5  # (B, T, L-1)
+        want = m.net.router.hard_loss(r.router, hard, scored, gate | hot)
+        without = m.net.router.hard_loss(r.router, hard, scored, gate)
+    kept = [int(m.net.router.hard_target(hard, scored, gt)[1].sum()) for gt in (gate | hot, gate)]
+    assert kept[0] > kept[1] and abs(float(want) - float(without)) > 0.1  # the table opens the gate for some
+    assert math.isclose(float(opened.loss_hard), float(want), rel_tol=1e-5)
+    assert math.isclose(float(shut.loss_hard), float(without), rel_tol=1e-5, abs_tol=1e-7)

@@ -32,7 +32,8 @@ and with `router_withhold_learnt` = e only where the batch's scored tokens that 
 loss there below e nats (the rest of the batch is learnt), and with `router_withhold_kind` = g only where the
 token's kind has a running hard rate at that exit above g (`KindRates`: a table the objective keeps, not the
 network, presumed 1 for a kind never scored, so a new kind waits from its first step; with `router_withhold_kind_only`
-the kind alone decides, whatever the token's label). `learnt_exit` says which exit each token was learnt at
+the kind alone decides, whatever the token's label; with `router_kind_gate` the router's hard-token target also acts
+where the kind's rate exceeds g, the forecast's gate shut or not, so what waits is sent deeper). `learnt_exit` says which exit each token was learnt at
 (0: withheld) and `withheld` (logged `router/withheld`) the share. The router's own loss is its balance term and
 the per-token KL to its prior (`Router.aux_loss`). Validation (`full_only`) runs the routed pass inference runs.
 `loss_L` stays the last exit's plain cross-entropy, and `routed` the statistics of the depths the router would give
@@ -282,7 +283,10 @@ class Objective(nn.Module):
                 at = F.one_hot(routed_depth - 1, out.loops).to(pi.dtype)  # (B, T, L)
                 wait = torch.zeros_like(scored)
                 if labels is not None:  # ... 0 where the (ungated) hard target lies deeper than the routed depth
+                    hot = self._kind_hot(idx) if c.router_kind_gate else None  # (the table before _wait moves it)
                     wait = self._wait(out.loops, routed_depth, labels, rows, idx)
+                    if hot is not None:  # the router's gate opens where the kind is hard: what waits goes deeper
+                        labels = (*labels[:2], labels[2] | hot, *labels[3:])
                     at = at * ~wait[..., None]
                     learnt["withheld"] = wait.sum() / scored.sum().clamp_min(1)
                 learnt["learnt_exit"] = torch.where(scored & ~wait, routed_depth, 0)
@@ -348,6 +352,12 @@ class Objective(nn.Module):
             wait = wait & (self.kind_rates.rate[kinds].gather(-1, d)[..., 0] > c.router_withhold_kind)
             self.kind_rates.update(kinds, hard, scored)
         return wait
+
+    def _kind_hot(self, idx: torch.Tensor) -> torch.Tensor:
+        """objective.router_kind_gate: (B, T, L-1) bool, where the kind of each token (idx (B, T) the input tokens)
+        has a running hard rate above router_withhold_kind at exits 1..L-1 (the gate `_hard_labels` built opens
+        there too)."""
+        return self.kind_rates.rate[self.kind_rates.kinds(idx)] > self.cfg.router_withhold_kind
 
     def _hard_labels(self, r, ce: torch.Tensor, scored: torch.Tensor, routed_depth: torch.Tensor) -> tuple:
         """(hard (B, T, L) bool, scored (B, T) bool, gate (B, T, L-1) bool or None, fit () or None, prob (B, T, L-1)
