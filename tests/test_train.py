@@ -342,6 +342,7 @@ def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
     ]
     label += ["objective.router_hard_ratio=1"]  # (labels on a near-uniform loss: hard above the mean)
     label += ["objective.router_withhold_kind_only=true", "objective.router_hard_reference=routed"]
+    label += ["objective.router_kind_gate=true"]  # (the router's gate opened by the same table)
     hard = [*gated, *label] if recipe.endswith("hard label") else []
     extra = [
         *(EXPECTED_RECIPE if recipe.startswith("expected") else [f"model.router_recipe={recipe}"]),
