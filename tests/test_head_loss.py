@@ -62,6 +62,15 @@ def _run(m, x, y, fused, autocast=False):
     return out, {n: p.grad.clone() for n, p in m.net.named_parameters() if p.grad is not None}
 
 
+def _exit_ce(m, exits, y):
+    """(B, T, L) each token's cross-entropy at every exit (hidden states `exits`), 0 where not scored: the
+    materialised reference the labels and tables are recomputed from."""
+    ce = [
+        F.cross_entropy(m.net.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none") for h in exits
+    ]
+    return torch.stack(ce, -1).view(*y.shape, -1)
+
+
 def _close(a, b, rtol, msg=""):
     """Elementwise within rtol of the reference's scale (gradients near 0 have no relative precision)."""
     torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=rtol * float(b.float().abs().max()), msg=msg)
@@ -333,13 +342,7 @@ def test_expected_exit_objective_fused_equals_the_plain_path(variant, extra, mon
     assert float(fused.full.mean_depth) == L and float(fused.routed.mean_depth) < L  # runs all; routes fewer
     # the exits differ and pi weighs them: per token, the mixture lies strictly between its best and worst exit
     with torch.no_grad():
-        ce = torch.stack(
-            [
-                F.cross_entropy(m.net.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
-                for h in m.net(x, exits=True).exits
-            ],
-            -1,
-        )[y.flatten() != -1]  # (N, L)
+        ce = _exit_ce(m, m.net(x, exits=True).exits, y)[y != -1]  # (N, L)
     lo, hi = float(ce.min(-1).values.mean()), float(ce.max(-1).values.mean())
     assert hi - lo > 1e-3 and lo < float(fused.parts["loss_exits"]) < hi
 
@@ -372,13 +375,7 @@ def test_the_networks_exit_weights_move_and_the_routers_gradient_does_not(key, v
     m.zero_grad()
     out = m.net(x, exits=True)
     pi = torch.softmax(out.router.logits.float(), -1).detach()
-    ce = torch.stack(
-        [
-            F.cross_entropy(m.net.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
-            for h in out.exits
-        ],
-        -1,
-    ).view(*y.shape, -1)  # (B, T, L): 0 where not scored
+    ce = _exit_ce(m, out.exits, y)  # (B, T, L): 0 where not scored
     L = ce.shape[-1]
     if key == "router_exit_uniform":
         w = torch.full_like(pi, 1 / L)
@@ -480,13 +477,7 @@ def test_which_answers_wait_the_forecasts_gate_does_not_decide_the_withhold_keys
     # mean loss there below e (labels by hand at ratio 1: hard where above the batch's mean at that exit)
     m.cfg.router_withhold_gate = 0.0
     with torch.no_grad():
-        ce = torch.stack(
-            [
-                F.cross_entropy(m.net.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
-                for h in m.net(x, exits=True).exits
-            ],
-            -1,
-        ).view(*y.shape, -1)  # (B, T, L): 0 where not scored
+        ce = _exit_ce(m, m.net(x, exits=True).exits, y)  # (B, T, L): 0 where not scored
     easy = ((ce <= ce.sum((0, 1)) / (y != -1).sum()) & (y != -1)[..., None]).float()
     rest = (ce * easy).sum((0, 1)) / easy.sum((0, 1))  # (L,)
     seen = sorted(set(rest[routed[waits] - 1].tolist()))
@@ -521,13 +512,7 @@ def test_a_new_kind_waits_from_its_first_step_a_kind_seldom_hard_does_not():
     assert float(first.withheld) > 0 and torch.equal(first.learnt_exit, plain.learnt_exit)  # every kind new
     # the table by hand: bucket (position x vocab + token) mod 61, each scored kind's mean label at exits 1..L-1
     with torch.no_grad():
-        ce = torch.stack(
-            [
-                F.cross_entropy(m.net.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
-                for h in m.net(x, exits=True).exits
-            ],
-            -1,
-        ).view(*y.shape, -1)
+        ce = _exit_ce(m, m.net(x, exits=True).exits, y)
     hard = (ce > ce.sum((0, 1)) / scored.sum()) & scored[..., None]  # ratio 1
     L = hard.shape[-1]
     want = torch.ones(61, L - 1)
@@ -583,13 +568,7 @@ def test_labels_against_each_exits_answers_and_the_kind_alone_deciding():
     out = _run(m, x, y, True)[0]
     with torch.no_grad():
         r = m.net(x, exits=True)
-        ce = torch.stack(
-            [
-                F.cross_entropy(m.net.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
-                for h in r.exits
-            ],
-            -1,
-        ).view(*y.shape, -1)
+        ce = _exit_ce(m, r.exits, y)
     routed = r.router.depth(L, m.net.cfg.router_threshold)
     kinds = (torch.arange(x.shape[1]) * V + x) % 61
     at = rate[kinds].gather(-1, (routed - 1).clamp(max=L - 2)[..., None])[..., 0]  # (B, T)
@@ -634,13 +613,7 @@ def test_the_kinds_table_opens_the_routers_gate():
     assert float(opened.withheld) > 0 and torch.equal(opened.learnt_exit, shut.learnt_exit)
     with torch.no_grad():
         r = m.net(x, exits=True)
-        ce = torch.stack(
-            [
-                F.cross_entropy(m.net.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
-                for h in r.exits
-            ],
-            -1,
-        ).view(*y.shape, -1)
+        ce = _exit_ce(m, r.exits, y)
         gate = torch.sigmoid(m.net.router.hard_forecast(r.router).float()) > 0.9  # (B, T, L-1)
         hard = (ce > ce.sum((0, 1)) / scored.sum()) & scored[..., None]  # ratio 1, the batch's mean
         hot = rate[(torch.arange(x.shape[1]) * V + x) % 61] > 0.5  # (B, T, L-1)
