@@ -26,10 +26,13 @@ def test_train_kill_trials_do_not_diverge(tmp_path):
 
 @pytest.mark.slow
 def test_two_rank_train_kill_trials_do_not_diverge(tmp_path):
-    res = train_trials(2, seed=0, work=tmp_path, steps=4, interval=2, ranks=2)
-    _clean(res, 2)
-    assert all(t["killed"] for t in res["records"])  # the final export, then a step: both mid-run
-    assert [t["resumed_from"] for t in res["records"]] == [2, 2]
+    # one trial: the process group killed inside the final export, each rank's shards part-written. A group killed
+    # during a step is the one-process trials' case with the launcher added, and a rank killed during a step under
+    # torchrun is tests/test_restart.py's; `python bench/faults.py --stages train2` runs every kind.
+    res = train_trials(1, seed=0, work=tmp_path, steps=4, interval=2, ranks=2)
+    _clean(res, 1)
+    (t,) = res["records"]
+    assert t["killed"] and "final export" in t["kill"] and t["resumed_from"] == 2
 
 
 @pytest.mark.slow
