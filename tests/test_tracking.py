@@ -165,9 +165,13 @@ def start_server(tmp: Path, port: int) -> Proc:
     s = Proc(["bash", "-c", f"exec {cmd}"], cwd=tmp, env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"})
     # ready when its store answers, not only /health: a worker's first store request (the store built, the
     # database checked) can outlast the client's timeout on a loaded machine
-    api = f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1"
-    wait_for(lambda: _get(api) == 200, "the MLflow server", s.p, log=s.text)
+    wait_for(lambda: _get(search_url(port)) == 200, "the MLflow server", s.p, log=s.text)
     return s
+
+
+def search_url(port: int) -> str:
+    """A request the server answers from its store (an experiment search), not only from the web layer."""
+    return f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1"
 
 
 def _get(url: str, host: str | None = None) -> int:
@@ -191,7 +195,7 @@ def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data):
         # the shared-server recipe answers a client that names this machine (not localhost) in its Host header
         name = subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
         assert name and name not in ("localhost", "127.0.0.1")
-        api = f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1"
+        api = search_url(port)
         assert _get(api, host=f"{name}:{port}") == 200 and _get(api, host=f"elsewhere:{port}") == 403
 
         metrics = tmp_path / "ck" / "metrics.jsonl"
