@@ -8,7 +8,7 @@ from importlib.metadata import entry_points
 
 import click
 
-from pipeline.config import ConfigError, field_docs, list_presets, load_config, to_yaml
+from data_prep.configlib import ConfigError  # (pipeline.config loads torch, with the router recipes' settings)
 
 
 class _Group(click.Group):
@@ -44,6 +44,8 @@ def config() -> None:
 @config.command("list")
 def config_list() -> None:
     """List the shipped presets (SCALE/VARIANT)."""
+    from pipeline.config import list_presets
+
     for name in list_presets():
         click.echo(name)
 
@@ -51,13 +53,16 @@ def config_list() -> None:
 @config.command("show")
 @click.argument("name")
 @click.argument("overrides", nargs=-1)
-@click.option("--doc", is_flag=True, help="Print every field with its type, default and one-line doc.")
+@click.option("--doc", is_flag=True, help="Print every field with its value, type and one-line doc.")
 def config_show(name: str, overrides: tuple[str, ...], doc: bool) -> None:
-    """Print the resolved config NAME (preset or YAML file) with OVERRIDES (section.key=value)."""
+    """Print the resolved config NAME (preset or YAML file) with OVERRIDES (section.key=value); --doc: every key
+    it has (of objective.router, the chosen recipe's) with its value, type and doc."""
+    from pipeline.config import field_docs, load_config, to_yaml
+
     cfg = load_config(name, overrides)
     if doc:
         flat = cfg.flat()
-        for key, tp, _default, text in field_docs():
+        for key, tp, _default, text in field_docs(cfg):
             click.echo(f"{key} = {flat[key]!r}  ({tp})  # {text}")
         return
     click.echo(to_yaml(cfg), nl=False)

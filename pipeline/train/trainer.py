@@ -220,6 +220,7 @@ class Trainer:
         from pipeline.train.ac import apply_ac
         from pipeline.train.callbacks import default_callbacks
         from pipeline.train.data import TrainLoader, ValLoader
+        from pipeline.train.recipes import init_router
 
         device_kind = ds.resolve_device(cfg)
         precision = ds.resolve_precision(cfg, device_kind)
@@ -265,6 +266,7 @@ class Trainer:
         ckpt.set_rng_state(_seeded_rng(cfg.train.seed))
         if model is None:
             model = LoopedLM(cfg.model)
+            init_router(model, cfg.objective.router)  # the router recipe's init (the paper's: the network's own)
         apply_ac(model, cfg.train.activation_checkpointing)
         if cfg.train.compile:
             from pipeline.train.compile import apply_compile
