@@ -22,7 +22,7 @@ import yaml
 
 # The generic machinery lives in data_prep.configlib (the lowest layer; PrepConfig uses it too); ConfigError
 # and apply_overrides stay importable from here.
-from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_chain, set_key
+from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_chain, read_yaml_mapping, set_key
 from data_prep.configlib import field_docs as _field_docs
 from pipeline.train.recipes import RouterSettings, default_settings
 
@@ -123,27 +123,10 @@ class ModelConfig:
     # network: its parameters and what a forward pass computes from them, so a resume refuses to change it. The
     # `objective` section may always change.
     RESUMABLE: ClassVar[tuple[str, ...]] = ("gate_init", "gather_scatter", "router_threshold")
-    # Keys that moved to the `objective` section: naming one is an error that names the new key; configs tlf stored
-    # before the move (checkpoints, exports) are read through `upgrade`.
-    MOVED: ClassVar[dict[str, str]] = {
-        **{k: f"objective.{k}" for k in ("shortcut", "lambda_short", "lambda_align", "align_positions")},
-        "router_recipe": "objective.router.recipe",
-        "router_target_depth": "objective.router.target_depth",
-        "router_balance_weight": "objective.router.balance_weight",
-        "router_entropy_weight": "objective.router.entropy_weight",
-    }
-    # Keys that are gone: naming one is an error saying why; a stored config holding one is `upgrade`d
-    REMOVED: ClassVar[dict[str, str]] = {
-        "router_hidden": "the router's hidden size is d_model // 4",
-        "router_init_std": "the budget, expected and kinds recipes' router init is a constant of pipeline/train/recipes",
-        "router_detach": "the router reads sg(h0) under the kinds recipe (objective.router.recipe=kinds), which owns it",
-        "router_ste": "the paper and budget recipes always use the straight-through estimator, the others never",
-        "align_target": "the alignment is on logits (the paper's)",
-        "fourier_max_period": "the Fourier features' max period is 10000 (pipeline/model/layers.py)",
-        "norm_eps": "RMSNorm's epsilon is 1e-5 (pipeline/model/layers.py)",
-        "init_std": "the init's std is 0.02 (pipeline/model/looped.py)",
-        "tie_embeddings": "the LM head is always tied to the token embedding",
-    }
+    # Keys that moved or are gone (configs/removed.yaml, `_gone`): naming one is an error that says where it went or
+    # why; configs tlf stored before (checkpoints, exports) are read through `upgrade`.
+    MOVED: ClassVar[dict[str, str]]
+    REMOVED: ClassVar[dict[str, str]]
     # Network keys newer than some stored configs, with the value every network before them had: `upgrade`
     # fills them in, so an older checkpoint resumes and an older export loads as what it was.
     ADDED: ClassVar[dict[str, Any]] = {"exited_keys": "drop", "exit_schedule": "own", "router_forecast": False}
@@ -189,19 +172,6 @@ def _check_flag(key: str, value, variant: str) -> None:
         )
 
 
-# Router keys that left the objective's flat layout: where each went (README 'Router training').
-_RECIPE_KEYS = {
-    "router_balance_weight": "balance_weight",
-    "router_entropy_weight": "entropy_weight",
-    "router_prior_weight": "prior_weight",
-    "router_hard_weight": "hard_weight",
-    "router_hard_gate": "hard_gate",
-    "router_withhold_kind": "withhold",
-}
-_FAILED = "it did not help (docs/research/router.md)"
-_KINDS_FIXED = "fixed in the kinds recipe (objective.router.recipe=kinds; pipeline/train/recipes/kinds.py)"
-
-
 @dataclass
 class ObjectiveConfig:
     """The training objective's settings (pipeline/train/objective.py): what the loss is made of, never what the
@@ -221,17 +191,8 @@ class ObjectiveConfig:
         },
     )
 
-    MOVED: ClassVar[dict[str, str]] = {old: f"objective.router.{new}" for old, new in _RECIPE_KEYS.items()}
-    REMOVED: ClassVar[dict[str, str]] = {
-        "align_target": ModelConfig.REMOVED["align_target"],
-        "router_ste": ModelConfig.REMOVED["router_ste"],
-        **{k: _FAILED for k in ("router_explore", "router_explore_span", "router_explore_draw")},
-        **{k: _FAILED for k in ("router_ste_log", "router_ste_keys", "router_exit_uniform")},
-        **{k: _FAILED for k in ("router_withhold_gate", "router_withhold_learnt")},
-        **{k: _KINDS_FIXED for k in ("router_exit_weights", "router_hard_ratio", "router_hard_bound")},
-        **{k: _KINDS_FIXED for k in ("router_hard_reference", "router_withhold_kind_only", "router_kind_gate")},
-        **{k: _KINDS_FIXED for k in ("router_kind_buckets", "router_kind_decay")},
-    }
+    MOVED: ClassVar[dict[str, str]]  # configs/removed.yaml, as ModelConfig's
+    REMOVED: ClassVar[dict[str, str]]
 
     def validate(self, model: ModelConfig) -> None:
         if model.variant in VARIANT_TABLE:
@@ -242,6 +203,17 @@ class ObjectiveConfig:
             if getattr(self, k) < 0:
                 raise ConfigError(f"objective.{k} must be >= 0, got {getattr(self, k)}")
         self.router.validate(model)
+
+
+def _gone() -> dict:
+    """configs/removed.yaml: {section: {"moved": {key: new dotted key}, "removed": {key: {"why", "value", ...}}}}."""
+    return read_yaml_mapping(CONFIG_DIR / "removed.yaml", "sections")
+
+
+GONE = _gone()
+for _cls, _sec in ((ModelConfig, "model"), (ObjectiveConfig, "objective")):
+    _cls.MOVED = dict(GONE[_sec]["moved"])
+    _cls.REMOVED = {k: v["why"] for k, v in GONE[_sec]["removed"].items()}
 
 
 def _yaml_scalar(x) -> str:
@@ -497,43 +469,6 @@ def load_config(name: Optional[str] = None, overrides: list[str] | tuple = ()) -
     return cfg
 
 
-# Configs tlf stored before the `objective` section hold these objective keys under `model`.
-_PRE_OBJECTIVE = (
-    "shortcut",
-    "lambda_short",
-    "lambda_align",
-    "align_target",
-    "align_positions",
-    "router_ste",
-    "router_balance_weight",
-    "router_entropy_weight",
-)
-# Configs stored before `objective.router`: the network keys that became constants (with their one value), and
-# the flat objective.router_* keys a recipe of today fixes (every recipe's value; the kinds recipe's where it differs)
-_NETWORK_CONSTANTS = {"fourier_max_period": 10000.0, "norm_eps": 1e-5, "tie_embeddings": True}
-_FIXED = {
-    "ste_log": False,
-    "ste_keys": False,
-    "explore": 0.0,
-    "explore_span": 1,
-    "explore_draw": "prior",
-    "exit_uniform": 0.0,
-    "exit_weights": "pi",
-    "hard_ratio": 1.5,
-    "hard_bound": False,
-    "hard_reference": "batch",
-    "withhold_gate": 0.0,
-    "withhold_learnt": 0.0,
-    "withhold_kind_only": False,
-    "kind_gate": False,
-    "kind_buckets": 4093,
-    "kind_decay": 0.9,
-    "detach": False,
-}
-_FIXED_KINDS = {**_FIXED, "exit_weights": "depth_label", "hard_bound": True, "hard_reference": "routed"}
-_FIXED_KINDS.update(withhold_kind_only=True, kind_gate=True, detach=True)
-
-
 def upgrade(d: dict, source: str = "stored config") -> dict:
     """A config dict as tlf stored it (a checkpoint's state, an export's config.yaml), in today's layout: one
     written before the `objective` section has the objective's keys under `model`, one written before a network key
@@ -544,8 +479,12 @@ def upgrade(d: dict, source: str = "stored config") -> dict:
     model = d.get("model")
     if isinstance(model, dict):
         obj = d.setdefault("objective", {})
-        for k in _PRE_OBJECTIVE:
-            if k in model:
+        for k in list(model):  # the objective's keys, held under `model` before the `objective` section
+            if (
+                k in ObjectiveConfig.MOVED
+                or k in ObjectiveConfig.REMOVED
+                or ModelConfig.MOVED.get(k) == f"objective.{k}"
+            ):
                 obj[k] = model.pop(k)
         for k, v in ModelConfig.ADDED.items():
             model.setdefault(k, v)
@@ -555,37 +494,26 @@ def upgrade(d: dict, source: str = "stored config") -> dict:
 
 
 def _upgrade_router(model: dict, obj: dict, source: str) -> None:
-    """A stored config's router training from before `objective.router` (in place): the recipe (the expected
-    recipe with the hard-token target is the kinds recipe), its keys, model.router_norm; the removed keys dropped
-    where they hold the value today's code runs. model.router_hidden 0 meant d_model // 4; the inits' stds are moot
-    once the weights load."""
-    hidden = model.pop("router_hidden", 0)
-    for sec, k, got, want in [
-        *(("model", k, model.pop(k, v), v) for k, v in _NETWORK_CONSTANTS.items()),
-        ("model", "router_hidden", hidden, hidden if hidden in (0, model.get("d_model", 0) // 4) else 0),
-        ("objective", "align_target", obj.pop("align_target", "logits"), "logits"),
-    ]:
-        if got != want:
-            raise ConfigError(f"{source}: '{sec}.{k}'={got!r} was removed: {ModelConfig.REMOVED[k]}")
-    model.pop("router_init_std", None), model.pop("init_std", None)
-    recipe, target = model.pop("router_recipe", "paper"), model.pop("router_target_depth", 0.0)
-    old = {k.removeprefix("router_"): obj.pop(k) for k in list(obj) if k.startswith("router_")}
-    old["detach"] = model.pop("router_detach", False)
-    recipe = "kinds" if recipe == "expected" and old.get("hard_weight", 0.0) else recipe
-    model["router_norm"] = recipe != "paper"
-    if old.pop("ste", True) is not True and recipe in ("paper", "budget"):
-        raise ConfigError(f"{source}: 'objective.router_ste'=False was removed: {ModelConfig.REMOVED['router_ste']}")
-    for k, want in (_FIXED_KINDS if recipe == "kinds" else _FIXED).items():
-        got = old.pop(k, _FIXED[k])
-        if got != want:
-            sec, why = ("model", ModelConfig.REMOVED) if k == "detach" else ("objective", ObjectiveConfig.REMOVED)
-            raise ConfigError(
-                f"{source}: '{sec}.router_{k}'={got!r} cannot be read: {why[f'router_{k}']} (today: {want!r})"
-            )
-    settings = {_RECIPE_KEYS[f"router_{k}"]: v for k, v in old.items() if f"router_{k}" in _RECIPE_KEYS}
-    settings.update(recipe=recipe, target_depth=target)
+    """A stored config's router training from before `objective.router` (in place): the recipe (the expected recipe
+    with the hard-token target is the kinds recipe), its keys, model.router_norm; every removed key dropped where it
+    holds the value today's code runs under that recipe (configs/removed.yaml; a key the config lacks had the value
+    every config had then), else a ConfigError naming it."""
+    recipe = model.pop("router_recipe", "paper")
+    recipe = "kinds" if recipe == "expected" and obj.get("router_hard_weight", 0.0) else recipe
+    settings = {"recipe": recipe, "target_depth": model.pop("router_target_depth", 0.0)}
+    for sec, held in (("model", model), ("objective", obj)):
+        for k, gone in GONE[sec]["removed"].items():
+            got = held.pop(k, gone.get("value"))
+            want = gone.get(recipe, gone.get("value")) if "value" in gone else None  # no value: an init
+            if want is not None and got != want:
+                raise ConfigError(
+                    f"{source}: '{sec}.{k}'={got!r} was removed: {gone['why']}; today's code runs {want!r} there"
+                )
+    for k in [k for k in obj if k in ObjectiveConfig.MOVED]:
+        settings[ObjectiveConfig.MOVED[k].removeprefix("objective.router.")] = obj.pop(k)
     keys = [fl.name for fl in dataclasses.fields(RouterSettings.choices()[recipe])]
     obj["router"] = {k: settings[k] for k in keys if k in settings}  # a key the recipe lacks had no effect there
+    model["router_norm"] = recipe != "paper"
 
 
 def config_from_dict(d: dict, source: str = "checkpoint") -> Config:

@@ -17,9 +17,10 @@ merge); they differ only in which states they hand it.
 
 The network computes passes, not losses: `forward` returns each pass's logits (or, with logits=False, only the
 final-normed states the fused head takes), depths and the router's output. The training objective (both passes'
-losses, the alignment, the router's auxiliary loss) is `pipeline.train.objective.Objective`, which wraps this
+losses, the alignment, the router recipe's terms) is `pipeline.train.objective.Objective`, which wraps this
 module; it asks for the shortcut pass by passing its schedule (`shortcut=`), so both passes share h0, the router
-output and one host read of the active counts.
+output and one host read of the active counts, and for the recipe's way of training the router by the call's
+arguments (`ste`, `detach`, `exits`).
 """
 
 from __future__ import annotations
