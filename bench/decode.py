@@ -69,11 +69,12 @@ def build(o):
     torch.manual_seed(0)
     with torch.device(dev):  # initialised where they run (on a GPU: seconds, not a minute of CPU init)
         tlf = LoopedLM(load_config("tiny/t-loopformer", over).model)
-        spread_router(tlf, 0, o.router_scale)  # init routers are near uniform (depth ~L/2); a trained one spreads
-        over_base = over[:-2] + [f"model.n_layers={o.layers * o.M}", "model.loops=1"]
-        base = LoopedLM(load_config("tiny/base", over_base).model)
-        lf = LoopedLM(load_config("tiny/loopformer", over).model)  # tlf's weights without its router: every
-    lf.load_state_dict({k: v for k, v in tlf.state_dict().items() if not k.startswith("router.")})  # token runs M
+        base = LoopedLM(
+            load_config("tiny/base", over[:-2] + [f"model.n_layers={o.layers * o.M}", "model.loops=1"]).model
+        )
+        lf = LoopedLM(load_config("tiny/loopformer", over).model)  # tlf's weights without its router: every token
+    spread_router(tlf, 0, o.router_scale)  # (a CPU generator of its own) init routers are near uniform (depth ~L/2)
+    lf.load_state_dict({k: v for k, v in tlf.state_dict().items() if not k.startswith("router.")})  # runs M loops
     return {k: m.to(dev, dtype).eval() for k, m in (("tlf", tlf), ("lf", lf), ("base", base))}
 
 
