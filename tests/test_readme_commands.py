@@ -371,3 +371,37 @@ def test_no_document_narrates_the_order_of_the_work(path):
         if m
     ]
     assert not hits, "narration in documentation:\n" + "\n".join(hits)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[rel(p) for p in DOCS])
+def test_links_between_documents_resolve(path):
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        assert dest.exists(), f"{rel(path)} links {target}: no such file"
+        if anchor and dest.suffix == ".md":
+            heads = {_anchor(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), flags=re.M)}
+            assert anchor in heads, f"{rel(path)} links {target}: no such heading in {rel(dest)}"
+
+
+BENCH_HELPERS = {"interleave", "testkit"}  # used by the benchmarks and tests, not benchmarks themselves
+# The depth-probe loop and its readers, which go with the depth-hops task; their findings are in docs/research/.
+BENCH_BEING_REMOVED = {"depth_probe", "depth_probe_check", "fold_probe_check"}
+
+
+def test_bench_readme_has_a_section_for_every_benchmark():
+    text = (ROOT / "bench" / "README.md").read_text()
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    assert BENCH_BEING_REMOVED <= scripts, f"removed: drop {sorted(BENCH_BEING_REMOVED - scripts)} from the set"
+    for stem in sorted(scripts - BENCH_HELPERS - BENCH_BEING_REMOVED):
+        assert f"## {stem}\n" in text or f"bench/{stem}.py" in text, f"bench/README.md says nothing of bench/{stem}.py"
+    for stem in re.findall(r"^## (\S+)$", text, flags=re.M):
+        assert stem in scripts, f"bench/README.md has a section '## {stem}' but no bench/{stem}.py"
