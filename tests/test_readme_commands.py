@@ -393,15 +393,12 @@ def test_links_between_documents_resolve(path):
 
 
 BENCH_HELPERS = {"interleave", "testkit"}  # used by the benchmarks and tests, not benchmarks themselves
-# The depth-probe loop and its readers, which go with the depth-hops task; their findings are in docs/research/.
-BENCH_BEING_REMOVED = {"depth_probe", "depth_probe_check", "fold_probe_check"}
 
 
 def test_bench_readme_has_a_section_for_every_benchmark():
     text = (ROOT / "bench" / "README.md").read_text()
     scripts = {p.stem for p in (ROOT / "bench").glob("*.py")}
-    assert BENCH_BEING_REMOVED <= scripts, f"removed: drop {sorted(BENCH_BEING_REMOVED - scripts)} from the set"
-    for stem in sorted(scripts - BENCH_HELPERS - BENCH_BEING_REMOVED):
+    for stem in sorted(scripts - BENCH_HELPERS):
         assert f"## {stem}\n" in text or f"bench/{stem}.py" in text, f"bench/README.md says nothing of bench/{stem}.py"
     for stem in re.findall(r"^## (\S+)$", text, flags=re.M):
         assert stem in scripts, f"bench/README.md has a section '## {stem}' but no bench/{stem}.py"
