@@ -5,7 +5,7 @@ the headline figures against the targets; a short table is printed last.
     python bench/gpu_check.py --out DIR [--dry-run] [--stages setup,tests,...]
 
 Standard library only (it runs before anything else is known to import). --dry-run: the same stages on this
-machine's CPU at tiny scale (a few minutes), to prove the script before a GPU session spends device time on it.
+machine's CPU at tiny scale (a few minutes), to prove the script before device time is spent on it.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def _junit(path: Path) -> dict | None:
 
 
 def summary(results: dict) -> dict:
-    """The issue's figures from the stages' JSON (None where a stage gave none)."""
+    """The headline figures from the stages' JSON (None where a stage gave none)."""
     s: dict = {}
     ts = results.get("train_step") or {}
     if ts.get("results"):

@@ -16,12 +16,12 @@
 #   decode        bench/decode.py: TTFT (batch 1, 32) and TPOT (batch 1, 32) of t-loopformer vs loopformer, the
 #                 full-depth cache, no cache and the dense base; TPOT against the memory-bandwidth floor
 #
-# Before the GPU session (here, in the repository root of the checkout the device tool sends; once, ~1 min):
+# Before the device is used (here, in the repository root of the checkout the device tool sends; once, ~1 min):
 #   bash bench/gpu_wheels.sh          # writes the git-ignored .gpu/ (wheels, BPE files, demo corpus; ~20 MB)
 # The device tool's call (the whole command; .gpu travels as a carried path):
 #   run(command="bash bench/gpu_check.sh", carry=[".gpu"], timeout_s=600)
 # A rerun of some stages only (what is left of the 15 device minutes allows ~4 more):
-#   run(command="bash bench/gpu_check.sh --stages setup,decode", carry=[".gpu"], timeout_s=300)
+#   run(command="bash bench/gpu_check.sh --stages setup,decode", carry=[".gpu"], timeout_s=300)  # plan_check needs setup
 #
 # Dry run on a CPU machine (the same stages at tiny scale, fp32; a few minutes; no wheels needed):
 #   PYTHON=.venv/bin/python OUT=/tmp/gpu_check_dry bash bench/gpu_check.sh --dry-run
