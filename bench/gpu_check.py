@@ -234,9 +234,8 @@ def show(s: dict, v: dict, stages: dict) -> None:
     for key, x in v.items():
         val = x["value"]
         shown = "n/a" if val is None else (f"{val:.3f}" if isinstance(val, float) else str(val))
-        print(
-            f"  {key:<42} {shown:>8}  target {x['target']}  {'' if x['met'] is None else ('met' if x['met'] else 'MISSED')}"
-        )
+        tgt = f"{x['target']:.3g}" if isinstance(x["target"], float) else x["target"]
+        print(f"  {key:<42} {shown:>8}  target {tgt}  {'' if x['met'] is None else ('met' if x['met'] else 'MISSED')}")
     for var, p in s.get("profile", {}).items():
         ms = ", ".join(f"{k} {val:.1f}" for k, val in sorted((p.get("ms_per_step") or {}).items()))
         print(
