@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train_step import fixed_batch_trainer  # bench/ is the script's own directory
+from train_step import fixed_batch_trainer, keyed_step  # bench/ is the script's own directory
 
 # the fixed config whose op counts tests/test_op_counts.py guards (CPU, fp32)
 BASELINE = {"scale": "tiny", "variants": ["loopformer", "t-loopformer"], "batch": 4, "overrides": []}
@@ -251,8 +251,7 @@ def profile_variant(
     phase("build")
 
     def step(i):
-        torch.manual_seed(10**6 + i)  # the same shortcut schedules as bench/train_step.py's timed rounds
-        trainer.read(trainer.train_step())
+        trainer.read(keyed_step(trainer, 10**6 + i))  # the steps of bench/train_step.py's timed rounds
 
     for i in range(warmup):
         step(i)

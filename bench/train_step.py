@@ -95,6 +95,17 @@ def fixed_batch_trainer(scale: str, variant: str, device: str, batch: int, overr
     return cfg, model, trainer, x, y
 
 
+def keyed_step(trainer, key: int):
+    """`trainer.train_step()` as step `key` + 1 of a run: the trainer draws the step's shortcut schedule from
+    (train.seed, step) and torch's RNG is reseeded with key (the router's exploration draws), so step `key` is the
+    same step in every case and process. Returns the step's meter."""
+    import torch
+
+    torch.manual_seed(key)
+    trainer.step = key
+    return trainer.train_step()
+
+
 def _worker(spec: dict, conn) -> None:
     os.environ.setdefault("DS_BUILD_OPS", "0")
     if spec["device"] == "cpu":
@@ -121,13 +132,16 @@ def _worker(spec: dict, conn) -> None:
     state = {"n": 0, "loops": [], "timed": [], "heads": 1}
 
     def step(shortcut=None, seed=None):
-        # timed round r draws its shortcut schedule from seed 10**6 + r in every case (whatever its warm-up), so
-        # round r is the same step everywhere and time ratios line up with FLOPs ratios round by round
-        torch.manual_seed(state["n"] if seed is None else seed)
+        # timed round r is step 10**6 + r in every case (whatever its warm-up): the same shortcut schedule
+        # everywhere, so time ratios line up with FLOPs ratios round by round
+        key = state["n"] if seed is None else seed
         state["n"] += 1
         if shortcut is None:
-            meter = trainer.train_step()  # the micro-batches of one optimizer step of `tlf train`
-        else:  # the untimed step of the largest peak: a fixed shortcut schedule, the same engine calls
+            meter = keyed_step(trainer, key)  # the micro-batches of one optimizer step of `tlf train`
+        else:
+            torch.manual_seed(
+                key
+            )  # the untimed step of the largest peak: a fixed shortcut schedule, the same engine calls
             out = engine(x.to(dev), y.to(dev), shortcut=shortcut)
             engine.backward(out.loss)
             engine.step()
