@@ -26,7 +26,7 @@ from evaluation.figures import pyplot, save
 import torch
 
 from pipeline.inference import timing
-from data_prep.files import write_json
+from data_prep.files import check_writable, write_json
 from data_prep.tokenizer import GPT2_VOCAB
 from pipeline.device import DEVICE_HELP, resolve_device
 from pipeline.memory import region_peak_mib, region_start
@@ -234,9 +234,11 @@ def _plot(res: dict, out: Path) -> list[Path]:
 def ablate(checkpoint, out, loops, ppl_dir, ppl_tokens, thresholds, prompt_lens, repeats, tpot_steps, device):
     """The paper's ablations (Figures 3 and 4) for CHECKPOINT: PNGs plus the numbers in ablate.json."""
     name = Path(checkpoint).resolve().name
+    out = out or f"out/ablate/{name}"
+    check_writable(out, "--out")  # before the model is loaded and measured
     run(
         checkpoint,
-        out or f"out/ablate/{name}",
+        out,
         loops,
         ppl_dir,
         ppl_tokens,
