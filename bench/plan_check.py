@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import load_config
+from pipeline.tracking import METRICS_FILE, read_metrics
 from pipeline.plan.hardware import gpu
 
 
@@ -61,8 +62,7 @@ def run_case(case: str, data: str, steps: int, peak_flops: float, extra: list[st
         except subprocess.TimeoutExpired as e:
             rc, tail = "timeout", str(e.stdout or "")[-3000:]
         wall = time.time() - t0
-        f = Path(ckpt) / "metrics.jsonl"
-        rows = [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+        rows = read_metrics(Path(ckpt) / METRICS_FILE)
     out = {"case": case, "preset": preset, "ac": ac, "micro_batch": mb, "rc": rc, "wall_s": wall}
     if not rows:
         return {**out, "error": tail}
