@@ -32,29 +32,34 @@ from pipeline.tracking import METRICS_FILE, read_metrics
 from pipeline.plan.hardware import gpu
 
 
+def train_cmd(preset: str, ac: str, mb: int, data: str, steps: int, peak_flops: float, ckpt: str, extra) -> list:
+    """The real `tlf train` of one case: one process, global batch = its micro-batch, every step logged."""
+    return [
+        sys.executable,
+        "-m",
+        "pipeline.train",
+        preset,
+        f"data.dir={data}",
+        f"schedule.max_steps={steps}",
+        f"train.global_batch_size={mb}",
+        f"train.activation_checkpointing={ac}",
+        "train.log_interval=1",
+        "logging.mlflow=false",
+        f"logging.peak_flops={peak_flops}",
+        f"checkpoint.dir={ckpt}",
+        "checkpoint.interval=0",
+        *extra,
+        "--resume",
+        "none",
+    ]
+
+
 def run_case(case: str, data: str, steps: int, peak_flops: float, extra: list[str], timeout: float) -> dict:
     preset, _, ac = case.partition(":")
     ac = ac or "none"
     mb = load_config(preset, extra).train.micro_batch_size
     with tempfile.TemporaryDirectory(prefix="plan_check_") as ckpt:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pipeline.train",
-            preset,
-            f"data.dir={data}",
-            f"schedule.max_steps={steps}",
-            f"train.global_batch_size={mb}",
-            f"train.activation_checkpointing={ac}",
-            "train.log_interval=1",
-            "logging.mlflow=false",
-            f"logging.peak_flops={peak_flops}",
-            f"checkpoint.dir={ckpt}",
-            "checkpoint.interval=0",
-            *extra,
-            "--resume",
-            "none",
-        ]
+        cmd = train_cmd(preset, ac, mb, data, steps, peak_flops, ckpt, extra)
         t0 = time.time()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

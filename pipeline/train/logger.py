@@ -47,8 +47,9 @@ class RunLogger:
         """On rank 0 after `open`: the local metrics file `root`/metrics.jsonl (its lines after `step`, the start
         step, dropped: they are run again) and, with logging.mlflow, the MLflow run (`resume_run_id` reopened, else
         a new one) with its sender thread; returns the run id (None without MLflow; when the server cannot be reached
-        at the start, the file alone keeps the metrics and a resumed run's id is kept for the next start). A run the previous process left RUNNING
-        (tracking.json) is ended KILLED."""
+        at the start, the file alone keeps the metrics and a resumed run's id is kept for the next start). Steps the
+        run holds past `step` (an attempt no checkpoint kept) are sent again as they are redone (`_record_redo`). A
+        run the previous process left RUNNING (tracking.json) is ended KILLED."""
         self.client, self.run_id, self._file, self._sender = None, None, None, None
         self.drain_s = cfg.logging.mlflow_drain_s
         if not self.active:
