@@ -28,7 +28,30 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import load_config
+from pipeline.tracking import METRICS_FILE, read_metrics
 from pipeline.plan.hardware import gpu
+
+
+def train_cmd(preset: str, ac: str, mb: int, data: str, steps: int, peak_flops: float, ckpt: str, extra) -> list:
+    """The real `tlf train` of one case: one process, global batch = its micro-batch, every step logged."""
+    return [
+        sys.executable,
+        "-m",
+        "pipeline.train",
+        preset,
+        f"data.dir={data}",
+        f"schedule.max_steps={steps}",
+        f"train.global_batch_size={mb}",
+        f"train.activation_checkpointing={ac}",
+        "train.log_interval=1",
+        "logging.mlflow=false",
+        f"logging.peak_flops={peak_flops}",
+        f"checkpoint.dir={ckpt}",
+        "checkpoint.interval=0",
+        *extra,
+        "--resume",
+        "none",
+    ]
 
 
 def run_case(case: str, data: str, steps: int, peak_flops: float, extra: list[str], timeout: float) -> dict:
@@ -36,24 +59,7 @@ def run_case(case: str, data: str, steps: int, peak_flops: float, extra: list[st
     ac = ac or "none"
     mb = load_config(preset, extra).train.micro_batch_size
     with tempfile.TemporaryDirectory(prefix="plan_check_") as ckpt:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pipeline.train",
-            preset,
-            f"data.dir={data}",
-            f"schedule.max_steps={steps}",
-            f"train.global_batch_size={mb}",
-            f"train.activation_checkpointing={ac}",
-            "train.log_interval=1",
-            "logging.mlflow=false",
-            f"logging.peak_flops={peak_flops}",
-            f"checkpoint.dir={ckpt}",
-            "checkpoint.interval=0",
-            *extra,
-            "--resume",
-            "none",
-        ]
+        cmd = train_cmd(preset, ac, mb, data, steps, peak_flops, ckpt, extra)
         t0 = time.time()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -61,8 +67,7 @@ def run_case(case: str, data: str, steps: int, peak_flops: float, extra: list[st
         except subprocess.TimeoutExpired as e:
             rc, tail = "timeout", str(e.stdout or "")[-3000:]
         wall = time.time() - t0
-        f = Path(ckpt) / "metrics.jsonl"
-        rows = [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+        rows = read_metrics(Path(ckpt) / METRICS_FILE)
     out = {"case": case, "preset": preset, "ac": ac, "micro_batch": mb, "rc": rc, "wall_s": wall}
     if not rows:
         return {**out, "error": tail}

@@ -24,6 +24,7 @@ state lives in its own file.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -36,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_prep.files import atomic_write_bytes, write_json
+from data_prep.files import UnwritableError, atomic_write_bytes, check_writable, write_json
 from pipeline.config import Config, ConfigError
 
 STEP_DIR = re.compile(r"^global_step(\d+)$")
@@ -53,12 +54,13 @@ def run_dir(cfg: Config) -> Path:
 
 
 def ensure_dir(root: Path) -> None:
-    """Creates the checkpoint root (a no-op when it exists); a CheckpointError naming it when it cannot be made.
-    `tlf train` calls it before training, so a bad checkpoint.dir fails at once, not at the first save."""
+    """Creates the checkpoint root (a no-op when it exists); a CheckpointError naming it when it cannot be written
+    (data_prep.files.check_writable). `tlf train` calls it before training, so a bad checkpoint.dir fails at once,
+    not at the first save."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"checkpoint.dir={root}: cannot create it ({e.strerror or e})") from None
+        check_writable(root, "checkpoint.dir", make=True)
+    except UnwritableError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -179,11 +181,14 @@ def _cut_short(f: Path) -> str | None:
 
 def newest_intact(root: Path, warn=None) -> Path | None:
     """The newest complete checkpoint under root whose files are all there (`damage`), or None; each newer damaged
-    one is reported through warn (a callable taking one line) naming it and the one chosen instead."""
+    one is reported through warn (a callable taking one line) naming it and the one chosen instead, and so is a
+    `latest` that names another checkpoint (`lagging_latest`)."""
     done = [p for _, p in complete_checkpoints(root)]
     for i in range(len(done) - 1, -1, -1):
         why = damage(done[i])
         if why is None:
+            if warn is not None and (note := lagging_latest(root, done[i], done[i + 1 :])):
+                warn(note)
             return done[i]
         if warn is not None:
             warn(
@@ -191,6 +196,21 @@ def newest_intact(root: Path, warn=None) -> Path | None:
                 + (f"falling back to {done[i - 1]}" if i else "no earlier complete checkpoint to fall back to")
             )
     return None
+
+
+def lagging_latest(root: Path, chosen: Path, damaged: list[Path]) -> str | None:
+    """Why root/latest, a hint written after each save, is passed over for `chosen`, or None when it names chosen
+    (or is absent, or names a damaged checkpoint: that warning was given)."""
+    try:
+        named = (root / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if named == chosen.name or root / named in damaged:
+        return None
+    m, step = STEP_DIR.match(named), int(STEP_DIR.match(chosen.name).group(1))
+    older = m is not None and (root / named / "rank0_state.pt").is_file() and int(m.group(1)) < step
+    why = "a save was cut off before it updated latest" if older else "no complete checkpoint of that name"
+    return f"{root / 'latest'} names {named[:80]!r}; using {chosen}, the newest intact checkpoint ({why})"
 
 
 # ---------------------------------------------------------------------------------------------- RNG
@@ -353,11 +373,20 @@ def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: i
     return final
 
 
+# How a failed write shows up: OSError ENOSPC / EDQUOT (our writers, torch's legacy format), or a RuntimeError of
+# torch's zip writer (DeepSpeed's own save): "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs
+# 598" (torch 2.13 on a full disk), "basic_ios::clear: iostream error" (a small file), "PytorchStreamWriter failed
+# writing file data/0: file write failed" (older torch).
+WRITE_FAILED = ("unexpected pos", "iostream error", "file write failed", "No space left on device")
+
+
 def _one_line(e: BaseException, where: Path) -> str:
-    """An exception as one line (torch's writer errors span several lines; a failed write gets the free space)."""
+    """An exception as one line (torch's writer errors span several lines); a failed write gets the free space on
+    `where`, the checkpoint dir."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
     msg = next((ln for ln in lines if "failed" in ln.lower()), lines[0])
-    if isinstance(e, RuntimeError) and "write" in msg.lower():
+    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    if full or (isinstance(e, RuntimeError) and any(m in str(e) for m in WRITE_FAILED)):
         try:
             msg += f" (disk full? {shutil.disk_usage(where).free / 2**20:.1f} MiB free on {where})"
         except OSError:
