@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from pipeline.cli import config_arguments
 from pipeline.config import ConfigError, load_config
 
 
@@ -21,6 +22,27 @@ def _check_batch(cfg, ws: int) -> None:
         if cfg.checkpoint.resume != "auto" or complete_checkpoints(run_dir(cfg)):
             return
     cfg.check_world_size(ws)
+
+
+def _finished(cfg) -> str | None:
+    """The line saying the run is already complete, when checkpoint.resume finds a checkpoint at or past
+    schedule.max_steps (None otherwise, also when the checkpoint cannot be read: the trainer then says why)."""
+    if cfg.checkpoint.resume == "none":
+        return None
+    from pipeline.train.checkpoint import STEP_DIR, CheckpointError, find_resume, run_dir
+
+    try:
+        ck = find_resume(cfg, run_dir(cfg))
+    except CheckpointError:
+        return None
+    m = STEP_DIR.match(ck.name) if ck is not None else None
+    if m is None or int(m.group(1)) < cfg.schedule.max_steps:
+        return None
+    return (
+        f"[tlf] run already complete: checkpoint {ck} is at step {m.group(1)} of schedule.max_steps="
+        f"{cfg.schedule.max_steps}; nothing to train. To train further, raise schedule.max_steps (the run resumes "
+        "from this checkpoint); to train anew, checkpoint.resume=none or another checkpoint.dir"
+    )
 
 
 def _exit(code: int) -> None:
@@ -40,8 +62,7 @@ def _exit(code: int) -> None:
 
 
 @click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("config")
-@click.argument("overrides", nargs=-1)
+@config_arguments
 @click.option(
     "--resume",
     default=None,
@@ -65,18 +86,26 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
         resume_ov = [] if resume is None else [f"checkpoint.resume={json.dumps(resume)}"]  # quotes survive
         cfg = load_config(config, [*overrides, *resume_ov])  # validated once, --resume included
         _check_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # fail fast, before the heavy imports
+        done = _finished(cfg)  # a rerun of a finished run: said at once, before the heavy set-up
     except ConfigError as e:
         raise click.UsageError(f"config error: {e}") from None
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if done:
+        if rank0:
+            click.echo(done)
+        return
+    from data_prep.files import new_dirs_removed_on_error
     from data_prep.shards import ShardError
     from pipeline.train.checkpoint import CheckpointError, ensure_dir, run_dir
     from pipeline.train.trainer import NonFiniteError, run
 
     code = 0
     try:
-        if int(os.environ.get("RANK", "0")) == 0:  # every run saves at its end: a bad checkpoint.dir fails now
-            ensure_dir(run_dir(cfg))
-        res = run(cfg)
-        if res.stopped_by and int(os.environ.get("RANK", "0")) == 0:
+        with new_dirs_removed_on_error(run_dir(cfg)):  # a failed start leaves no empty checkpoint.dir
+            if rank0:  # every run saves at its end: a bad checkpoint.dir fails now
+                ensure_dir(run_dir(cfg))
+            res = run(cfg)
+        if res.stopped_by and rank0:
             click.echo(f"[tlf] stopped by {res.stopped_by} at step {res.step}; checkpoint {res.checkpoint}")
     except ConfigError as e:
         click.echo(f"Error: config error: {e}", err=True)
