@@ -394,7 +394,9 @@ def run(
         f"eval: {len(inp.tasks)} tasks, {len(inp.streams)} perplexity sets loaded in {time.time() - t0:.1f}s; budgets "
         f"{[m for m, _ in budgets]} on {dev}"
     )
-    log(estimate_line(model, cfg, inp, budgets, dev))
+    estimate = estimate_line(model, cfg, inp, budgets, dev)  # before any work: what it costs, how to cut it
+    if estimate:
+        log(estimate)
     name = (cfg.name or export.name) + (f"-as-{cfg.model.variant}" if trained_as else "")
     out_dir = _out_dir(cfg, name)
     with new_dirs_removed_on_error(out_dir):

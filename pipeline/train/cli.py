@@ -45,6 +45,24 @@ def _finished(cfg) -> str | None:
     )
 
 
+def _mlflow_settled(cfg) -> bool:
+    """Whether a finished run leaves MLflow nothing to send: logging.mlflow=false, or the run its tracking.json
+    names is FINISHED at this tracking URI. Otherwise its end found MLflow unreachable (or it never had a run),
+    and a start replays metrics.jsonl's unsent steps (pipeline/train/spool.py), so the rerun goes on to do that."""
+    if not cfg.logging.mlflow:
+        return True
+    from pipeline import tracking
+    from pipeline.train.checkpoint import run_dir
+
+    rec, uri = tracking.read_run_file(run_dir(cfg)), tracking.tracking_uri(cfg.logging.tracking_uri)
+    if not rec.get("run_id") or rec.get("tracking_uri") != uri:
+        return False
+    try:
+        return tracking.checked_client(uri).get_run(rec["run_id"]).info.status == "FINISHED"
+    except Exception:  # noqa: BLE001 - a server down or a run gone: the start below deals with it as usual
+        return False
+
+
 def _exit(code: int) -> None:
     """Leaves the process without running C++ static destructors: with gloo/DeepSpeed threads still alive those
     can abort with "terminate called without an active exception" (exit 250) after all results are written.
@@ -90,10 +108,13 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     except ConfigError as e:
         raise click.UsageError(f"config error: {e}") from None
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    if done:
-        if rank0:
-            click.echo(done)
+    if done and rank0:
+        click.echo(done)
+    # every rank takes the same decision: more than one rank asks no server (each would get its own answer)
+    if done and (_mlflow_settled(cfg) if int(os.environ.get("WORLD_SIZE", "1")) == 1 else not cfg.logging.mlflow):
         return
+    if done and rank0:
+        click.echo("[tlf] starting once more only to send MLflow the steps it has not received")
     from data_prep.files import new_dirs_removed_on_error
     from data_prep.shards import ShardError
     from pipeline.train.checkpoint import CheckpointError, ensure_dir, run_dir
