@@ -94,9 +94,9 @@ ALIASES = {
     "lr_scheduler": "schedule",
     "training": "train",
 }
-CLOSE = (
-    0.75  # difflib ratio a same-section name needs to be suggested (loopz -> loops 0.8; logger_name -> run_name 0.63)
-)
+# The difflib ratio a name of the same section needs to be suggested (loopz -> loops 0.8; logger_name -> run_name
+# 0.63 is not: a suggestion that far off misleads more than it helps)
+CLOSE = 0.75
 
 
 def _leaves(obj: Any, prefix: str = "") -> dict[str, list[str]]:
@@ -142,7 +142,8 @@ def _within(root: Any, section: Any, prefix: str, name: str, rest: str) -> list[
 def set_key(obj: Any, key: str, value: Any, source: str, prefix: str = "", root: Any = None) -> None:
     """Sets obj.<key> (dotted) with type checks; unknown keys are errors (with `suggest`'s hint; root: the
     whole config, whose other sections it searches), and so are keys listed in the dataclass's `MOVED` ({old
-    field: new dotted key}), with a message naming the new key."""
+    field: new dotted key}), with a message naming the new key, and in its `REMOVED` ({old field: why, and what
+    to use instead})."""
     root = obj if root is None else root
     head, _, rest = key.partition(".")
     names = {fl.name: fl for fl in fields(obj)}
@@ -150,6 +151,9 @@ def set_key(obj: Any, key: str, value: Any, source: str, prefix: str = "", root:
     moved = getattr(type(obj), "MOVED", {}).get(head)
     if moved is not None:
         raise ConfigError(f"{source}: '{full}' moved to '{moved}'")
+    removed = getattr(type(obj), "REMOVED", {}).get(head)
+    if removed is not None:
+        raise ConfigError(f"{source}: '{full}': {removed}")
     if head not in names:
         close = suggest(root, obj, prefix, head, rest)
         hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
