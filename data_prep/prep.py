@@ -487,9 +487,9 @@ def tiny_val(m: dict, val_every: int) -> str | None:
 
 
 def prepare_status(cfg: PrepConfig, overwrite: bool = False, log=None) -> tuple[dict, bool]:
-    """`prepare`, also saying whether it wrote the manifest (False: the output was already complete). Warns
-    (`tiny_val`) when the val split it wrote is tiny. One prep-data at a time per output directory (an exclusive lock
-    on OUT/.lock)."""
+    """`prepare`, also saying whether it wrote the manifest (False: the output was already complete); warns
+    (`tiny_val`) when the val split it wrote is tiny. One prep-data at a time per output directory (an exclusive
+    lock on OUT/.lock)."""
     log = log or (lambda m: print(m, file=sys.stderr))
     out = Path(cfg.out)
     created, had_lock = not out.exists(), (out / ".lock").exists()

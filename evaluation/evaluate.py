@@ -2,8 +2,11 @@
 
 For every loop budget M (data and tokenised requests are loaded once and reused): the zero-shot tasks,
 perplexity on each validation set, the depth distribution (+ PNG) on the first set, and latency when
-`eval.latency` is on. Writes `results.json` and `table1.md` (+ `depth_M{M}.png`) into the output
-directory and logs everything to MLflow.
+`eval.latency` is on. Before any of it, one line says what it will cost (evaluation/estimate.py). Writes
+`results.json` and `table1.md` (+ `depth_M{M}.png`) into the output directory (removed again, when still empty,
+if the evaluation fails or is interrupted), and logs everything to MLflow, saying which run at which tracking URI.
+results.json records the export directory evaluated and the checkpoint's training run and step (its run.json):
+what `tlf export` matches to put a checkpoint's evaluation on its model card (pipeline/hf/export.py).
 """
 
 from __future__ import annotations

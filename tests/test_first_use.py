@@ -23,7 +23,7 @@ from pipeline.cli import main
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [
     "tiny/t-loopformer",
-    "schedule.max_steps=6",  # the shortcut pass draws one loop at steps 2 and 5 (seed 1337)
+    "schedule.max_steps=6",  # some of which draw a shortcut pass of one loop (seed 1337)
     "logging.tracking_uri=sqlite:///mlflow.db",  # (relative to the run's directory, `first`)
     "train.eval_interval=0",
     "checkpoint.interval=0",

@@ -63,6 +63,19 @@ def _mlflow_settled(cfg) -> bool:
         return False
 
 
+def _nothing_left(cfg, line: str, rank0: bool) -> bool:
+    """A finished run: says `line` (rank 0); True when nothing is left to do, False when MLflow still lacks steps
+    (`_mlflow_settled`), which the start then sends. Every rank takes the same decision, so with more than one
+    rank none asks the server (each would get its own answer) and only logging.mlflow=false stops at once."""
+    if rank0:
+        click.echo(line)
+    if _mlflow_settled(cfg) if int(os.environ.get("WORLD_SIZE", "1")) == 1 else not cfg.logging.mlflow:
+        return True
+    if rank0:
+        click.echo("[tlf] starting once more only to send MLflow the steps it has not received")
+    return False
+
+
 def _exit(code: int) -> None:
     """Leaves the process without running C++ static destructors: with gloo/DeepSpeed threads still alive those
     can abort with "terminate called without an active exception" (exit 250) after all results are written.
@@ -108,13 +121,8 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     except ConfigError as e:
         raise click.UsageError(f"config error: {e}") from None
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    if done and rank0:
-        click.echo(done)
-    # every rank takes the same decision: more than one rank asks no server (each would get its own answer)
-    if done and (_mlflow_settled(cfg) if int(os.environ.get("WORLD_SIZE", "1")) == 1 else not cfg.logging.mlflow):
+    if done and _nothing_left(cfg, done, rank0):
         return
-    if done and rank0:
-        click.echo("[tlf] starting once more only to send MLflow the steps it has not received")
     from data_prep.files import new_dirs_removed_on_error
     from data_prep.shards import ShardError
     from pipeline.train.checkpoint import CheckpointError, ensure_dir, run_dir
