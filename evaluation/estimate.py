@@ -1,11 +1,12 @@
 """What an evaluation will cost, said before it starts (`tlf eval`'s first lines): the examples and perplexity
-windows times the budgets, and a time from one short timed forward of the model on the evaluation device.
+windows times the budgets, and a time from a short measured sample of the work itself.
 
-The forward runs min(block_size, 128) tokens at the largest budget (batch 1 on a CPU, eval.batch_size rows on a
-GPU, which is idle at batch 1), once to warm up and twice timed (the faster counts). The time per budget M is the tokens the scorer
-reads (every request's context and continuation, the perplexity windows) at that rate, scaled by M / the timed
-budget: loops dominate a forward's work. Shared contexts (tree packing) make the scorer read fewer tokens than
-counted, and latency (eval.latency) is not counted, so it is a rough figure, not a promise.
+The sample is the scorer's own path at the largest budget on the first eval.batch_size examples of the task with
+the most tokens to read (one forward's worth of rows, after one request alone to warm up); without tasks, one
+forward of min(block_size, 256) tokens (a perplexity window's work). The time per budget M is the tokens the
+evaluation reads (every request's context and continuation, the perplexity windows) at the sample's rate, scaled
+by M / the sampled budget: loops dominate a forward's work. Tasks whose requests share context differently take
+another time per token, and latency (eval.latency) is not counted: a rough figure, not a promise.
 """
 
 from __future__ import annotations
@@ -14,31 +15,47 @@ import time
 
 import torch
 
+from evaluation.scorer import Scorer
 from pipeline.train.logger import fmt_duration
 
-WARMUP_TOKENS = 128
+PPL_SAMPLE_TOKENS = 256
+
+
+def request_tokens(reqs, block_size: int) -> int:
+    """Tokens the model reads for these requests (each left-truncated to block_size)."""
+    return sum(min(len(c) + len(x) - 1, block_size) for c, x in reqs)
 
 
 def tokens_per_budget(inp, block_size: int) -> int:
-    """Tokens the model reads at one budget: each task request (left-truncated to block_size) and each
-    perplexity window (block_size at most)."""
-    tasks = sum(min(len(c) + len(x) - 1, block_size) for reqs, _ in inp.requests.values() for c, x in reqs)
-    return tasks + sum(n * block_size for n in inp.windows)
+    """Tokens the model reads at one budget: every task request and every perplexity window."""
+    return sum(request_tokens(reqs, block_size) for reqs, _ in inp.requests.values()) + sum(
+        n * block_size for n in inp.windows
+    )
+
+
+def _timed(f, device) -> float:
+    t0 = time.perf_counter()
+    f()
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+    return max(time.perf_counter() - t0, 1e-9)
 
 
 @torch.inference_mode()
-def tokens_per_second(model, loops: int, device: str, batch_size: int) -> float:
-    """Tokens per second of one forward of min(block_size, WARMUP_TOKENS) tokens at budget `loops`."""
-    rows = batch_size if str(device).startswith("cuda") else 1
-    idx = torch.zeros(rows, min(model.cfg.block_size, WARMUP_TOKENS), dtype=torch.long, device=device)
-    times = []
-    for _ in range(3):  # the first warms up (allocations, kernel selection); the faster of the other two counts
-        t0 = time.perf_counter()
-        model(idx, loops=loops)
-        if str(device).startswith("cuda"):
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return idx.numel() / max(min(times[1:]), 1e-9)
+def tokens_per_second(model, inp, loops: int, device: str, batch_size: int) -> float:
+    """Tokens per second of a sample of the evaluation's own work at budget `loops` (see the module doc)."""
+    T = model.cfg.block_size
+    sizes = {n: request_tokens(reqs, T) for n, (reqs, _) in inp.requests.items() if reqs}
+    name = max(sizes, key=sizes.get, default=None)  # the task with the most work stands for the rest
+    if name is None:
+        idx = torch.zeros(1, min(T, PPL_SAMPLE_TOKENS), dtype=torch.long, device=device)
+        _timed(lambda: model(idx, loops=loops), device)  # warm-up: allocations, kernel selection
+        return idx.numel() / _timed(lambda: model(idx, loops=loops), device)
+    reqs = inp.requests[name][0]
+    sample = reqs[: max(1, round(batch_size * len(reqs) / max(len(inp.tasks[name].examples), 1)))]
+    scorer = Scorer(model, batch_size, device)
+    _timed(lambda: scorer.score(sample[:1], loops), device)  # warm-up
+    return request_tokens(sample, T) / _timed(lambda: scorer.score(sample, loops), device)
 
 
 def estimate_line(model, cfg, inp, budgets: list[tuple[int, int]], device: str) -> str:
@@ -50,7 +67,7 @@ def estimate_line(model, cfg, inp, budgets: list[tuple[int, int]], device: str) 
         return ""
     effective = sorted({m for _, m in budgets})
     top = effective[-1]
-    rate = tokens_per_second(model, top, device, cfg.eval.batch_size)
+    rate = tokens_per_second(model, inp, top, device, cfg.eval.batch_size)
     seconds = sum(tokens * m / top for m in effective) / rate
     return (
         f"eval: {examples:,} examples ({len(inp.tasks)} tasks) + {sum(inp.windows):,} perplexity windows x "
