@@ -1,11 +1,13 @@
 """Files written whole or not at all: `atomic_write_bytes` (temp name, fsync, rename), the one JSON writer,
 `write_json`, used by every layer (shards, manifests, checkpoints, exports, evaluation and benchmark results),
 `read_json` for JSON a user may have broken (manifests, DeepSpeed templates): an error naming the file, and
-`check_writable`, which every command that writes after a long computation calls first on its output paths.
+`check_writable`, which every command that writes after a long computation calls first on its output paths, and
+`new_dirs_removed_on_error`, so a command that fails leaves no empty directory it made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -104,3 +106,19 @@ def read_json(path: str | os.PathLike, error: type[Exception] = ValueError):
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise error(f"{path}: invalid JSON ({e})") from None
+
+
+@contextlib.contextmanager
+def new_dirs_removed_on_error(path: str | os.PathLike):
+    """For a block that creates directory `path` (and its missing parents): when the block raises (an error, an
+    interrupt), those of them that did not exist before it and are still empty are removed, deepest first, so a
+    failed start leaves nothing behind; a directory something was written into stays."""
+    path = Path(path)
+    new = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+    try:
+        yield path
+    except BaseException:
+        for p in new:
+            with contextlib.suppress(OSError):  # not empty (or gone): kept as it is
+                p.rmdir()
+        raise

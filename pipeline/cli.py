@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from importlib.metadata import entry_points
@@ -34,6 +35,31 @@ class _Group(click.Group):
         return super().get_command(ctx, name)
 
 
+def config_arguments(command):
+    """The arguments `CONFIG [OVERRIDES]...` of a command that reads a training config, CONFIG also accepted as
+    `--config CONFIG` (as `tlf prep-data --config FILE`): the command gets `config` and `overrides` either way."""
+
+    @functools.wraps(command)
+    def call(*args, config, overrides, config_opt, **kw):
+        if config_opt is not None:
+            if config is not None and "=" not in config:
+                raise click.UsageError(f"two configs given ({config} and --config {config_opt}); give one")
+            overrides = (config, *overrides) if config is not None else overrides
+            config = config_opt
+        elif config is None:
+            raise click.UsageError("missing CONFIG: a preset (tlf config list) or a YAML file, or --config FILE")
+        return command(*args, config=config, overrides=tuple(overrides), **kw)
+
+    call = click.option(
+        "--config",
+        "config_opt",
+        default=None,
+        metavar="CONFIG",
+        help="The config (a preset such as tiny/t-loopformer, or a YAML file): the same as the positional CONFIG.",
+    )(call)
+    return click.argument("config", required=False)(click.argument("overrides", nargs=-1)(call))
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="tlf")
 def main() -> None:
@@ -53,12 +79,11 @@ def config_list() -> None:
 
 
 @config.command("show")
-@click.argument("name")
-@click.argument("overrides", nargs=-1)
+@config_arguments
 @click.option("--doc", is_flag=True, help="Print every field with its type, default and one-line doc.")
-def config_show(name: str, overrides: tuple[str, ...], doc: bool) -> None:
-    """Print the resolved config NAME (preset or YAML file) with OVERRIDES (section.key=value)."""
-    cfg = load_config(name, overrides)
+def config_show(config: str, overrides: tuple[str, ...], doc: bool) -> None:
+    """Print the resolved CONFIG (preset or YAML file) with OVERRIDES (section.key=value)."""
+    cfg = load_config(config, overrides)
     if doc:
         flat = cfg.flat()
         for key, tp, _default, text in field_docs():

@@ -705,12 +705,19 @@ def resolve_path(name: str) -> Path:
     raise ConfigError(f"unknown config {name!r}: neither a YAML file nor a preset{hint}")
 
 
+def preset_file(name: str) -> Path | None:
+    """configs/<name>.yaml of a preset name (tiny/t-loopformer), None when there is none: the resolver of
+    `inherit:` entries that are not files."""
+    p = CONFIG_DIR / f"{name}.yaml"
+    return p if p.is_file() and name in list_presets() else None
+
+
 def load_config(name: Optional[str] = None, overrides: list[str] | tuple = ()) -> Config:
     """Loads a preset or YAML file (or the defaults when name is None), applies overrides, validates."""
     cfg = Config()
     if name:
         path = resolve_path(name)
-        for source, data in read_yaml_chain(path):
+        for source, data in read_yaml_chain(path, resolve=preset_file):
             for k, v in data.items():
                 set_key(cfg, str(k), v, source)
         if not cfg.name:

@@ -45,7 +45,12 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def export(checkpoint: str, out: str, fmt: str = "safetensors") -> Path:
+EVAL_ROOT = Path("out") / "eval"  # where `tlf eval` writes by default (eval.out_dir empty)
+
+
+def export(checkpoint: str, out: str, fmt: str = "safetensors", evals: tuple = ()) -> Path:
+    """Writes `checkpoint`'s model to `out` in fmt; the hf model card holds the checkpoint's evaluation found under
+    out/eval, the `evals` directories and its run dir (pipeline.hf.export.find_evaluation)."""
     dest = Path(out)
     _check_out(dest)  # before the weights are read
     model, cfg = load_model(checkpoint, "cpu")
@@ -63,7 +68,7 @@ def export(checkpoint: str, out: str, fmt: str = "safetensors") -> Path:
         if fmt == "hf":
             from pipeline.hf.export import export_hf
 
-            export_hf(model, cfg, tmp, find_export(checkpoint))
+            export_hf(model, cfg, tmp, find_export(checkpoint), [EVAL_ROOT, *map(Path, evals)])
         else:
             save_model(tmp, model, cfg, fmt)
         _replace_dir(tmp, dest)
@@ -83,10 +88,16 @@ def export(checkpoint: str, out: str, fmt: str = "safetensors") -> Path:
     show_default=True,
     help="safetensors / pt: a tlf export (config.yaml + weights); hf: a transformers directory.",
 )
-def export_cmd(checkpoint: str, out: str, fmt: str) -> None:
+@click.option(
+    "--evals",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="--format hf: also look here for the checkpoint's `tlf eval` results (default: out/eval and its run dir).",
+)
+def export_cmd(checkpoint: str, out: str, fmt: str, evals: tuple[str, ...]) -> None:
     """Write CHECKPOINT (an export dir, a checkpoint dir holding model/, or a run dir) to --out as an export."""
     try:
-        d = export(checkpoint, out, fmt)
+        d = export(checkpoint, out, fmt, evals)
     except FileNotFoundError as e:
         raise click.UsageError(str(e)) from None
     click.echo(f"wrote {d}")

@@ -225,8 +225,11 @@ def test_help_texts_agree_across_commands():
     with_device = {p: o for p, c in _commands() for n, o in options(c).items() if n == "--device"}
     assert set(with_device) >= {("eval",), ("ablate",), ("generate",)}
     assert {(o.default, o.help) for o in with_device.values()} == {("auto", DEVICE_HELP)}
-    # --config is a YAML file of options wherever it is shown (prep-data), never something else
-    assert [p for p, c in _commands() if "--config" in options(c)] == [("prep-data",)]
+    # --config is the command's config wherever it is shown (a YAML file of options for prep-data; a preset or
+    # YAML file, as the positional CONFIG, for the others), never something else
+    shown = {p: options(c)["--config"] for p, c in _commands() if "--config" in options(c)}
+    assert set(shown) == {("prep-data",), ("train",), ("plan",), ("config", "show")}
+    assert all("YAML file" in o.help for o in shown.values())
     assert "tlf config show PRESET --doc" in _run(["train", "--help"])
 
 

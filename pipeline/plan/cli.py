@@ -8,6 +8,7 @@ import json
 import click
 
 from data_prep.files import check_writable, write_json
+from pipeline.cli import config_arguments
 from pipeline.config import ConfigError, load_config
 from pipeline.train.logger import fmt_duration
 
@@ -95,8 +96,7 @@ def print_plan(p: dict) -> None:
 
 
 @click.command("plan", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("config")
-@click.argument("overrides", nargs=-1)
+@config_arguments
 @click.option(
     "--gpus", type=click.IntRange(min=1), default=8, show_default=True, help="World size (data-parallel ranks)."
 )

@@ -106,6 +106,7 @@ class StepMeter:
         self.losses = torch.zeros(1 + len(self.PARTS), dtype=torch.float64, device=device)  # loss, parts: sums
         self.bad = torch.zeros(accum, dtype=torch.float64, device=device)  # 1 where micro-batch k was non-finite
         self.stats: dict[str, torch.Tensor] = {}  # key -> sum over micro-batches (vectors zero-padded)
+        self.hists: set[str] = set()  # the keys that are histograms (a vector per micro-batch, not a scalar)
         self.parts: list[str] = []  # the parts the objective has, in PARTS order
         self.loops = torch.zeros(1, dtype=torch.float64, device=device)  # sum of ObjectiveOutput.loops_executed
         self.lm_heads = 1
@@ -119,6 +120,8 @@ class StepMeter:
         self.losses += torch.where(finite, vals, 0.0)
         self.bad[k] = (~finite).double()
         for key, v in out.stats.items():
+            if v.dim() > 0:  # a histogram such as depth_hist (M,), whatever its length: one depth is still one
+                self.hists.add(key)
             v = v.detach().to(self.device, torch.float64).reshape(-1)
             cur = self.stats.get(key)
             if cur is not None:  # histograms of shortcut passes of different S: pad to the longer
@@ -164,9 +167,9 @@ class StepMeter:
         metrics = {}
         for key in keys:
             vals, rest = rest[: self.stats[key].numel()], rest[self.stats[key].numel() :]
-            if len(vals) == 1:
+            if key not in self.hists:
                 metrics[f"router/{key}"] = vals[0] / ws / n
-            else:  # depth_hist: share of tokens per depth 1..M
+            else:  # depth_hist: share of tokens per depth 1..M (one entry when the pass ran one loop)
                 for i, x in enumerate(vals, 1):
                     metrics[f"router/{key.replace('depth_hist', 'depth_share')}_{i}"] = x / ws / n
         out["router"] = metrics
