@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pipeline.config import Config, ConfigError
-from pipeline.plan.hardware import GPU
+from pipeline.hardware import GPU
 from pipeline.plan.trace import StepTrace, trace_step
 from pipeline.plan.zero import model_state_bytes, persistent_numel
 from pipeline.train.ac import MODES
