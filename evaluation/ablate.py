@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
@@ -65,6 +66,38 @@ def step_memory_mb(export: str, gather_scatter: bool, batch: int, seq: int) -> f
     return float(val)
 
 
+@dataclass
+class Bench:
+    """What every ablation measures with: the model at loop budget M, its context T, the validation stream, the
+    prompts' RNG (one, drawn in the ablations' order), the timed repeats and the log."""
+
+    model: object
+    M: int
+    T: int
+    stream: object  # evaluation.perplexity.TokenStream
+    vocab: int
+    repeats: int
+    log: object
+    g: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
+
+    @property
+    def dev(self) -> torch.device:
+        return self.model.wte.weight.device
+
+    def routers(self) -> tuple[bool, ...]:
+        """Router on and off; off alone for a model without one."""
+        return (True, False) if self.model.router is not None else (False,)
+
+    def prompt(self, n: int) -> torch.Tensor:
+        """(1, n) random token ids on the model's device."""
+        return torch.randint(0, self.vocab, (1, n), generator=self.g).to(self.dev)
+
+    def ppl(self, **switches) -> dict:
+        from evaluation.perplexity import perplexity
+
+        return perplexity(self.model, self.stream, self.M, device=self.dev, **switches)
+
+
 def run(
     checkpoint: str,
     out: str | Path,
@@ -79,93 +112,101 @@ def run(
     device: str = "cpu",
     log=print,
 ) -> dict:
-    from evaluation.perplexity import TokenStream, perplexity
+    from evaluation.perplexity import TokenStream
 
     export = str(find_export(checkpoint))
     model, cfg = load_model(export, device)
-    M = loops or cfg.model.loops
-    T = cfg.model.block_size
-    dev = model.wte.weight.device
     outd = Path(out)
     outd.mkdir(parents=True, exist_ok=True)
     stream = TokenStream(ppl_dir or cfg.data.dir, cfg.data.val_split, ppl_tokens)
-    has_router = model.router is not None
-    g = torch.Generator().manual_seed(0)
     vocab = min(cfg.model.vocab_size, GPT2_VOCAB)
+    b = Bench(model, loops or cfg.model.loops, cfg.model.block_size, stream, vocab, repeats, log)
     res: dict = {
         "checkpoint": export,
         "variant": cfg.model.variant,
-        "loops": M,
+        "loops": b.M,
         "ppl_set": stream.name,
         "ppl_tokens": stream.num_tokens - 1,
-        "device": str(dev),
+        "device": str(b.dev),
     }
+    res["router_cache"] = router_cache(b, tpot_steps)
+    res["gather_scatter"] = gather_scatter(b, export, train_batch)
+    res["threshold_sweep"] = threshold_sweep(b, thresholds)
+    res["ttft_ms"] = ttft_by_prompt_length(b, prompt_lens)
+    res["figures"] = [str(p) for p in _plot(res, outd)]
+    write_json(outd / "ablate.json", res)
+    log(f"wrote {outd / 'ablate.json'} and {len(res['figures'])} figures")
+    return res
 
-    # -- router on/off x cache on/off -------------------------------------------------------------
-    tp_prompt = torch.randint(0, vocab, (1, min(128, T // 2)), generator=g).to(dev)
-    tp_feed = torch.randint(0, vocab, (1, min(tpot_steps, T - tp_prompt.shape[1] - 1)), generator=g).to(dev)
+
+def router_cache(b: Bench, tpot_steps: int) -> dict:
+    """Router on/off x recursion-wise cache on/off: validation perplexity, mean depth and TPOT (batch 1)."""
+    tp_prompt = b.prompt(min(128, b.T // 2))
+    tp_feed = b.prompt(min(tpot_steps, b.T - tp_prompt.shape[1] - 1))
     rc = {}
-    for router in (True, False) if has_router else (False,):
-        ppl = perplexity(model, stream, M, device=dev, router=router)
+    for router in b.routers():
+        ppl = b.ppl(router=router)
         for cache in (True, False):
             sec = _median_time(
-                lambda: timing.tpot(model, M, tp_prompt, tp_feed, cache=cache, router=router)[0],  # noqa: B023
-                repeats,
+                lambda: timing.tpot(b.model, b.M, tp_prompt, tp_feed, cache=cache, router=router)[0],  # noqa: B023
+                b.repeats,
             )  # (the lambda runs within this iteration)
             rc[f"router_{'on' if router else 'off'}/cache_{'on' if cache else 'off'}"] = {
                 "ppl": ppl["ppl"],
                 "mean_depth": ppl["depth"]["mean"],
                 "tpot_ms": 1e3 * sec,
             }
-    res["router_cache"] = rc
-    log("router x cache: " + "; ".join(f"{k}: ppl {v['ppl']:.2f}, TPOT {v['tpot_ms']:.2f} ms" for k, v in rc.items()))
+    b.log("router x cache: " + "; ".join(f"{k}: ppl {v['ppl']:.2f}, TPOT {v['tpot_ms']:.2f} ms" for k, v in rc.items()))
+    return rc
 
-    # -- gather-scatter on/off -------------------------------------------------------------------
+
+def gather_scatter(b: Bench, export: str, train_batch: int) -> dict:
+    """Gather-scatter on/off: a training step's peak memory (a fresh process each) and a full-context prefill."""
     gs = {}
-    prompt = torch.randint(0, vocab, (1, T), generator=g).to(dev)
+    prompt = b.prompt(b.T)
     for on in (True, False):
-        sec = _median_time(lambda: _timed_forward(model, prompt, M, on), repeats)  # noqa: B023  (runs in this iteration)
-        mem = step_memory_mb(export, on, train_batch, T)
+        sec = _median_time(lambda: _timed_forward(b.model, prompt, b.M, on), b.repeats)  # noqa: B023  (runs in this iteration)
+        mem = step_memory_mb(export, on, train_batch, b.T)
         gs["on" if on else "off"] = {"train_step_peak_mb": mem, "prefill_ms": 1e3 * sec}
-    res["gather_scatter"] = gs
-    log(
+    b.log(
         "gather-scatter: "
         + "; ".join(
             f"{k}: step memory {v['train_step_peak_mb']:.0f} MB, prefill {v['prefill_ms']:.1f} ms"
             for k, v in gs.items()
         )
     )
+    return gs
 
-    # -- threshold sweep -------------------------------------------------------------------------
+
+def threshold_sweep(b: Bench, thresholds) -> list[dict]:
+    """Perplexity and mean depth at each router threshold θ (none without a router)."""
+    if b.model.router is None:
+        return []
     sweep = []
-    if has_router:
-        for th in thresholds:
-            p = perplexity(model, stream, M, device=dev, threshold=th)
-            sweep.append({"theta": th, "ppl": p["ppl"], "mean_depth": p["depth"]["mean"]})
-        log(
-            "threshold sweep: "
-            + ", ".join(f"θ={s['theta']}: ppl {s['ppl']:.2f} depth {s['mean_depth']:.2f}" for s in sweep)
-        )
-    res["threshold_sweep"] = sweep
+    for th in thresholds:
+        p = b.ppl(threshold=th)
+        sweep.append({"theta": th, "ppl": p["ppl"], "mean_depth": p["depth"]["mean"]})
+    b.log(
+        "threshold sweep: "
+        + ", ".join(f"θ={s['theta']}: ppl {s['ppl']:.2f} depth {s['mean_depth']:.2f}" for s in sweep)
+    )
+    return sweep
 
-    # -- TTFT vs prompt length -------------------------------------------------------------------
-    lens = [P for P in prompt_lens if P <= T] or [T]
+
+def ttft_by_prompt_length(b: Bench, prompt_lens) -> dict:
+    """TTFT (ms) at each prompt length that fits the context (the context itself when none does), router on/off."""
+    lens = [P for P in prompt_lens if P <= b.T] or [b.T]
     tt = {}
-    for router in (True, False) if has_router else (False,):
+    for router in b.routers():
         row = {}
         for P in lens:
-            pr = torch.randint(0, vocab, (1, P), generator=g).to(dev)
-            row[str(P)] = 1e3 * _median_time(lambda: timing.ttft(model, M, pr, router=router)[0], repeats)  # noqa: B023  (runs now)
+            pr = b.prompt(P)
+            row[str(P)] = 1e3 * _median_time(lambda: timing.ttft(b.model, b.M, pr, router=router)[0], b.repeats)  # noqa: B023  (runs now)
         tt[f"router_{'on' if router else 'off'}"] = row
-    res["ttft_ms"] = tt
-    log(
+    b.log(
         "TTFT: " + "; ".join(f"{k}: " + ", ".join(f"P={p} {v:.1f} ms" for p, v in row.items()) for k, row in tt.items())
     )
-
-    res["figures"] = [str(p) for p in _plot(res, outd)]
-    write_json(outd / "ablate.json", res)
-    log(f"wrote {outd / 'ablate.json'} and {len(res['figures'])} figures")
-    return res
+    return tt
 
 
 @torch.no_grad()
