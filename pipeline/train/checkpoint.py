@@ -1,10 +1,9 @@
 """Checkpoints: DeepSpeed's files + one state file per rank + the consolidated model export, complete or invisible.
 
-One checkpoint, `global_step{N}/` under `checkpoint.dir` (pipeline/rundir.py: the run directory's layout, and which
+One checkpoint is a directory `global_step{N}/` of the run directory (pipeline/rundir.py: its layout, and which
 checkpoints in it are complete and intact):
 
-    global_step{N}/
-        (DeepSpeed's model/optimizer/scheduler files, engine.save_checkpoint)
+    global_step{N}/             # DeepSpeed's model/optimizer/scheduler files (engine.save_checkpoint), and
         files.json              # every file's size, written by rank 0 before the rename (`rundir.damage` checks it)
         rank{r}_state.pt        # this rank's step, data position, RNG states (python, numpy, torch, cuda), config
         model/                  # pipeline.model.io export (model.safetensors + config.yaml): what generate/eval load
