@@ -13,7 +13,7 @@ are the same on every rank). A fresh run (nothing to resume) passes through ever
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import Config, ConfigError, ModelConfig, upgrade
@@ -32,7 +32,9 @@ class Resume:
     saved: dict | None = None
     note: str = ""
     reshard: bool = False
-    _full: dict | None = None  # resharding: the checkpoint's full per-parameter state (reshard.full_state)
+    _full: dict | None = field(
+        default=None, repr=False
+    )  # resharding: the full per-parameter state (reshard.full_state)
 
     @classmethod
     def find(cls, cfg: Config, root: Path, ws: int) -> Resume:
