@@ -20,11 +20,7 @@ def _fail(e: Exception) -> None:
 @click.command("prep-data", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("overrides", nargs=-1)
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of prep-data options.")
-@click.option(
-    "--source",
-    type=click.Choice(list(SOURCES)),
-    help=" | ".join(SOURCES) + " (default files).",
-)
+@click.option("--source", metavar="SOURCE", help=" | ".join(SOURCES) + " (default files).")  # checked by validate
 @click.option("--input", "-i", "inputs", multiple=True, help="Input file, glob or directory (repeatable).")
 @click.option("--out", "-o", help="Output directory.")
 @click.option("--text-field", help="JSON key / column holding the text (default text).")

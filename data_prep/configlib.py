@@ -74,13 +74,17 @@ def describe(tp: Any) -> str:
 
 def set_key(obj: Any, key: str, value: Any, source: str, prefix: str = "") -> None:
     """Sets obj.<key> (dotted) with type checks; unknown keys are errors, and so are keys listed in the
-    dataclass's `MOVED` ({old field: new dotted key}), with a message naming the new key."""
+    dataclass's `MOVED` ({old field: new dotted key}), with a message naming the new key, and in its `REMOVED`
+    ({old field: why, and what to use instead})."""
     head, _, rest = key.partition(".")
     names = {fl.name: fl for fl in fields(obj)}
     full = f"{prefix}{head}"
     moved = getattr(type(obj), "MOVED", {}).get(head)
     if moved is not None:
         raise ConfigError(f"{source}: '{full}' moved to '{moved}'")
+    removed = getattr(type(obj), "REMOVED", {}).get(head)
+    if removed is not None:
+        raise ConfigError(f"{source}: '{full}': {removed}")
     if head not in names:
         close = difflib.get_close_matches(head, list(names), n=1)
         hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""

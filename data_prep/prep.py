@@ -25,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from data_prep import foldtask
 from data_prep.assets import ensure_assets
-from data_prep.config import DEPTH_SOURCES, OUTPUT_KEYS, PrepConfig, changed_options
+from data_prep.config import FOLD, PrepConfig, changed_options
 from data_prep.files import write_json
 from data_prep.shards import ShardError, ShardReader, read_manifest
 from data_prep.hf import HubSource
@@ -139,27 +140,26 @@ def tokenizer_info() -> dict:
     }
 
 
-def _generate_depth(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
-    """source=depth-hops or depth-fold: written in one pass, the documents made by `workers` processes (about
-    170 us a document in one); an existing manifest is kept only if it matches."""
-    from data_prep.depthtask import CHUNK_DOCS, fingerprint, generate
-
+def _generate_fold(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
+    """source=depth-fold: written in one pass, the documents made by `workers` processes; an existing manifest is
+    kept only if it matches."""
     old = out / MANIFEST
     if old.is_file() and not overwrite:
         try:
             m = read_manifest(old)
         except ShardError as e:
             raise PrepError(f"{e}; use --overwrite to start again") from None
-        want = fingerprint(cfg)
-        if m.get("complete") and not changed_options(m["source"], want):
+        if m.get("complete") and not changed_options(m["source"], cfg.fingerprint()):
             log(f"{out} is already complete ({m['total_tokens']:,} tokens); nothing to do")
             return m
         raise PrepError(f"{out}: holds shards of other options ({old}); use --overwrite or another --out")
     for f in out.glob("*.bin"):
         f.unlink()
     info = tokenizer_info()
-    with tokenizer_pool(cfg.resolved_workers() if cfg.depth_docs > CHUNK_DOCS else 0, initializer=None) as pool:
-        return generate(cfg, out, info, log, pool)
+    with tokenizer_pool(
+        cfg.resolved_workers() if cfg.depth_docs > foldtask.CHUNK_DOCS else 0, initializer=None
+    ) as pool:
+        return foldtask.generate(cfg, out, info, log, pool)
 
 
 def make_source(cfg: PrepConfig, files: list[Path] | None = None):
@@ -183,9 +183,7 @@ class _Run:
         self.val_every = cfg.resolved_val_every()
         self.source = make_source(cfg)
         self.inputs = self.source.describe()
-        self.fingerprint = {k: getattr(cfg, k) for k in OUTPUT_KEYS}
-        self.fingerprint["val_every"] = self.val_every
-        self.fingerprint["name"] = self.name
+        self.fingerprint = cfg.fingerprint()
         self.val_rule = (
             "no val split"
             if self.val_every < 0
@@ -509,8 +507,8 @@ def _locked(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
         lock.flush()
         try:
-            if cfg.source in DEPTH_SOURCES:
-                return _generate_depth(cfg, out, overwrite, log)
+            if cfg.source == FOLD:
+                return _generate_fold(cfg, out, overwrite, log)
             return _Run(cfg, overwrite, log).run(cfg.progress)
         finally:
             lock.truncate(0)  # released: an empty lock file (a killed holder's pid stays until the next run)

@@ -12,7 +12,7 @@ lacks is a blank cell, never an error.
 
 Outputs, in `--out`: `compare.md` (all tables), `table1.csv`, `table2.csv`, `table3.csv`, and PNG plots
 `loss_curves.png`, `ppl_vs_loops.png`, `depth_distribution.png`, `throughput.png`; for evaluations on a depth
-task (depth-hops, depth-fold) also `table4.csv` (accuracy by level against executed loop work, with a fixed-depth
+task (the fold task) also `table4.csv` (accuracy by level against executed loop work, with a fixed-depth
 variant's elastic curve at the same work) and `accuracy_vs_work.png`.
 """
 
@@ -314,7 +314,7 @@ def _routed(r: Run) -> bool:
 
 
 def table4(sel: Selection) -> Table:
-    """Depth task (an evaluation on a depth-hops or depth-fold data.dir): answer accuracy overall and by level,
+    """Depth task (an evaluation on a depth-fold data.dir): answer accuracy overall and by level,
     executed loop work, rho(executed depth, level) and the share of answers run at depth >= their level, one row
     per variant and budget; and what a fixed-depth variant's elastic curve reaches at the same work (the first
     variant without a router evaluated at several budgets: loopformer in the study), and the difference."""
@@ -457,7 +457,7 @@ def plot_all(sel: Selection, client, out: Path) -> list[Path]:
             ]
         )
     }
-    if work:  # depth-hops: answer accuracy vs executed loop work (mean loops per token), one line per run
+    if work:  # depth task: answer accuracy vs executed loop work (mean loops per token), one line per run
         fig, ax = plt.subplots(figsize=(6, 4))
         for v, pts in work.items():
             ax.plot(*zip(*sorted(pts)), marker="o", label=v)

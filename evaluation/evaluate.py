@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import tracking
-from data_prep.depthtask import task_of
+from data_prep.foldtask import task_of
 from data_prep.tokenizer import GPT2_VOCAB
 from pipeline.config import VARIANTS, Config, ConfigError, load_config, trained_variant
 from pipeline.device import resolve_device
@@ -116,7 +116,7 @@ class _Inputs:
     requests: dict  # name -> (tokenised requests, spans)
     streams: list  # perplexity TokenStreams
     windows: list  # perplexity windows per stream
-    level_dir: str  # a depth-hops data.dir ("" otherwise): accuracy by level
+    level_dir: str  # a depth-task data.dir (the fold task; "" otherwise): accuracy by level
 
 
 @dataclass
@@ -136,7 +136,7 @@ class _Run:
 
 def load_inputs(cfg: Config, log) -> _Inputs:
     """The tasks (a task whose data cannot be reached is skipped with one line unless eval.strict), their
-    tokenised requests, the perplexity streams and, for a depth-hops data.dir, the directory to score by level."""
+    tokenised requests, the perplexity streams and, for a depth-task data.dir, the directory to score by level."""
     ev = cfg.eval
     tasks, skipped, names = {}, {}, list(ev.tasks)
     if names and cfg.model.vocab_size < GPT2_VOCAB:  # e.g. a depth-task model: its ids are not GPT-2's

@@ -62,7 +62,7 @@ class Latency(TypedDict, total=False):
     protocol: str
 
 
-class Levels(TypedDict, total=False):  # evaluation/levels.py on a depth-hops data.dir
+class Levels(TypedDict, total=False):  # evaluation/levels.py on a depth-task (fold) data.dir
     accuracy: float  # over all scored targets
     accuracy_by_level: dict  # level k -> accuracy
     level_depth: list  # [level-1][depth-1] counts of executed depth

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_prep.depthtask import check_window, levels_at, task_of
+from data_prep.foldtask import check_window, levels_at, task_of
 from data_prep.shards import ShardError, ShardSet
 
 
@@ -63,7 +63,7 @@ class TrainLoader:
         check_window(self.task, seq_len, directory)
         if curriculum and self.task is None:
             raise ShardError(
-                f"data.curriculum needs a depth-task data.dir (prep-data --source depth-hops or depth-fold); "
+                f"data.curriculum needs a depth-task data.dir (prep-data --source depth-fold); "
                 f"{directory}/manifest.json has no depth_task entry"
             )
         self.curriculum = curriculum

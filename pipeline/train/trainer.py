@@ -5,15 +5,19 @@ validation, checkpoints, console, MLflow). `run(cfg)` = `Trainer.build(cfg).fit(
 
 One step = train.grad_accum_steps micro-batches through the DeepSpeed engine, which trains the `Objective`
 (pipeline/train/objective.py) wrapped around the network: `engine(x, y)` computes the whole training objective in
-one forward; `engine.backward`; `engine.step`. Host syncs: the loss, its parts, the
-router statistics, a non-finite flag per micro-batch, the stop-signal flag and the gradient norm stay on the
-device (`StepMeter`) and are summed over ranks in one all-reduce and read once, after the step's last
-micro-batch: one device -> host sync per optimizer step, so every rank takes the same decision; callbacks get
-host values only. A non-finite loss stops the run naming the step and micro-batch (train.nan_policy=stop; the
-step's update is never saved, the last good checkpoint stays the newest). nan_policy=skip must decide before
-each backward, so it reads one flag per micro-batch (all-reduced) and drops a bad micro-batch, drawing the next
-one (at most train.nan_skip_limit in a row). SIGTERM/SIGINT end the run after the current step with a
-checkpoint. A non-finite gradient norm always stops.
+one forward; `engine.backward`; `engine.step`. The shortcut pass's schedule is one per optimizer step, drawn from
+(train.seed, step) (`step_shortcut`, `Trainer.shortcut`): every micro-batch of the step on every rank runs it (ZeRO-3
+gathers parameters per block call, so all ranks must run the same loops), whatever the world size, grad-accum or
+ZeRO stage, so a run resumed on another layout draws what the uninterrupted run drew. The rule is saved in the
+training state (`schedule`); a checkpoint without one (tlf's older ones) keeps its run's rule: the objective draws
+one schedule per micro-batch from torch's RNG. Host syncs: the loss, its parts, the router statistics, a
+non-finite flag per micro-batch, the stop-signal flag and the gradient norm stay on the device (`StepMeter`) and
+are summed over ranks in one all-reduce and read once, after the step's last micro-batch: one device -> host sync
+per optimizer step, so every rank takes the same decision; callbacks get host values only. A non-finite loss
+stops the run naming the step and micro-batch (train.nan_policy=stop; the step's update is never saved, the last
+good checkpoint stays the newest). nan_policy=skip must decide before each backward, so it reads one flag per
+micro-batch (all-reduced) and drops a bad micro-batch, drawing the next one (at most train.nan_skip_limit in a
+row). SIGTERM/SIGINT end the run after the current step with a checkpoint. A non-finite gradient norm always stops.
 """
 
 from __future__ import annotations
@@ -27,11 +31,16 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import Config
+from pipeline.model.schedule import step_shortcut
 from pipeline.rundir import run_dir
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.logger import log
 from pipeline.train.objective import Objective, ObjectiveOutput
 from pipeline.train.validation import sum_over_ranks
+
+
+STEP_KEYED = "step-keyed"  # the training state's `schedule`: one shortcut schedule per (train.seed, step)
+GLOBAL_RNG = "global-rng"  # ... of a checkpoint written before it: one per micro-batch from torch's RNG (each rank's)
 
 
 class NonFiniteError(RuntimeError):
@@ -205,6 +214,7 @@ class Trainer:
         self.consecutive_bad = 0  # nan_policy=skip: non-finite micro-batches in a row
         self._signals: _Signals | None = None
         self.resume_note = ""  # how a resume on another world size or ZeRO stage adapted (logged by fit)
+        self.schedule = STEP_KEYED  # how shortcut schedules are drawn (build: the resumed checkpoint's rule)
         self.work = StepWork(float(cfg.model.loops), 1)  # the last step's work per token (Speed's MFU)
         self.callbacks = list(callbacks)
         for cb in self.callbacks:
@@ -252,6 +262,7 @@ class Trainer:
             callbacks=default_callbacks() if callbacks is None else callbacks,
         )
         trainer.resume_note = resume.note
+        trainer.schedule = resume.saved.get("schedule", GLOBAL_RNG) if resume.saved is not None else STEP_KEYED
         return trainer
 
     # ------------------------------------------------------------------------------------------- one step
@@ -262,9 +273,10 @@ class Trainer:
         engine, device = self.engine, self.device
         meter = StepMeter(self.accum, device)
         done, zero0_norm = 0, None
+        shortcut = self.shortcut(self.step + 1)  # (S,) on the CPU, or None
         while done < self.accum:
             x, y = self.loader.next()  # (B, T) each
-            out = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            out = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True), shortcut=shortcut)
             if self.cfg.train.nan_policy == "skip" and self._skip(out.loss, done):
                 del out
                 continue
@@ -277,6 +289,14 @@ class Trainer:
         gn = engine.get_global_grad_norm()
         meter.grad_norm = zero0_norm if gn is None else gn
         return meter
+
+    def shortcut(self, step: int) -> torch.Tensor | None:
+        """The shortcut schedule of optimizer step `step` (1-based), the same on every rank and micro-batch; None
+        without a shortcut pass, or under a checkpoint's old rule (the objective draws per micro-batch)."""
+        c = self.cfg
+        if not c.objective.shortcut or self.schedule != STEP_KEYED:
+            return None
+        return step_shortcut(c.model.loops, c.train.seed, step)
 
     def _skip(self, loss: torch.Tensor, done: int) -> bool:
         """nan_policy=skip: whether micro-batch done+1 is non-finite on any rank (one read, before its backward)."""
@@ -314,6 +334,7 @@ class Trainer:
             "loader": self.loader.state_dict(),
             "rng": ckpt.rng_state(),
             "objective": self.engine.module.state(),
+            "schedule": self.schedule,
             "config": self.cfg.to_dict(),
             "mlflow_run_id": self.run_id,
         }
@@ -329,6 +350,8 @@ class Trainer:
         log.open(self.rank)
         if self.resume_note:
             log.info(self.resume_note)
+        if self.schedule != STEP_KEYED and self.cfg.objective.shortcut:
+            log.info(OLD_SCHEDULE)
         try:
             with _Signals() as self._signals:
                 self._call("pre_train")
@@ -385,6 +408,13 @@ class Trainer:
             getattr(cb, hook)(*args)
 
 
+OLD_SCHEDULE = (
+    "the checkpoint resumed was written before step-keyed shortcut schedules: this run keeps drawing one schedule "
+    "per micro-batch from each rank's torch RNG (a resume on another world size or ZeRO stage is not exact); a run "
+    "started afresh draws one per optimizer step from (train.seed, step)"
+)
+
+
 def run(cfg: Config) -> TrainResult:
     """Trains cfg (a resolved Config) from scratch or from a checkpoint with the default callbacks."""
     return Trainer.build(cfg).fit()
@@ -410,9 +440,10 @@ def _lr_of_step(engine) -> float:
 
 def _network(cfg: Config, model=None):
     """The network to train: a new LoopedLM(cfg.model) unless `model` is given, with activation checkpointing and
-    torch.compile applied. Seeded from train.seed first, the same on every rank: identical initial weights, and the
-    same shortcut schedule sampled on every rank (ZeRO-3 gathers parameters per block call, so all ranks must run
-    the same number of loops)."""
+    torch.compile applied. Seeded from train.seed first, the same on every rank: identical initial weights, and (a
+    checkpoint's old rule: per micro-batch from this RNG) the same shortcut schedule sampled on every rank (ZeRO-3
+    gathers parameters per block call, so all ranks must run the same number of loops; the step-keyed rule draws one
+    per step, `Trainer.shortcut`)."""
     from pipeline.model import LoopedLM
     from pipeline.train.ac import apply_ac
 
