@@ -30,6 +30,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline.config import load_config
 from pipeline.hardware import GPU, gpu
 from pipeline.plan.core import Planner
+from pipeline.tracking import METRICS_FILE, read_metrics
+
+
+def case_overrides(ac: str, mb: int, data: str, steps: int, peak_flops: float, ckpt: str, extra) -> list[str]:
+    """One case's overrides of its preset: global batch = its micro-batch, every step logged, no MLflow."""
+    return [
+        f"data.dir={data}",
+        f"schedule.max_steps={steps}",
+        f"train.global_batch_size={mb}",
+        f"train.activation_checkpointing={ac}",
+        "train.log_interval=1",
+        "logging.mlflow=false",
+        f"logging.peak_flops={peak_flops}",
+        f"checkpoint.dir={ckpt}",
+        "checkpoint.interval=0",
+        *extra,
+    ]
+
+
+def train_cmd(preset: str, overrides: list[str]) -> list:
+    """The real `tlf train` of one case: one process."""
+    return [sys.executable, "-m", "pipeline.train", preset, *overrides, "--resume", "none"]
 
 
 def planned_peak_gb(preset: str, overrides: list[str], hw: GPU) -> float:
@@ -44,20 +66,9 @@ def run_case(case: str, data: str, steps: int, hw: GPU, extra: list[str], timeou
     ac = ac or "none"
     mb = load_config(preset, extra).train.micro_batch_size
     with tempfile.TemporaryDirectory(prefix="plan_check_") as ckpt:
-        overrides = [
-            f"data.dir={data}",
-            f"schedule.max_steps={steps}",
-            f"train.global_batch_size={mb}",
-            f"train.activation_checkpointing={ac}",
-            "train.log_interval=1",
-            "logging.mlflow=false",
-            f"logging.peak_flops={hw.peak_flops}",
-            f"checkpoint.dir={ckpt}",
-            "checkpoint.interval=0",
-            *extra,
-        ]
+        overrides = case_overrides(ac, mb, data, steps, hw.peak_flops, ckpt, extra)
         pred = planned_peak_gb(preset, overrides, hw)
-        cmd = [sys.executable, "-m", "pipeline.train", preset, *overrides, "--resume", "none"]
+        cmd = train_cmd(preset, overrides)
         t0 = time.time()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -65,8 +76,7 @@ def run_case(case: str, data: str, steps: int, hw: GPU, extra: list[str], timeou
         except subprocess.TimeoutExpired as e:
             rc, tail = "timeout", str(e.stdout or "")[-3000:]
         wall = time.time() - t0
-        f = Path(ckpt) / "metrics.jsonl"
-        rows = [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+        rows = read_metrics(Path(ckpt) / METRICS_FILE)
     out = {"case": case, "preset": preset, "ac": ac, "micro_batch": mb, "rc": rc, "wall_s": wall}
     if not rows:
         return {**out, "error": tail}

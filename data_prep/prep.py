@@ -28,7 +28,7 @@ import numpy as np
 from data_prep import foldtask
 from data_prep.assets import ensure_assets
 from data_prep.config import FOLD, PrepConfig, changed_options
-from data_prep.files import write_json
+from data_prep.files import check_writable, write_json
 from data_prep.shards import ShardError, ShardReader, read_manifest
 from data_prep.hf import HubSource
 from data_prep.sources import FileSource, resolve_inputs
@@ -481,7 +481,7 @@ def prepare(cfg: PrepConfig, overwrite: bool = False, log=None) -> dict:
     log = log or (lambda m: print(m, file=sys.stderr))
     out = Path(cfg.out)
     created, had_lock = not out.exists(), (out / ".lock").exists()
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out, "--out", make=True)
     try:
         return _locked(cfg, out, overwrite, log)
     except BaseException:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -27,7 +27,7 @@ from evaluation.figures import pyplot, save
 import torch
 
 from pipeline.inference import timing
-from data_prep.files import write_json
+from data_prep.files import check_writable, write_json
 from data_prep.tokenizer import GPT2_VOCAB
 from pipeline.device import DEVICE_HELP, resolve_device
 from pipeline.memory import region_peak_mib, region_start
@@ -67,35 +67,33 @@ def step_memory_mb(export: str, gather_scatter: bool, batch: int, seq: int) -> f
 
 
 @dataclass
-class Bench:
-    """What every ablation measures with: the model at loop budget M, its context T, the validation stream, the
-    prompts' RNG (one, drawn in the ablations' order), the timed repeats and the log."""
+class _Ablation:
+    """What every measurement of `run` shares: the model at budget M, its export, the validation stream, the
+    generator drawing the random prompts (in a fixed order), the timing repeats and the log."""
 
-    model: object
+    model: torch.nn.Module
+    export: str
     M: int
-    T: int
-    stream: object  # evaluation.perplexity.TokenStream
+    stream: object
+    g: torch.Generator
     vocab: int
     repeats: int
     log: object
-    g: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
 
     @property
-    def dev(self) -> torch.device:
+    def dev(self):
         return self.model.wte.weight.device
 
+    @property
+    def T(self) -> int:
+        return self.model.cfg.block_size
+
+    @property
     def routers(self) -> tuple[bool, ...]:
-        """Router on and off; off alone for a model without one."""
         return (True, False) if self.model.router is not None else (False,)
 
-    def prompt(self, n: int) -> torch.Tensor:
-        """(1, n) random token ids on the model's device."""
+    def tokens(self, n: int) -> torch.Tensor:
         return torch.randint(0, self.vocab, (1, n), generator=self.g).to(self.dev)
-
-    def ppl(self, **switches) -> dict:
-        from evaluation.perplexity import perplexity
-
-        return perplexity(self.model, self.stream, self.M, device=self.dev, **switches)
 
 
 def run(
@@ -120,55 +118,59 @@ def run(
     outd.mkdir(parents=True, exist_ok=True)
     stream = TokenStream(ppl_dir or cfg.data.dir, cfg.data.val_split, ppl_tokens)
     vocab = min(cfg.model.vocab_size, GPT2_VOCAB)
-    b = Bench(model, loops or cfg.model.loops, cfg.model.block_size, stream, vocab, repeats, log)
+    a = _Ablation(
+        model, export, loops or cfg.model.loops, stream, torch.Generator().manual_seed(0), vocab, repeats, log
+    )
     res: dict = {
         "checkpoint": export,
         "variant": cfg.model.variant,
-        "loops": b.M,
+        "loops": a.M,
         "ppl_set": stream.name,
         "ppl_tokens": stream.num_tokens - 1,
-        "device": str(b.dev),
+        "device": str(a.dev),
     }
-    res["router_cache"] = router_cache(b, tpot_steps)
-    res["gather_scatter"] = gather_scatter(b, export, train_batch)
-    res["threshold_sweep"] = threshold_sweep(b, thresholds)
-    res["ttft_ms"] = ttft_by_prompt_length(b, prompt_lens)
+    res["router_cache"] = _router_cache(a, tpot_steps)
+    res["gather_scatter"] = _gather_scatter(a, train_batch)
+    res["threshold_sweep"] = _threshold_sweep(a, thresholds)
+    res["ttft_ms"] = _ttft(a, prompt_lens)
     res["figures"] = [str(p) for p in _plot(res, outd)]
     write_json(outd / "ablate.json", res)
     log(f"wrote {outd / 'ablate.json'} and {len(res['figures'])} figures")
     return res
 
 
-def router_cache(b: Bench, tpot_steps: int) -> dict:
-    """Router on/off x recursion-wise cache on/off: validation perplexity, mean depth and TPOT (batch 1)."""
-    tp_prompt = b.prompt(min(128, b.T // 2))
-    tp_feed = b.prompt(min(tpot_steps, b.T - tp_prompt.shape[1] - 1))
+def _router_cache(a: _Ablation, tpot_steps: int) -> dict:
+    """Router on/off x recursion-wise cache on/off: validation perplexity and mean depth, TPOT at batch 1."""
+    from evaluation.perplexity import perplexity
+
+    tp_prompt = a.tokens(min(128, a.T // 2))
+    tp_feed = a.tokens(min(tpot_steps, a.T - tp_prompt.shape[1] - 1))
     rc = {}
-    for router in b.routers():
-        ppl = b.ppl(router=router)
+    for router in a.routers:
+        ppl = perplexity(a.model, a.stream, a.M, device=a.dev, router=router)
         for cache in (True, False):
             sec = _median_time(
-                lambda: timing.tpot(b.model, b.M, tp_prompt, tp_feed, cache=cache, router=router)[0],  # noqa: B023
-                b.repeats,
+                lambda: timing.tpot(a.model, a.M, tp_prompt, tp_feed, cache=cache, router=router)[0],  # noqa: B023
+                a.repeats,
             )  # (the lambda runs within this iteration)
             rc[f"router_{'on' if router else 'off'}/cache_{'on' if cache else 'off'}"] = {
                 "ppl": ppl["ppl"],
                 "mean_depth": ppl["depth"]["mean"],
                 "tpot_ms": 1e3 * sec,
             }
-    b.log("router x cache: " + "; ".join(f"{k}: ppl {v['ppl']:.2f}, TPOT {v['tpot_ms']:.2f} ms" for k, v in rc.items()))
+    a.log("router x cache: " + "; ".join(f"{k}: ppl {v['ppl']:.2f}, TPOT {v['tpot_ms']:.2f} ms" for k, v in rc.items()))
     return rc
 
 
-def gather_scatter(b: Bench, export: str, train_batch: int) -> dict:
-    """Gather-scatter on/off: a training step's peak memory (a fresh process each) and a full-context prefill."""
+def _gather_scatter(a: _Ablation, train_batch: int) -> dict:
+    """Gather-scatter on/off: a training step's peak memory (fresh process each) and full-context prefill time."""
     gs = {}
-    prompt = b.prompt(b.T)
+    prompt = a.tokens(a.T)
     for on in (True, False):
-        sec = _median_time(lambda: _timed_forward(b.model, prompt, b.M, on), b.repeats)  # noqa: B023  (runs in this iteration)
-        mem = step_memory_mb(export, on, train_batch, b.T)
+        sec = _median_time(lambda: _timed_forward(a.model, prompt, a.M, on), a.repeats)  # noqa: B023  (runs in this iteration)
+        mem = step_memory_mb(a.export, on, train_batch, a.T)
         gs["on" if on else "off"] = {"train_step_peak_mb": mem, "prefill_ms": 1e3 * sec}
-    b.log(
+    a.log(
         "gather-scatter: "
         + "; ".join(
             f"{k}: step memory {v['train_step_peak_mb']:.0f} MB, prefill {v['prefill_ms']:.1f} ms"
@@ -178,32 +180,34 @@ def gather_scatter(b: Bench, export: str, train_batch: int) -> dict:
     return gs
 
 
-def threshold_sweep(b: Bench, thresholds) -> list[dict]:
-    """Perplexity and mean depth at each router threshold θ (none without a router)."""
-    if b.model.router is None:
+def _threshold_sweep(a: _Ablation, thresholds) -> list[dict]:
+    """Perplexity and mean depth against the router threshold theta (none without a router)."""
+    from evaluation.perplexity import perplexity
+
+    if a.model.router is None:
         return []
     sweep = []
     for th in thresholds:
-        p = b.ppl(threshold=th)
+        p = perplexity(a.model, a.stream, a.M, device=a.dev, threshold=th)
         sweep.append({"theta": th, "ppl": p["ppl"], "mean_depth": p["depth"]["mean"]})
-    b.log(
+    a.log(
         "threshold sweep: "
         + ", ".join(f"θ={s['theta']}: ppl {s['ppl']:.2f} depth {s['mean_depth']:.2f}" for s in sweep)
     )
     return sweep
 
 
-def ttft_by_prompt_length(b: Bench, prompt_lens) -> dict:
-    """TTFT (ms) at each prompt length that fits the context (the context itself when none does), router on/off."""
-    lens = [P for P in prompt_lens if P <= b.T] or [b.T]
+def _ttft(a: _Ablation, prompt_lens) -> dict:
+    """TTFT against prompt length (those that fit the context), router on and off."""
+    lens = [P for P in prompt_lens if P <= a.T] or [a.T]
     tt = {}
-    for router in b.routers():
+    for router in a.routers:
         row = {}
         for P in lens:
-            pr = b.prompt(P)
-            row[str(P)] = 1e3 * _median_time(lambda: timing.ttft(b.model, b.M, pr, router=router)[0], b.repeats)  # noqa: B023  (runs now)
+            pr = a.tokens(P)
+            row[str(P)] = 1e3 * _median_time(lambda: timing.ttft(a.model, a.M, pr, router=router)[0], a.repeats)  # noqa: B023  (runs now)
         tt[f"router_{'on' if router else 'off'}"] = row
-    b.log(
+    a.log(
         "TTFT: " + "; ".join(f"{k}: " + ", ".join(f"P={p} {v:.1f} ms" for p, v in row.items()) for k, row in tt.items())
     )
     return tt
@@ -275,9 +279,11 @@ def _plot(res: dict, out: Path) -> list[Path]:
 def ablate(checkpoint, out, loops, ppl_dir, ppl_tokens, thresholds, prompt_lens, repeats, tpot_steps, device):
     """The paper's ablations (Figures 3 and 4) for CHECKPOINT: PNGs plus the numbers in ablate.json."""
     name = Path(checkpoint).resolve().name
+    out = out or f"out/ablate/{name}"
+    check_writable(out, "--out")  # before the model is loaded and measured
     run(
         checkpoint,
-        out or f"out/ablate/{name}",
+        out,
         loops,
         ppl_dir,
         ppl_tokens,

@@ -8,18 +8,22 @@ from importlib.metadata import entry_points
 
 import click
 
+from data_prep.files import UnwritableError
 from pipeline.config import ConfigError, field_docs, list_presets, load_config, to_yaml
 
 
 class _Group(click.Group):
-    """Turns a ConfigError anywhere below into a clean one-line error (exit 2), not a traceback; the components'
-    subcommands (`tlf.commands` entry points) load when named, so `tlf prep-data` never imports torch."""
+    """Turns a ConfigError anywhere below into a clean one-line error (exit 2), and an output path that cannot be
+    written (data_prep.files.check_writable) into one of exit 1, not a traceback; the components' subcommands
+    (`tlf.commands` entry points) load when named, so `tlf prep-data` never imports torch."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except ConfigError as e:
             raise click.UsageError(f"config error: {e}") from None
+        except UnwritableError as e:
+            raise click.ClickException(str(e)) from None
 
     def list_commands(self, ctx) -> list[str]:
         return sorted({*super().list_commands(ctx), *_entry_points()})

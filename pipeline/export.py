@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from data_prep.files import check_writable
 from pipeline.model.io import find_export, load_model, save_model
 
 FORMATS = ("safetensors", "pt", "hf")
@@ -26,13 +27,8 @@ def _check_out(out: Path) -> None:
         raise click.UsageError(
             f"--out {out}: exists and is not an export (no config.yaml or config.json); choose a new or empty directory"
         )
-    if out.exists() and not out.is_dir():
-        raise click.ClickException(f"--out {out}: exists and is not a directory")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # mkdir reports a file on the way as "File exists"
-        why = "Not a directory: a file is on its path" if isinstance(e, FileExistsError) else e.strerror or e
-        raise click.ClickException(f"--out {out}: cannot create it ({why})") from None
+    check_writable(out, "--out")
+    check_writable(out.parent, "--out", make=True)  # the export is built beside out, then renamed into place
 
 
 def _temp_dirs(out: Path) -> list[Path]:
@@ -50,6 +46,8 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 
 def export(checkpoint: str, out: str, fmt: str = "safetensors") -> Path:
+    dest = Path(out)
+    _check_out(dest)  # before the weights are read
     model, cfg = load_model(checkpoint, "cpu")
     if Path(out).resolve() == find_export(checkpoint).resolve():
         raise click.UsageError(f"--out {out}: is the source export itself; choose another directory")
@@ -58,8 +56,6 @@ def export(checkpoint: str, out: str, fmt: str = "safetensors") -> Path:
 
         if not have_safetensors():
             raise click.UsageError(f"--format {fmt} needs the safetensors package (pip install tlf[hf])")
-    dest = Path(out)
-    _check_out(dest)
     for stale in _temp_dirs(dest):  # left by a killed export
         shutil.rmtree(stale, ignore_errors=True)
     tmp = dest.with_name(f".{dest.name}.tmp-export{os.getpid()}")

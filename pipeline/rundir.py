@@ -11,8 +11,8 @@ checkpoints in it are complete, and which of those are intact.
 A checkpoint is complete once its dir bears its final name (`global_step{N}` holding rank0_state.pt), and intact
 when every file files.json lists has the size it was written with (`damage`; a checkpoint written before
 files.json existed: `legacy_damage`). `newest_intact` is what readers take, not what `latest` names: a kill
-between the two renames leaves `latest` one behind, and a truncated or missing file makes them fall back to the
-previous checkpoint with a warning naming both.
+between the two renames leaves `latest` one behind (said in a warning, `lagging_latest`), and a truncated or missing
+file makes them fall back to the previous checkpoint with a warning naming both.
 """
 
 from __future__ import annotations
@@ -132,11 +132,14 @@ def _cut_short(f: Path) -> str | None:
 
 def newest_intact(root: Path, warn=None) -> Path | None:
     """The newest complete checkpoint under root whose files are all there (`damage`), or None; each newer damaged
-    one is reported through warn (a callable taking one line) naming it and the one chosen instead."""
+    one is reported through warn (a callable taking one line) naming it and the one chosen instead, and so is a
+    `latest` that names another checkpoint (`lagging_latest`)."""
     done = [p for _, p in complete_checkpoints(root)]
     for i in range(len(done) - 1, -1, -1):
         why = damage(done[i])
         if why is None:
+            if warn is not None and (note := lagging_latest(root, done[i], done[i + 1 :])):
+                warn(note)
             return done[i]
         if warn is not None:
             warn(
@@ -144,3 +147,18 @@ def newest_intact(root: Path, warn=None) -> Path | None:
                 + (f"falling back to {done[i - 1]}" if i else "no earlier complete checkpoint to fall back to")
             )
     return None
+
+
+def lagging_latest(root: Path, chosen: Path, damaged: list[Path]) -> str | None:
+    """Why root/latest, a hint written after each save, is passed over for `chosen`, or None when it names chosen
+    (or is absent, or names a damaged checkpoint: that warning was given)."""
+    try:
+        named = (root / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if named == chosen.name or root / named in damaged:
+        return None
+    m, step = STEP_DIR.match(named), int(STEP_DIR.match(chosen.name).group(1))
+    older = m is not None and (root / named / "rank0_state.pt").is_file() and int(m.group(1)) < step
+    why = "a save was cut off before it updated latest" if older else "no complete checkpoint of that name"
+    return f"{root / 'latest'} names {named[:80]!r}; using {chosen}, the newest intact checkpoint ({why})"

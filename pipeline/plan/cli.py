@@ -7,6 +7,7 @@ import json
 
 import click
 
+from data_prep.files import check_writable, write_json
 from pipeline.config import ConfigError, load_config
 from pipeline.train.logger import fmt_duration
 
@@ -27,6 +28,9 @@ def parse_sweep(items: tuple[str, ...]) -> dict[str, list]:
             grid[key] = [SWEEP_KEYS[key](v) for v in vals.split(",")]
         except ValueError:
             raise click.BadParameter(f"{item!r}: {key} takes integers", param_hint="--sweep") from None
+    for mb in grid.get("mb", []):
+        if mb < 1:
+            raise click.BadParameter(f"mb={mb}: a micro-batch must be >= 1", param_hint="--sweep")
     from pipeline.train.ac import MODES
 
     for ac in grid.get("ac", []):
@@ -142,8 +146,11 @@ def plan_cmd(config, overrides, gpus, gpu_name, mfu, mean_depth, sweep_items, js
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--gpu") from None
     grid = parse_sweep(sweep_items)
+    if json_out and json_out != "-":  # before the minutes of planning, not after them
+        check_writable(json_out, "--json", directory=False)
     try:
         cfg = load_config(config, overrides)
+        click.echo(f"[tlf] planning {cfg.name} on {gpus} x {hw.name}: tracing the training step", err=True)
         if grid:
             out = {"config": cfg.name, "gpu": hw.name, "gpus": gpus, "rows": sweep(cfg, gpus, hw, grid, mean_depth)}
         else:
@@ -152,22 +159,25 @@ def plan_cmd(config, overrides, gpus, gpu_name, mfu, mean_depth, sweep_items, js
         raise click.UsageError(f"config error: {e}") from None
     except PlanError as e:
         raise click.ClickException(str(e)) from None
-    if json_out != "-":
-        if grid:
-            click.echo(f"{cfg.name} on {gpus} x {hw.name}: per-GPU peak (GiB) of {hw.memory / GiB:.1f}")
-            click.echo(f"{'ZeRO':>4} {'ckpt':>6} {'mb':>4} {'peak':>8} {'headroom':>9} {'max mb':>7}  verdict")
-            for r in out["rows"]:
-                click.echo(
-                    f"{r['zero_stage']:>4} {r['activation_checkpointing']:>6} {r['micro_batch']:>4} "
-                    f"{r['peak'] / GiB:8.2f} {r['headroom'] / GiB:+9.2f} {r['max_micro_batch']:>7}  "
-                    f"{'FITS' if r['fits'] else 'DOES NOT FIT'}"
-                )
-        else:
-            print_plan(out)
-    if json_out:
-        text = json.dumps(out, indent=2)
-        if json_out == "-":
-            click.echo(text)
-        else:
-            with open(json_out, "w") as fh:
-                fh.write(text + "\n")
+    if json_out != "-" and grid:
+        print_sweep(out, hw)
+    elif json_out != "-":
+        print_plan(out)
+    if json_out == "-":
+        click.echo(json.dumps(out, indent=2))
+    elif json_out:
+        try:
+            write_json(json_out, out)
+        except OSError as e:
+            raise click.ClickException(f"--json {json_out}: not written ({e.strerror or e})") from None
+
+
+def print_sweep(out: dict, hw) -> None:
+    click.echo(f"{out['config']} on {out['gpus']} x {hw.name}: per-GPU peak (GiB) of {hw.memory / GiB:.1f}")
+    click.echo(f"{'ZeRO':>4} {'ckpt':>6} {'mb':>4} {'peak':>8} {'headroom':>9} {'max mb':>7}  verdict")
+    for r in out["rows"]:
+        click.echo(
+            f"{r['zero_stage']:>4} {r['activation_checkpointing']:>6} {r['micro_batch']:>4} "
+            f"{r['peak'] / GiB:8.2f} {r['headroom'] / GiB:+9.2f} {r['max_micro_batch']:>7}  "
+            f"{'FITS' if r['fits'] else 'DOES NOT FIT'}"
+        )

@@ -20,6 +20,7 @@ why each rank's own state lives in its own file. Resuming from one: pipeline/tra
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_prep.files import atomic_write_bytes, write_json
+from data_prep.files import UnwritableError, atomic_write_bytes, check_writable, write_json
 from pipeline.config import Config, ConfigError
 from pipeline.rundir import complete_checkpoints, newest_intact, record_files
 
@@ -41,12 +42,13 @@ class CheckpointError(RuntimeError):
 
 
 def ensure_dir(root: Path) -> None:
-    """Creates the checkpoint root (a no-op when it exists); a CheckpointError naming it when it cannot be made.
-    `tlf train` calls it before training, so a bad checkpoint.dir fails at once, not at the first save."""
+    """Creates the checkpoint root (a no-op when it exists); a CheckpointError naming it when it cannot be written
+    (data_prep.files.check_writable). `tlf train` calls it before training, so a bad checkpoint.dir fails at once,
+    not at the first save."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"checkpoint.dir={root}: cannot create it ({e.strerror or e})") from None
+        check_writable(root, "checkpoint.dir", make=True)
+    except UnwritableError as e:
+        raise CheckpointError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------- RNG
@@ -209,11 +211,20 @@ def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: i
     return final
 
 
+# How a failed write shows up: OSError ENOSPC / EDQUOT (our writers, torch's legacy format), or a RuntimeError of
+# torch's zip writer (DeepSpeed's own save): "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs
+# 598" (torch 2.13 on a full disk), "basic_ios::clear: iostream error" (a small file), "PytorchStreamWriter failed
+# writing file data/0: file write failed" (older torch).
+WRITE_FAILED = ("unexpected pos", "iostream error", "file write failed", "No space left on device")
+
+
 def _one_line(e: BaseException, where: Path) -> str:
-    """An exception as one line (torch's writer errors span several lines; a failed write gets the free space)."""
+    """An exception as one line (torch's writer errors span several lines); a failed write gets the free space on
+    `where`, the checkpoint dir."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
     msg = next((ln for ln in lines if "failed" in ln.lower()), lines[0])
-    if isinstance(e, RuntimeError) and "write" in msg.lower():
+    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    if full or (isinstance(e, RuntimeError) and any(m in str(e) for m in WRITE_FAILED)):
         try:
             msg += f" (disk full? {shutil.disk_usage(where).free / 2**20:.1f} MiB free on {where})"
         except OSError:

@@ -69,6 +69,7 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
         raise click.UsageError(f"config error: {e}") from None
     from data_prep.shards import ShardError
     from pipeline.rundir import run_dir
+    from pipeline.tracking import MetricsFileError
     from pipeline.train.checkpoint import CheckpointError, ensure_dir
     from pipeline.train.trainer import NonFiniteError, run
 
@@ -82,7 +83,7 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
     except ConfigError as e:
         click.echo(f"Error: config error: {e}", err=True)
         code = 2
-    except (ShardError, CheckpointError, NonFiniteError, OSError) as e:
+    except (ShardError, CheckpointError, NonFiniteError, MetricsFileError, OSError) as e:
         click.echo(f"Error: {e}", err=True)
         code = 1
     except KeyboardInterrupt:
