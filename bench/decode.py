@@ -21,7 +21,7 @@ The table gives tlf's time as a ratio to each baseline and, beside it, the expec
 Modulation is a precomputed (K, 4d) table per layer; no modulator weight is read while decoding.
 
 TPOT against the memory-bandwidth floor (tlf, (c) and (d)): the bytes a decode step cannot avoid reading, over the
-device's bandwidth (`pipeline/plan/hardware.py`, this GPU's row; --bandwidth overrides; on CPU the table's
+device's bandwidth (`pipeline/hardware.py`, this GPU's row; --bandwidth overrides; on CPU the table's
 order-of-magnitude row). Per step: the shared block's weights once per loop that any row runs (the modulator
 weights are not read: tables), the modulation rows, the router, the final norm and the LM head once, each row's
 two embedding rows, and per row and loop it runs, that loop's keys and values of the row (every layer), from the
@@ -47,7 +47,7 @@ from bench.interleave import write_json
 from pipeline.config import load_config
 from pipeline.inference import timing
 from pipeline.model import LoopedLM
-from pipeline.plan.hardware import gpu, this_gpu
+from pipeline.hardware import gpu, this_gpu
 from testkit import spread_router  # bench/ is the script's own directory
 
 VARIANTS = ("tlf", "nocache", "fulldepth", "loopformer", "base")

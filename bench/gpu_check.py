@@ -222,7 +222,7 @@ def environment(py: str, env: dict) -> dict:
 def _gpu_name(py: str, env: dict, dry: bool) -> str:
     if dry:
         return "cpu"
-    code = "from pipeline.plan.hardware import this_gpu; g = this_gpu(); print(g.name if g else 'h200')"
+    code = "from pipeline.hardware import this_gpu; g = this_gpu(); print(g.name if g else 'h200')"
     p = subprocess.run([py, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     return (p.stdout.strip().splitlines() or ["h200"])[-1]
 

@@ -292,12 +292,12 @@ def main(argv=None) -> dict:
         "--peak-flops",
         type=float,
         default=None,
-        help="for MFU; default: logging.peak_flops, else this GPU's row of pipeline/plan/hardware.py, else an A100's",
+        help="for MFU; default: logging.peak_flops, else this GPU's row of pipeline/hardware.py, else an A100's",
     )
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "train_step.json"))
     a = ap.parse_args(argv)
     from pipeline.config import VARIANTS, load_config
-    from pipeline.plan.hardware import gpu, this_gpu
+    from pipeline.hardware import gpu, this_gpu
     from pipeline.demo import EXPECTED_RECIPE
 
     overrides = a.overrides if a.overrides is not None else ["model.vocab_size=8192"]

@@ -26,10 +26,12 @@ from pathlib import Path
 import numpy as np
 
 from data_prep import foldtask
+from data_prep.assets import ensure_assets
 from data_prep.config import FOLD, PrepConfig, changed_options
 from data_prep.files import check_writable, write_json
 from data_prep.shards import ShardError, ShardReader, read_manifest
-from data_prep.sources import make_source
+from data_prep.hf import HubSource
+from data_prep.sources import FileSource, resolve_inputs
 from data_prep.tokenizer import EOT, MAX_UINT16_VOCAB, TOKENIZER, get_encoding
 from data_prep.worker import PrepInputError, init_worker, tokenize_task
 from data_prep.writer import MANIFEST, SplitWriter, manifest, write_tokens
@@ -158,6 +160,17 @@ def _generate_fold(cfg: PrepConfig, out: Path, overwrite: bool, log) -> tuple[di
         cfg.resolved_workers() if cfg.depth_docs > foldtask.CHUNK_DOCS else 0, initializer=None
     ) as pool:
         return foldtask.generate(cfg, out, info, log, pool), True
+
+
+def make_source(cfg: PrepConfig, files: list[Path] | None = None):
+    """The source for a PrepConfig: the demo corpora, local files (resolved from cfg.inputs unless given), or a Hub
+    dataset."""
+    if cfg.source in ("demo", "demo-enwiki"):
+        path = Path(ensure_assets()[cfg.source])
+        return FileSource([path], "text", "file", cfg.batch_bytes)
+    if cfg.source == "files":
+        return FileSource(files or resolve_inputs(cfg.inputs), cfg.text_field, cfg.txt_mode, cfg.batch_bytes)
+    return HubSource(cfg)
 
 
 class _Run:

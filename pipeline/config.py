@@ -567,7 +567,7 @@ class LoggingConfig:
     run_name: str = f("", "MLflow run name; empty derives it from the preset and variant.")
     peak_flops: float = f(
         0.0,
-        "Peak FLOP/s per device for MFU (0 on CUDA: this GPU's dense bf16 peak from pipeline/plan/hardware.py, "
+        "Peak FLOP/s per device for MFU (0 on CUDA: this GPU's dense bf16 peak from pipeline/hardware.py, "
         "an A100's 312e12 if it is not there; on CPU no MFU is reported unless set).",
     )
     mlflow: bool = f(

@@ -72,7 +72,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, data, fu
     """A missing file (the export) or a truncated one (DeepSpeed's model states) in the newest checkpoint: eval and
     the resume use the previous one, with one warning line naming both."""
     from pipeline.model.io import find_export
-    from pipeline.train.checkpoint import damage
+    from pipeline.rundir import damage
 
     root = tmp_path / "ck"
     result(child(root, data, 4))

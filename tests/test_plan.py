@@ -18,7 +18,7 @@ from pipeline.model import LoopedLM
 from pipeline.model.looped import active_counts
 from pipeline.plan.cli import plan_cmd
 from pipeline.plan.core import Planner
-from pipeline.plan.hardware import gpu
+from pipeline.hardware import gpu
 from pipeline.plan.trace import trace_step
 from pipeline.train.ds import build_optimizer
 from pipeline.train.objective import Objective
@@ -251,7 +251,7 @@ def test_the_largest_micro_batch_is_the_traces_own(ac):
     import dataclasses
 
     from pipeline.plan.core import Planner
-    from pipeline.plan.hardware import gpu
+    from pipeline.hardware import gpu
 
     cfg = load_config("tiny/loopformer", [])
     probe = Planner(cfg, gpu("a100-80gb"))

@@ -80,7 +80,8 @@ def hf_config(cfg: Config) -> dict:
 
 def write_tokenizer(out: Path) -> None:
     """GPT-2 tokenizer files from the offline BPE assets (encoder.json is vocab.json, vocab.bpe is merges.txt)."""
-    from data_prep.tokenizer import BPE_CACHE_NAMES, bpe_dir, get_encoding
+    from data_prep.assets import BPE_CACHE_NAMES, bpe_dir
+    from data_prep.tokenizer import get_encoding
 
     get_encoding()  # places the verified files
     d = bpe_dir()

@@ -105,7 +105,7 @@ def print_plan(p: dict) -> None:
     "gpu_name",
     default="a100-80gb",
     show_default=True,
-    help="Device of pipeline/plan/hardware.py: a100-40gb, a100-80gb, h100-80gb, h200, cpu.",
+    help="Device of pipeline/hardware.py: a100-40gb, a100-80gb, h100-80gb, h200, cpu.",
 )
 @click.option(
     "--mfu",
@@ -139,7 +139,7 @@ def plan_cmd(config, overrides, gpus, gpu_name, mfu, mean_depth, sweep_items, js
     tlf plan paper/loopformer --gpus 8 --gpu a100-40gb --sweep zero=1,2,3 --sweep ac=none,loop,layer
     """
     from pipeline.plan.core import PlanError, plan, sweep
-    from pipeline.plan.hardware import gpu
+    from pipeline.hardware import gpu
 
     try:
         hw = gpu(gpu_name)

@@ -17,7 +17,7 @@ def _check_batch(cfg, ws: int) -> None:
     micro-batches: grad-accum may then adapt to another world size (the trainer checks after reading it)."""
     t = cfg.train
     if cfg.checkpoint.resume != "none" and t.global_batch_size % (t.micro_batch_size * ws) == 0:
-        from pipeline.train.checkpoint import complete_checkpoints, run_dir
+        from pipeline.rundir import complete_checkpoints, run_dir
 
         if cfg.checkpoint.resume != "auto" or complete_checkpoints(run_dir(cfg)):
             return
@@ -125,8 +125,9 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
         return
     from data_prep.files import new_dirs_removed_on_error
     from data_prep.shards import ShardError
+    from pipeline.rundir import run_dir
     from pipeline.tracking import MetricsFileError
-    from pipeline.train.checkpoint import CheckpointError, ensure_dir, run_dir
+    from pipeline.train.checkpoint import CheckpointError, ensure_dir
     from pipeline.train.trainer import NonFiniteError, run
 
     code = 0

@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import Config, ConfigError, ModelConfig, upgrade
+from pipeline.config import Config
 from pipeline.model.schedule import step_shortcut
+from pipeline.rundir import run_dir
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.logger import log
 from pipeline.train.objective import Objective, ObjectiveOutput
@@ -224,94 +225,29 @@ class Trainer:
 
     @classmethod
     def build(cls, cfg: Config, callbacks: list | None = None, *, loader=None, model=None) -> "Trainer":
-        """Device, process group, determinism, loaders, model, DeepSpeed engine, resume. callbacks: None for
-        `default_callbacks()`; loader: instead of the TrainLoader over data.dir (anything with next() -> (x, y),
-        epoch, state_dict(), load_state_dict()); model: a fresh LoopedLM(cfg.model) to train instead of a new one
-        (e.g. with weights set by a benchmark before the engine is built)."""
-        from pipeline.model import LoopedLM
+        """Device, process group, determinism, resume, loaders, network, DeepSpeed engine, in that order. callbacks:
+        None for `default_callbacks()`; loader: instead of the TrainLoader over data.dir (anything with next() ->
+        (x, y), epoch, state_dict(), load_state_dict()); model: a fresh LoopedLM(cfg.model) to train instead of a new
+        one (e.g. with weights set by a benchmark before the engine is built)."""
         from pipeline.train import determinism, ds
-        from pipeline.train.ac import apply_ac
         from pipeline.train.callbacks import default_callbacks
-        from pipeline.train.data import TrainLoader, ValLoader
+        from pipeline.train.data import build_loaders
+        from pipeline.train.resume import Resume
 
         device_kind = ds.resolve_device(cfg)
         precision = ds.resolve_precision(cfg, device_kind)
         rank, _, ws = ds.init_distributed(device_kind)
         determinism.apply(cfg.train.deterministic, device_kind)
-        root = ckpt.run_dir(cfg)
+        root = run_dir(cfg)
         log.open(rank)  # so a damaged newest checkpoint is reported (once, by rank 0) as it is passed over
-        resume_from = ckpt.find_resume(cfg, root, log.warn)
-        saved = ckpt.read_state(resume_from, 0, None) if resume_from is not None else None
-        changed = _check_compatible(cfg, saved["config"], resume_from) if saved is not None else ""
-        layout = _adapt_to_layout(cfg, saved, ws)  # another world size or ZeRO stage: grad-accum adapts
-        note = "; ".join(n for n in (layout, changed) if n)  # logged when the run starts
+        resume = Resume.find(cfg, root, ws)  # another world size or ZeRO stage: grad-accum adapts
         ds_config = ds.build_ds_config(cfg, ws, precision)  # checks the batch sizes against ws (check_world_size)
-        T, mb = cfg.model.block_size, cfg.train.micro_batch_size
-
-        if loader is None:
-            loader = TrainLoader(
-                cfg.data.dir,
-                cfg.data.train_split,
-                T,
-                mb,
-                rank,
-                ws,
-                cfg.train.seed,
-                cfg.model.vocab_size,
-                cfg.data.verify,
-                global_batch=cfg.train.global_batch_size,
-                curriculum=cfg.data.curriculum > 0,
-            )
-        val = []
-        if cfg.train.eval_interval > 0:
-            val = [
-                (
-                    f"val/{Path(d).name or d}",
-                    ValLoader(d, cfg.data.val_split, T, mb, rank, ws, cfg.model.vocab_size, cfg.data.verify),
-                )
-                for d in [cfg.data.dir] + list(cfg.data.extra_val_dirs)
-            ]
-            val[0] = ("val/loss", val[0][1])
-
-        # Same seed on every rank: identical initial weights, and (a checkpoint's old rule: per micro-batch from this
-        # RNG) the same shortcut schedule sampled on every rank (ZeRO-3 gathers parameters per block call, so all
-        # ranks must run the same number of loops; the step-keyed rule draws one per step, `Trainer.shortcut`).
-        ckpt.set_rng_state(_seeded_rng(cfg.train.seed))
-        if model is None:
-            model = LoopedLM(cfg.model)
-        apply_ac(model, cfg.train.activation_checkpointing)
-        if cfg.train.compile:
-            from pipeline.train.compile import apply_compile
-
-            apply_compile(model)
-        full = None
-        if layout:  # resharding: the full weights go in before the engine partitions them
-            from pipeline.train import reshard
-
-            full = reshard.full_state(resume_from)
-            reshard.load_weights(model, full)
+        loader, val = build_loaders(cfg, rank, ws, loader)
+        model = _network(cfg, model)
+        resume.load_weights(model)  # resharding: the full weights go in before the engine partitions them
         optimizer, scheduler = ds.build_optimizer(cfg, model)
         engine = ds.initialize(Objective(model, cfg.objective), optimizer, scheduler, ds_config)
-
-        step, run_id = 0, None
-        if resume_from is not None:
-            # another world size: every rank continues from rank 0's state (RNG states are the same on every rank)
-            state = ckpt.read_state(resume_from, rank, ws) if saved["world_size"] == ws else saved
-            if full is not None:
-                reshard.load_optimizer(engine, model, full, rank)
-            else:
-                ckpt.load_engine(engine, resume_from)
-            loader.load_state_dict(state["loader"])
-            try:  # the Objective's own state (the kind table)
-                engine.module.load_state(state.get("objective", {}), str(resume_from))
-            except ValueError as e:
-                raise ckpt.CheckpointError(str(e)) from e
-            ckpt.set_rng_state(state["rng"])
-            step, run_id = int(state["step"]), state.get("mlflow_run_id")
-            if engine.global_steps != step:
-                raise ckpt.CheckpointError(
-                    f"{resume_from}: DeepSpeed is at step {engine.global_steps}, our state at {step}"
-                )
+        step, run_id = resume.restore(engine, model, loader, rank, ws)
         trainer = cls(
             cfg,
             rank=rank,
@@ -325,11 +261,11 @@ class Trainer:
             engine=engine,
             step=step,
             run_id=run_id,
-            resume_from=resume_from,
+            resume_from=resume.path,
             callbacks=default_callbacks() if callbacks is None else callbacks,
         )
-        trainer.resume_note = note
-        trainer.schedule = saved.get("schedule", GLOBAL_RNG) if saved is not None else STEP_KEYED
+        trainer.resume_note = resume.note
+        trainer.schedule = resume.saved.get("schedule", GLOBAL_RNG) if resume.saved is not None else STEP_KEYED
         return trainer
 
     # ------------------------------------------------------------------------------------------- one step
@@ -505,7 +441,28 @@ def _lr_of_step(engine) -> float:
     return sched.base_lrs[0] * f(engine.global_steps - 1)
 
 
-def _seeded_rng(seed: int) -> dict:
+def _network(cfg: Config, model=None):
+    """The network to train: a new LoopedLM(cfg.model) unless `model` is given, with activation checkpointing and
+    torch.compile applied. Seeded from train.seed first, the same on every rank: identical initial weights, and (a
+    checkpoint's old rule: per micro-batch from this RNG) the same shortcut schedule sampled on every rank (ZeRO-3
+    gathers parameters per block call, so all ranks must run the same number of loops; the step-keyed rule draws one
+    per step, `Trainer.shortcut`)."""
+    from pipeline.model import LoopedLM
+    from pipeline.train.ac import apply_ac
+
+    _seed(cfg.train.seed)
+    if model is None:
+        model = LoopedLM(cfg.model)
+    apply_ac(model, cfg.train.activation_checkpointing)
+    if cfg.train.compile:
+        from pipeline.train.compile import apply_compile
+
+        apply_compile(model)
+    return model
+
+
+def _seed(seed: int) -> None:
+    """Python's, numpy's and torch's (CPU and every CUDA device) RNGs seeded from `seed`."""
     import random
 
     import numpy as np
@@ -513,55 +470,3 @@ def _seeded_rng(seed: int) -> dict:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    return ckpt.rng_state()
-
-
-def _adapt_to_layout(cfg: Config, saved: dict | None, ws: int) -> str:
-    """Resuming a checkpoint written by another number of ranks or ZeRO stage: sets train.grad_accum_steps so
-    that the global batch stays train.global_batch_size (when it divides); returns a line saying what changed,
-    "" when nothing did (the checkpoint then loads as DeepSpeed wrote it)."""
-    if saved is None:
-        return ""
-    t = cfg.train
-    was_ws, was_stage = int(saved["world_size"]), int(saved["config"]["train"].get("zero_stage", t.zero_stage))
-    if was_ws == ws and was_stage == t.zero_stage:
-        return ""
-    per = t.micro_batch_size * ws
-    if (
-        was_ws != ws
-        and t.global_batch_size % per == 0
-        and t.micro_batch_size * t.grad_accum_steps * ws != t.global_batch_size
-    ):
-        t.grad_accum_steps = t.global_batch_size // per
-    return (
-        f"resuming a checkpoint of {was_ws} ranks under ZeRO-{was_stage} on {ws} ranks under ZeRO-{t.zero_stage}: "
-        f"global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x grad-accum {t.grad_accum_steps} "
-        f"x {ws} ranks; weights, AdamW moments, LR schedule and data position carried over"
-    )
-
-
-def _check_compatible(cfg: Config, saved: dict, path: Path) -> str:
-    """Resuming needs the same network and data order: a `model` field outside `ModelConfig.RESUMABLE`, or the
-    batch sizes or seed, that differs from the checkpoint's (its config `upgrade`d: older checkpoints hold the
-    objective under `model`) is an error naming each key. The `objective` section and the execution knobs may
-    change (the other sections too: schedule length, logging, ...); returns a note naming those that did ("" when
-    none)."""
-    now, was = cfg.to_dict(), upgrade(saved)
-    changed = {
-        f"{sec}.{k}": (was.get(sec, {}).get(k), v)
-        for sec in ("model", "objective")
-        for k, v in now[sec].items()
-        if was.get(sec, {}).get(k) != v
-    }
-    free = {f"model.{k}" for k in ModelConfig.RESUMABLE} | {f"objective.{k}" for k in now["objective"]}
-    diff = [f"{k} ({a!r} -> {b!r})" for k, (a, b) in changed.items() if k not in free]
-    for k in ("micro_batch_size", "global_batch_size", "seed"):  # world size and ZeRO stage may change
-        if was["train"].get(k) != now["train"][k]:
-            diff.append(f"train.{k} ({was['train'].get(k)!r} -> {now['train'][k]!r})")
-    if diff:
-        raise ConfigError(
-            f"cannot resume from {path}: config differs in {', '.join(diff)} "
-            "(use checkpoint.resume=none or another checkpoint.dir)"
-        )
-    kept = [f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items() if k in free]
-    return f"resuming with the objective or execution changed: {', '.join(kept)}" if kept else ""

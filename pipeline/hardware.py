@@ -1,4 +1,5 @@
-"""The GPU table of `tlf plan` (`--gpu NAME`): one row per device, each figure with its source.
+"""The GPU table: one row per device, each figure with its source. Training reads the peak of this CUDA device's
+row for MFU (`this_gpu`; logging.peak_flops=0), `tlf plan --gpu NAME` plans for any row.
 
 peak_flops: dense (no sparsity) bf16 tensor-core FLOP/s; memory: capacity in bytes as the vendor states it
 (GB = 1e9 bytes); bandwidth: memory bandwidth in bytes/s; bf16: whether `train.precision=auto` picks bf16 there.
@@ -73,7 +74,7 @@ GPUS = {
 def gpu(name: str) -> GPU:
     """The row NAME, or a one-line error listing the known names."""
     if name not in GPUS:
-        raise ValueError(f"unknown GPU {name!r}: one of {', '.join(GPUS)} (pipeline/plan/hardware.py)")
+        raise ValueError(f"unknown GPU {name!r}: one of {', '.join(GPUS)} (pipeline/hardware.py)")
     return GPUS[name]
 
 
