@@ -102,7 +102,8 @@ def find_evaluation(source: Path, roots: list[Path]) -> Path | None:
     """The newest `tlf eval` results.json under roots (and, for a checkpoint's export, under its run dir) recorded
     against the export `source`: its `export` is the same directory, or its training run and step
     (`train_run_id`, `step`) are those source's run.json names. None when there is none."""
-    from pipeline.train.checkpoint import STEP_DIR, read_run_record
+    from pipeline.rundir import STEP_DIR
+    from pipeline.train.checkpoint import read_run_record
 
     try:
         rec = read_run_record(source)

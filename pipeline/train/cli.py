@@ -29,7 +29,9 @@ def _finished(cfg) -> str | None:
     schedule.max_steps (None otherwise, also when the checkpoint cannot be read: the trainer then says why)."""
     if cfg.checkpoint.resume == "none":
         return None
-    from pipeline.train.checkpoint import STEP_DIR, CheckpointError, find_resume, run_dir
+    from pipeline.rundir import STEP_DIR, run_dir
+    from pipeline.train.checkpoint import CheckpointError
+    from pipeline.train.resume import find_resume
 
     try:
         ck = find_resume(cfg, run_dir(cfg))
@@ -52,7 +54,7 @@ def _mlflow_settled(cfg) -> bool:
     if not cfg.logging.mlflow:
         return True
     from pipeline import tracking
-    from pipeline.train.checkpoint import run_dir
+    from pipeline.rundir import run_dir
 
     rec, uri = tracking.read_run_file(run_dir(cfg)), tracking.tracking_uri(cfg.logging.tracking_uri)
     if not rec.get("run_id") or rec.get("tracking_uri") != uri:
