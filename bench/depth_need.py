@@ -102,7 +102,7 @@ def prepare(
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
         sys.exit(f"prep-data failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
-    from data_prep.depthtask import task_of
+    from data_prep.foldtask import task_of
 
     return task_of(data)
 

@@ -12,10 +12,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_prep import foldtask
 from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_mapping, set_key
 
-SOURCES = ("files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext", "depth-hops", "depth-fold")
-DEPTH_SOURCES = ("depth-hops", "depth-fold")  # synthetic tasks with a known depth need per target
+FOLD = "depth-fold"  # the synthetic task with a known depth need per answer (data_prep/foldtask.py)
+SOURCES = ("files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext", FOLD)
 # Named Hugging Face sources: (dataset, default config, split)
 HF_ALIASES = {
     "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train"),
@@ -31,8 +32,7 @@ class PrepConfig:
         "files",
         "Where documents come from: files (local), demo (State of the Union + Moby-Dick), "
         "demo-enwiki (gensim's enwiki sample), hf (any Hub dataset), fineweb-edu, openwebtext, "
-        "depth-hops (synthetic root finding by pointer chasing, a known depth need per target), "
-        "depth-fold (synthetic left fold of a Latin-square operation, one segment per level).",
+        "depth-fold (the fold task: synthetic left fold of a Latin-square operation, a known depth need per answer).",
     )
     inputs: list = f(
         [],
@@ -64,21 +64,16 @@ class PrepConfig:
     max_tokens: int = f(0, "Stop once this many tokens (all splits, EOTs included) are written; 0: whole input.")
     workers: int = f(
         -1,
-        "Worker processes that tokenize (the synthetic depth sources: make documents); -1: all cores; 0: in the main process.",
+        "Worker processes that tokenize (source=depth-fold: make documents); -1: all cores; 0: in the main process.",
     )
     batch_bytes: int = f(1 << 20, "Text per task sent to a worker (bytes, approximate).")
     skip_bad: bool = f(False, "Skip (count and report) malformed lines and records without text instead of failing.")
     progress: bool = f(True, "Show a tqdm progress bar (tokens, tokens/s, ETA) on stderr.")
-    seed: int = f(
-        0, "source=depth-hops or depth-fold: seed of the generated documents (same seed and options: same bytes)."
-    )
-    depth_chains: int = f(6, "source=depth-hops: chains R per document (R (L + 1) symbols, drawn afresh per document).")
+    seed: int = f(0, "source=depth-fold: seed of the generated documents (same seed and options: same bytes).")
     depth_levels: int = f(
-        4,
-        "source=depth-hops or depth-fold: levels 1..L (a level-k query starts k steps from its root; a level-k segment folds k + 1 cells).",
+        4, "source=depth-fold: levels 1..L (a level-k segment folds k + 1 cells; its answer needs k loops)."
     )
-    depth_queries: int = f(4, "source=depth-hops: queries per document, each on its own chain (<= depth_chains).")
-    depth_docs: int = f(20000, "source=depth-hops or depth-fold: documents generated (max_tokens, if set, may cut it).")
+    depth_docs: int = f(20000, "source=depth-fold: documents generated (max_tokens, if set, may cut it).")
     fold_symbols: int = f(16, "source=depth-fold: symbols m of the folded operation g (an m x m Latin square).")
     fold_rule_seed: int = f(0, "source=depth-fold: seed of the operation g (fixed for the whole stream).")
     fold_typed: bool = f(
@@ -98,7 +93,19 @@ class PrepConfig:
         "train with model.block_size a multiple of L + 3, so a window holds whole slots of mixed levels).",
     )
 
+    # Config files written for the removed depth-hops source name its own options: each is a one-line error.
+    REMOVED = {k: foldtask.HOPS_REMOVED for k in ("depth_chains", "depth_queries")}
+
     def validate(self) -> None:
+        self._check_source()
+        self._check_output()
+        if self.source == FOLD:
+            self._check_fold()
+
+    def _check_source(self) -> None:
+        """Where the documents come from: the source and the options that say what it reads."""
+        if self.source == "depth-hops":
+            raise ConfigError(f"source: {foldtask.HOPS_REMOVED}")
         if self.source not in SOURCES:
             raise ConfigError(f"source: {self.source!r} is not one of {', '.join(SOURCES)}")
         if self.source == "files" and not self.inputs:
@@ -109,12 +116,21 @@ class PrepConfig:
             raise ConfigError("hf_dataset: source=hf needs a dataset id")
         if self.hf_data_files and self.source != "hf":
             raise ConfigError("hf_data_files: only used with source=hf")
+        if self.hf_timeout <= 0:
+            raise ConfigError(f"hf_timeout: must be > 0, got {self.hf_timeout}")
         if self.txt_mode not in ("file", "line", "paragraph"):
             raise ConfigError(f"txt_mode: {self.txt_mode!r} is not one of file, line, paragraph")
-        if not self.out:
-            raise ConfigError("out: the output directory is required (--out DIR)")
         if not self.text_field:
             raise ConfigError("text_field: must not be empty")
+
+    def _check_output(self) -> None:
+        """What is written where, and by how many processes."""
+        if not self.out:
+            raise ConfigError("out: the output directory is required (--out DIR)")
+        if self.name and ("/" in self.name or "_" in self.name):
+            raise ConfigError(
+                f"name: {self.name!r} must not contain '/' or '_' (shards are <name>_<split>_<index>.bin)"
+            )
         if self.shard_tokens < 1 or self.shard_tokens > 2**31 - 1:
             raise ConfigError(
                 f"shard_tokens: must lie in 1..2^31-1 (the header's int32 count), got {self.shard_tokens}"
@@ -127,41 +143,19 @@ class PrepConfig:
             raise ConfigError(f"workers: must be -1 (all cores), 0 or positive, got {self.workers}")
         if self.batch_bytes < 1:
             raise ConfigError(f"batch_bytes: must be >= 1, got {self.batch_bytes}")
-        if self.hf_timeout <= 0:
-            raise ConfigError(f"hf_timeout: must be > 0, got {self.hf_timeout}")
-        if self.source == "depth-hops":
-            from data_prep.depthtask import MAX_CHAINS, MAX_LEVELS
 
-            if not 2 <= self.depth_chains <= MAX_CHAINS:
-                raise ConfigError(f"depth_chains: must lie in 2..{MAX_CHAINS}, got {self.depth_chains}")
-            if not 1 <= self.depth_levels <= MAX_LEVELS:
-                raise ConfigError(f"depth_levels: must lie in 1..{MAX_LEVELS}, got {self.depth_levels}")
-            if not 1 <= self.depth_queries <= self.depth_chains:
-                raise ConfigError(
-                    f"depth_queries: must lie in 1..depth_chains ({self.depth_chains}): each query "
-                    f"asks about its own chain, got {self.depth_queries}"
-                )
-        if self.source == "depth-fold":
-            from data_prep.foldtask import MAX_LEVELS, MAX_SYMBOLS
-
-            if not 1 <= self.depth_levels <= MAX_LEVELS:
-                raise ConfigError(f"depth_levels: must lie in 1..{MAX_LEVELS} for depth-fold, got {self.depth_levels}")
-            if not 2 <= self.fold_symbols <= MAX_SYMBOLS:
-                raise ConfigError(f"fold_symbols: must lie in 2..{MAX_SYMBOLS}, got {self.fold_symbols}")
-            from data_prep.foldtask import RULES
-
-            if self.fold_rule not in RULES:
-                raise ConfigError(f"fold_rule: {self.fold_rule!r} is not one of {', '.join(RULES)}")
-            from data_prep.foldtask import LAYOUTS
-
-            if self.fold_layout not in LAYOUTS:
-                raise ConfigError(f"fold_layout: {self.fold_layout!r} is not one of {', '.join(LAYOUTS)}")
-        if self.source in DEPTH_SOURCES and self.depth_docs < 1:
+    def _check_fold(self) -> None:
+        """The fold task's size and layout (source=depth-fold)."""
+        if not 1 <= self.depth_levels <= foldtask.MAX_LEVELS:
+            raise ConfigError(f"depth_levels: must lie in 1..{foldtask.MAX_LEVELS}, got {self.depth_levels}")
+        if not 2 <= self.fold_symbols <= foldtask.MAX_SYMBOLS:
+            raise ConfigError(f"fold_symbols: must lie in 2..{foldtask.MAX_SYMBOLS}, got {self.fold_symbols}")
+        if self.fold_rule not in foldtask.RULES:
+            raise ConfigError(f"fold_rule: {self.fold_rule!r} is not one of {', '.join(foldtask.RULES)}")
+        if self.fold_layout not in foldtask.LAYOUTS:
+            raise ConfigError(f"fold_layout: {self.fold_layout!r} is not one of {', '.join(foldtask.LAYOUTS)}")
+        if self.depth_docs < 1:
             raise ConfigError(f"depth_docs: must be >= 1, got {self.depth_docs}")
-        if self.name and ("/" in self.name or "_" in self.name):
-            raise ConfigError(
-                f"name: {self.name!r} must not contain '/' or '_' (shards are <name>_<split>_<index>.bin)"
-            )
 
     # Resolved values -------------------------------------------------------------------------------
     def resolved_val_every(self) -> int:
@@ -169,7 +163,7 @@ class PrepConfig:
             return self.val_every
         if self.source == "demo-enwiki":
             return 1  # a held-out perplexity set of another domain: all of it is val
-        return DEMO_VAL_EVERY if self.source in ("demo", *DEPTH_SOURCES) else DEFAULT_VAL_EVERY
+        return DEMO_VAL_EVERY if self.source in ("demo", FOLD) else DEFAULT_VAL_EVERY
 
     def resolved_name(self) -> str:
         if self.name:
@@ -190,6 +184,15 @@ class PrepConfig:
             return ds, self.hf_config or cfg, self.hf_split or split
         return self.hf_dataset, self.hf_config, self.hf_split
 
+    def fingerprint(self) -> dict:
+        """The options that decide the bytes, resolved (the manifest's `source`; a rerun with the same is a no-op
+        or resumes)."""
+        return {
+            **{k: getattr(self, k) for k in OUTPUT_KEYS},
+            "val_every": self.resolved_val_every(),
+            "name": self.resolved_name(),
+        }
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -209,9 +212,7 @@ OUTPUT_KEYS = (
     "val_every",
     "max_tokens",
     "seed",
-    "depth_chains",
     "depth_levels",
-    "depth_queries",
     "depth_docs",
     "fold_symbols",
     "fold_rule_seed",
@@ -223,10 +224,11 @@ OUTPUT_KEYS = (
 
 def changed_options(recorded: dict, wanted: dict) -> list[str]:
     """The output options (sorted) in which a manifest's recorded `source` differs from `wanted`. An option the
-    manifest does not record (it predates the option) counts as its default, so adding an option does not
-    refuse the outputs made before it."""
+    manifest does not record (it predates the option) counts as its default, and one it records that no longer
+    exists (depth_chains, depth_queries: the removed depth-hops source's) is not compared, so adding or removing
+    an option does not refuse the outputs made before it."""
     fields = {f.name: f.default for f in dataclasses.fields(PrepConfig)}
-    old = {k: v for k, v in recorded.items() if k != "resolved"}
+    old = {k: v for k, v in recorded.items() if k in fields}
     return sorted(k for k in set(old) | set(wanted) if old.get(k, fields.get(k)) != wanted.get(k))
 
 

@@ -72,16 +72,85 @@ def describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def set_key(obj: Any, key: str, value: Any, source: str, prefix: str = "") -> None:
-    """Sets obj.<key> (dotted) with type checks; unknown keys are errors, and so are keys listed in the
-    dataclass's `MOVED` ({old field: new dotted key}) or `REMOVED` ({old field: why}), with a message naming the
-    new key or saying why. A section whose class defines `CHOICE` (a field name) and `choices()` ({name: class})
-    is a choice: setting that field makes the section an instance of the chosen class, its fields at their
-    defaults (in a mapping, the choice is made before the other keys are set)."""
+# Spellings of other trainers (nanoGPT, litgpt, torchtitan, transformers) -> the key name here; `suggest` looks the
+# name up in the section named, then in the others (train.lr -> optim.lr, training.steps -> schedule.max_steps).
+ALIASES = {
+    "learning_rate": "lr",
+    "steps": "max_steps",
+    "max_iters": "max_steps",
+    "train_steps": "max_steps",
+    "warmup": "warmup_steps",
+    "warmup_iters": "warmup_steps",
+    "lr_warmup_steps": "warmup_steps",
+    "gradient_accumulation_steps": "grad_accum_steps",
+    "max_norm": "grad_clip",
+    "max_seq_length": "block_size",
+    "seq_len": "block_size",
+    "n_embd": "d_model",
+    "dim": "d_model",
+    "n_layer": "n_layers",
+    "n_head": "n_heads",
+    "optimizer": "optim",
+    "lr_scheduler": "schedule",
+    "training": "train",
+}
+# The difflib ratio a name of the same section needs to be suggested (loopz -> loops 0.8; logger_name -> run_name
+# 0.63 is not: a suggestion that far off misleads more than it helps)
+CLOSE = 0.75
+
+
+def _leaves(obj: Any, prefix: str = "") -> dict[str, list[str]]:
+    """{field name: [dotted keys with that name]} over obj and its sections."""
+    out: dict[str, list[str]] = {}
+    for fl in fields(obj):
+        out.setdefault(fl.name, []).append(f"{prefix}{fl.name}")
+        cur = getattr(obj, fl.name)
+        if dataclasses.is_dataclass(cur):
+            for k, v in _leaves(cur, f"{prefix}{fl.name}.").items():
+                out.setdefault(k, []).extend(v)
+    return out
+
+
+def suggest(root: Any, section: Any, prefix: str, head: str, rest: str = "") -> list[str]:
+    """What an unknown key `prefix + head` (+ `.rest`) may have meant: a close name in its own section, else the
+    same name in another section, else the name `ALIASES` gives it, in this section or another ([] when none)."""
+    names = [fl.name for fl in fields(section)]
+    close = difflib.get_close_matches(head, names, n=1, cutoff=CLOSE)
+    if close:
+        return _within(root, section, prefix, close[0], rest)
+    leaves = _leaves(root)
+    for name in (head, ALIASES.get(head)):
+        if name in names and name != head:
+            return _within(root, section, prefix, name, rest)
+        found = [k for k in leaves.get(name, []) if k != f"{prefix}{head}"]
+        if found:
+            return [k + (f".{rest}" if rest else "") for k in found]
+    return []
+
+
+def _within(root: Any, section: Any, prefix: str, name: str, rest: str) -> list[str]:
+    """The suggestion `prefix + name` (+ `.rest`), the rest checked in turn when `name` is a section."""
+    cur = getattr(section, name)
+    if not rest or not dataclasses.is_dataclass(cur):
+        return [f"{prefix}{name}" + (f".{rest}" if rest else "")]
+    head, _, tail = rest.partition(".")
+    if head in {fl.name for fl in fields(cur)}:
+        return [f"{prefix}{name}.{rest}"]
+    return suggest(root, cur, f"{prefix}{name}.", head, tail) or [f"{prefix}{name}"]
+
+
+def set_key(obj: Any, key: str, value: Any, source: str, prefix: str = "", root: Any = None) -> None:
+    """Sets obj.<key> (dotted) with type checks; unknown keys are errors (with `suggest`'s hint; root: the
+    whole config, whose other sections it searches), and so are keys listed in the dataclass's `MOVED` ({old
+    field: new dotted key}), with a message naming the new key, and in its `REMOVED` ({old field: why, and what
+    to use instead}). A section whose class defines `CHOICE` (a field name) and `choices()` ({name: class}) is a
+    choice: setting that field makes the section an instance of the chosen class, its fields at their defaults (in
+    a mapping, the choice is made before the other keys are set)."""
+    root = obj if root is None else root
     head, _, rest = key.partition(".")
     names = {fl.name: fl for fl in fields(obj)}
     full = f"{prefix}{head}"
-    _check_known(obj, head, names, source, full, prefix)
+    _check_known(obj, root, head, rest, names, source, prefix)
     cur = getattr(obj, head)
     if dataclasses.is_dataclass(cur):
         if not rest and not isinstance(value, dict):
@@ -92,7 +161,7 @@ def set_key(obj: Any, key: str, value: Any, source: str, prefix: str = "") -> No
             cur = _chosen(cur, items.pop(choice), source, f"{full}.{choice}")
             setattr(obj, head, cur)
         for k, v in items.items():
-            set_key(cur, k, v, source, f"{full}.")
+            set_key(cur, k, v, source, f"{full}.", root)
         return
     if rest:
         raise ConfigError(f"{source}: '{full}' is not a section, so '{prefix}{key}' does not exist")
@@ -103,14 +172,15 @@ def set_key(obj: Any, key: str, value: Any, source: str, prefix: str = "") -> No
     setattr(obj, head, v)
 
 
-def _check_known(obj: Any, head: str, names: dict, source: str, full: str, prefix: str) -> None:
+def _check_known(obj: Any, root: Any, head: str, rest: str, names: dict, source: str, prefix: str) -> None:
     """A key moved or removed (the dataclass's MOVED / REMOVED), or not a field: a ConfigError naming it."""
+    full = f"{prefix}{head}"
     moved = getattr(type(obj), "MOVED", {}).get(head)
     if moved is not None:
         raise ConfigError(f"{source}: '{full}' moved to '{moved}'")
     removed = getattr(type(obj), "REMOVED", {}).get(head)
     if removed is not None:
-        raise ConfigError(f"{source}: '{full}' was removed: {removed}")
+        raise ConfigError(f"{source}: '{full}': {removed}")
     if head in names:
         return
     choice = getattr(type(obj), "CHOICE", None)
@@ -119,8 +189,8 @@ def _check_known(obj: Any, head: str, names: dict, source: str, full: str, prefi
         raise ConfigError(
             f"{source}: unknown config key '{full}': {choice} {getattr(obj, choice)!r} has the keys {keys}"
         )
-    close = difflib.get_close_matches(head, list(names), n=1)
-    hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+    close = suggest(root, obj, prefix, head, rest)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
     raise ConfigError(f"{source}: unknown config key '{full}'{hint}")
 
 
@@ -149,8 +219,10 @@ def read_yaml_mapping(path: Path, what: str = "sections") -> dict:
     return data
 
 
-def read_yaml_chain(path: Path, seen: tuple = ()) -> list[tuple[str, dict]]:
-    """Returns [(source, mapping), ...] in merge order, following `inherit:` (paths relative to the file)."""
+def read_yaml_chain(path: Path, seen: tuple = (), resolve=None) -> list[tuple[str, dict]]:
+    """Returns [(source, mapping), ...] in merge order, following `inherit:`: each entry a file path relative to
+    the file, or a name `resolve` turns into a path (a preset name such as tiny/t-loopformer; the caller's
+    resolver, as this layer knows no presets; None when it is not one)."""
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"{path}: inherit cycle ({' -> '.join(str(p) for p in seen)})")
@@ -162,9 +234,13 @@ def read_yaml_chain(path: Path, seen: tuple = ()) -> list[tuple[str, dict]]:
         raise ConfigError(f"{path}: inherit: must be a file name or a list of file names, not {parents!r}")
     out: list[tuple[str, dict]] = []
     for p in parents:
-        if not isinstance(p, str) or not (path.parent / p).is_file():
-            raise ConfigError(f"{path}: inherit: {p!r} not found (looked for {path.parent / str(p)})")
-        out += read_yaml_chain(path.parent / p, seen + (path,))
+        found = path.parent / p if isinstance(p, str) and (path.parent / p).is_file() else None
+        if found is None and isinstance(p, str) and resolve is not None:
+            found = resolve(p)
+        if found is None:
+            also = "; no preset has that name either" if resolve is not None else ""
+            raise ConfigError(f"{path}: inherit: {p!r} not found (looked for {path.parent / str(p)}{also})")
+        out += read_yaml_chain(Path(found), seen + (path,), resolve)
     out.append((str(path), data))
     return out
 

@@ -1,5 +1,5 @@
 """`tlf prep-data --source depth-fold`: the fold task, whose every scored answer needs a known number of loops
-(first built as a probe: bench/depth_probe.py `task: fold`, bench/README `### depth-probe: the fold task`).
+(README "The fold task").
 
 A fixed binary operation g on m symbols (a Latin square drawn from `rule_seed`: every row and every column a
 permutation, so one operand alone says nothing of the result) is folded from the left over a segment of cells:
@@ -7,18 +7,22 @@ permutation, so one operand alone says nothing of the result) is folded from the
     y_0 = x_0,  y_j = g(y_(j-1), x_j),  answer y_k for a segment of k + 1 cells x_0 .. x_k
 
 Layout "ordered" (the default): a document is one segment per level k = 1..L, in this order (so the level is a
-function of the position):
+function of the position), the level-k segment opened by W_k = k:
 
-    W x_0 .. x_k A    (W opens a segment, x_j = SYM + symbol, A = SYM + y_k)
+    W_k x_0 .. x_k A    (x_j = SYM + symbol, A = SYM + y_k)
 
-Layout "slots" (prep-data fold_layout=slots): a document is one slot of L + 3 tokens, one segment of a level k drawn
-uniformly from 1..L, then PAD. In the ordered layout the step g is learnt where the level-1 query sits and has to
-be found again, from the level-2 answer alone, at the level-2 segment's cells, which sit at other positions after
-other tokens; no network that composed failed to carry it there and none that carried it failed to compose
-(bench/README `### Where the step is learnt`). In slots every segment starts alike, so cell x_j of a level-k
-segment is where a level-j query is, with the same tokens (in law) before it; its opener is W for every level (a
-level-k opener would let the network compute the step differently at the higher levels' cells), so the loader
-finds the level by counting the slot's tokens before its padding, in windows of whole slots.
+so the scored positions can be found from the tokens of any window (`levels_at`: the position k + 1 after a W_k),
+as the loader and `tlf eval` need. With model.block_size = doc_length(L) a window is one document and the level
+is also a function of the position, which is all a router reading h0 sees at x_k (a symbol).
+
+Layout "slots" (prep-data fold_layout=slots): a document is one slot of L + 3 tokens, one segment of a level k
+drawn uniformly from 1..L, then PAD. In the ordered layout the step g is learnt where the level-1 query sits and
+has to be found again, from the level-2 answer alone, at the level-2 segment's cells, which sit at other positions
+after other tokens (measured: no network that composed failed to carry the step there). In slots every segment
+starts alike, so cell x_j of a level-k segment is where a level-j query is, with the same tokens (in law) before
+it; its opener is W for every level (a level-k opener would let the network compute the step differently at the
+higher levels' cells), so the loader finds the level by counting the slot's tokens before its padding, in windows
+of whole slots.
 
 Only A is scored (its target is predicted at x_k). One step of the fold is one attention read of the left
 neighbour plus a table look-up, so with one layer per loop cell j's prefix y_j is ready after j loops and a
@@ -27,32 +31,39 @@ model that reads the k + 1 cells at once must hold the m^(k+1)-entry table of th
 g's m^2. Every prefix is a fixed point of the step (y_j = g(y_(j-1), x_j) again), so running more loops than d*
 does no harm to a model that learnt the step.
 
-Openers: the probe's documents open every segment with W = 1; the prep-data source's ordered documents
-(`marked=True`) open the level-k segment with W_k = k, so the scored positions can be found from the tokens of any
-window (`levels_at`: the position k + 1 after a W_k), as the loader and `tlf eval` need. With model.block_size =
-doc_length(L) a window is one document and the level is also a function of the position, which is all a router
-reading h0 sees at x_k (a symbol).
-
-`need`: the per-token depth an oracle router would give (`oracle` probes run it): cell x_j of a level-k segment
-is read by x_(j+1) in loop j + 1, so it must still be looping then (depth j + 1 for j < k), the query x_k needs
-k, W and A one loop. `need(L, visible=True)`: the same when a token that has exited stays readable by later loops
-through its frozen state (model.exited_keys=frozen; bench/depth_probe.py grid 8): cell x_j then holds y_j after j loops whether or
-not it runs more, so x_0 and x_1 need one loop, x_j (j >= 1) j loops, the query x_k k.
+`need`: the per-token depth an oracle router would give: cell x_j of a level-k segment is read by x_(j+1) in
+loop j + 1, so it must still be looping then (depth j + 1 for j < k), the query x_k needs k, W and A one loop.
+`need(L, visible=True)`: the same when a token that has exited stays readable by later loops through its frozen
+state (model.exited_keys=frozen): cell x_j then holds y_j after j loops whether or not it runs more, so x_0 and
+x_1 need one loop, x_j (j >= 1) j loops, the query x_k k. The manifest's `mean_need` and `mean_need_frozen` are
+their means, the budget targets that match the task.
 
 Deterministic: the source's document i is drawn from numpy's default_rng((seed, i)) and g from `rule_seed`, so
-the shards are byte-identical for the same options.
+the shards are byte-identical for the same options, whatever the number of worker processes.
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import numpy as np
 
-W = 1  # the probe's and the slots layout's opener of every segment; the ordered source's is W_k = k (`marked`)
+from data_prep.files import write_json
+from data_prep.shards import ShardError, read_manifest
+from data_prep.writer import MANIFEST, SplitWriter, manifest
+
+W = 1  # the slots layout's opener of every segment; the ordered layout's level-k segment opens with W_k = k
 SYM = 16  # symbol s is token SYM + s
 MAX_LEVELS = SYM - 1  # the openers W_k = k stay below the symbols
 MAX_SYMBOLS = 256
 
 
+# What a prep config or a data directory of the removed depth-hops source (the other synthetic task) is told
+HOPS_REMOVED = (
+    "the depth-hops task was removed (at no size were its loops both needed and learnable); "
+    "use the fold task, source=depth-fold (README 'The fold task')"
+)
 RULES = ("cyclic", "random")
 LAYOUTS = ("ordered", "slots")
 PAD = 0  # fills a slot after its answer (layout "slots"); never scored, never an opener
@@ -100,26 +111,11 @@ def doc_length(L: int) -> int:
     return sum(k + 3 for k in range(1, L + 1))
 
 
-def order(L: int, descending: bool = False) -> list:
-    """The levels of a document's segments in document order: 1..L, or L..1 if descending (a query then sees
-    no segment of a lower level before it)."""
-    return list(range(L, 0, -1)) if descending else list(range(1, L + 1))
-
-
-def documents(
-    g: np.ndarray,
-    rng: np.random.Generator,
-    n: int,
-    L: int,
-    marked: bool = False,
-    typed: bool = False,
-    descending: bool = False,
-) -> np.ndarray:
-    """n documents (n, doc_length(L)) int64, cells drawn from rng; marked: segment k opens with W_k = k (the
-    source's documents), else with W (the probe's); typed: the cells x_1..x_k are input tokens SYM + m + x, the
-    first cell x_0 and the answer stay state tokens SYM + y (the same draws either way); descending: the segments
-    in the order L..1 (`order`)."""
-    return np.concatenate([segments(g, rng, n, k, k if marked else W, typed) for k in order(L, descending)], 1)
+def documents(g: np.ndarray, rng: np.random.Generator, n: int, L: int, typed: bool = False) -> np.ndarray:
+    """n documents of the ordered layout (n, doc_length(L)) int64, cells drawn from rng, segment k opened by
+    W_k = k; typed: the cells x_1..x_k are input tokens SYM + m + x, the first cell x_0 and the answer stay state
+    tokens SYM + y (the same draws either way)."""
+    return np.concatenate([segments(g, rng, n, k, k, typed) for k in range(1, L + 1)], 1)
 
 
 def segments(g: np.ndarray, rng: np.random.Generator, n: int, k: int, opener: int, typed: bool) -> np.ndarray:
@@ -133,38 +129,31 @@ def segments(g: np.ndarray, rng: np.random.Generator, n: int, k: int, opener: in
     return np.concatenate([np.full((n, 1), opener), cells, (SYM + y)[:, None]], 1)
 
 
-def levels(L: int, descending: bool = False) -> np.ndarray:
-    """(doc_length(L),) level of the target each position predicts: k at the last cell of the level-k segment
-    (its target A is scored), 0 elsewhere."""
+def levels(L: int) -> np.ndarray:
+    """(doc_length(L),) level of the target each position of an ordered document predicts: k at the last cell of
+    the level-k segment (its target A is scored), 0 elsewhere."""
     out = []
-    for k in order(L, descending):
+    for k in range(1, L + 1):
         out += [0] * (k + 1) + [k, 0]
     return np.array(out)
 
 
-def need(L: int, visible: bool = False, descending: bool = False) -> np.ndarray:
-    """(doc_length(L),) the loops each token needs (module docstring): the oracle router's depth; visible: when
-    exited tokens stay readable through their frozen state."""
+def need(L: int, visible: bool = False) -> np.ndarray:
+    """(doc_length(L),) the loops each token of an ordered document needs (module docstring): the oracle router's
+    depth; visible: when exited tokens stay readable through their frozen state."""
     out = []
-    for k in order(L, descending):
+    for k in range(1, L + 1):
         cells = [1] + list(range(1, k)) if visible else [j + 1 for j in range(k)]  # x_0 .. x_(k-1)
         out += [1] + cells + [k, 1]
     return np.array(out)
-
-
-def segment_depth(L: int, descending: bool = False) -> np.ndarray:
-    """(doc_length(L),) every token of the level-k segment at depth k (its query's need): what exploration
-    that draws one depth per segment gives when the draw is right. Context cells then run past their need and
-    stay readable in loops where the oracle (`need`) has dropped them."""
-    return np.concatenate([np.full(k + 3, k) for k in order(L, descending)])
 
 
 # ----------------------------------------------------------------------------------------- layout "slots"
 # One segment per document, its level k drawn uniformly from 1..L, in a slot of L + 3 tokens (W x_0 .. x_k A,
 # then PAD): every slot starts the same way whatever its level, the opener W included, so the context cell x_j of
 # a level-k segment sits at the slot position of a level-j query with the same tokens (in law) before it, and the
-# step g learnt for the level-1 answers is the one the level-k segment's cells need (bench/README `### Where the
-# step is learnt`). Windows of a multiple of L + 3 tokens hold whole slots of independently drawn levels.
+# step g learnt for the level-1 answers is the one the level-k segment's cells need. Windows of a multiple of
+# L + 3 tokens hold whole slots of independently drawn levels.
 def slot_length(L: int) -> int:
     return L + 3
 
@@ -186,17 +175,6 @@ def slot_levels(tokens: np.ndarray, L: int) -> np.ndarray:
         raise ValueError(f"slots layout: windows must be whole slots of {w} tokens, got {t.shape[-1]}")
     k = (t.reshape(*t.shape[:-1], -1, w) != PAD).sum(-1) - 3  # (..., slots)
     return np.repeat(k, w, axis=-1)
-
-
-def slot_need_map(tokens: np.ndarray, L: int, visible: bool = False) -> np.ndarray:
-    """(..., T) the loops each token of windows of whole slots needs: in a level-k slot the cell at slot position
-    q = 1..k (x_(q-1)) needs q (visible: max(q - 1, 1)), the query x_k at q = k + 1 needs k, every other token
-    one."""
-    t = np.asarray(tokens).astype(np.int64)
-    q = np.arange(t.shape[-1]) % slot_length(L)  # (T,) slot position
-    k = slot_levels(t, L)
-    cells = np.maximum(q - 1, 1) if visible else q
-    return np.where((q >= 1) & (q <= k), cells, np.where(q == k + 1, k, 1))
 
 
 def slot_documents(g: np.ndarray, rng: np.random.Generator, n: int, L: int, typed: bool = False) -> np.ndarray:
@@ -245,7 +223,7 @@ def make_document(
     rng = np.random.default_rng((seed, index))
     if kind == "slots":
         return slot_documents(g, rng, 1, L, typed)[0]
-    return documents(g, rng, 1, L, marked=True, typed=typed)[0]
+    return documents(g, rng, 1, L, typed=typed)[0]
 
 
 def levels_at(tokens: np.ndarray, task: dict) -> np.ndarray:
@@ -264,3 +242,85 @@ def levels_at(tokens: np.ndarray, task: dict) -> np.ndarray:
         opener = t[..., : max(T - k - 1, 0)] == k  # (..., T - k - 1): W_k at p, so x_k at p + k + 1 < T
         out[..., k + 1 :][opener] = k
     return out
+
+
+def task_of(directory) -> dict | None:
+    """The `depth_task` entry of DIRECTORY's manifest (None for any other source or no manifest). A directory made
+    by the removed depth-hops source is a ShardError (one line): its tasks are scored by another rule."""
+    m = Path(directory) / MANIFEST
+    task = read_manifest(m).get("depth_task") if m.is_file() else None
+    if task is not None and task.get("kind") != "fold":
+        raise ShardError(f"{m}: made by prep-data's depth-hops source: {HOPS_REMOVED}")
+    return task
+
+
+def check_window(task: dict | None, T: int, directory) -> None:
+    """Raises ShardError (one line) when windows of T tokens cannot be scored for `task`, DIRECTORY's depth_task:
+    the slots layout counts each slot's tokens, so a window must be whole slots."""
+    if task and task.get("layout") == "slots" and T % int(task["doc_tokens"]):
+        w = int(task["doc_tokens"])
+        raise ShardError(
+            f"{directory}: model.block_size={T}: the fold task's slots layout needs a multiple of its slot ({w} tokens)"
+        )
+
+
+CHUNK_DOCS = 4096  # documents a pool task makes
+
+
+def generate(cfg, out: Path, tokenizer: dict, log, pool=None) -> dict:
+    """Writes train/val shards + manifest.json for cfg (a PrepConfig of source=depth-fold); returns the manifest.
+    Documents are made in chunks by `pool`'s processes (None: in this one), in order: the bytes do not depend on
+    the pool (document i is a function of the seed and i alone). Document i goes to val when
+    i % val_every == 0; the manifest holds the task's `layout` as `depth_task`."""
+    L, kind = cfg.depth_levels, cfg.fold_layout
+    g = rule(cfg.fold_symbols, cfg.fold_rule_seed, cfg.fold_rule)
+    task = {**layout(cfg.fold_symbols, L, cfg.fold_rule_seed, cfg.fold_rule, cfg.fold_typed, kind), "seed": cfg.seed}
+    task["scored"] = "the target after the last cell x_k of a level-k segment " + (
+        "(slot position k + 1)" if kind == "slots" else "(k + 1 after its opener W_k = k)"
+    )
+    doc = functools.partial(make_document, seed=cfg.seed, g=g, L=L, typed=cfg.fold_typed, kind=kind)
+    T, val_every = int(task["doc_tokens"]), cfg.resolved_val_every()
+    docs = min(cfg.depth_docs, cfg.max_tokens // T) if cfg.max_tokens else cfg.depth_docs
+    writers = {s: SplitWriter(out, cfg.resolved_name(), s, cfg.shard_tokens) for s in ("train", "val")}
+    counts = {"train": 0, "val": 0}
+    tasks = [(doc, a, min(a + CHUNK_DOCS, docs)) for a in range(0, docs, CHUNK_DOCS)]
+    chunks = map(_chunk, tasks) if pool is None else pool.imap(_chunk, tasks)  # in order
+    for (_, a, _), rows in zip(tasks, chunks):
+        for i, row in enumerate(rows, a):
+            split = "val" if val_every > 0 and i % val_every == 0 else "train"
+            writers[split].add(row, lambda _: None)
+            counts[split] += 1
+    for w in writers.values():
+        w.commit()
+    rule_text = (
+        "no val split"
+        if val_every < 0
+        else f"document i (0-based, generated in order) goes to val when i % {val_every} == 0"
+    )
+    m = manifest(
+        fingerprint=cfg.fingerprint(),
+        inputs=[task],
+        writers=writers,
+        counters={"kept": docs, **counts},
+        complete=True,
+        resume=None,
+        tokenizer=tokenizer,
+        val_rule=rule_text,
+        shard_tokens=cfg.shard_tokens,
+    )
+    m["depth_task"] = task
+    write_json(out / MANIFEST, m)
+    window = f"a multiple of {T} (whole slots)" if kind == "slots" else f"{T} (one window is one document)"
+    cells = ", typed cells" if cfg.fold_typed else ""
+    log(
+        f"{cfg.source}: {docs} documents of {T} tokens, {cfg.fold_symbols} symbols ({cfg.fold_rule} rule{cells}), "
+        f"levels 1..{L}, {kind} layout, seed {cfg.seed}; train with model.block_size={window} and "
+        f"model.vocab_size >= {task['vocab_needed']}; mean need {task['mean_need']:.3f} loops per token"
+    )
+    return m
+
+
+def _chunk(args) -> np.ndarray:
+    """(stop - start, T) uint16: documents start..stop-1 of doc (a picklable partial taking index=)."""
+    doc, start, stop = args
+    return np.stack([doc(index=i) for i in range(start, stop)]).astype(np.uint16)

@@ -1,4 +1,4 @@
-"""Accuracy by depth level on a depth-task shard directory (data_prep/depthtask.py, data_prep/foldtask.py).
+"""Accuracy by depth level on a depth-task shard directory (the fold task, data_prep/foldtask.py).
 
 `level_scores(model, directory, loops)`: at loop budget M, next-token accuracy (argmax) of every scored target
 (the token after a level marker) by its level d* = k and overall, the executed depth of the predicting position
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from data_prep.depthtask import check_window, levels_at, task_of
+from data_prep.foldtask import check_window, levels_at, task_of
 from data_prep.shards import ShardError, ShardSet
 from evaluation.forward import hidden_states, logits_at
 
@@ -40,7 +40,7 @@ def level_scores(
     task = task_of(directory)
     if task is None:
         raise ShardError(
-            f"{directory}/manifest.json: not a depth-task directory (source depth-hops or depth-fold: no depth_task entry)"
+            f"{directory}/manifest.json: not a depth-task directory (source depth-fold: no depth_task entry)"
         )
     L, M = int(task["levels"]), int(loops)
     shards = ShardSet(directory, split)

@@ -62,7 +62,7 @@ class Latency(TypedDict, total=False):
     protocol: str
 
 
-class Levels(TypedDict, total=False):  # evaluation/levels.py on a depth-hops data.dir
+class Levels(TypedDict, total=False):  # evaluation/levels.py on a depth-task (fold) data.dir
     accuracy: float  # over all scored targets
     accuracy_by_level: dict  # level k -> accuracy
     level_depth: list  # [level-1][depth-1] counts of executed depth
@@ -92,8 +92,10 @@ class Results(TypedDict, total=False):
     table_metric: str  # acc, or acc_norm where a task has it
     budgets: list[Budget]
     ppl_sets: list[str]
-    checkpoint: str
-    export: str
+    checkpoint: str  # as given to tlf eval
+    export: str  # the absolute directory the model was loaded from (`tlf export` matches evaluations by it)
+    train_run_id: str  # the checkpoint's training run (its run.json), when recorded
+    step: int  # the checkpoint's training step (its run.json)
     config_name: str
     device: str
     limit: int

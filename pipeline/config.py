@@ -213,7 +213,7 @@ def _gone() -> dict:
 GONE = _gone()
 for _cls, _sec in ((ModelConfig, "model"), (ObjectiveConfig, "objective")):
     _cls.MOVED = dict(GONE[_sec]["moved"])
-    _cls.REMOVED = {k: v["why"] for k, v in GONE[_sec]["removed"].items()}
+    _cls.REMOVED = {k: f"removed: {v['why']}" for k, v in GONE[_sec]["removed"].items()}
 
 
 def _yaml_scalar(x) -> str:
@@ -310,7 +310,7 @@ class LoggingConfig:
     run_name: str = f("", "MLflow run name; empty derives it from the preset and variant.")
     peak_flops: float = f(
         0.0,
-        "Peak FLOP/s per device for MFU (0 on CUDA: this GPU's dense bf16 peak from pipeline/plan/hardware.py, "
+        "Peak FLOP/s per device for MFU (0 on CUDA: this GPU's dense bf16 peak from pipeline/hardware.py, "
         "an A100's 312e12 if it is not there; on CPU no MFU is reported unless set).",
     )
     mlflow: bool = f(
@@ -450,12 +450,19 @@ def resolve_path(name: str) -> Path:
     raise ConfigError(f"unknown config {name!r}: neither a YAML file nor a preset{hint}")
 
 
+def preset_file(name: str) -> Path | None:
+    """configs/<name>.yaml of a preset name (tiny/t-loopformer), None when there is none: the resolver of
+    `inherit:` entries that are not files."""
+    p = CONFIG_DIR / f"{name}.yaml"
+    return p if p.is_file() and name in list_presets() else None
+
+
 def load_config(name: Optional[str] = None, overrides: list[str] | tuple = ()) -> Config:
     """Loads a preset or YAML file (or the defaults when name is None), applies overrides, validates."""
     cfg = Config()
     if name:
         path = resolve_path(name)
-        for source, data in read_yaml_chain(path):
+        for source, data in read_yaml_chain(path, resolve=preset_file):
             for k, v in data.items():
                 set_key(cfg, str(k), v, source)
         if not cfg.name:
@@ -507,7 +514,7 @@ def _upgrade_router(model: dict, obj: dict, source: str) -> None:
             want = gone.get(recipe, gone.get("value")) if "value" in gone else None  # no value: an init
             if want is not None and got != want:
                 raise ConfigError(
-                    f"{source}: '{sec}.{k}'={got!r} was removed: {gone['why']}; today's code runs {want!r} there"
+                    f"{source}: '{sec}.{k}'={got!r}: removed: {gone['why']}; today's code runs {want!r} there"
                 )
     for k in [k for k in obj if k in ObjectiveConfig.MOVED]:
         settings[ObjectiveConfig.MOVED[k].removeprefix("objective.router.")] = obj.pop(k)

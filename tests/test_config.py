@@ -138,7 +138,7 @@ def test_overrides_are_typed():
         ("model.router_recipe=budget", "'model.router_recipe' moved to 'objective.router.recipe'"),
         (
             "objective.router_explore=0.25",
-            "'objective.router_explore' was removed: exploration did not help (docs/research/router.md)",
+            "'objective.router_explore': removed: exploration did not help (docs/research/router.md)",
         ),
         ("eval.loops=[9]", "eval.loops: budget 9"),
         ("model.loops.x=1", "'model.loops' is not a section"),
@@ -201,7 +201,7 @@ def test_a_moved_or_removed_key_is_a_one_line_error_naming_what_replaces_it(tmp_
         for old, why in cls.REMOVED.items():
             with pytest.raises(ConfigError) as e:
                 load_config("tiny/t-loopformer", [f"{sec}.{old}=1"])
-            assert str(e.value) == f"command line ({sec}.{old}=1): '{sec}.{old}' was removed: {why}"
+            assert str(e.value) == f"command line ({sec}.{old}=1): '{sec}.{old}': {why}"
     bad = tmp_path / "old.yaml"
     bad.write_text("inherit: [" + str(CONFIG_DIR / "tiny" / "loopformer.yaml") + "]\nmodel:\n  lambda_align: 0.5\n")
     with pytest.raises(ConfigError, match=r"old\.yaml: 'model.lambda_align' moved to 'objective.lambda_align'$"):
@@ -239,16 +239,16 @@ def test_a_stored_config_whose_router_training_is_gone_is_a_one_line_error():
     cases = [
         (
             ("objective", "router_explore", 0.25),
-            r"'objective.router_explore'=0.25 was removed: exploration did not help .*; today's code runs 0.0 there$",
+            r"'objective.router_explore'=0.25: removed: exploration did not help .*; today's code runs 0.0 there$",
         ),
-        (("model", "norm_eps", 1e-6), r"'model.norm_eps'=1e-06 was removed: RMSNorm's epsilon is 1e-5"),
+        (("model", "norm_eps", 1e-6), r"'model.norm_eps'=1e-06: removed: RMSNorm's epsilon is 1e-5"),
         (
             ("model", "router_detach", True),
-            r"'model.router_detach'=True was removed: the router reads sg\(h0\) under the kinds recipe",
+            r"'model.router_detach'=True: removed: the router reads sg\(h0\) under the kinds recipe",
         ),
         (
             ("objective", "router_exit_weights", "pi"),
-            r"'objective.router_exit_weights'='pi' was removed: fixed in the kinds recipe .* runs 'depth_label' there$",
+            r"'objective.router_exit_weights'='pi': removed: fixed in the kinds recipe .* runs 'depth_label' there$",
         ),
     ]
     for (sec, key, value), msg in cases:

@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 
-from data_prep.depthtask import levels_at
 from data_prep.foldtask import (
     PAD,
     SYM,
@@ -19,12 +18,12 @@ from data_prep.foldtask import (
     documents,
     layout,
     levels,
+    levels_at,
     make_document,
     need,
     rule,
     slot_length,
     slot_need,
-    slot_need_map,
 )
 
 
@@ -64,6 +63,7 @@ def test_answers_levels_and_need():
     for doc in docs:
         found = solve(doc, g)
         assert [k for _, k, _ in found] == [1, 2, 3, 4]
+        assert [int(doc[p - k - 1]) for p, k, _ in found] == [1, 2, 3, 4]  # segment k opens with W_k = k
         assert sorted(np.flatnonzero(lev)) == [p for p, _, _ in found]
         for p, k, _ in found:
             assert lev[p] == k and nd[p] == k  # the query needs exactly its level
@@ -175,9 +175,6 @@ def test_the_slots_layout_draws_one_level_per_slot_and_starts_every_slot_alike()
     for visible, key in ((False, "mean_need"), (True, "mean_need_frozen")):
         per_k = [np.r_[need(k, visible)[-(k + 3) :], np.ones(L - k)].mean() for k in range(1, L + 1)]
         assert task[key] == round(float(np.mean(per_k)), 4) == round(slot_need(L, visible), 4)
-        nm = slot_need_map(stream.reshape(1, -1), L, visible)[0]
-        for i, k in enumerate(ks):  # each slot's map is its level's segment, then one loop per PAD
-            assert list(nm[i * (L + 3) : (i + 1) * (L + 3)]) == [*need(k, visible)[-(k + 3) :], *[1] * (L - k)]
     with pytest.raises(ValueError, match="fold layout"):
         layout(16, L, kind="nested")
     with pytest.raises(ValueError, match="whole slots"):  # the level is counted over the slot: no cut windows
@@ -224,11 +221,14 @@ def test_prep_data_cli_writes_the_fold_source(tmp_path):
     assert m["depth_task"]["layout"] == "slots" and m["source"]["fold_layout"] == "slots"
     toks = np.asarray(ShardReader(tmp_path / "d" / m["splits"]["train"]["shards"][0]["name"]).tokens)
     assert np.array_equal(toks[:6], make_document(3, 1, rule(8, 0), 3, kind="slots"))
-    # a manifest made before fold_rule existed counts as the default rule: the same command is a no-op
+    # a manifest made before fold_rule existed counts as the default rule, and the options of the removed
+    # depth-hops source it records (every manifest made before the removal has them) are not compared: the same
+    # command is a no-op
     r = subprocess.run(cmd + ["--overwrite"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "d" / "manifest.json").read_text())
     del m["source"]["fold_rule"]
+    m["source"].update(depth_chains=6, depth_queries=4)
     (tmp_path / "d" / "manifest.json").write_text(json.dumps(m))
     again = subprocess.run(cmd, capture_output=True, text=True)
     assert again.returncode == 0 and "nothing to do" in again.stderr
@@ -462,3 +462,61 @@ def test_the_slots_layout_refuses_windows_that_cut_a_slot(tmp_path):
     model = LoopedLM(load_config("fold/base-loop-router", ["model.block_size=9"]).model)
     with pytest.raises(ShardError, match="model.block_size=9"):
         level_scores(model, str(d), 2)
+
+
+@pytest.mark.parametrize("opts", [[], ["fold_layout=slots", "fold_symbols=8"]])
+def test_worker_processes_write_the_same_bytes(tmp_path, monkeypatch, opts):
+    """prep-data's `workers` make the fold task's documents in chunks, in order: shards and manifest are the bytes
+    one process writes (here 9 chunks of 7 documents across 2 processes)."""
+    from data_prep import foldtask
+    from data_prep.config import load_prep_config
+    from data_prep.prep import prepare
+
+    monkeypatch.setattr(foldtask, "CHUNK_DOCS", 7)
+    files = {}
+    for w in (0, 2):
+        out = tmp_path / f"w{w}"
+        cfg = load_prep_config(
+            None, {"source": "depth-fold", "out": str(out), "progress": False}, ["depth_docs=60", f"workers={w}", *opts]
+        )
+        prepare(cfg, log=lambda m: None)
+        files[w] = {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.suffix in (".bin", ".json")}
+    assert files[0] == files[2] and any(n.endswith(".bin") for n in files[0])
+
+
+def test_the_removed_depth_hops_source_is_a_one_line_error_pointing_to_the_fold_task(tmp_path):
+    """A command line, a prep config or an override naming the removed depth-hops source or one of its own options
+    stops with one line that says it was removed and names the fold task; so does a data directory it made, in
+    the loader and the evaluator."""
+    from click.testing import CliRunner
+
+    from data_prep.config import load_prep_config
+    from data_prep.configlib import ConfigError
+    from data_prep.shards import ShardError
+    from evaluation.levels import level_scores
+    from pipeline.cli import main
+    from pipeline.train.data import TrainLoader
+
+    r = CliRunner().invoke(main, ["prep-data", "--source", "depth-hops", "--out", str(tmp_path / "h")])
+    said = [ln for ln in r.output.splitlines() if "depth-hops" in ln]
+    assert r.exit_code != 0 and "Traceback" not in r.output, r.output
+    assert len(said) == 1 and "was removed" in said[0] and "source=depth-fold" in said[0], r.output
+    yml = tmp_path / "old.yaml"
+    for text, where in (
+        ("source: depth-hops\n", "source:"),
+        ("source: depth-fold\ndepth_chains: 6\n", "'depth_chains'"),
+    ):
+        yml.write_text(text)
+        with pytest.raises(ConfigError, match="depth-hops task was removed.*source=depth-fold") as e:
+            load_prep_config(str(yml), {"out": str(tmp_path / "h")})
+        assert where in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"command line \(depth_queries=4\): 'depth_queries': the depth-hops task"):
+        load_prep_config(None, {"source": "depth-fold", "out": str(tmp_path / "h")}, ["depth_queries=4"])
+    d = _fold_data(tmp_path)  # made as a depth-hops directory: its depth_task has no kind "fold"
+    m = json.loads((d / "manifest.json").read_text())
+    m["depth_task"] = {k: v for k, v in m["depth_task"].items() if k != "kind"}
+    (d / "manifest.json").write_text(json.dumps(m))
+    for read in (lambda: TrainLoader(str(d), "train", 15, 8, 0, 1, 0, 64), lambda: level_scores(None, str(d), 2)):
+        with pytest.raises(ShardError, match="depth-hops source: the depth-hops task was removed") as e:
+            read()
+        assert "source=depth-fold" in str(e.value) and "\n" not in str(e.value)

@@ -1,33 +1,27 @@
-"""Per-level scoring on a depth-task directory (depth-hops, depth-fold): counts, accuracy and depths recomputed
-independently."""
+"""Per-level scoring on a depth-task directory (the fold task, prep-data --source depth-fold): counts, accuracy and
+depths recomputed independently."""
 
 import numpy as np
-import pytest
 import torch
 from helpers import perturbed_tiny, spread_router
 
 from data_prep.config import load_prep_config
-from data_prep.depthtask import levels_at, task_of
+from data_prep.foldtask import levels_at, task_of
 from data_prep.prep import prepare
 from data_prep.shards import ShardSet
 from evaluation.levels import level_scores
 
 
-SOURCES = {
-    "depth-hops": ["depth_docs=100", "depth_chains=6", "depth_queries=6", "val_every=2"],
-    "depth-fold": ["depth_docs=200", "val_every=2"],  # 4 levels of 16 symbols, windows cut across documents
-}
-
-
-def _data(tmp_path, source="depth-hops"):
-    cfg = load_prep_config(None, {"source": source, "out": str(tmp_path / "d"), "progress": False}, SOURCES[source])
+def _data(tmp_path):
+    """The fold task at 4 levels of 16 symbols; the tiny preset's windows cut across its 22-token documents."""
+    opts = ["depth_docs=200", "val_every=2"]
+    cfg = load_prep_config(None, {"source": "depth-fold", "out": str(tmp_path / "d"), "progress": False}, opts)
     prepare(cfg, log=lambda m: None)
     return str(tmp_path / "d")
 
 
-@pytest.mark.parametrize("source", list(SOURCES))
-def test_level_scores_match_a_direct_recount(tmp_path, source):
-    d = _data(tmp_path, source)
+def test_level_scores_match_a_direct_recount(tmp_path):
+    d = _data(tmp_path)
     model, cfg = perturbed_tiny("tiny/t-loopformer")
     spread_router(model)
     T = cfg.model.block_size

@@ -50,8 +50,8 @@ def _cfg(tmp: Path, data: Path, *extra: str):
 
 
 @pytest.mark.parametrize("stage", [0, 2])
-def test_an_old_checkpoint_resumes_bit_exact(tmp_path, data, stage):
-    from pipeline.train.trainer import run
+def test_an_old_checkpoint_resumes_bit_exact(tmp_path, data, stage, capfd):
+    from pipeline.train.trainer import GLOBAL_RNG, OLD_SCHEDULE, run
 
     old = json.loads((FIX / f"zero{stage}" / "losses.json").read_text())
     ck = shutil.copytree(FIX / f"zero{stage}" / "global_step2", tmp_path / "old" / "global_step2")
@@ -63,6 +63,11 @@ def test_an_old_checkpoint_resumes_bit_exact(tmp_path, data, stage):
     # test on the CI machine. The tolerance allows a last-bit difference, not a different update.
     assert res.start_step == 2 and res.losses[0] == old[2]
     assert res.losses[1] == pytest.approx(old[3], rel=1e-6, abs=0)
+    # its shortcut schedules are drawn as the old code drew them (per micro-batch from torch's RNG: the losses
+    # above), said once, and the checkpoints the run writes keep that rule for the next resume
+    assert (capfd.readouterr().out).count(OLD_SCHEDULE) == 1
+    state = torch.load(tmp_path / "run" / "global_step4" / "rank0_state.pt", weights_only=True)
+    assert state["schedule"] == GLOBAL_RNG
 
 
 def test_an_old_checkpoint_resumes_on_another_zero_stage(tmp_path, data):

@@ -17,7 +17,7 @@ from pipeline.model import LoopedLM
 from pipeline.model.looped import active_counts
 from pipeline.plan.cli import plan_cmd
 from pipeline.plan.core import Planner
-from pipeline.plan.hardware import gpu
+from pipeline.hardware import gpu
 from pipeline.plan.trace import trace_step
 from pipeline.train.ds import build_optimizer
 from pipeline.train.objective import Objective
@@ -151,13 +151,14 @@ def test_router_depth_lowers_the_plan():
 
 
 def test_plan_command_json_and_sweep(tmp_path):
-    out = tmp_path / "plan.json"
+    out = tmp_path / "new" / "dir" / "plan.json"  # its directories are made
     r = CliRunner().invoke(
         plan_cmd,
         ["tiny/t-loopformer", "--gpus", "2", "--gpu", "h100-80gb", "train.micro_batch_size=2", "--json", str(out)],
     )
     assert r.exit_code == 0, r.output
     assert "FITS" in r.output and "GPU-hours" in r.output
+    assert "[tlf] planning tiny/t-loopformer on 2 x h100-80gb" in r.output  # what bad input must not reach
     p = json.loads(out.read_text())
     assert p["precision"] == "bf16" and p["grad_accum"] == 1 and p["memory"]["fits"]
     assert set(p["checkpointing_modes"]) == {"none", "loop", "layer"}
@@ -179,7 +180,7 @@ def test_plan_command_json_and_sweep(tmp_path):
         ],
     )
     assert r.exit_code == 0, r.output
-    rows = json.loads(r.output)["rows"]
+    rows = json.loads(r.stdout)["rows"]  # (the planning line goes to stderr)
     assert len(rows) == 4
     by = {(x["zero_stage"], x["activation_checkpointing"]): x["peak"] for x in rows}
     assert by[(0, "layer")] < by[(0, "none")]
@@ -235,7 +236,7 @@ def test_the_largest_micro_batch_is_the_traces_own(ac):
     import dataclasses
 
     from pipeline.plan.core import Planner
-    from pipeline.plan.hardware import gpu
+    from pipeline.hardware import gpu
 
     cfg = load_config("tiny/loopformer", [])
     probe = Planner(cfg, gpu("a100-80gb"))

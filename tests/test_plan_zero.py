@@ -155,7 +155,7 @@ def worker(out: str, data: str, tmp: str) -> None:
 
 def test_planned_model_states_equal_what_deepspeed_holds_on_two_ranks(tmp_path):
     from pipeline.plan.core import Planner
-    from pipeline.plan.hardware import gpu
+    from pipeline.hardware import gpu
 
     data = make_shards(tmp_path / "data", windows=4)
     out = tmp_path / "out.json"

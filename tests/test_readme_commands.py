@@ -1,8 +1,11 @@
-"""The README's command lines agree with the program: every `tlf ...` line in its code blocks (and the tlf part of
-its `deepspeed ... $(which tlf) train ...` / `--module pipeline.train` lines) names subcommands and options that
-exist (Click's own parameters, as `--help` shows them), presets and config keys that exist, and paths one command
-writes where the next reads them; the same data set is prepared with the same options everywhere; a few cheap ones
-run for real, as written, in a fresh directory."""
+"""The documentation agrees with the program. Every `tlf ...` line in the code blocks of README.md, docs/**/*.md and
+bench/README.md (and the tlf part of `deepspeed ... $(which tlf) train ...` / `torchrun ... $(which tlf) ...` /
+`--module pipeline.train` lines) names subcommands and options that exist (Click's own parameters, as `--help`
+shows them), presets and config keys that exist, and paths one command writes where the next reads them; the same
+data set is prepared with the same options everywhere; a few cheap ones run for real, as written, in a fresh
+directory. What the README states about the CLI is checked where it can be: the command table against `tlf --help`,
+the counts of scales, variants, recipe presets and a sweep's stages, the scale and variant tables against the
+configs. No documentation file narrates the order in which work was done."""
 
 from __future__ import annotations
 
@@ -15,21 +18,53 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.config import list_presets, load_config
+from pipeline.config import VARIANT_TABLE, VARIANTS, Config, field_docs, list_presets, load_config
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").rglob("*.md")), ROOT / "bench" / "README.md"]
 PLACEHOLDERS = {"CKPT", "CHECKPOINT", "CONFIG", "PRESET", "OVERRIDES", "..."}
-CONFIG_CMDS = {("train",), ("config", "show"), ("eval",), ("sweep",)}  # OVERRIDES are section.key=value of Config
+CONFIG_CMDS = {("train",), ("config", "show"), ("eval",), ("sweep",), ("plan",)}  # OVERRIDES: section.key=value
+TAKES_PRESET = {("train",), ("config", "show"), ("plan",)}
 READS_CHECKPOINT = {("eval",), ("ablate",), ("generate",), ("export",)}
 
+# Names the docs use that the router-recipes change brings (docs/router.md: `objective.router`, the
+# `SCALE/t-loopformer-budget` and `fold/*` presets, the `fold` scale replacing `depth`). Until that change is merged
+# they do not exist here: a command naming one is checked for everything else. Once they exist,
+# test_pending_names_are_still_pending fails: delete these sets then (and RETIRING_SCALES once `depth` is gone).
+PENDING_PRESETS = {f"{s}/t-loopformer-budget" for s in ("tiny", "small", "paper")} | {"fold/kinds"}
+PENDING_PRESETS |= {f"fold/{v}" for v in VARIANTS}
+PENDING_KEYS = (
+    {"model.router_norm"}
+    | {
+        f"objective.router.{k}"
+        for k in (
+            "recipe",
+            "target_depth",
+            "balance_weight",
+            "entropy_weight",
+            "prior_weight",
+            "hard_weight",
+            "hard_gate",
+        )
+    }
+    | {"objective.router.withhold"}
+)
+PENDING_SCALES = {"fold"}
+RETIRING_SCALES = {"depth"}  # the depth-hops scale, which the fold scale replaces
 
-def readme_commands() -> list[tuple[int, list[str]]]:
-    """(line number, argv after `tlf`) of every tlf command line in the README's code blocks; continuation lines
-    joined, comments and shell plumbing (`> f`, `&& ...`) dropped, `[--opt X]` read as `--opt X`."""
-    lines, out, code, i = README.read_text().splitlines(), [], False, 0
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def doc_commands(path: Path) -> list[tuple[int, list[str]]]:
+    """(line number, argv after `tlf`) of every tlf command line in a markdown file's code blocks; continuation
+    lines joined, comments and shell plumbing (`> f`, `&& ...`) dropped, `[--opt X]` read as `--opt X`."""
+    lines, out, code, i = path.read_text().splitlines(), [], False, 0
     while i < len(lines):
         ln, no = lines[i], i + 1
-        if ln.startswith("```"):
+        if ln.lstrip().startswith("```"):
             code = not code
         elif code:
             while ln.rstrip().endswith("\\") and i + 1 < len(lines):
@@ -43,7 +78,7 @@ def readme_commands() -> list[tuple[int, list[str]]]:
             )
             if m:
                 toks = shlex.split(m.group(1), comments=True)
-                cut = next((k for k, t in enumerate(toks) if t in (">", "&&", "|", ";")), len(toks))
+                cut = next((k for k, t in enumerate(toks) if t in (">", "&&", "|", ";", "&")), len(toks))
                 out.append((no, (["train"] if "--module pipeline.train" in ln else []) + toks[:cut]))
         i += 1
     return out
@@ -65,86 +100,91 @@ def options(cmd: click.Command) -> dict[str, click.Option]:
     return {**opts, "--help": None, "-h": None}
 
 
-def split(cmd: click.Command, argv: list[str], where: str) -> list[str]:
-    """Checks every option against the command; returns the positional arguments."""
-    opts, pos, it = options(cmd), [], iter(argv)
+def split(cmd: click.Command, argv: list[str], where: str) -> tuple[list[str], dict[str, str]]:
+    """Checks every option against the command; returns the positional arguments and the options' values."""
+    opts, pos, vals, it = options(cmd), [], {}, iter(argv)
     for tok in it:
         if tok.startswith("-") and tok not in ("-",) and not re.fullmatch(r"-?\d[\d.e-]*", tok):
-            name, eq, _ = tok.partition("=")
+            name, eq, val = tok.partition("=")
             assert name in opts, f"{where}: {name} is not an option of this command (its --help: {sorted(opts)})"
             p = opts[name]
-            if p is not None and not p.is_flag and not p.count and not eq:
-                next(it, None)
+            if p is not None and not p.is_flag and not p.count:
+                vals[p.name] = val if eq else next(it, "")
         else:
             pos.append(tok)
-    return pos
+    return pos, vals
 
 
-COMMANDS = readme_commands()
-KEYS = set(load_config("tiny/t-loopformer").flat())
+COMMANDS = [(path, no, argv) for path in DOCS for no, argv in doc_commands(path)]
+KEYS = {k for k, *_ in field_docs(Config)} | set(load_config("tiny/t-loopformer").flat())
+PRESETS = set(list_presets())
 
 
-def test_the_readme_has_tlf_commands():
-    names = {" ".join(resolve(a)[0]) for _, a in COMMANDS}
+def _pending(argv: list[str]) -> bool:
+    return any(t in PENDING_PRESETS or t.partition("=")[0] in PENDING_KEYS for t in argv)
+
+
+def test_the_docs_have_tlf_commands():
+    names = {" ".join(resolve(a)[0]) for _, _, a in COMMANDS}
     assert {"train", "eval", "prep-data", "data inspect", "config show", "compare", "sweep", "generate"} <= names
+    assert {"plan", "export", "ablate", "config list", "data fetch-assets"} <= names
 
 
-@pytest.mark.parametrize("no,argv", COMMANDS, ids=[f"L{no}" for no, _ in COMMANDS])
-def test_readme_command_names_what_exists(no, argv):
-    where = f"README.md:{no} `tlf {' '.join(argv)}`"
-    path, cmd, rest = resolve(argv)
-    pos = split(cmd, rest, where)
-    presets = set(list_presets())
-    if path in (("train",), ("config", "show")) and not pos[0].endswith((".yaml", ".yml")):
-        assert pos[0] in presets, f"{where}: no preset {pos[0]!r}"
-    if path == ("sweep",):
-        assert any(p.startswith(pos[0] + "/") for p in presets), f"{where}: no scale {pos[0]!r}"
-    if path in CONFIG_CMDS:
+@pytest.mark.parametrize("path,no,argv", COMMANDS, ids=[f"{rel(p)}:{no}" for p, no, _ in COMMANDS])
+def test_doc_command_names_what_exists(path, no, argv):
+    where = f"{rel(path)}:{no} `tlf {' '.join(argv)}`"
+    cmd_path, cmd, rest = resolve(argv)
+    pos, vals = split(cmd, rest, where)
+    for preset in ([pos[0]] if cmd_path in TAKES_PRESET else []) + [vals.get("check_preset", "")]:
+        if preset and not preset.endswith((".yaml", ".yml")) and "$" not in preset:
+            assert preset in PRESETS | PENDING_PRESETS, f"{where}: no preset {preset!r}"
+    if cmd_path == ("sweep",):
+        assert any(p.startswith(pos[0] + "/") for p in PRESETS), f"{where}: no scale {pos[0]!r}"
+    if cmd_path in CONFIG_CMDS:
         for tok in pos:
             key = tok.partition("=")[0]
             if "=" in tok and "." in key:
-                assert key in KEYS, f"{where}: {key} is not a config key"
+                assert key in KEYS | PENDING_KEYS, f"{where}: {key} is not a config key"
 
 
 def _written_and_read():
-    """(checkpoint dirs written by `tlf train`, data dirs written by `tlf prep-data`, [(line, kind, path) read])."""
+    """(checkpoint dirs written by `tlf train`, data dirs written by `tlf prep-data`, [(where, kind, path) read]),
+    over every documentation file together."""
     ckpts, data, reads = set(), {}, []
-    for no, argv in COMMANDS:
-        path, cmd, rest = resolve(argv)
-        pos = split(cmd, rest, str(no))
+    for path, no, argv in COMMANDS:
+        where = f"{rel(path)}:{no}"
+        cmd_path, cmd, rest = resolve(argv)
+        pos, vals = split(cmd, rest, where)
         kv = dict(t.split("=", 1) for t in pos if "=" in t)
-        if path == ("train",):
+        if cmd_path == ("train",):
             ckpts.add(kv.get("checkpoint.dir") or "checkpoints/" + pos[0].replace("/", "-"))
-            reads += [(no, "data", kv["data.dir"])] if "data.dir" in kv else []
-        if path == ("prep-data",):
-            out = rest[rest.index("--out") + 1]
-            data.setdefault(out, []).append((no, sorted(rest)))
-        if path in READS_CHECKPOINT and pos and pos[0] not in PLACEHOLDERS and not pos[0].startswith("<"):
-            reads.append((no, "checkpoint", pos[0]))
-        if path == ("data", "inspect"):
-            reads.append((no, "data", pos[0]))
+            reads += [(where, "data", kv["data.dir"])] if "data.dir" in kv else []
+        if cmd_path == ("prep-data",):
+            data.setdefault(vals["out"], []).append((where, sorted(rest)))
+        if cmd_path in READS_CHECKPOINT and pos and pos[0] not in PLACEHOLDERS and not pos[0].startswith("<"):
+            reads.append((where, "checkpoint", pos[0]))
+        if cmd_path == ("data", "inspect"):
+            reads.append((where, "data", pos[0]))
         for t in rest:
             for d in re.findall(r"(?:ppl_dirs=\[|^)((?:data/[\w.-]+,?)+)\]?$", t):
-                reads += [(no, "data", x) for x in d.split(",") if x]
+                reads += [(where, "data", x) for x in d.split(",") if x]
     return ckpts, data, reads
 
 
 def test_paths_one_command_writes_are_what_the_next_reads():
     ckpts, data, reads = _written_and_read()
     assert reads
-    for no, kind, p in reads:
+    for where, kind, p in reads:
         if kind == "checkpoint" and p.startswith("checkpoints/"):
-            assert p in ckpts, f"README.md:{no}: reads {p}, but the README's `tlf train` lines write {sorted(ckpts)}"
+            assert p in ckpts, f"{where}: reads {p}, but the docs' `tlf train` lines write {sorted(ckpts)}"
         if kind == "data":
-            assert p in data, f"README.md:{no}: reads {p}, which no `tlf prep-data --out` in the README writes"
+            assert p in data, f"{where}: reads {p}, which no `tlf prep-data --out` in the docs writes"
 
 
 def test_each_data_set_is_prepared_the_same_way_everywhere():
     _, data, _ = _written_and_read()
     for out, uses in data.items():
-        assert len({tuple(a) for _, a in uses}) == 1, (
-            f"{out} is prepared differently at README lines {[n for n, _ in uses]}"
-        )
+        assert len({tuple(a) for _, a in uses}) == 1, f"{out} is prepared differently at {[w for w, _ in uses]}"
 
 
 def _run(argv: list[str]):
@@ -153,17 +193,18 @@ def _run(argv: list[str]):
     return r.output
 
 
-def test_cheap_readme_commands_run_as_written(tmp_path, monkeypatch):
-    """`tlf data fetch-assets`, the `tlf config show` lines, then `tlf prep-data --source demo --out data/demo` and
-    `tlf data inspect data/demo` in a fresh directory, exactly as the README writes them."""
+def test_cheap_doc_commands_run_as_written(tmp_path, monkeypatch):
+    """`tlf data fetch-assets`, `tlf config list`, the `tlf config show` lines, then `tlf prep-data --source demo
+    --out data/demo` and `tlf data inspect data/demo` in a fresh directory, exactly as the docs write them."""
     monkeypatch.chdir(tmp_path)
-    cheap = [a for _, a in COMMANDS if a[:2] == ["data", "fetch-assets"]]  # instant once `make assets` ran
-    cheap += [a for _, a in COMMANDS if a[:2] == ["config", "show"] and not a[2].endswith(".yaml")]
-    cheap += [a for _, a in COMMANDS if a[:1] == ["prep-data"] and "demo" in a and "data/demo" in a]
-    cheap += [a for _, a in COMMANDS if a[:2] == ["data", "inspect"]]
-    assert len(cheap) >= 5, cheap
-    for argv in cheap:
-        out = _run(argv)
+    runnable = [a for _, _, a in COMMANDS if not _pending(a)]
+    cheap = [a for a in runnable if a[:2] in (["data", "fetch-assets"], ["config", "list"])]  # instant after set-up
+    cheap += [a for a in runnable if a[:2] == ["config", "show"] and not a[2].endswith(".yaml")]
+    cheap += [a for a in runnable if a[:1] == ["prep-data"] and "demo" in a and "data/demo" in a]
+    cheap += [a for a in runnable if a[:2] == ["data", "inspect"] and a[2] == "data/demo"]
+    assert len(cheap) >= 6, cheap
+    for argv in dict.fromkeys(map(tuple, cheap)):
+        out = _run(list(argv))
         if "--doc" in argv:
             assert "model.loops =" in out
     assert (tmp_path / "data" / "demo" / "manifest.json").is_file()
@@ -184,6 +225,183 @@ def test_help_texts_agree_across_commands():
     with_device = {p: o for p, c in _commands() for n, o in options(c).items() if n == "--device"}
     assert set(with_device) >= {("eval",), ("ablate",), ("generate",)}
     assert {(o.default, o.help) for o in with_device.values()} == {("auto", DEVICE_HELP)}
-    # --config is a YAML file of options wherever it is shown (prep-data), never something else
-    assert [p for p, c in _commands() if "--config" in options(c)] == [("prep-data",)]
+    # --config is the command's config wherever it is shown (a YAML file of options for prep-data; a preset or
+    # YAML file, as the positional CONFIG, for the others), never something else
+    shown = {p: options(c)["--config"] for p, c in _commands() if "--config" in options(c)}
+    assert set(shown) == {("prep-data",), ("train",), ("plan",), ("config", "show")}
+    assert all("YAML file" in o.help for o in shown.values())
     assert "tlf config show PRESET --doc" in _run(["train", "--help"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the README states about the CLI
+# ---------------------------------------------------------------------------------------------------------------
+def _section(text: str, title: str) -> str:
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M)
+    assert m, f"README.md has no section '## {title}'"
+    return m.group(1)
+
+
+def _table_rows(text: str, first: str) -> list[list[str]]:
+    """The rows (cells stripped) of the markdown table whose header's first cell is `first`."""
+    lines, rows, on = text.splitlines(), [], False
+    for ln in lines:
+        cells = [c.strip() for c in ln.strip().strip("|").split("|")] if ln.startswith("|") else None
+        if cells and cells[0] == first and not on:
+            on = True
+        elif on and cells is None:
+            break
+        elif on and not set(cells[0]) <= set("-: "):
+            rows.append(cells)
+    assert rows, f"no table headed {first!r}"
+    return rows
+
+
+def test_the_command_table_lists_every_command():
+    rows = _table_rows(_section(README.read_text(), "Commands and where they are documented"), "command")
+    listed = [re.fullmatch(r"`tlf ([\w-]+)`", r[0]).group(1) for r in rows]
+    assert sorted(listed) == sorted(main.list_commands(click.Context(main))), "README's command table vs `tlf --help`"
+    for r in rows:
+        for target in re.findall(r"\]\(([^)#]+)", r[-1]):
+            assert (ROOT / target).is_file(), f"README's command table links {target}, which does not exist"
+
+
+NUMBERS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve".split())}
+
+
+def _stated(pattern: str) -> list[tuple[str, int]]:
+    """(file, number) for every `<number> <pattern>` in README.md and docs/**/*.md (numbers as digits or words)."""
+    out = []
+    for path in DOCS[:-1]:
+        text = " ".join(path.read_text().split())
+        for m in re.finditer(rf"\b(\d+|{'|'.join(NUMBERS)}) {pattern}", text, flags=re.I):
+            n = m.group(1).lower()
+            out.append((rel(path), int(n) if n.isdigit() else NUMBERS[n]))
+    return out
+
+
+def test_counts_stated_in_the_docs_are_the_programs():
+    scales = {p.split("/")[0] for p in PRESETS} - RETIRING_SCALES | PENDING_SCALES
+    recipe_presets = {p for p in PRESETS | PENDING_PRESETS if p.split("/")[1] not in VARIANTS}
+    sweep = _run(["sweep", "tiny", "--print"]).splitlines()
+    counts = {
+        r"scales\b": len(scales),
+        r"variants\b(?! of the paper)": len(VARIANTS),
+        r"recipe presets\b": len(recipe_presets),
+        r"trainings\b": sum(ln.startswith("tlf train ") for ln in sweep),
+        r"evaluations\b": sum(ln.startswith("tlf eval ") for ln in sweep),
+    }
+    assert _stated(r"scales\b") and _stated(r"variants\b") and _stated(r"trainings\b")
+    for pattern, want in counts.items():
+        for where, n in _stated(pattern):
+            assert n == want, f"{where} states {n} {pattern.split(chr(92))[0]}; the program has {want}"
+
+
+def test_the_scale_and_variant_tables_are_the_configs():
+    text = _section(README.read_text(), "Presets")
+    named = set()
+    for cells in _table_rows(text, "scale"):
+        scale = cells[0].strip("`")
+        named.add(scale)
+        assert scale in {p.split("/")[0] for p in PRESETS} | PENDING_SCALES, f"README's scale table: no scale {scale}"
+        if scale in PENDING_SCALES or not cells[1]:
+            continue
+        m = load_config(f"{scale}/base-loop")
+        got = [m.model.d_model, m.model.n_heads, m.model.d_ff, f"{m.model.n_layers} × {m.model.loops}"]
+        got += [m.model.block_size, m.train.global_batch_size]
+        stated = [*cells[1:5], cells[5], cells[6].split()[0]]
+        assert [str(x) for x in got] == stated, f"README's {scale} row {stated} vs the config {got}"
+    assert named == {p.split("/")[0] for p in PRESETS} - RETIRING_SCALES | PENDING_SCALES
+    cond = {"none": "none", "time t": "time", "t and step Δ": "time_step"}
+    rows = _table_rows(text, "variant")
+    assert [c[0].strip("`") for c in rows] == list(VARIANTS)
+    for name, _, conditioning, shortcut, router in rows:
+        v = VARIANT_TABLE[name.strip("`")]
+        assert (cond[conditioning], shortcut, router) == (
+            v.conditioning,
+            *("yes" if f else "no" for f in (v.shortcut, v.router)),
+        ), f"README's {name} row"
+    for cells in _table_rows(text, "recipe preset"):
+        for preset in re.findall(r"`([\w-]+/[\w-]+)`", cells[0]):
+            assert preset in PRESETS | PENDING_PRESETS, f"README's recipe presets: no preset {preset}"
+
+
+def test_pending_names_are_still_pending():
+    """The names the router-recipes change brings do not exist yet; once they do, delete the PENDING sets above."""
+    assert not PENDING_PRESETS & PRESETS, f"exist now, remove from PENDING_PRESETS: {sorted(PENDING_PRESETS & PRESETS)}"
+    assert not PENDING_KEYS & KEYS, f"exist now, remove from PENDING_KEYS: {sorted(PENDING_KEYS & KEYS)}"
+    scales = {p.split("/")[0] for p in PRESETS}
+    assert not PENDING_SCALES & scales and RETIRING_SCALES <= scales, "the fold scale exists: empty both scale sets"
+
+
+def test_the_slurm_script_is_the_same_in_the_readme_and_the_training_page():
+    def script(path: Path) -> str:
+        blocks = re.findall(r"^```bash\n(.*?)^```", path.read_text(), flags=re.S | re.M)
+        found = [b for b in blocks if "#SBATCH" in b]
+        assert len(found) == 1, f"{len(found)} SLURM scripts in {rel(path)}"
+        return found[0]
+
+    assert script(README) == script(ROOT / "docs" / "training.md")
+
+
+# Words and forms that narrate the order in which work was done; documentation describes the software and its
+# measured behaviour (git log keeps the history).
+NARRATION = [
+    r"\bsessions?\b",
+    r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth|fourteenth|"
+    r"fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth|\d+(st|nd|rd|th)) (session|period|round of work)",
+    r"\bwork periods?\b",
+    r"\bissues? #?\d+",
+    r"\b20\d\d-\d\d-\d\d\b",
+    r"\ba week ago\b",
+    r"\byesterday\b",
+    r"\blast week\b",
+    r"\blast stop\b",
+    r"\bbefore this change\b",
+    r"\bsince commit\b",
+    r"\buntil this run\b",
+    r"\bat that commit\b",
+    r"\bwas first counted\b",
+]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[rel(p) for p in DOCS])
+def test_no_document_narrates_the_order_of_the_work(path):
+    hits = [
+        f"{rel(path)}:{no}: {m.group(0)!r}"
+        for no, ln in enumerate(path.read_text().splitlines(), 1)
+        for m in [re.search("|".join(NARRATION), ln, flags=re.I)]
+        if m
+    ]
+    assert not hits, "narration in documentation:\n" + "\n".join(hits)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[rel(p) for p in DOCS])
+def test_links_between_documents_resolve(path):
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        assert dest.exists(), f"{rel(path)} links {target}: no such file"
+        if anchor and dest.suffix == ".md":
+            heads = {_anchor(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), flags=re.M)}
+            assert anchor in heads, f"{rel(path)} links {target}: no such heading in {rel(dest)}"
+
+
+BENCH_HELPERS = {"interleave", "testkit"}  # used by the benchmarks and tests, not benchmarks themselves
+
+
+def test_bench_readme_has_a_section_for_every_benchmark():
+    text = (ROOT / "bench" / "README.md").read_text()
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    for stem in sorted(scripts - BENCH_HELPERS):
+        assert f"## {stem}\n" in text or f"bench/{stem}.py" in text, f"bench/README.md says nothing of bench/{stem}.py"
+    for stem in re.findall(r"^## (\S+)$", text, flags=re.M):
+        assert stem in scripts, f"bench/README.md has a section '## {stem}' but no bench/{stem}.py"

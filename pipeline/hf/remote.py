@@ -92,6 +92,12 @@ class TLFForCausalLM(TLFPreTrainedModel, GenerationMixin):
         **kwargs,
     ):
         M = loops or self.config.loops_budget or self.config.tlf_model["loops"]
+        T, block = input_ids.shape[-1], self.config.tlf_model["block_size"]
+        if T > block:  # positions are learned up to block_size: longer input has no position to take
+            raise ValueError(
+                f"input length {T} exceeds the model's block_size {block} (max_position_embeddings): truncate the "
+                f"input (tokenizer(..., truncation=True, max_length={block})) or ask generate() for fewer tokens"
+            )
         if attention_mask is None or bool(attention_mask.bool().all()):
             logits = self._logits(input_ids, M)
         else:

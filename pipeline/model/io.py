@@ -21,6 +21,7 @@ from data_prep.configlib import read_yaml_mapping
 from data_prep.files import atomic_write_bytes
 from pipeline.config import Config, ConfigError, apply_overrides, config_from_dict, to_yaml
 from pipeline.model.looped import LoopedLM
+from pipeline.rundir import newest_intact
 
 WEIGHT_FILES = ("model.safetensors", "model.pt")  # in order of preference when loading
 
@@ -66,10 +67,8 @@ def weights_file(d: Path) -> Path | None:
 
 def find_export(path: str | os.PathLike) -> Path:
     """Accepts an export dir, a checkpoint dir containing `model/`, or a run dir: its newest intact checkpoint
-    (pipeline.train.checkpoint.newest_intact; a damaged newer one is passed over with a warning), which `latest`
-    names unless a kill hit between a checkpoint's rename and `latest`'s."""
-    from pipeline.train.checkpoint import newest_intact
-
+    (pipeline.rundir.newest_intact; a damaged newer one is passed over with a warning), which `latest` names unless a
+    kill hit between a checkpoint's rename and `latest`'s."""
     p = Path(path)
     for cand in (p, p / "model"):
         if weights_file(cand) and (cand / "config.yaml").is_file():

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pipeline.config import Config, ConfigError
-from pipeline.plan.hardware import GPU
+from pipeline.hardware import GPU
 from pipeline.plan.trace import StepTrace, trace_step
 from pipeline.plan.zero import model_state_bytes, persistent_numel
 from pipeline.train.ac import MODES
@@ -230,15 +230,7 @@ def largest_dividing(cfg: Config, cap: int, ranks: int) -> int:
     return next((b for b in range(min(cap, per_rank), 0, -1) if per_rank % b == 0), 0)
 
 
-def plan(
-    cfg: Config,
-    ranks: int,
-    hw: GPU,
-    mfu: float = 0.4,
-    mean_depth: float | None = None,
-    counts: np.ndarray | None = None,
-    planner: Planner | None = None,
-) -> dict:
+def plan(cfg: Config, ranks: int, hw: GPU, mfu: float = 0.4, mean_depth: float | None = None) -> dict:
     """The plan of cfg as configured (train.zero_stage, train.activation_checkpointing, train.micro_batch_size)
     on `ranks` GPUs `hw`: memory, FLOPs, time, and the largest micro-batch per checkpointing mode."""
     t = cfg.train
@@ -250,25 +242,8 @@ def plan(
         )
     t.grad_accum_steps = accum
     cfg.check_world_size(ranks)
-    pl = planner or Planner(cfg, hw, mean_depth, counts)
-    modes = {}
-    for ac in MODES:
-        cap = pl.max_micro_batch(t.zero_stage, ac, ranks)
-        b = largest_dividing(cfg, cap, ranks)
-        modes[ac] = {"max_micro_batch": cap, "micro_batch": b, "grad_accum": grad_accum_for(cfg, b, ranks)}
-    if not any(r["max_micro_batch"] for r in modes.values()):
-        raise PlanError(
-            f"{cfg.name or 'the model'} does not fit on {hw.name} at ZeRO-{t.zero_stage} on {ranks} GPUs "
-            f"with micro-batch 1 under any activation-checkpointing mode (try a higher ZeRO stage, more "
-            f"GPUs or a larger GPU)"
-        )
-    mem = pl.memory(t.zero_stage, t.activation_checkpointing, t.micro_batch_size, ranks)
-    tokens_mb = t.micro_batch_size * cfg.model.block_size
-    flops_step = pl.flops_per_micro_batch(t.micro_batch_size) * accum  # per GPU per optimizer step
-    roof_s = flops_step / hw.peak_flops
-    step_s = roof_s / mfu
-    steps = cfg.schedule.max_steps
-    tokens = steps * t.global_batch_size * cfg.model.block_size
+    pl = Planner(cfg, hw, mean_depth)
+    modes = checkpointing_modes(cfg, pl, ranks)
     return {
         "config": cfg.name,
         "gpu": hw.name,
@@ -280,19 +255,52 @@ def plan(
         "grad_accum": accum,
         "capacity": hw.memory,
         "mean_depth": None if pl.counts is None else float(pl.counts.sum() / cfg.model.block_size),
-        "memory": mem,
+        "memory": pl.memory(t.zero_stage, t.activation_checkpointing, t.micro_batch_size, ranks),
+        **time_and_cost(cfg, pl, ranks, mfu, accum),
+        "checkpointing_modes": modes,
+    }
+
+
+def checkpointing_modes(cfg: Config, pl: Planner, ranks: int) -> dict:
+    """{activation-checkpointing mode: the largest micro-batch that fits (`max_micro_batch`), the largest that also
+    divides the per-rank global batch (`micro_batch`) and its grad-accum}, at train.zero_stage; a PlanError when
+    micro-batch 1 fits under none."""
+    t = cfg.train
+    modes = {}
+    for ac in MODES:
+        cap = pl.max_micro_batch(t.zero_stage, ac, ranks)
+        b = largest_dividing(cfg, cap, ranks)
+        modes[ac] = {"max_micro_batch": cap, "micro_batch": b, "grad_accum": grad_accum_for(cfg, b, ranks)}
+    if not any(r["max_micro_batch"] for r in modes.values()):
+        raise PlanError(
+            f"{cfg.name or 'the model'} does not fit on {pl.hw.name} at ZeRO-{t.zero_stage} on {ranks} GPUs "
+            f"with micro-batch 1 under any activation-checkpointing mode (try a higher ZeRO stage, more "
+            f"GPUs or a larger GPU)"
+        )
+    return modes
+
+
+def time_and_cost(cfg: Config, pl: Planner, ranks: int, mfu: float, accum: int) -> dict:
+    """FLOPs per optimizer step and per token (per GPU, traced at the mean shortcut length), the step time at `mfu`
+    of the GPU's peak and at its roofline (MFU 1), tokens/s, and the run's tokens, wall clock and GPU-hours."""
+    t = cfg.train
+    tokens_mb = t.micro_batch_size * cfg.model.block_size
+    flops_step = pl.flops_per_micro_batch(t.micro_batch_size) * accum  # per GPU per optimizer step
+    roof_s = flops_step / pl.hw.peak_flops
+    step_s = roof_s / mfu
+    steps = cfg.schedule.max_steps
+    return {
         "flops_per_step_per_gpu": flops_step,
         "flops_per_token": flops_step / (tokens_mb * accum),
         "mfu": mfu,
         "step_time_s": step_s,
         "step_time_roofline_s": roof_s,
         "tokens_per_s": t.global_batch_size * cfg.model.block_size / step_s,
-        "tokens": tokens,
+        "tokens": steps * t.global_batch_size * cfg.model.block_size,
         "steps": steps,
         "wall_clock_s": steps * step_s,
         "wall_clock_roofline_s": steps * roof_s,
         "gpu_hours": steps * step_s * ranks / 3600,
-        "checkpointing_modes": modes,
     }
 
 

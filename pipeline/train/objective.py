@@ -237,9 +237,8 @@ class Objective(nn.Module):
         L = self.net.cfg.loops
         if shortcut is None:
             return sample_shortcut(L)
-        assert int(shortcut.sum()) == L and bool((shortcut > 0).all()), (
-            f"shortcut schedule {shortcut.tolist()} must be positive, sum {L}"
-        )
+        k = shortcut.numpy()  # checked on the host: no device read (a schedule is a CPU tensor; the trainer's is)
+        assert k.sum() == L and (k > 0).all(), f"shortcut schedule {k.tolist()} must be positive, sum {L}"
         return shortcut
 
     def _fused_losses(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from data_prep.depthtask import levels_at
+from data_prep.foldtask import levels_at
 
 
 def sum_over_ranks(t: torch.Tensor) -> list[float]:
