@@ -10,17 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from data_prep.configlib import f
-from pipeline.train.recipes.base import RouterSettings, Terms
-from pipeline.train.recipes.prior import PriorRecipe
+from pipeline.train.recipes.base import Terms
+from pipeline.train.recipes.prior import PriorRecipe, PriorSettings
 
 
 @dataclass
-class BudgetSettings(RouterSettings):
-    target_depth: float = f(
-        0.0,
-        "Mean depth of the prior q in (1, model.loops) (loop work = it / loops); 0 means (loops + 1) / 2. Sets the router's init and the prior the balance term pulls to.",
-    )
-    balance_weight: float = f(1.0, "Weight of KL(q || the batch's mean exit distribution).")
+class BudgetSettings(PriorSettings):
     entropy_weight: float = f(0.1, "Weight of the mean per-token entropy of the exit distribution.")
 
 

@@ -18,17 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from data_prep.configlib import f
-from pipeline.train.recipes.base import RouterSettings, Step, Terms
-from pipeline.train.recipes.prior import PriorRecipe
+from pipeline.train.recipes.base import Step, Terms
+from pipeline.train.recipes.prior import PriorRecipe, PriorSettings
 
 
 @dataclass
-class ExpectedSettings(RouterSettings):
-    target_depth: float = f(
-        0.0,
-        "Mean depth of the prior q in (1, model.loops); 0 means (loops + 1) / 2. Sets the router's init and the prior its two terms pull to.",
-    )
-    balance_weight: float = f(1.0, "Weight of KL(q || the batch's mean exit distribution).")
+class ExpectedSettings(PriorSettings):
     prior_weight: float = f(
         0.1,
         "Weight of the mean per-token KL(exit distribution || q), which keeps each token's exit distribution from collapsing onto one exit before its answer counts.",

@@ -13,12 +13,13 @@ confident, plus a per-token term each recipe chooses (the budget recipe's entrop
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn as nn
 
-from data_prep.configlib import ConfigError
+from data_prep.configlib import ConfigError, f
 from pipeline.train.recipes.base import Recipe, RouterSettings, check_range
 
 INIT_STD = 2.0  # the spread of the router's logits across tokens at init (its fc2 weights' std x sqrt(hidden))
@@ -42,6 +43,17 @@ def depth_prior(L: int, mean: float) -> torch.Tensor:
         else:
             hi = mid
     return torch.softmax(0.5 * (lo + hi) * torch.arange(1, L + 1, dtype=torch.float64, device="cpu"), 0)
+
+
+@dataclass
+class PriorSettings(RouterSettings):
+    """The keys every recipe with a prior has; each adds the weight of its per-token term."""
+
+    target_depth: float = f(
+        0.0,
+        "Mean depth of the prior q in (1, model.loops) (loop work = it / loops); 0 means (loops + 1) / 2. Sets the router's init and the prior its loss pulls to.",
+    )
+    balance_weight: float = f(1.0, "Weight of KL(q || the batch's mean exit distribution).")
 
 
 def target_depth(s: RouterSettings, loops: int) -> float:
