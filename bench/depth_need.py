@@ -13,7 +13,7 @@ weights for the parts the architectures share):
 - t-loopformer-budget: fold/t-loopformer-budget, the budget recipe at the task's mean need;
 - t-loopformer-expected: fold/t-loopformer-expected, the expected recipe with frozen exited keys and no shortcut
   terms at the task's mean need with frozen keys;
-- kinds: fold/kinds, the kinds recipe on base-loop-router (README "Router training"), at that need too.
+- kinds: fold/kinds, the kinds recipe on base-loop-router (docs/router.md), at that need too.
 What the task decides is passed to every case over its preset: block_size, vocabulary, loops L (base: L layers) and
 the router's target depth (the manifest's mean need, with frozen exited keys where the preset has them), with the
 steps, seed, batch and data. `--curriculum c` trains with data.curriculum=c (levels one at a time, validated every

@@ -97,11 +97,11 @@ class ModelConfig:
     router_threshold: float = f(0.5, "theta: token runs loop i while its continue probability p(i) > theta.")
     router_norm: bool = f(
         False,
-        "The router reads RMS-normalised h0 (the budget, expected and kinds recipes' router, whose init assumes it; README 'Router training').",
+        "The router reads RMS-normalised h0 (the budget, expected and kinds recipes' router, whose init assumes it; docs/router.md).",
     )
     router_forecast: bool = f(
         False,
-        "The router also has a head forecasting, for each exit but the last, whether a token is hard there: parameters the kinds recipe trains and reads; depth never reads it (README 'Router training').",
+        "The router also has a head forecasting, for each exit but the last, whether a token is hard there: parameters the kinds recipe trains and reads; depth never reads it (docs/router.md).",
     )
     gather_scatter: bool = f(True, "Compute only active tokens per loop (false: dense masked reference path).")
     exit_schedule: Literal["own", "prefix"] = f(
@@ -187,7 +187,7 @@ class ObjectiveConfig:
     router: RouterSettings = field(
         default_factory=default_settings,
         metadata={
-            "doc": "The router's training recipe (`recipe`) and that recipe's own keys (pipeline/train/recipes; README 'Router training')."
+            "doc": "The router's training recipe (`recipe`) and that recipe's own keys (pipeline/train/recipes; docs/router.md)."
         },
     )
 

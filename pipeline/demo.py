@@ -26,7 +26,7 @@ from pathlib import Path
 from pipeline import orchestrate
 
 DEFAULT_VARIANTS = ("base-loop", "loopformer", "t-loopformer")
-# The demo's t-loopformer trains with the budget router recipe (README "Router training"; target depth 2.5 of 4):
+# The demo's t-loopformer trains with the budget router recipe (docs/router.md; target depth 2.5 of 4):
 # the paper's recipe sends every token to one depth for the first ~100 steps, so a 120-step demo would show a single
 # bar. The fold part's t-loopformer trains with the expected recipe (frozen exited keys, no shortcut terms).
 PRESETS = {"t-loopformer": "small/t-loopformer-budget"}

@@ -23,7 +23,7 @@ from pipeline.config import (
 )
 
 
-# the presets beside SCALE/VARIANT: the router recipes' (README "Router training")
+# the presets beside SCALE/VARIANT: the router recipes' (docs/router.md)
 RECIPE_PRESETS = {
     *(f"{scale}/t-loopformer-budget" for scale in SCALES),
     "fold/kinds",

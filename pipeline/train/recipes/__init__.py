@@ -1,4 +1,4 @@
-"""Router training recipes (`objective.router.recipe`; README "Router training"): the registry, the one place that
+"""Router training recipes (`objective.router.recipe`; docs/router.md): the registry, the one place that
 lists them. A new recipe is one module (a `Recipe` subclass with its `Settings`, base.py) and one `register` line
 here; `Objective` (pipeline/train/objective.py) calls it through `Recipe`'s interface and never names one.
 
