@@ -298,7 +298,6 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     from pipeline.config import VARIANTS, load_config
     from pipeline.hardware import gpu, this_gpu
-    from pipeline.demo import EXPECTED_RECIPE
 
     overrides = a.overrides if a.overrides is not None else ["model.vocab_size=8192"]
     on_gpu = a.device.startswith("cuda") and this_gpu()  # the table's row for this GPU, if it holds one
@@ -324,7 +323,7 @@ def main(argv=None) -> dict:
         # the expected router recipe: every token runs every loop in training, a head per exit
         "t-loopformer expected": (
             "t-loopformer",
-            list(EXPECTED_RECIPE),
+            ["model.router_norm=true", "model.exit_schedule=prefix", "objective.router.recipe=expected"],
         ),
         "t-loopformer ckpt=loop": ("t-loopformer", ["train.activation_checkpointing=loop"]),
         "t-loopformer ckpt=layer": ("t-loopformer", ["train.activation_checkpointing=layer"]),
