@@ -29,7 +29,6 @@ TAKES_PRESET = {("train",), ("config", "show"), ("plan",)}
 READS_CHECKPOINT = {("eval",), ("ablate",), ("generate",), ("export",)}
 
 
-
 def rel(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
