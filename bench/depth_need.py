@@ -1,6 +1,6 @@
 """Depth-need study: on a task where every scored token needs a known number of loops, does the router earn its compute?
 
-Data: `tlf prep-data --source depth-fold` (data_prep/foldtask.py; README "The fold task"), made once: levels 1..L of
+Data: `tlf prep-data --source depth-fold` (data_prep/foldtask.py; docs/data.md "The fold task"), made once: levels 1..L of
 a fold over `--symbols` symbols (`--rule`, `--typed` cells); `--layout slots` makes the documents one slot of a drawn
 level each (prep-data fold_layout=slots), `--slots` of them a window.
 Cases: presets of the fold scale (configs/fold/), each trained with `tlf train`'s trainer (`pipeline.train.trainer.run`
@@ -325,7 +325,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--merge",
         metavar="JSON",
         help="an earlier study's depth_need.json of the same task, steps, batch and seeds: its cases not run now "
-        "join the table and figures (a case added in a later session, on another machine)",
+        "join the table and figures (a case run apart, e.g. on another machine)",
     )
     ap.add_argument(
         "--set",

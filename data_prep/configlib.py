@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 
 def f(default: Any, doc: str, **kw):
-    """A dataclass field with a one-line doc (shown by `tlf config show --doc` and in the README)."""
+    """A dataclass field with a one-line doc (shown by `tlf config show --doc` and in docs/configuration.md)."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc}, **kw)
     return field(default=default, metadata={"doc": doc}, **kw)

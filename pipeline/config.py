@@ -106,11 +106,11 @@ class ModelConfig:
     gather_scatter: bool = f(True, "Compute only active tokens per loop (false: dense masked reference path).")
     exit_schedule: Literal["own", "prefix"] = f(
         "own",
-        "The steps a token of depth m < M runs: own (its own trajectory, m steps renormalised to sum 1, so depth m ends at time 1) or prefix (the first m steps of the pass's, so a depth-m token is the pass stopped after loop m: an early exit; README 'The model', Per-token time).",
+        "The steps a token of depth m < M runs: own (its own trajectory, m steps renormalised to sum 1, so depth m ends at time 1) or prefix (the first m steps of the pass's, so a depth-m token is the pass stopped after loop m: an early exit; docs/model.md 'The network', Per-token time).",
     )
     exited_keys: Literal["drop", "frozen"] = f(
         "drop",
-        "What a token that has exited shows later loops: drop (attention in loop i runs among the tokens still looping; the recursion-wise KV cache) or frozen (it stays a key and value through its final state; README 'Exited tokens').",
+        "What a token that has exited shows later loops: drop (attention in loop i runs among the tokens still looping; the recursion-wise KV cache) or frozen (it stays a key and value through its final state; docs/model.md 'The network', Exited tokens).",
     )
     gate_init: float = f(
         0.0,
@@ -118,7 +118,7 @@ class ModelConfig:
     )
     fourier_dim: int = f(256, "Sinusoidal Fourier features of the time/step embeddings.")
 
-    # What a resume may change (README 'Determinism contract'): an init (moot once weights are loaded) and the
+    # What a resume may change (docs/training.md 'Checkpoints and resume'): an init (moot once weights are loaded) and the
     # execution knobs (the dense reference path, the router's exit threshold). Every other field defines the
     # network: its parameters and what a forward pass computes from them, so a resume refuses to change it. The
     # `objective` section may always change.
@@ -175,7 +175,7 @@ def _check_flag(key: str, value, variant: str) -> None:
 @dataclass
 class ObjectiveConfig:
     """The training objective's settings (pipeline/train/objective.py): what the loss is made of, never what the
-    network computes, so a resume may change any of them (README 'The model')."""
+    network computes, so a resume may change any of them (docs/model.md 'The network and the objective')."""
 
     shortcut: bool = f(True, "Add the shortcut pass (S~U{1..L-1}) and the alignment loss to the objective.")
     lambda_short: float = f(0.1, "Weight lambda1 of the shortcut pass's CE loss L_S.")
@@ -233,7 +233,7 @@ class DataConfig:
     )
     curriculum: float = f(
         0.0,
-        "Depth-task data (prep-data sources depth-hops, depth-fold): train on the answers of levels 1..c only, c starting at 1 and raised by one at each validation where every level up to c reaches this accuracy (val/acc_L<k>); 0: off, every level trained (README 'Data').",
+        "Fold-task data (prep-data source depth-fold): train on the answers of levels 1..c only, c starting at 1 and raised by one at each validation where every level up to c reaches this accuracy (val/acc_L<k>); 0: off, every level trained (docs/data.md 'The fold task').",
     )
 
 
@@ -539,7 +539,7 @@ def list_presets() -> list[str]:
 
 
 def field_docs(cfg: Config | type = Config) -> list[tuple[str, str, Any, str]]:
-    """[(dotted key, type, default, doc)] for every field: of the class (the README: every recipe's keys, their docs
+    """[(dotted key, type, default, doc)] for every field: of the class (docs/configuration.md: every recipe's keys, their docs
     led by `[recipe]`), or of a loaded config (`tlf config show --doc`: the chosen recipe's keys only)."""
     return _field_docs(cfg)
 

@@ -33,7 +33,7 @@ class RouterOutput:
 @dataclass
 class DepthStats:
     """Statistics of one pass's depth map (detached, on the device; the field names are the logged metrics'
-    names, README "Logging")."""
+    names, docs/training.md "Logging and MLflow")."""
 
     depth_hist: torch.Tensor  # (M,) share of tokens at each depth 1..M
     mean_depth: torch.Tensor  # () loops executed per token

@@ -10,8 +10,8 @@ cross-entropies and the alignment run fused by chunks of tokens in the network's
 pipeline/model/head_loss.py): no (B, T, V) logits are materialised or kept for backward; `fused_loss=False` is the
 plain reference the tests compare with.
 
-The router is trained by the recipe `objective.router.recipe` names (pipeline/train/recipes; README "Router
-training"), which the objective calls through the `Recipe` interface and never names: the recipe says how the
+The router is trained by the recipe `objective.router.recipe` names (pipeline/train/recipes;
+docs/router.md), which the objective calls through the `Recipe` interface and never names: the recipe says how the
 network's training forward runs (the straight-through factor, the router on sg(h0), every token through every loop)
 and adds its own terms. A recipe that trains exits (`Recipe.exits`) replaces L_L in training by the loss over exits:
 every token runs every loop (`forward(exits=True)`), a head reads the state after each loop d, and
@@ -24,7 +24,7 @@ cross-entropy, `routed` the statistics of the depths the router gives (the pass 
 which is what `full` and the FLOP count see). Validation (`full_only`) runs the routed pass inference runs, without
 the recipe.
 
-The result is typed (`ObjectiveOutput`): its parts' names are the training metrics' names (README "Logging"):
+The result is typed (`ObjectiveOutput`): its parts' names are the training metrics' names (docs/training.md "Logging and MLflow"):
 `loss`, the parts `loss_L`, `loss_S`, `loss_align` and the recipes' (`PARTS`), and per pass the `DepthStats` fields,
 logged as `router/<pass>/<field>` (`router/short/loops` too; `router/routed/<field>` for exit recipes) next to the
 recipe's metrics, `router/<name>`.

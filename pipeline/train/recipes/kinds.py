@@ -1,5 +1,6 @@
-"""`kinds`: the recipe that composed on the fold task (bench/README `## depth-need`): the expected recipe (every
-exit trained, the router on the expected loss over exits with its prior) plus
+"""`kinds`: the recipe that composed on the fold task (5 of 6 seeds; docs/research/router.md R14, bench/README
+`## depth_need`): the expected recipe (every exit trained, the router on the expected loss over exits with its
+prior) plus
 
 - a hard-token target for the router: a scored token is hard at exit d when its loss there exceeds HARD_RATIO
   times the mean loss of the answers exit d gives (the scored tokens the router runs at depth d; the batch's where
