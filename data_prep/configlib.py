@@ -258,13 +258,27 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 
 def apply_overrides(cfg: Any, overrides: list[str] | tuple, validate: bool = True) -> Any:
-    """Applies `key=value` strings in place (type-checked), then calls cfg.validate()."""
-    for item in overrides:
-        k, v = parse_override(item)
+    """Applies `key=value` strings in place (type-checked), then calls cfg.validate(). A key that chooses a
+    section's class (its `CHOICE`, e.g. objective.router.recipe) is applied before the others, wherever it stands
+    on the line, so the chosen class's keys are never set and then dropped by the choice."""
+    parsed = [(item, *parse_override(item)) for item in overrides]
+    parsed.sort(key=lambda t: not _is_choice(cfg, t[1]))  # stable: otherwise in the order given
+    for item, k, v in parsed:
         set_key(cfg, k, v, f"command line ({item})")
     if validate:
         cfg.validate()
     return cfg
+
+
+def _is_choice(cfg: Any, key: str) -> bool:
+    """Whether the dotted key names the choosing field (`CHOICE`) of the section it lands in."""
+    *path, last = key.split(".")
+    obj = cfg
+    for part in path:
+        obj = getattr(obj, part, None)
+        if not dataclasses.is_dataclass(obj):
+            return False
+    return getattr(type(obj), "CHOICE", None) == last
 
 
 def field_docs(cls: Any, prefix: str = "") -> list[tuple[str, str, Any, str]]:

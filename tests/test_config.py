@@ -324,3 +324,17 @@ def test_config_show_doc_shows_only_the_chosen_recipes_keys():
     ] and "objective.router.entropy_weight" not in keys["fold/kinds"]
     rows = {k for k, *_ in field_docs()}  # the README's reference: every recipe's keys
     assert {"objective.router.entropy_weight", "objective.router.withhold"} <= rows
+
+
+def test_the_recipe_is_chosen_before_its_keys_wherever_it_stands_on_the_command_line():
+    """objective.router.recipe starts the section over: a recipe key given before it on the command line must not be
+    dropped with the old recipe (a setting silently ignored)."""
+    for order in (
+        ["objective.router.target_depth=3", "objective.router.recipe=expected"],
+        ["objective.router.recipe=expected", "objective.router.target_depth=3"],
+    ):
+        cfg = load_config("small/t-loopformer-budget", [*order, "model.exit_schedule=prefix"])
+        assert cfg.objective.router.recipe == "expected"
+        assert cfg.objective.router.target_depth == 3.0
+    kept = load_config("small/t-loopformer-budget", ["objective.router.recipe=budget"])
+    assert kept.objective.router.target_depth == 2.5  # naming the recipe already chosen keeps its keys
