@@ -168,7 +168,7 @@ class Planner:
         # forward + backward: activations, transients and the gradients as they appear; then ZeRO-0's reduction
         # flattens the gradients by buckets of reduce_bucket_size elements (allreduce_bucket) beside them
         step_peak = max(tr.live.peak(share), tr.grad_bytes * share + self._zero0_bucket(zero, ranks, tr.params))
-        held_fp32_grads = st["grads"] - tr.grad_bytes * share  # fp32 gradient buffers held all step (BF16_Optimizer)
+        held_fp32_grads = st["grads"] - tr.grad_bytes * share  # fp32 gradients held all step (BF16_Optimizer, ZeRO-3)
         backward = st["params"] + st["optimizer"] + held_fp32_grads + ipg + step_peak
         opt_step = optimizer_step_bytes(zero, ranks, self.bf16, tr.group_sizes, tr.largest_param)
         peak = max(backward, st["params"] + st["optimizer"] + opt_step)
