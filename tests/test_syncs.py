@@ -107,8 +107,7 @@ def test_step_meter_means_flags_and_padded_histograms(tmp_path):
             logits=None,
             full=DepthStats(torch.tensor([0.0, 1.0]), torch.tensor(2.0), one, one),
             short=ShortcutStats(torch.tensor(hist), one, one, one, torch.tensor(float(len(hist)))),
-            loss_L=torch.tensor(loss),
-            loss_router=torch.tensor(0.1 * (k + 1)),
+            parts={"loss_L": torch.tensor(loss), "loss_router": torch.tensor(0.1 * (k + 1))},
         )
         m.add(out, k)
     m.grad_norm = torch.tensor(3.0)
