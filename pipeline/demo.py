@@ -81,6 +81,7 @@ def plan(a: argparse.Namespace, work: Path, uri: str) -> list[orchestrate.Stage]
         f"schedule.max_steps={a.steps}",
         "checkpoint.resume=none",
         f"checkpoint.interval={a.steps}",
+        "train.eval_batches=4",  # 4 x 512 tokens per validation set
         "data.extra_val_dirs=[data/demo-enwiki]",
         "train.eval_interval=50",
         *VARIANT_OVERRIDES.get(v, []),
@@ -149,10 +150,10 @@ def _fail(st: orchestrate.Stage, code: int) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="small/<variant> presets to train")
-    ap.add_argument("--steps", type=int, default=120, help="training steps per variant")
+    ap.add_argument("--steps", type=int, default=80, help="training steps per variant")
     ap.add_argument("--limit", type=int, default=40, help="examples per zero-shot task")
     ap.add_argument("--loops", default="1,2,4", help="loop budgets to evaluate")
-    ap.add_argument("--ppl-tokens", type=int, default=16384, help="validation tokens scored per set")
+    ap.add_argument("--ppl-tokens", type=int, default=4096, help="validation tokens scored per set")
     ap.add_argument("--fold", action="store_true", help="run the fold task's plan instead (make demo-fold)")
     ap.add_argument("--fold-steps", type=int, default=1500, help="training steps per model on the fold task")
     ap.add_argument("--work", default="runs/demo")
