@@ -202,7 +202,7 @@ def _finish(p: subprocess.Popen) -> dict:
 
 
 def _newest_complete(ck: Path) -> int:
-    from pipeline.train.checkpoint import complete_checkpoints
+    from pipeline.rundir import complete_checkpoints
 
     done = complete_checkpoints(ck) if ck.exists() else []
     return done[-1][0] if done else 0

@@ -1,10 +1,10 @@
 """How far off is `tlf plan`? Runs the real `tlf train` (one process, DeepSpeed at world size 1) for a few steps
-per case on real shards and reads back from each run's metrics.jsonl what the trainer logs for this purpose
-(README "Planning a run"): the plan's predicted per-GPU peak (`plan/predicted_peak_gb`, the callback's `tlf plan`
-of the same config, world size and micro-batch), the measured CUDA max allocated at the first step and over the
-whole run (the first step's peak comes before the optimizer's state exists; later steps hold it), the routed mean
-depth (the plan assumes the router prior's mean), the longest shortcut pass drawn, tokens/s and MFU (median over
-the steps after the first two; MFU against --gpu's datasheet peak).
+per case on real shards, plans the same config, world size and micro-batch on --gpu's row (`tlf plan`'s
+`Planner`, in this process) and reads back from each run's metrics.jsonl (docs/planning.md): the measured
+CUDA max allocated at the first step and over the whole run (the first step's peak comes before the optimizer's
+state exists; later steps hold it) beside the plan's predicted per-GPU peak, the routed mean depth (the plan
+assumes the router prior's mean), the longest shortcut pass drawn, tokens/s and MFU (median over the steps after
+the first two; MFU against --gpu's datasheet peak).
 
     python bench/plan_check.py --data data/gpucheck --cases paper/t-loopformer,paper/loopformer --gpu h200
     python bench/plan_check.py --data data/demo --cases tiny/t-loopformer:loop --gpu cpu --steps 4   # a smoke run
@@ -28,32 +28,47 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import load_config
-from pipeline.plan.hardware import gpu
+from pipeline.hardware import GPU, gpu
+from pipeline.plan.core import Planner
+from pipeline.tracking import METRICS_FILE, read_metrics
 
 
-def run_case(case: str, data: str, steps: int, peak_flops: float, extra: list[str], timeout: float) -> dict:
+def case_overrides(ac: str, mb: int, data: str, steps: int, peak_flops: float, ckpt: str, extra) -> list[str]:
+    """One case's overrides of its preset: global batch = its micro-batch, every step logged, no MLflow."""
+    return [
+        f"data.dir={data}",
+        f"schedule.max_steps={steps}",
+        f"train.global_batch_size={mb}",
+        f"train.activation_checkpointing={ac}",
+        "train.log_interval=1",
+        "logging.mlflow=false",
+        f"logging.peak_flops={peak_flops}",
+        f"checkpoint.dir={ckpt}",
+        "checkpoint.interval=0",
+        *extra,
+    ]
+
+
+def train_cmd(preset: str, overrides: list[str]) -> list:
+    """The real `tlf train` of one case: one process."""
+    return [sys.executable, "-m", "pipeline.train", preset, *overrides, "--resume", "none"]
+
+
+def planned_peak_gb(preset: str, overrides: list[str], hw: GPU) -> float:
+    """The plan's predicted per-GPU peak (GiB) of the case's config on one rank: what `tlf plan` says for it."""
+    cfg = load_config(preset, overrides)
+    t = cfg.train
+    return Planner(cfg, hw).memory(t.zero_stage, t.activation_checkpointing, t.micro_batch_size, 1)["peak"] / 2**30
+
+
+def run_case(case: str, data: str, steps: int, hw: GPU, extra: list[str], timeout: float) -> dict:
     preset, _, ac = case.partition(":")
     ac = ac or "none"
     mb = load_config(preset, extra).train.micro_batch_size
     with tempfile.TemporaryDirectory(prefix="plan_check_") as ckpt:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pipeline.train",
-            preset,
-            f"data.dir={data}",
-            f"schedule.max_steps={steps}",
-            f"train.global_batch_size={mb}",
-            f"train.activation_checkpointing={ac}",
-            "train.log_interval=1",
-            "logging.mlflow=false",
-            f"logging.peak_flops={peak_flops}",
-            f"checkpoint.dir={ckpt}",
-            "checkpoint.interval=0",
-            *extra,
-            "--resume",
-            "none",
-        ]
+        overrides = case_overrides(ac, mb, data, steps, hw.peak_flops, ckpt, extra)
+        pred = planned_peak_gb(preset, overrides, hw)
+        cmd = train_cmd(preset, overrides)
         t0 = time.time()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -61,8 +76,7 @@ def run_case(case: str, data: str, steps: int, peak_flops: float, extra: list[st
         except subprocess.TimeoutExpired as e:
             rc, tail = "timeout", str(e.stdout or "")[-3000:]
         wall = time.time() - t0
-        f = Path(ckpt) / "metrics.jsonl"
-        rows = [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+        rows = read_metrics(Path(ckpt) / METRICS_FILE)
     out = {"case": case, "preset": preset, "ac": ac, "micro_batch": mb, "rc": rc, "wall_s": wall}
     if not rows:
         return {**out, "error": tail}
@@ -76,13 +90,12 @@ def run_case(case: str, data: str, steps: int, peak_flops: float, extra: list[st
         vals = [r[key] for r in rows if key in r]
         return max(vals) if vals else None
 
-    pred = first.get("plan/predicted_peak_gb")
-    peak_max = top("mem/cuda_max_allocated_gb")
+    peak_first, peak_max = first.get("mem/cuda_max_allocated_gb"), top("mem/cuda_max_allocated_gb")
     out.update(
         steps=len(rows),
         predicted_peak_gb=pred,
-        measured_peak_gb_step1=first.get("plan/measured_peak_gb"),
-        peak_ratio_step1=first.get("plan/peak_ratio"),
+        measured_peak_gb_step1=peak_first,
+        peak_ratio_step1=peak_first / pred if peak_first else None,
         measured_peak_gb_max=peak_max,
         peak_ratio_max=peak_max / pred if peak_max and pred else None,
         reserved_gb_max=top("mem/cuda_max_reserved_gb"),
@@ -104,15 +117,15 @@ def main() -> None:
     ap.add_argument("--data", required=True, help="a tlf shard directory (tlf prep-data)")
     ap.add_argument("--cases", default="paper/t-loopformer,paper/loopformer")
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--gpu", default="h200", help="the GPU table's name (pipeline/plan/hardware.py): MFU's peak")
+    ap.add_argument("--gpu", default="h200", help="the GPU table's name (pipeline/hardware.py): MFU's peak")
     ap.add_argument("--set", action="append", default=[], help="an extra override for every case")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "plan_check.json"))
     a = ap.parse_args()
-    peak = gpu(a.gpu).peak_flops
+    hw = gpu(a.gpu)
     results = []
     for case in a.cases.split(","):
-        r = run_case(case, a.data, a.steps, peak, a.set, a.timeout)
+        r = run_case(case, a.data, a.steps, hw, a.set, a.timeout)
         results.append(r)
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"gpu": a.gpu, "steps": a.steps, "cases": results}, indent=1))

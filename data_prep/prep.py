@@ -26,10 +26,12 @@ from pathlib import Path
 import numpy as np
 
 from data_prep import foldtask
+from data_prep.assets import ensure_assets
 from data_prep.config import FOLD, PrepConfig, changed_options
-from data_prep.files import write_json
+from data_prep.files import check_writable, write_json
 from data_prep.shards import ShardError, ShardReader, read_manifest
-from data_prep.sources import make_source
+from data_prep.hf import HubSource
+from data_prep.sources import FileSource, resolve_inputs
 from data_prep.tokenizer import EOT, MAX_UINT16_VOCAB, TOKENIZER, get_encoding
 from data_prep.worker import PrepInputError, init_worker, tokenize_task
 from data_prep.writer import MANIFEST, SplitWriter, manifest, write_tokens
@@ -138,9 +140,9 @@ def tokenizer_info() -> dict:
     }
 
 
-def _generate_fold(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
+def _generate_fold(cfg: PrepConfig, out: Path, overwrite: bool, log) -> tuple[dict, bool]:
     """source=depth-fold: written in one pass, the documents made by `workers` processes; an existing manifest is
-    kept only if it matches."""
+    kept only if it matches. Returns (manifest, written)."""
     old = out / MANIFEST
     if old.is_file() and not overwrite:
         try:
@@ -149,7 +151,7 @@ def _generate_fold(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
             raise PrepError(f"{e}; use --overwrite to start again") from None
         if m.get("complete") and not changed_options(m["source"], cfg.fingerprint()):
             log(f"{out} is already complete ({m['total_tokens']:,} tokens); nothing to do")
-            return m
+            return m, False
         raise PrepError(f"{out}: holds shards of other options ({old}); use --overwrite or another --out")
     for f in out.glob("*.bin"):
         f.unlink()
@@ -157,7 +159,18 @@ def _generate_fold(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
     with tokenizer_pool(
         cfg.resolved_workers() if cfg.depth_docs > foldtask.CHUNK_DOCS else 0, initializer=None
     ) as pool:
-        return foldtask.generate(cfg, out, info, log, pool)
+        return foldtask.generate(cfg, out, info, log, pool), True
+
+
+def make_source(cfg: PrepConfig, files: list[Path] | None = None):
+    """The source for a PrepConfig: the demo corpora, local files (resolved from cfg.inputs unless given), or a Hub
+    dataset."""
+    if cfg.source in ("demo", "demo-enwiki"):
+        path = Path(ensure_assets()[cfg.source])
+        return FileSource([path], "text", "file", cfg.batch_bytes)
+    if cfg.source == "files":
+        return FileSource(files or resolve_inputs(cfg.inputs), cfg.text_field, cfg.txt_mode, cfg.batch_bytes)
+    return HubSource(cfg)
 
 
 class _Run:
@@ -309,17 +322,18 @@ class _Run:
     def split_of(self, d: int) -> str:
         return "val" if self.val_every > 0 and d % self.val_every == 0 else "train"
 
-    def run(self, progress: bool) -> dict:
+    def run(self, progress: bool) -> tuple[dict, bool]:
+        """(the final manifest, whether this run wrote it: False for an output already complete)."""
         if self.complete:
             self.log(f"{self.out} is already complete ({self.manifest['total_tokens']:,} tokens); nothing to do")
-            return self.manifest
+            return self.manifest, False
         if hasattr(self.source, "check"):  # a remote source answers before anything is written or drawn
             self.source.check()
         fresh = self.doc == 0 and self.produced == 0
         if fresh:
             write_json(self.out / MANIFEST, self._manifest(False, None), sort_keys=True)
         try:
-            return self._produce(fresh, progress)
+            return self._produce(fresh, progress), True
         except BaseException:
             if fresh and self.counters["kept"] == 0:  # failed before its first document: no manifest left behind
                 (self.out / MANIFEST).unlink(missing_ok=True)
@@ -463,14 +477,38 @@ class _Run:
 
 
 def prepare(cfg: PrepConfig, overwrite: bool = False, log=None) -> dict:
-    """Runs (or resumes, or recognises as complete) prep-data for cfg; returns the final manifest.
-    One prep-data at a time per output directory (an exclusive lock on OUT/.lock)."""
+    """Runs (or resumes, or recognises as complete) prep-data for cfg; returns the final manifest."""
+    return prepare_status(cfg, overwrite, log)[0]
+
+
+# A val split of fewer documents than this gets a warning: its loss is that of a handful of texts
+MIN_VAL_DOCS = 10
+
+
+def tiny_val(m: dict, val_every: int) -> str | None:
+    """The warning for a manifest whose val split holds fewer than MIN_VAL_DOCS documents while train holds more
+    (a small corpus under a val_every meant for a large one), or None."""
+    val, train = m["splits"].get("val"), m["splits"].get("train")
+    if val is None or train is None or val["docs"] >= MIN_VAL_DOCS or train["docs"] <= val["docs"]:
+        return None
+    docs = f"{val['docs']} document" + ("s" if val["docs"] != 1 else "")
+    return (
+        f"warning: the val split is tiny: {docs} ({val['tokens']:,} tokens) against "
+        f"{train['docs']:,} ({train['tokens']:,} tokens) in train; val_every={val_every} (--val-every N) sends "
+        f"every N-th document to val: a smaller N gives val more"
+    )
+
+
+def prepare_status(cfg: PrepConfig, overwrite: bool = False, log=None) -> tuple[dict, bool]:
+    """`prepare`, also saying whether it wrote the manifest (False: the output was already complete); warns
+    (`tiny_val`) when the val split it wrote is tiny. One prep-data at a time per output directory (an exclusive
+    lock on OUT/.lock)."""
     log = log or (lambda m: print(m, file=sys.stderr))
     out = Path(cfg.out)
     created, had_lock = not out.exists(), (out / ".lock").exists()
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out, "--out", make=True)
     try:
-        return _locked(cfg, out, overwrite, log)
+        m, wrote = _locked(cfg, out, overwrite, log)
     except BaseException:
         if not had_lock and {p.name for p in out.iterdir()} <= {".lock"}:  # failed before writing anything:
             (out / ".lock").unlink(missing_ok=True)  # nothing left behind (nor the directory, if it made it)
@@ -478,9 +516,13 @@ def prepare(cfg: PrepConfig, overwrite: bool = False, log=None) -> dict:
                 with contextlib.suppress(OSError):
                     out.rmdir()
         raise
+    warn = tiny_val(m, cfg.resolved_val_every()) if wrote else None
+    if warn:
+        log(warn)
+    return m, wrote
 
 
-def _locked(cfg: PrepConfig, out: Path, overwrite: bool, log) -> dict:
+def _locked(cfg: PrepConfig, out: Path, overwrite: bool, log) -> tuple[dict, bool]:
     import fcntl
 
     with open(out / ".lock", "a+") as lock:  # the holder writes its pid and host into the lock file

@@ -303,17 +303,3 @@ class FileSource:
             raise PrepInputError(f"{path}: corrupt parquet file near row {row} ({e})") from None
         if task.records:
             yield task
-
-
-def make_source(cfg, files: list[Path] | None = None):
-    """The source for a PrepConfig (files resolved from cfg.inputs unless given)."""
-    if cfg.source in ("demo", "demo-enwiki"):
-        from data_prep.assets import ensure_assets
-
-        path = Path(ensure_assets()[cfg.source])
-        return FileSource([path], "text", "file", cfg.batch_bytes)
-    if cfg.source == "files":
-        return FileSource(files or resolve_inputs(cfg.inputs), cfg.text_field, cfg.txt_mode, cfg.batch_bytes)
-    from data_prep.hf import HubSource
-
-    return HubSource(cfg)

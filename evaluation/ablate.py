@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -26,7 +27,7 @@ from evaluation.figures import pyplot, save
 import torch
 
 from pipeline.inference import timing
-from data_prep.files import write_json
+from data_prep.files import check_writable, write_json
 from data_prep.tokenizer import GPT2_VOCAB
 from pipeline.device import DEVICE_HELP, resolve_device
 from pipeline.memory import region_peak_mib, region_start
@@ -65,6 +66,36 @@ def step_memory_mb(export: str, gather_scatter: bool, batch: int, seq: int) -> f
     return float(val)
 
 
+@dataclass
+class _Ablation:
+    """What every measurement of `run` shares: the model at budget M, its export, the validation stream, the
+    generator drawing the random prompts (in a fixed order), the timing repeats and the log."""
+
+    model: torch.nn.Module
+    export: str
+    M: int
+    stream: object
+    g: torch.Generator
+    vocab: int
+    repeats: int
+    log: object
+
+    @property
+    def dev(self):
+        return self.model.wte.weight.device
+
+    @property
+    def T(self) -> int:
+        return self.model.cfg.block_size
+
+    @property
+    def routers(self) -> tuple[bool, ...]:
+        return (True, False) if self.model.router is not None else (False,)
+
+    def tokens(self, n: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (1, n), generator=self.g).to(self.dev)
+
+
 def run(
     checkpoint: str,
     out: str | Path,
@@ -79,93 +110,107 @@ def run(
     device: str = "cpu",
     log=print,
 ) -> dict:
-    from evaluation.perplexity import TokenStream, perplexity
+    from evaluation.perplexity import TokenStream
 
     export = str(find_export(checkpoint))
     model, cfg = load_model(export, device)
-    M = loops or cfg.model.loops
-    T = cfg.model.block_size
-    dev = model.wte.weight.device
     outd = Path(out)
     outd.mkdir(parents=True, exist_ok=True)
     stream = TokenStream(ppl_dir or cfg.data.dir, cfg.data.val_split, ppl_tokens)
-    has_router = model.router is not None
-    g = torch.Generator().manual_seed(0)
     vocab = min(cfg.model.vocab_size, GPT2_VOCAB)
+    a = _Ablation(
+        model, export, loops or cfg.model.loops, stream, torch.Generator().manual_seed(0), vocab, repeats, log
+    )
     res: dict = {
         "checkpoint": export,
         "variant": cfg.model.variant,
-        "loops": M,
+        "loops": a.M,
         "ppl_set": stream.name,
         "ppl_tokens": stream.num_tokens - 1,
-        "device": str(dev),
+        "device": str(a.dev),
     }
+    res["router_cache"] = _router_cache(a, tpot_steps)
+    res["gather_scatter"] = _gather_scatter(a, train_batch)
+    res["threshold_sweep"] = _threshold_sweep(a, thresholds)
+    res["ttft_ms"] = _ttft(a, prompt_lens)
+    res["figures"] = [str(p) for p in _plot(res, outd)]
+    write_json(outd / "ablate.json", res)
+    log(f"wrote {outd / 'ablate.json'} and {len(res['figures'])} figures")
+    return res
 
-    # -- router on/off x cache on/off -------------------------------------------------------------
-    tp_prompt = torch.randint(0, vocab, (1, min(128, T // 2)), generator=g).to(dev)
-    tp_feed = torch.randint(0, vocab, (1, min(tpot_steps, T - tp_prompt.shape[1] - 1)), generator=g).to(dev)
+
+def _router_cache(a: _Ablation, tpot_steps: int) -> dict:
+    """Router on/off x recursion-wise cache on/off: validation perplexity and mean depth, TPOT at batch 1."""
+    from evaluation.perplexity import perplexity
+
+    tp_prompt = a.tokens(min(128, a.T // 2))
+    tp_feed = a.tokens(min(tpot_steps, a.T - tp_prompt.shape[1] - 1))
     rc = {}
-    for router in (True, False) if has_router else (False,):
-        ppl = perplexity(model, stream, M, device=dev, router=router)
+    for router in a.routers:
+        ppl = perplexity(a.model, a.stream, a.M, device=a.dev, router=router)
         for cache in (True, False):
             sec = _median_time(
-                lambda: timing.tpot(model, M, tp_prompt, tp_feed, cache=cache, router=router)[0],  # noqa: B023
-                repeats,
+                lambda: timing.tpot(a.model, a.M, tp_prompt, tp_feed, cache=cache, router=router)[0],  # noqa: B023
+                a.repeats,
             )  # (the lambda runs within this iteration)
             rc[f"router_{'on' if router else 'off'}/cache_{'on' if cache else 'off'}"] = {
                 "ppl": ppl["ppl"],
                 "mean_depth": ppl["depth"]["mean"],
                 "tpot_ms": 1e3 * sec,
             }
-    res["router_cache"] = rc
-    log("router x cache: " + "; ".join(f"{k}: ppl {v['ppl']:.2f}, TPOT {v['tpot_ms']:.2f} ms" for k, v in rc.items()))
+    a.log("router x cache: " + "; ".join(f"{k}: ppl {v['ppl']:.2f}, TPOT {v['tpot_ms']:.2f} ms" for k, v in rc.items()))
+    return rc
 
-    # -- gather-scatter on/off -------------------------------------------------------------------
+
+def _gather_scatter(a: _Ablation, train_batch: int) -> dict:
+    """Gather-scatter on/off: a training step's peak memory (fresh process each) and full-context prefill time."""
     gs = {}
-    prompt = torch.randint(0, vocab, (1, T), generator=g).to(dev)
+    prompt = a.tokens(a.T)
     for on in (True, False):
-        sec = _median_time(lambda: _timed_forward(model, prompt, M, on), repeats)  # noqa: B023  (runs in this iteration)
-        mem = step_memory_mb(export, on, train_batch, T)
+        sec = _median_time(lambda: _timed_forward(a.model, prompt, a.M, on), a.repeats)  # noqa: B023  (runs in this iteration)
+        mem = step_memory_mb(a.export, on, train_batch, a.T)
         gs["on" if on else "off"] = {"train_step_peak_mb": mem, "prefill_ms": 1e3 * sec}
-    res["gather_scatter"] = gs
-    log(
+    a.log(
         "gather-scatter: "
         + "; ".join(
             f"{k}: step memory {v['train_step_peak_mb']:.0f} MB, prefill {v['prefill_ms']:.1f} ms"
             for k, v in gs.items()
         )
     )
+    return gs
 
-    # -- threshold sweep -------------------------------------------------------------------------
+
+def _threshold_sweep(a: _Ablation, thresholds) -> list[dict]:
+    """Perplexity and mean depth against the router threshold theta (none without a router)."""
+    from evaluation.perplexity import perplexity
+
+    if a.model.router is None:
+        return []
     sweep = []
-    if has_router:
-        for th in thresholds:
-            p = perplexity(model, stream, M, device=dev, threshold=th)
-            sweep.append({"theta": th, "ppl": p["ppl"], "mean_depth": p["depth"]["mean"]})
-        log(
-            "threshold sweep: "
-            + ", ".join(f"θ={s['theta']}: ppl {s['ppl']:.2f} depth {s['mean_depth']:.2f}" for s in sweep)
-        )
-    res["threshold_sweep"] = sweep
+    for th in thresholds:
+        p = perplexity(a.model, a.stream, a.M, device=a.dev, threshold=th)
+        sweep.append({"theta": th, "ppl": p["ppl"], "mean_depth": p["depth"]["mean"]})
+    a.log(
+        "threshold sweep: "
+        + ", ".join(f"θ={s['theta']}: ppl {s['ppl']:.2f} depth {s['mean_depth']:.2f}" for s in sweep)
+    )
+    return sweep
 
-    # -- TTFT vs prompt length -------------------------------------------------------------------
-    lens = [P for P in prompt_lens if P <= T] or [T]
+
+def _ttft(a: _Ablation, prompt_lens) -> dict:
+    """TTFT against prompt length (those that fit the context), router on and off."""
+    lens = [P for P in prompt_lens if P <= a.T] or [a.T]
     tt = {}
-    for router in (True, False) if has_router else (False,):
+    for router in a.routers:
         row = {}
         for P in lens:
-            pr = torch.randint(0, vocab, (1, P), generator=g).to(dev)
-            row[str(P)] = 1e3 * _median_time(lambda: timing.ttft(model, M, pr, router=router)[0], repeats)  # noqa: B023  (runs now)
+            pr = a.tokens(P)
+            row[str(P)] = 1e3 * _median_time(lambda: timing.ttft(a.model, a.M, pr, router=router)[0], a.repeats)  # noqa: B023  (runs now)
         tt[f"router_{'on' if router else 'off'}"] = row
-    res["ttft_ms"] = tt
-    log(
+    a.log(
         "TTFT: " + "; ".join(f"{k}: " + ", ".join(f"P={p} {v:.1f} ms" for p, v in row.items()) for k, row in tt.items())
     )
-
-    res["figures"] = [str(p) for p in _plot(res, outd)]
-    write_json(outd / "ablate.json", res)
-    log(f"wrote {outd / 'ablate.json'} and {len(res['figures'])} figures")
-    return res
+    return tt
 
 
 @torch.no_grad()
@@ -234,9 +279,11 @@ def _plot(res: dict, out: Path) -> list[Path]:
 def ablate(checkpoint, out, loops, ppl_dir, ppl_tokens, thresholds, prompt_lens, repeats, tpot_steps, device):
     """The paper's ablations (Figures 3 and 4) for CHECKPOINT: PNGs plus the numbers in ablate.json."""
     name = Path(checkpoint).resolve().name
+    out = out or f"out/ablate/{name}"
+    check_writable(out, "--out")  # before the model is loaded and measured
     run(
         checkpoint,
-        out or f"out/ablate/{name}",
+        out,
         loops,
         ppl_dir,
         ppl_tokens,

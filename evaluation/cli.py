@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import click
-
+from data_prep.configlib import parse_override
+from data_prep.files import check_writable
 from pipeline.config import ConfigError
 from pipeline.device import DEVICE_HELP
 from pipeline.tracking import TrackingError
@@ -15,7 +16,7 @@ from pipeline.tracking import TrackingError
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.argument("overrides", nargs=-1)
 @click.option(
-    "--loops", "loops", default="", help="Loop budgets M, e.g. 2,4,8 (default: eval.loops, else the training L)."
+    "--loops", "loops", default=None, help="Loop budgets M, e.g. 2,4,8 (default: eval.loops, else the training L)."
 )
 @click.option(
     "--tasks", default="", help="Comma-separated zero-shot tasks (default: eval.tasks, all ten); 'none' for none."
@@ -46,17 +47,40 @@ from pipeline.tracking import TrackingError
     metavar="PRESET",
     help="Refuse a checkpoint whose model section differs from this preset's.",
 )
-@click.option("--config", "config_alias", default=None, hidden=True)  # the former name of --check-preset
+@click.option("--config", "config_alias", default=None, hidden=True)  # refused: eval reads the checkpoint's config
 @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option(
     "--variant",
     default=None,
     help="Label the results as this variant of the same trained model (naive-loop-ee: a base-loop checkpoint).",
 )
-def eval_cmd(
-    checkpoint,
-    overrides,
-    loops,
+def eval_cmd(checkpoint, overrides, loops, config, config_alias, device, variant, **opts):
+    """Evaluate CHECKPOINT: perplexity, the ten zero-shot tasks, depth distribution and latency per budget."""
+    from evaluation.evaluate import run
+    from evaluation.tasks import TaskDataError
+
+    if config_alias is not None:
+        raise click.UsageError(
+            f"--config {config_alias}: tlf eval reads the checkpoint's own config; --check-preset PRESET refuses a "
+            "checkpoint whose model section differs from a preset's, and section.key=value overrides change eval's keys"
+        )
+    if loops is not None and not loops.strip():  # as `--loops ' '` is: no budget named
+        raise click.BadParameter(f"{loops!r} names no loop budget (expected e.g. 2,4,8)", param_hint="--loops")
+    ov = list(overrides) + option_overrides(**opts)
+    try:
+        outs = [str(v) for k, v in map(parse_override, ov) if k == "eval.out_dir" and v]
+        if outs:  # checked before the evaluation, not after it
+            check_writable(outs[-1], "--out" if opts["out_dir"] else "eval.out_dir")
+        run(checkpoint, ov, loops=loops, config=config, device=device, variant=variant, log=click.echo)
+    except (TaskDataError, OSError, ValueError) as e:  # OSError: a missing file, an unwritable --out
+        if isinstance(e, ConfigError):
+            raise
+        raise click.ClickException(str(e)) from None
+    except TrackingError as e:
+        raise click.ClickException(f"{e} (--no-mlflow evaluates without it)") from None
+
+
+def option_overrides(
     tasks,
     limit,
     batch_size,
@@ -70,16 +94,9 @@ def eval_cmd(
     strict,
     no_progress,
     out_dir,
-    config,
-    config_alias,
-    device,
-    variant,
-):
-    """Evaluate CHECKPOINT: perplexity, the ten zero-shot tasks, depth distribution and latency per budget."""
-    from evaluation.evaluate import run
-    from evaluation.tasks import TaskDataError
-
-    ov, config = list(overrides), config or config_alias
+) -> list[str]:
+    """The eval.* overrides that eval_cmd's options stand for."""
+    ov = []
     if tasks:
         names = [] if tasks.strip() == "none" else [t.strip() for t in tasks.split(",") if t.strip()]
         ov.append(f"eval.tasks=[{','.join(names)}]")
@@ -92,27 +109,18 @@ def eval_cmd(
     ):
         if val is not None:
             ov.append(f"eval.{key}={val}")
-    if race_file is not None:
-        ov.append(f"eval.race_file={json.dumps(race_file)}")  # a JSON string is a YAML scalar: any quote survives
-    if out_dir is not None:
-        ov.append(f"eval.out_dir={json.dumps(out_dir)}")
+    for key, val in (("race_file", race_file), ("out_dir", out_dir)):
+        if val is not None:  # a JSON string is a YAML scalar: any quote survives
+            ov.append(f"eval.{key}={json.dumps(val)}")
     for flag, key in (
         (no_ppl, "perplexity"),
         (no_latency, "latency"),
         (no_mlflow, "mlflow"),
         (no_progress, "progress"),
+        (no_ppl, "depth"),
     ):
         if flag:
             ov.append(f"eval.{key}=false")
     if strict:
         ov.append("eval.strict=true")
-    if no_ppl:
-        ov.append("eval.depth=false")
-    try:
-        run(checkpoint, ov, loops=loops, config=config, device=device, variant=variant, log=click.echo)
-    except (TaskDataError, OSError, ValueError) as e:  # OSError: a missing file, an unwritable --out
-        if isinstance(e, ConfigError):
-            raise
-        raise click.ClickException(str(e)) from None
-    except TrackingError as e:
-        raise click.ClickException(f"{e} (--no-mlflow evaluates without it)") from None
+    return ov

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import click
 
+from data_prep.files import check_writable
 from evaluation import results as R
 from evaluation.figures import pyplot, save
 
@@ -71,10 +72,12 @@ def open_store(tracking_uri: str):
 
 def local_runs(dirs: list[str]) -> list[Run]:
     """Runs read from directories instead of MLflow: a training run's metrics.jsonl (+ tracking.json's tags) and/or
-    an evaluation's results.json (the same schema MLflow carries flattened)."""
+    an evaluation's results.json (the same schema MLflow carries flattened). A malformed line or tracking.json is a
+    tracking.MetricsFileError; an incomplete last line (a killed run's) is skipped with a warning."""
     runs = []
+    warn = lambda msg: click.echo(f"Warning: {msg}", err=True)
     for d in map(Path, dirs):
-        rows = tracking.read_metrics(d / tracking.METRICS_FILE)
+        rows = tracking.read_metrics(d / tracking.METRICS_FILE, warn)
         res_file = d / R.RESULTS_FILE
         if not rows and not res_file.is_file():
             raise click.UsageError(f"{d}: holds neither {tracking.METRICS_FILE} nor {R.RESULTS_FILE}")
@@ -107,7 +110,7 @@ def history(client, r: Run, key: str) -> list[tuple[int, float]]:
     """(step, value) of one metric of a run, by step."""
     if r.history is not None:
         return [(x["step"], x[key]) for x in r.history if key in x]
-    return sorted((m.step, m.value) for m in client.get_metric_history(r.run_id, key))
+    return tracking.metric_history(client, r.run_id, key)
 
 
 def collect_runs(client, uri: str, experiments: list[str], tags: dict[str, str], run_ids: list[str]) -> list[Run]:
@@ -388,91 +391,109 @@ def level_depth_text(sel: Selection) -> str:
 
 # ------------------------------------------------------------------------------------------ plots
 def plot_all(sel: Selection, client, out: Path) -> list[Path]:
+    """The PNG plots of the selection that has data for them, written into out."""
     plt = pyplot()
+    runs = {v: sel.eval[v] for v in sel.variants() if v in sel.eval}
+    plots = (
+        (_plot_losses, sel, client),
+        (_plot_ppl, runs),
+        (_plot_depth, runs),
+        (_plot_work, runs),
+        (_plot_throughput, sel),
+    )
     paths = []
-    variants = sel.variants()
+    for fn, *args in plots:
+        got = fn(plt, *args)
+        if got is not None:
+            paths.append(save(got[0], out / got[1]))
+    return paths
 
-    if sel.train:  # loss curves
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for v in variants:
-            r = sel.train.get(v)
-            if r is None:
-                continue
-            # loss_L (the full pass's CE) compares across variants; `loss` adds the shortcut terms
-            for ax, key in zip(axes, (_train_loss_key(r), "val/loss")):
-                h = history(client, r, key)
-                if h:
-                    ax.plot(
-                        [st for st, _ in h],
-                        [x for _, x in h],
-                        marker="o" if key != "loss" else None,
-                        markersize=3,
-                        label=v,
-                    )
-        for ax, t in zip(axes, ("training loss (full pass, L_L)", "validation loss")):
-            ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.set_title(t), ax.grid(alpha=0.3)
-            if ax.lines:  # (no validation loss without train.eval_interval)
-                ax.legend(fontsize=7)
-        paths.append(save(fig, out / "loss_curves.png"))
 
-    runs = {v: sel.eval[v] for v in variants if v in sel.eval}
+def _plot_losses(plt, sel: Selection, client):
+    """Training and validation loss curves, one line per variant."""
+    if not sel.train:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for v in sel.variants():
+        r = sel.train.get(v)
+        if r is None:
+            continue
+        # loss_L (the full pass's CE) compares across variants; `loss` adds the shortcut terms
+        for ax, key in zip(axes, (_train_loss_key(r), "val/loss")):
+            h = history(client, r, key)
+            if h:
+                marker = "o" if key != "loss" else None
+                ax.plot([st for st, _ in h], [x for _, x in h], marker=marker, markersize=3, label=v)
+    for ax, t in zip(axes, ("training loss (full pass, L_L)", "validation loss")):
+        ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.set_title(t), ax.grid(alpha=0.3)
+        if ax.lines:  # (no validation loss without train.eval_interval)
+            ax.legend(fontsize=7)
+    return fig, "loss_curves.png"
+
+
+def _plot_ppl(plt, runs: dict[str, Run]):
+    """Elastic depth: perplexity against the loop budget, one panel per perplexity set."""
     sets = _ppl_sets(list(runs.values()))
-    if runs and sets:  # elastic depth: perplexity vs loop budget
-        fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
-        for ax, s in zip(axes[0], sets):
-            for v, r in runs.items():
-                pts = [(b["loops"], R.budget_ppl(b, s)) for b in r.budgets()]
-                pts = [(M, p) for M, p in pts if p is not None]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=v)
-            ax.set_xlabel("loop budget M"), ax.set_ylabel("perplexity"), ax.set_title(f"PPL {s} vs loop budget")
-            ax.grid(alpha=0.3), ax.legend(fontsize=7)
-        paths.append(save(fig, out / "ppl_vs_loops.png"))
+    if not (runs and sets):
+        return None
+    fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
+    for ax, s in zip(axes[0], sets):
+        for v, r in runs.items():
+            pts = [(M, p) for M, p in ((b["loops"], R.budget_ppl(b, s)) for b in r.budgets()) if p is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=v)
+        ax.set_xlabel("loop budget M"), ax.set_ylabel("perplexity"), ax.set_title(f"PPL {s} vs loop budget")
+        ax.grid(alpha=0.3), ax.legend(fontsize=7)
+    return fig, "ppl_vs_loops.png"
 
+
+def _plot_depth(plt, runs: dict[str, Run]):
+    """The depth distribution of a router variant (t-loopformer if evaluated) at its largest budget."""
     depth = {
         v: b
         for v, r in runs.items()
         if (b := max((b for b in r.budgets() if b.get("depth")), key=lambda b: b["loops"], default=None))
     }
-    if depth:  # depth distribution (router variants at their largest budget)
-        fig, ax = plt.subplots(figsize=(6, 4))
-        shown = [v for v in depth if v == "t-loopformer"] or list(depth)[:1]
-        for v in shown:
-            M, d = depth[v]["loops"], depth[v]["depth"]
-            shares = (list(d["share"]) + [0.0] * M)[:M]
-            ax.bar(range(1, M + 1), [100 * s for s in shares], label=f"{v} (M={M}, mean {d['mean']:.2f})")
-        ax.set_xticks(range(1, max(b["loops"] for b in depth.values()) + 1))
-        ax.set_xlabel("loops per token"), ax.set_ylabel("share of tokens (%)"), ax.set_title("depth distribution")
-        ax.legend(fontsize=7)
-        paths.append(save(fig, out / "depth_distribution.png"))
+    if not depth:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for v in [v for v in depth if v == "t-loopformer"] or list(depth)[:1]:
+        M, d = depth[v]["loops"], depth[v]["depth"]
+        shares = (list(d["share"]) + [0.0] * M)[:M]
+        ax.bar(range(1, M + 1), [100 * s for s in shares], label=f"{v} (M={M}, mean {d['mean']:.2f})")
+    ax.set_xticks(range(1, max(b["loops"] for b in depth.values()) + 1))
+    ax.set_xlabel("loops per token"), ax.set_ylabel("share of tokens (%)"), ax.set_title("depth distribution")
+    ax.legend(fontsize=7)
+    return fig, "depth_distribution.png"
 
-    work = {
-        v: pts
-        for v, r in runs.items()
-        if (
-            pts := [
-                (b["levels"]["work"], b["levels"]["accuracy"])
-                for b in r.budgets()
-                if (b.get("levels") or {}).get("work") is not None
-            ]
-        )
-    }
-    if work:  # depth task: answer accuracy vs executed loop work (mean loops per token), one line per run
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for v, pts in work.items():
-            ax.plot(*zip(*sorted(pts)), marker="o", label=v)
-        ax.set_xlabel("executed loop work (mean loops per token)"), ax.set_ylabel("answer accuracy")
-        ax.set_title("depth task: accuracy vs loop work"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
-        paths.append(save(fig, out / "accuracy_vs_work.png"))
 
-    thr = [(v, sel.train[v].metrics.get("tokens_per_s")) for v in variants if v in sel.train]
+def _plot_work(plt, runs: dict[str, Run]):
+    """Depth task: answer accuracy against executed loop work (mean loops per token), one line per run."""
+    work = {}
+    for v, r in runs.items():
+        lv = [b["levels"] for b in r.budgets() if (b.get("levels") or {}).get("work") is not None]
+        if lv:
+            work[v] = [(x["work"], x["accuracy"]) for x in lv]
+    if not work:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for v, pts in work.items():
+        ax.plot(*zip(*sorted(pts)), marker="o", label=v)
+    ax.set_xlabel("executed loop work (mean loops per token)"), ax.set_ylabel("answer accuracy")
+    ax.set_title("depth task: accuracy vs loop work"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
+    return fig, "accuracy_vs_work.png"
+
+
+def _plot_throughput(plt, sel: Selection):
+    """Training tokens/s per variant."""
+    thr = [(v, sel.train[v].metrics.get("tokens_per_s")) for v in sel.variants() if v in sel.train]
     thr = [(v, t) for v, t in thr if t is not None]
-    if thr:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.barh([v for v, _ in thr], [t for _, t in thr])
-        ax.set_xlabel("training tokens/s"), ax.set_title("throughput")
-        paths.append(save(fig, out / "throughput.png"))
-    return paths
+    if not thr:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.barh([v for v, _ in thr], [t for _, t in thr])
+    ax.set_xlabel("training tokens/s"), ax.set_title("throughput")
+    return fig, "throughput.png"
 
 
 # ------------------------------------------------------------------------------------------ run
@@ -493,13 +514,13 @@ def run(
     run_dirs: tuple[str, ...] = (),
 ) -> CompareResult:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one results.json per run: no bars
+    outd = check_writable(out, "--out")  # before the runs are read
     if run_dirs:  # no MLflow at all
         client, runs = None, local_runs(list(run_dirs))
     else:
         uri, client = open_store(tracking_uri)
         runs = collect_runs(client, uri, list(experiments), tags or {}, list(run_ids))
     sel = select(runs, client)
-    outd = Path(out)
     outd.mkdir(parents=True, exist_ok=True)
     tables = [table1(sel, metric), table2(sel), table3(sel), table4(sel)]
     kept = [(i, t) for i, t in enumerate(tables, start=1) if i <= 3 or t.rows]  # table 4 only with a depth task
@@ -561,6 +582,9 @@ def compare(tracking_uri, experiments, tag_items, run_ids, run_dirs, out, metric
             raise click.BadParameter(f"{t!r} must look like KEY=VALUE", param_hint="--tag")
         k, _, v = t.partition("=")
         tags[k] = v
-    res = run(tracking_uri, experiments, tags, run_ids, out, metric, run_dirs)
+    try:
+        res = run(tracking_uri, experiments, tags, run_ids, out, metric, run_dirs)
+    except tracking.MetricsFileError as e:
+        raise click.ClickException(str(e)) from None
     click.echo(res.text or "no runs with training or evaluation metrics matched")
     click.echo("files:\n" + "\n".join(f"  {f}" for f in res.files))

@@ -2,8 +2,11 @@
 
 For every loop budget M (data and tokenised requests are loaded once and reused): the zero-shot tasks,
 perplexity on each validation set, the depth distribution (+ PNG) on the first set, and latency when
-`eval.latency` is on. Writes `results.json` and `table1.md` (+ `depth_M{M}.png`) into the output
-directory and logs everything to MLflow.
+`eval.latency` is on. Before any of it, one line says what it will cost (evaluation/estimate.py). Writes
+`results.json` and `table1.md` (+ `depth_M{M}.png`) into the output directory (removed again, when still empty,
+if the evaluation fails or is interrupted), and logs everything to MLflow, saying which run at which tracking URI.
+results.json records the export directory evaluated and the checkpoint's training run and step (its run.json):
+what `tlf export` matches to put a checkpoint's evaluation on its model card (pipeline/hf/export.py).
 """
 
 from __future__ import annotations
@@ -12,16 +15,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data_prep.files import new_dirs_removed_on_error
 from pipeline import tracking
 from data_prep.foldtask import task_of
 from data_prep.tokenizer import GPT2_VOCAB
 from pipeline.config import VARIANTS, Config, ConfigError, load_config, trained_variant
 from pipeline.device import resolve_device
-from pipeline.model.io import find_export, load_model
+from pipeline.hf.load import load_any, model_dir
 from pipeline.train.checkpoint import read_run_record
 
 from evaluation import report, results
 from evaluation.depth import depth_chart
+from evaluation.estimate import estimate_line
 from evaluation.perplexity import TokenStream, make_windows, perplexity
 from evaluation.progress import Progress
 from evaluation.latency import measure_latency
@@ -254,89 +259,63 @@ def measure_budget(r: _Run, m_req: int, m_eff: int) -> dict:
 
 def publish(result: results.Results, r: _Run, export: Path, name: str, trained_as: str | None, log) -> None:
     """Writes results.json and table1.md, logs them (and the charts) to MLflow when eval.mlflow, prints the table."""
-    cfg, ev, files = r.cfg, r.cfg.eval, r.files
     md = r.out_dir / "table1.md"
     md.write_text(report.table1_markdown(result))
     out_json = r.out_dir / results.RESULTS_FILE
-    result["files"] = {"json": str(out_json), "table": str(md), "charts": [str(f) for f in files]}
-    files = [out_json, md] + files
+    result["files"] = {"json": str(out_json), "table": str(md), "charts": [str(f) for f in r.files]}
     results.write(out_json, result)
-    if ev.mlflow:
-        rec = read_run_record(export)
-        run_id, step = (rec.mlflow_run_id, rec.step) if rec else (None, 0)
-        tags = {
-            "variant": cfg.model.variant,
-            "preset": cfg.name or "",
-            "checkpoint": str(export),
-            "kind": "eval",
-            "run_name": f"eval-{name}",
-            "table_metric": ev.table_metric,
-        }
-        if trained_as and run_id:  # another variant's rows: its own run, linked to the training run
-            tags["train_run_id"], run_id = run_id, None
-        first = result["budgets"][0]["tasks"] if result["budgets"] else {}
-        tags.update({f"split.{t}": x["split"] for t, x in first.items()})
-        tags.update({f"skipped.{t}": "unavailable" for t in r.inp.skipped})
-        result["mlflow_run_id"] = report.log_mlflow(
-            result, files, cfg.logging.tracking_uri, cfg.logging.experiment, run_id, tags, step
-        )
-        result["mlflow_run"] = "checkpoint's run" if result["mlflow_run_id"] == run_id else "new run"
-        if result.get("mlflow_note"):
-            log(f"eval: {result['mlflow_note']}")
+    if r.cfg.eval.mlflow:
+        _log_mlflow(result, r, [out_json, md, *r.files], export, name, trained_as, log)
         results.write(out_json, result)
     log("\n" + md.read_text())
     log(f"eval: wrote {out_json} and {md}")
 
 
-def run(
-    checkpoint: str | Path,
-    overrides: list[str] | tuple = (),
-    loops=None,
-    config: str | None = None,
-    device: str | None = None,
-    model=None,
-    cfg: Config | None = None,
-    variant: str | None = None,
-    log=print,
-) -> results.Results:
-    """Evaluates `checkpoint` (export, checkpoint or run dir). `overrides` are `section.key=value` strings
-    applied to the checkpoint's config (e.g. eval.tasks=[copa], eval.limit=20, eval.source=offline);
-    `loops` '2,4,8' or a list; `variant` labels the results as another variant of the same trained model
-    (`relabel`). Returns the results (evaluation/results.py's schema, also written to <out_dir>/results.json)."""
-    t_start = time.time()
-    export = find_export(checkpoint)
-    if model is None or cfg is None:
-        model, cfg = load_model(export, "cpu", list(overrides))
-    check_config(cfg, config)
-    trained_as = relabel(cfg, variant)
-    dev = pick_device(cfg, device)
-    model = model.to(dev).eval()
-    budgets = resolve_budgets(cfg, parse_loops(loops))
-    ev = cfg.eval
-    for n in ev.tasks:
-        spec(n)  # unknown task names fail before anything runs
-    if ev.mlflow:  # a dead or refusing server: one line now (TrackingError), not after the whole evaluation
-        tracking.checked_client(cfg.logging.tracking_uri)
-
-    t0 = time.time()
-    inp = load_inputs(cfg, log)
+def _log_mlflow(result, r: _Run, files: list, export: Path, name: str, trained_as: str | None, log) -> None:
+    """Logs the results to the checkpoint's training run (a new run for a relabelled variant or a run the store
+    lacks) and says which run, at which tracking URI."""
+    cfg, ev = r.cfg, r.cfg.eval
+    run_id, step = result.get("train_run_id"), result.get("step", 0)
+    tags = {
+        "variant": cfg.model.variant,
+        "preset": cfg.name or "",
+        "checkpoint": str(export),
+        "kind": "eval",
+        "run_name": f"eval-{name}",
+        "table_metric": ev.table_metric,
+    }
+    if trained_as and run_id:  # another variant's rows: its own run, linked to the training run
+        tags["train_run_id"], run_id = run_id, None
+    first = result["budgets"][0]["tasks"] if result["budgets"] else {}
+    tags.update({f"split.{t}": x["split"] for t, x in first.items()})
+    tags.update({f"skipped.{t}": "unavailable" for t in r.inp.skipped})
+    uri = tracking.tracking_uri(cfg.logging.tracking_uri)
+    result["mlflow_run_id"] = report.log_mlflow(result, files, uri, cfg.logging.experiment, run_id, tags, step)
+    own = result["mlflow_run_id"] == run_id
+    result["mlflow_run"] = "checkpoint's run" if own else "new run"
+    if result.get("mlflow_note"):
+        log(f"eval: {result['mlflow_note']}")
+    which = "the checkpoint's training run" if own else f"a new run named {tags['run_name']}"
     log(
-        f"eval: {len(inp.tasks)} tasks, {len(inp.streams)} perplexity sets loaded in {time.time() - t0:.1f}s; budgets "
-        f"{[m for m, _ in budgets]} on {dev}"
+        f"eval: logged to MLflow run {result['mlflow_run_id']} ({which}), experiment {cfg.logging.experiment}, at {uri}"
     )
-    name = (cfg.name or export.name) + (f"-as-{cfg.model.variant}" if trained_as else "")
-    out_dir = (
-        Path(ev.out_dir)
-        if ev.out_dir
-        else Path("out") / "eval" / name.replace("/", "_") / time.strftime("%Y%m%d-%H%M%S")
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work = sum(len(td.examples) for td in inp.tasks.values()) + sum(inp.windows)  # per budget
-    bar = Progress(work * len({m for _, m in budgets}), ev.progress)
-    r = _Run(model, cfg, dev, inp, Scorer(model, ev.batch_size, dev), bar, bar.say(log), out_dir)
-    result: results.Results = {
+
+
+def _out_dir(cfg: Config, name: str) -> Path:
+    """eval.out_dir, else out/eval/<name, / as _>/<timestamp>."""
+    if cfg.eval.out_dir:
+        return Path(cfg.eval.out_dir)
+    return Path("out") / "eval" / name.replace("/", "_") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def _header(checkpoint, export: Path, cfg: Config, model, dev: str, inp: _Inputs, trained_as: str | None) -> dict:
+    """The results' description of what was evaluated, how, and against which training run (run.json)."""
+    ev, rec = cfg.eval, read_run_record(export)
+    return {
         "checkpoint": str(Path(checkpoint)),
-        "export": str(export),
+        "export": str(export.resolve()),  # `tlf export` finds the evaluation of a checkpoint by it
+        **({"train_run_id": rec.mlflow_run_id} if rec and rec.mlflow_run_id else {}),
+        **({"step": rec.step} if rec else {}),
         "config_name": cfg.name,
         "model": {
             "variant": cfg.model.variant,
@@ -355,9 +334,12 @@ def run(
         "budgets": [],
         **({"skipped_tasks": inp.skipped} if inp.skipped else {}),
     }
-    if cfg.model.loops == 1 and any(m != 1 for m, _ in budgets):
-        result["note"] = "base model (model.loops=1) is not looped: every budget runs its single pass"
+
+
+def measure_all(r: _Run, budgets: list[tuple[int, int]]) -> list[dict]:
+    """`measure_budget` at every budget; a budget that runs as one already measured (the base model's) reuses it."""
     done: dict[int, dict] = {}
+    out = []
     for m_req, m_eff in budgets:
         if m_eff in done:  # the base model: the same pass again would give the same numbers
             prev = done[m_eff]
@@ -369,8 +351,67 @@ def run(
             }
         else:
             b = done[m_eff] = measure_budget(r, m_req, m_eff)
-        result["budgets"].append(b)
-    bar.close()
-    result["wall_s"] = round(time.time() - t_start, 3)
-    publish(result, r, export, name, trained_as, log)
+        out.append(b)
+    r.bar.close()
+    return out
+
+
+def _prepare(checkpoint, overrides, config, device, model, cfg, variant):
+    """(export dir, model on its device, config, device, checkpoint's own variant when relabelled): the model
+    loaded (unless given) from anything `pipeline.hf.load.model_dir` accepts, checked and placed."""
+    export = model_dir(checkpoint)
+    if model is None or cfg is None:
+        model, cfg = load_any(export, "cpu", list(overrides))
+    check_config(cfg, config)
+    trained_as = relabel(cfg, variant)
+    dev = pick_device(cfg, device)
+    for n in cfg.eval.tasks:
+        spec(n)  # unknown task names fail before anything runs
+    if cfg.eval.mlflow:  # a dead or refusing server: one line now (TrackingError), not after the whole evaluation
+        tracking.checked_client(cfg.logging.tracking_uri)
+    return export, model.to(dev).eval(), cfg, dev, trained_as
+
+
+def run(
+    checkpoint: str | Path,
+    overrides: list[str] | tuple = (),
+    loops=None,
+    config: str | None = None,
+    device: str | None = None,
+    model=None,
+    cfg: Config | None = None,
+    variant: str | None = None,
+    log=print,
+) -> results.Results:
+    """Evaluates `checkpoint` (export, checkpoint or run dir, or tlf's transformers export). `overrides` are
+    `section.key=value` strings applied to the checkpoint's config (e.g. eval.tasks=[copa], eval.limit=20,
+    eval.source=offline); `loops` '2,4,8' or a list; `variant` labels the results as another variant of the same
+    trained model (`relabel`). Returns the results (evaluation/results.py's schema, also written to
+    <out_dir>/results.json); an evaluation that fails leaves no empty output directory behind."""
+    t_start = time.time()
+    export, model, cfg, dev, trained_as = _prepare(checkpoint, overrides, config, device, model, cfg, variant)
+    budgets = resolve_budgets(cfg, parse_loops(loops))
+    t0 = time.time()
+    inp = load_inputs(cfg, log)
+    log(
+        f"eval: {len(inp.tasks)} tasks, {len(inp.streams)} perplexity sets loaded in {time.time() - t0:.1f}s; budgets "
+        f"{[m for m, _ in budgets]} on {dev}"
+    )
+    estimate = estimate_line(model, cfg, inp, budgets, dev)  # before any work: what it costs, how to cut it
+    if estimate:
+        log(estimate)
+    name = (cfg.name or export.name) + (f"-as-{cfg.model.variant}" if trained_as else "")
+    out_dir = _out_dir(cfg, name)
+    with new_dirs_removed_on_error(out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        work = sum(len(td.examples) for td in inp.tasks.values()) + sum(inp.windows)  # per budget
+        bar = Progress(work * len({m for _, m in budgets}), cfg.eval.progress)
+        ev = cfg.eval
+        r = _Run(model, cfg, dev, inp, Scorer(model, ev.batch_size, dev), bar, bar.say(log), out_dir)
+        result: results.Results = _header(checkpoint, export, cfg, model, dev, inp, trained_as)
+        if cfg.model.loops == 1 and any(m != 1 for m, _ in budgets):
+            result["note"] = "base model (model.loops=1) is not looped: every budget runs its single pass"
+        result["budgets"] = measure_all(r, budgets)
+        result["wall_s"] = round(time.time() - t_start, 3)
+        publish(result, r, export, name, trained_as, log)
     return result

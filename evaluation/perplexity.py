@@ -107,36 +107,17 @@ def perplexity(
     T = min(context or model.cfg.block_size, model.cfg.block_size)
     M = int(loops)
     win = make_windows(stream.num_tokens, T, stride)
-    nll_sum = 0.0
-    count = 0
-    d_nll = np.zeros(M + 1)
-    d_cnt = np.zeros(M + 1, dtype=np.int64)
+    tally = DepthTally(M)
     order = range(len(win.starts))
     for b0 in range(0, len(win.starts), batch_size):
         ids = list(order[b0 : b0 + batch_size])
-        L = max(win.lengths[i] for i in ids)
-        idx = torch.zeros(len(ids), L, dtype=torch.long)
-        rows, pos, tgt = [], [], []
-        for r, i in enumerate(ids):
-            s, ln, f = win.starts[i], win.lengths[i], win.first_scored[i]
-            toks = stream.read(s, ln + 1)
-            idx[r, :ln] = toks[:ln]
-            rows += [r] * (ln - f)
-            pos += range(f, ln)
-            tgt.append(toks[1 + f :])
+        idx, rows, pos, tgt = window_batch(stream, win, ids)
         h, depth = hidden_states(model, idx.to(device), M, router=router, threshold=threshold)
         rows_t, pos_t = torch.tensor(rows), torch.tensor(pos)
         nll = nll_at(model, h[rows_t, pos_t], torch.cat(tgt).to(h.device)).double().cpu().numpy()  # (P,)
-        dep = depth[rows_t, pos_t].cpu().numpy()
-        nll_sum += float(nll.sum())
-        count += nll.size
-        np.add.at(d_nll, dep, nll)
-        np.add.at(d_cnt, dep, 1)
+        tally.add(nll, depth[rows_t, pos_t].cpu().numpy())
         if progress:
             progress(len(ids))
-    mean = nll_sum / count
-    share = (d_cnt[1:] / count).tolist()
-    per_depth_ppl = [float(math.exp(d_nll[d] / d_cnt[d])) if d_cnt[d] else None for d in range(1, M + 1)]
     return {
         "set": stream.name,
         "dir": str(stream.dir),
@@ -145,13 +126,54 @@ def perplexity(
         "context": T,
         "stride": T if stride <= 0 or stride >= T else int(stride),
         "protocol": "non-overlapping" if stride <= 0 or stride >= T else "sliding",
-        "tokens": int(count),
-        "mean_nll": float(mean),
-        "ppl": float(math.exp(mean)),
-        "depth": {
-            "share": share,
-            "counts": d_cnt[1:].tolist(),
-            "mean": float((np.arange(1, M + 1) * d_cnt[1:]).sum() / count),
-            "ppl": per_depth_ppl,
-        },
+        **tally.summary(),
     }
+
+
+def window_batch(stream: TokenStream, win: Windows, ids: list[int]):
+    """The inputs of windows `ids` (len(ids), L) int64, zero-padded to the longest (L), and each scored target:
+    its row, its input position (the token that predicts it) and, per window, the targets (1-D tensors)."""
+    L = max(win.lengths[i] for i in ids)
+    idx = torch.zeros(len(ids), L, dtype=torch.long)
+    rows, pos, tgt = [], [], []
+    for r, i in enumerate(ids):
+        s, ln, f = win.starts[i], win.lengths[i], win.first_scored[i]
+        toks = stream.read(s, ln + 1)
+        idx[r, :ln] = toks[:ln]
+        rows += [r] * (ln - f)
+        pos += range(f, ln)
+        tgt.append(toks[1 + f :])
+    return idx, rows, pos, tgt
+
+
+class DepthTally:
+    """Sums of the targets' NLL, overall and by the depth (0..M) the router gave the token predicting each."""
+
+    def __init__(self, M: int):
+        self.M, self.nll_sum, self.count = M, 0.0, 0
+        self.d_nll = np.zeros(M + 1)
+        self.d_cnt = np.zeros(M + 1, dtype=np.int64)
+
+    def add(self, nll: np.ndarray, depth: np.ndarray) -> None:
+        """nll (P,) float64 and depth (P,) int of P scored targets."""
+        self.nll_sum += float(nll.sum())
+        self.count += nll.size
+        np.add.at(self.d_nll, depth, nll)
+        np.add.at(self.d_cnt, depth, 1)
+
+    def summary(self) -> dict:
+        """tokens, mean_nll, ppl and depth: the share and count of targets at each depth 1..M, the mean depth and
+        the ppl per depth (None where no target had it)."""
+        M, count, d_nll, d_cnt = self.M, self.count, self.d_nll, self.d_cnt
+        mean = self.nll_sum / count
+        return {
+            "tokens": int(count),
+            "mean_nll": float(mean),
+            "ppl": float(math.exp(mean)),
+            "depth": {
+                "share": (d_cnt[1:] / count).tolist(),
+                "counts": d_cnt[1:].tolist(),
+                "mean": float((np.arange(1, M + 1) * d_cnt[1:]).sum() / count),
+                "ppl": [float(math.exp(d_nll[d] / d_cnt[d])) if d_cnt[d] else None for d in range(1, M + 1)],
+            },
+        }

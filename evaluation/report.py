@@ -45,21 +45,24 @@ def table1_markdown(result: Results) -> str:
     sets = result.get("ppl_sets", [])
     metric = result.get("table_metric", "acc")
     skipped = result.get("skipped_tasks", {})
-    head = ["Model", "FLOPs"] + [f"PPL {s}" for s in sets] + list(TASK_LABELS.values()) + ["Avg Acc"]
+    head = ["Model", "FLOPs (executed)"] + [f"PPL {s}" for s in sets] + list(TASK_LABELS.values()) + ["Avg Acc"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     for b in result["budgets"]:
         J = model["n_layers"]
         name = f"{variant_label(model['variant'])} ({J} ⊗ {b['effective_loops']})"
-        row = [name, f"{J * b['effective_loops']}x"]
+        row = [name, executed_flops(J, b)]
         row += [_fmt(budget_ppl(b, s), pct=False) for s in sets]
         row += ["skipped" if t in skipped else _fmt(a) for t, a in zip(TASK_LABELS, budget_accuracies(b, metric))]
         avg, n = average_accuracy(b.get("tasks", {}), metric)
         row.append(_fmt(avg) + ("" if n in (0, len(TASK_LABELS)) else f" ({n} tasks)"))
         lines.append("| " + " | ".join(row) + " |")
     notes = [
+        "FLOPs (executed): layer applications per token, J × the mean depth measured on the first "
+        "perplexity set (J × M, marked *, where no depth was measured); the Model column's J ⊗ M is the nominal "
+        "budget",
         f"Accuracy: {metric} ×100"
         + (" (acc_norm where the task has it, else acc)" if metric == "acc_norm" else "")
-        + f"; limit {result.get('limit') or 'none'}."
+        + f"; limit {result.get('limit') or 'none'}.",
     ]
     first = result["budgets"][0] if result["budgets"] else {}
     for t, label in TASK_LABELS.items():
@@ -78,6 +81,14 @@ def table1_markdown(result: Results) -> str:
         )
     text = "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     return text + latency_markdown(result) + depth_markdown(result)
+
+
+def executed_flops(J: int, b: dict) -> str:
+    """The FLOPs cell of a budget: J × its measured mean depth (what ran), else the nominal J × M marked *."""
+    depth = b.get("depth", {}).get("mean")
+    if depth is None:
+        return f"{J * b['effective_loops']}x*"
+    return f"{J * depth:.2f}x"
 
 
 def latency_markdown(result: dict) -> str:

@@ -92,8 +92,10 @@ class Results(TypedDict, total=False):
     table_metric: str  # acc, or acc_norm where a task has it
     budgets: list[Budget]
     ppl_sets: list[str]
-    checkpoint: str
-    export: str
+    checkpoint: str  # as given to tlf eval
+    export: str  # the absolute directory the model was loaded from (`tlf export` matches evaluations by it)
+    train_run_id: str  # the checkpoint's training run (its run.json), when recorded
+    step: int  # the checkpoint's training step (its run.json)
     config_name: str
     device: str
     limit: int

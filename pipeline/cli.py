@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from importlib.metadata import entry_points
 
 import click
 
-from pipeline.config import ConfigError, field_docs, list_presets, load_config, to_yaml
+from data_prep.configlib import ConfigError  # (pipeline.config loads torch, with the router recipes' settings)
+from data_prep.files import UnwritableError
 
 
 class _Group(click.Group):
-    """Turns a ConfigError anywhere below into a clean one-line error (exit 2), not a traceback; the components'
-    subcommands (`tlf.commands` entry points) load when named, so `tlf prep-data` never imports torch."""
+    """Turns a ConfigError anywhere below into a clean one-line error (exit 2), and an output path that cannot be
+    written (data_prep.files.check_writable) into one of exit 1, not a traceback; the components' subcommands
+    (`tlf.commands` entry points) load when named, so `tlf prep-data` never imports torch."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except ConfigError as e:
             raise click.UsageError(f"config error: {e}") from None
+        except UnwritableError as e:
+            raise click.ClickException(str(e)) from None
 
     def list_commands(self, ctx) -> list[str]:
         return sorted({*super().list_commands(ctx), *_entry_points()})
@@ -28,6 +33,31 @@ class _Group(click.Group):
         if name not in self.commands and name in _entry_points():
             self.add_command(_entry_points()[name].load(), name)
         return super().get_command(ctx, name)
+
+
+def config_arguments(command):
+    """The arguments `CONFIG [OVERRIDES]...` of a command that reads a training config, CONFIG also accepted as
+    `--config CONFIG` (as `tlf prep-data --config FILE`): the command gets `config` and `overrides` either way."""
+
+    @functools.wraps(command)
+    def call(*args, config, overrides, config_opt, **kw):
+        if config_opt is not None:
+            if config is not None and "=" not in config:
+                raise click.UsageError(f"two configs given ({config} and --config {config_opt}); give one")
+            overrides = (config, *overrides) if config is not None else overrides
+            config = config_opt
+        elif config is None:
+            raise click.UsageError("missing CONFIG: a preset (tlf config list) or a YAML file, or --config FILE")
+        return command(*args, config=config, overrides=tuple(overrides), **kw)
+
+    call = click.option(
+        "--config",
+        "config_opt",
+        default=None,
+        metavar="CONFIG",
+        help="The config (a preset such as tiny/t-loopformer, or a YAML file): the same as the positional CONFIG.",
+    )(call)
+    return click.argument("config", required=False)(click.argument("overrides", nargs=-1)(call))
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -44,20 +74,24 @@ def config() -> None:
 @config.command("list")
 def config_list() -> None:
     """List the shipped presets (SCALE/VARIANT)."""
+    from pipeline.config import list_presets
+
     for name in list_presets():
         click.echo(name)
 
 
 @config.command("show")
-@click.argument("name")
-@click.argument("overrides", nargs=-1)
-@click.option("--doc", is_flag=True, help="Print every field with its type, default and one-line doc.")
-def config_show(name: str, overrides: tuple[str, ...], doc: bool) -> None:
-    """Print the resolved config NAME (preset or YAML file) with OVERRIDES (section.key=value)."""
-    cfg = load_config(name, overrides)
+@config_arguments
+@click.option("--doc", is_flag=True, help="Print every field with its value, type and one-line doc.")
+def config_show(config: str, overrides: tuple[str, ...], doc: bool) -> None:
+    """Print the resolved CONFIG (preset or YAML file) with OVERRIDES (section.key=value); --doc: every key it has
+    (of objective.router, the chosen recipe's) with its value, type and doc."""
+    from pipeline.config import field_docs, load_config, to_yaml
+
+    cfg = load_config(config, overrides)
     if doc:
         flat = cfg.flat()
-        for key, tp, _default, text in field_docs():
+        for key, tp, _default, text in field_docs(cfg):
             click.echo(f"{key} = {flat[key]!r}  ({tp})  # {text}")
         return
     click.echo(to_yaml(cfg), nl=False)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from data_prep.files import check_writable
 from pipeline.model.io import find_export, load_model, save_model
 
 FORMATS = ("safetensors", "pt", "hf")
@@ -26,13 +27,8 @@ def _check_out(out: Path) -> None:
         raise click.UsageError(
             f"--out {out}: exists and is not an export (no config.yaml or config.json); choose a new or empty directory"
         )
-    if out.exists() and not out.is_dir():
-        raise click.ClickException(f"--out {out}: exists and is not a directory")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # mkdir reports a file on the way as "File exists"
-        why = "Not a directory: a file is on its path" if isinstance(e, FileExistsError) else e.strerror or e
-        raise click.ClickException(f"--out {out}: cannot create it ({why})") from None
+    check_writable(out, "--out")
+    check_writable(out.parent, "--out", make=True)  # the export is built beside out, then renamed into place
 
 
 def _temp_dirs(out: Path) -> list[Path]:
@@ -49,7 +45,14 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def export(checkpoint: str, out: str, fmt: str = "safetensors") -> Path:
+EVAL_ROOT = Path("out") / "eval"  # where `tlf eval` writes by default (eval.out_dir empty)
+
+
+def export(checkpoint: str, out: str, fmt: str = "safetensors", evals: tuple = ()) -> Path:
+    """Writes `checkpoint`'s model to `out` in fmt; the hf model card holds the checkpoint's evaluation found under
+    out/eval, the `evals` directories and its run dir (pipeline.hf.export.find_evaluation)."""
+    dest = Path(out)
+    _check_out(dest)  # before the weights are read
     model, cfg = load_model(checkpoint, "cpu")
     if Path(out).resolve() == find_export(checkpoint).resolve():
         raise click.UsageError(f"--out {out}: is the source export itself; choose another directory")
@@ -58,8 +61,6 @@ def export(checkpoint: str, out: str, fmt: str = "safetensors") -> Path:
 
         if not have_safetensors():
             raise click.UsageError(f"--format {fmt} needs the safetensors package (pip install tlf[hf])")
-    dest = Path(out)
-    _check_out(dest)
     for stale in _temp_dirs(dest):  # left by a killed export
         shutil.rmtree(stale, ignore_errors=True)
     tmp = dest.with_name(f".{dest.name}.tmp-export{os.getpid()}")
@@ -67,7 +68,7 @@ def export(checkpoint: str, out: str, fmt: str = "safetensors") -> Path:
         if fmt == "hf":
             from pipeline.hf.export import export_hf
 
-            export_hf(model, cfg, tmp, find_export(checkpoint))
+            export_hf(model, cfg, tmp, find_export(checkpoint), [EVAL_ROOT, *map(Path, evals)])
         else:
             save_model(tmp, model, cfg, fmt)
         _replace_dir(tmp, dest)
@@ -87,10 +88,16 @@ def export(checkpoint: str, out: str, fmt: str = "safetensors") -> Path:
     show_default=True,
     help="safetensors / pt: a tlf export (config.yaml + weights); hf: a transformers directory.",
 )
-def export_cmd(checkpoint: str, out: str, fmt: str) -> None:
+@click.option(
+    "--evals",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="--format hf: also look here for the checkpoint's `tlf eval` results (default: out/eval and its run dir).",
+)
+def export_cmd(checkpoint: str, out: str, fmt: str, evals: tuple[str, ...]) -> None:
     """Write CHECKPOINT (an export dir, a checkpoint dir holding model/, or a run dir) to --out as an export."""
     try:
-        d = export(checkpoint, out, fmt)
+        d = export(checkpoint, out, fmt, evals)
     except FileNotFoundError as e:
         raise click.UsageError(str(e)) from None
     click.echo(f"wrote {d}")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from data_prep.files import check_writable
 from pipeline import orchestrate
 from pipeline.config import SCALES, VARIANTS, load_config
 
@@ -72,6 +73,8 @@ def sweep(scale, overrides, variants, out, experiment, tracking_uri, launcher, e
         if v not in VARIANTS:
             raise click.BadParameter(f"{v!r} is not one of {', '.join(VARIANTS)}", param_hint="--variants")
     out = out or f"runs/sweep-{scale}"
+    if not print_only:
+        check_writable(out, "--out")  # before hours of training
     stages = plan(
         scale,
         names,

@@ -77,26 +77,83 @@ def log_metrics(cl, run_id: str, metrics: list) -> None:
         cl.log_batch(run_id, metrics=metrics[i : i + BATCH])
 
 
+def metric_history(cl, run_id: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) of one metric of an MLflow run, by step: at each step the value logged last. A step redone
+    after a resume from an earlier checkpoint is logged again (`RunLogger.start`, run tag `redo/<n>`); the
+    abandoned attempt's value stays in the history, older."""
+    newest = {}
+    for m in sorted(cl.get_metric_history(run_id, key), key=lambda m: m.timestamp):
+        newest[m.step] = m.value
+    return sorted(newest.items())
+
+
 # ------------------------------------------------------------------------------------ local metrics file
-def read_metrics(path: Path) -> list[dict]:
-    """The complete lines of a metrics.jsonl (a line cut by a kill is ignored)."""
-    out = []
+class MetricsFileError(ValueError):
+    """A metrics.jsonl or tracking.json that is not what the trainer writes; the message names the file (and
+    line) on one line."""
+
+
+def parse_metrics(data: bytes, path, first_line: int = 1) -> tuple[list[tuple[int, dict]], bytes]:
+    """The metrics.jsonl lines in `data` (the file's bytes from a line start): ([(byte offset after the line,
+    record)], the incomplete last piece: a line without its newline, still being written or cut by a kill). A line
+    that is not a JSON object with an integer `step` and numbers for every other key is a MetricsFileError
+    naming `path:line` (and the key); blank lines are skipped."""
+    out, pos = [], 0
+    *lines, tail = data.split(b"\n")
+    for n, raw in enumerate(lines, start=first_line):
+        pos += len(raw) + 1
+        if raw.strip():
+            out.append((pos, _record(raw, f"{path}:{n}")))
+    return out, tail
+
+
+def _record(raw: bytes, where: str) -> dict:
     try:
-        with open(path) as fh:
-            for line in fh:
-                if line.endswith("\n"):
-                    try:
-                        out.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        pass
+        rec = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise MetricsFileError(f"{where}: not a JSON line ({e})") from None
+    if not isinstance(rec, dict):
+        raise MetricsFileError(f"{where}: a JSON object of one step's metrics expected, not {type(rec).__name__}")
+    for k, v in rec.items():
+        if k == "step" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise MetricsFileError(f"{where}: 'step' must be an integer >= 0, got {v!r}"[:300])
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise MetricsFileError(f"{where}: metric {k!r} must be a number, got {v!r}"[:300])
+    if "step" not in rec:
+        raise MetricsFileError(f"{where}: no 'step'")
+    return rec
+
+
+def read_metrics(path: Path, warn=None) -> list[dict]:
+    """The records of a metrics.jsonl (none when it does not exist), checked by `parse_metrics`; an incomplete
+    last line (what a kill leaves) is skipped, reported through warn(one line) when given."""
+    try:
+        data = Path(path).read_bytes()
     except FileNotFoundError:
-        pass
-    return out
+        return []
+    lines, tail = parse_metrics(data, path)
+    if tail.strip() and warn is not None:
+        n = data.count(b"\n") + 1
+        warn(f"{path}:{n}: incomplete last line (a write cut short, e.g. by a kill) skipped")
+    return [rec for _, rec in lines]
+
+
+RUN_FILE_TYPES = {"run_id": (str, type(None)), "tracking_uri": (str,), "name": (str, type(None)), "tags": (dict,)}
 
 
 def read_run_file(directory: Path) -> dict:
+    """tracking.json of a run directory ({} when there is none); anything but what the trainer writes is a
+    MetricsFileError naming the file (and key)."""
+    f = Path(directory) / RUN_FILE
     try:
-        d = json.loads((Path(directory) / RUN_FILE).read_text())
-        return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
+        d = json.loads(f.read_text())
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as e:
+        raise MetricsFileError(f"{f}: not readable JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise MetricsFileError(f"{f}: a JSON object expected, not {type(d).__name__}")
+    for k, kinds in RUN_FILE_TYPES.items():
+        if k in d and not isinstance(d[k], kinds):
+            raise MetricsFileError(f"{f}: key {k!r} has the wrong type ({d[k]!r})"[:300])
+    return d

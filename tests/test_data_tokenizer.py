@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from data_prep import assets
-from data_prep.tokenizer import BPE_CACHE_NAMES, get_encoding
+from data_prep.tokenizer import get_encoding
 from data_prep.wikiclean import clean
 
 
@@ -32,7 +32,7 @@ def test_bpe_files_are_the_pinned_ones(files, tmp_path, monkeypatch):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tk"))
     d = assets.ensure_bpe()
     pinned = dict((m.rsplit("/", 1)[1], sha) for m, sha in assets.GPT2_BPE.members)
-    for name, key in BPE_CACHE_NAMES.items():
+    for name, key in assets.BPE_CACHE_NAMES.items():
         assert hashlib.sha256((d / key).read_bytes()).hexdigest() == pinned[name]
 
 

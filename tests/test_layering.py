@@ -5,6 +5,10 @@ package or one to its left only. Bench scripts import each other by bare name (`
 run as scripts with bench/ on sys.path): those count as bench. A module named in a string (`importlib`) counts
 too. There is no exception: `tlf`'s subcommands register themselves as `tlf.commands` entry points (setup.py),
 which the `tlf` command loads without naming their packages.
+
+Inside data_prep, pipeline and evaluation the modules import each other in no cycle (imports inside functions
+count, relative ones resolved), pipeline/model imports nothing of pipeline/train (the trainer uses the model), and
+pipeline/plan uses pipeline/train (it traces the training step), never the other way round.
 """
 
 import ast
@@ -111,29 +115,180 @@ def test_every_package_registers_its_own_tlf_commands():
         assert ep.value.split(".")[0] in LAYERS and main.get_command(ctx, name) is ep.load(), name
 
 
-def test_training_modules_do_not_import_each_other_in_a_cycle():
-    """Within pipeline/train/ the imports (module level or inside a function) form no cycle: the callbacks use
-    the trainer object they are given, never import trainer.py."""
-    mods = {p.stem: p for p in (ROOT / "pipeline" / "train").glob("*.py")}
+# ------------------------------------------------------------------------------------ inside a package
+CYCLE_FREE = ("data_prep", "pipeline", "evaluation")
+NEVER = [  # (importer, imported, why): module prefixes
+    ("pipeline.model", "pipeline.train", "the model knows nothing of training (the trainer uses the model)"),
+    ("pipeline.train", "pipeline.plan", "the plan traces the training step: plan -> train only"),
+]
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports(source: str, name: str, is_package: bool, modules) -> dict[str, int]:
+    """{module of `modules`: first line} that module `name` imports, at module level or inside a function:
+    `import a.b`, `from a.b import c` (the module a.b.c when there is one, else a.b), relative imports resolved; a
+    name that is no module of `modules` counts as its nearest enclosing one (a package's __init__)."""
+    out: dict[str, int] = {}
+    here = name.split(".") if is_package else name.split(".")[:-1]
+    for node in ast.walk(ast.parse(source, name)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.setdefault(t, node.lineno)
+    return out
+
+
+def import_graph(root: Path = ROOT, packages=CYCLE_FREE) -> tuple[dict, dict]:
+    """({module: {imported module of the same package: line}}, {module: file relative to root})."""
+    files = {module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
     graph = {}
-    for name, path in mods.items():
-        src = path.read_text()
-        deps = set()
-        for node in ast.walk(ast.parse(src)):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipeline.train."):
-                deps.add(node.module.split(".")[2])
-            elif isinstance(node, ast.ImportFrom) and node.module == "pipeline.train":
-                deps.update(a.name for a in node.names)
-        graph[name] = deps & mods.keys()
+    for name, path in files.items():
+        deps = module_imports(path.read_text(), name, path.name == "__init__.py", files)
+        graph[name] = {d: ln for d, ln in deps.items() if d.split(".")[0] == name.split(".")[0]}
+    return graph, {n: p.relative_to(root).as_posix() for n, p in files.items()}
 
-    def cycle_from(n, path):
-        for d in graph[n]:
-            if d in path:
-                return path[path.index(d) :] + [d]
-            found = cycle_from(d, path + [d])
-            if found:
-                return found
-        return None
 
-    for n in graph:
-        assert cycle_from(n, [n]) is None, " -> ".join(cycle_from(n, [n]))
+def cycles(graph: dict) -> list[list[str]]:
+    """The import cycles of graph: each strongly connected set of two modules or more, as one cycle through them
+    (sorted, each starting at its first module in name order)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:  # v is the root of a strongly connected set: the stack down to v
+            comp = set(stack[stack.index(v) :])
+            del stack[stack.index(v) :]
+            if len(comp) > 1:
+                found.append(_path_through(min(comp), graph, comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def _path_through(start: str, graph: dict, comp: set) -> list[str]:
+    """A shortest cycle start -> ... -> start inside the strongly connected set comp (breadth first)."""
+    prev, todo = {start: None}, [start]
+    for v in todo:
+        for w in sorted(graph[v]):
+            if w == start:
+                path = [v]
+                while prev[path[-1]] is not None:
+                    path.append(prev[path[-1]])
+                return path[::-1] + [start]
+            if w in comp and w not in prev:
+                prev[w] = v
+                todo.append(w)
+    raise AssertionError(f"{start}: no cycle in {sorted(comp)}")
+
+
+def cycle_violations(root: Path = ROOT, packages=CYCLE_FREE) -> list[str]:
+    graph, files = import_graph(root, packages)
+    return [
+        "import cycle: " + " -> ".join(f"{files[a]}:{graph[a][b]}" for a, b in zip(c, c[1:])) + f" -> {files[c[0]]}"
+        for c in cycles(graph)
+    ]
+
+
+def never_violations(root: Path = ROOT, never=NEVER) -> list[str]:
+    graph, files = import_graph(root)
+    found = sorted(
+        (files[a], ln, f"{a} imports {b}: {why}")
+        for a, deps in graph.items()
+        for b, ln in deps.items()
+        for src, dst, why in never
+        if (a == src or a.startswith(src + ".")) and (b == dst or b.startswith(dst + "."))
+    )
+    return [f"{f}:{ln}: {what}" for f, ln, what in found]
+
+
+def test_no_import_cycle_inside_a_package():
+    bad = cycle_violations()
+    assert not bad, "\n".join(bad)
+
+
+def test_model_never_imports_train_and_train_never_imports_plan():
+    bad = never_violations()
+    assert not bad, "\n".join(bad)
+
+
+def test_plan_uses_train_one_way():
+    """The one allowed direction is taken: plan imports train (so a check of train -> plan is not vacuous)."""
+    graph, _ = import_graph()
+    assert any(b.startswith("pipeline.train.") for a in graph if a.startswith("pipeline.plan.") for b in graph[a])
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        f = tmp_path / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return tmp_path
+
+
+def test_a_cycle_is_found_through_function_level_and_relative_imports(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "data_prep/__init__.py": "",
+            "data_prep/a.py": "import os\n\ndef f():\n    from data_prep.b import g\n",
+            "data_prep/b.py": "from . import c\n",
+            "data_prep/c.py": "from .a import f\n",
+            "data_prep/d.py": "from data_prep import a\n",  # into the cycle, not on it
+            "pipeline/__init__.py": "",
+            "pipeline/x/__init__.py": "from pipeline.x.y import Y\n",  # a package's face: imports its module
+            "pipeline/x/y.py": "from ..x import z\n",
+            "pipeline/x/z.py": "import pipeline.x\n",
+            "evaluation/__init__.py": "",
+            "evaluation/ok.py": "import data_prep.a\nimport pipeline.x.y\n",  # other packages: not a cycle
+        },
+    )
+    assert cycle_violations(root) == [
+        "import cycle: data_prep/a.py:4 -> data_prep/b.py:1 -> data_prep/c.py:1 -> data_prep/a.py",
+        "import cycle: pipeline/x/__init__.py:1 -> pipeline/x/y.py:1 -> pipeline/x/z.py:1 -> pipeline/x/__init__.py",
+    ]
+    (root / "data_prep" / "c.py").write_text("import os\n")
+    (root / "pipeline" / "x" / "z.py").write_text("")
+    assert cycle_violations(root) == []
+
+
+def test_model_to_train_and_train_to_plan_are_found(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "pipeline/model/io.py": "def find():\n    from pipeline.train.checkpoint import newest\n",
+            "pipeline/train/checkpoint.py": "from pipeline.model import io\n",
+            "pipeline/train/callbacks.py": "from ..plan import core\n",
+            "pipeline/plan/core.py": "from pipeline.train.objective import Objective\n",
+            "pipeline/train/objective.py": "",
+        },
+    )
+    assert never_violations(root) == [
+        "pipeline/model/io.py:2: pipeline.model.io imports pipeline.train.checkpoint: " + NEVER[0][2],
+        "pipeline/train/callbacks.py:1: pipeline.train.callbacks imports pipeline.plan.core: " + NEVER[1][2],
+    ]

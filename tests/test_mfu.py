@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.model.looped import LoopedLM
-from pipeline.plan.hardware import detect, gpu
+from pipeline.hardware import detect, gpu
 from pipeline.train.callbacks import Speed
 from pipeline.train.trainer import StepWork
 

@@ -10,15 +10,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pipeline.demo import EXPECTED_RECIPE
 from pipeline.config import load_config
 from pipeline.memory import SavedTensors, tensor_peak_mib
-from helpers import spread_router
+from helpers import RECIPE, spread_router
 from pipeline.model import LoopedLM
 from pipeline.model.looped import active_counts
 from pipeline.plan.cli import plan_cmd
 from pipeline.plan.core import Planner
-from pipeline.plan.hardware import gpu
+from pipeline.hardware import gpu
 from pipeline.plan.trace import trace_step
 from pipeline.train.ds import build_optimizer
 from pipeline.train.objective import Objective
@@ -73,7 +72,7 @@ def _config(variant: str, scale: str, *extra):
     """variant may name the expected router recipe, whose training step runs every token through every loop with
     a head per exit: 't-loopformer@expected'."""
     variant, _, recipe = variant.partition("@")
-    return load_config(f"{scale}/{variant}", [*(EXPECTED_RECIPE if recipe else ()), *extra])
+    return load_config(f"{scale}/{variant}", [*(RECIPE[recipe] if recipe else ()), *extra])
 
 
 @pytest.mark.parametrize("size", ["tiny", "d512"])
@@ -81,7 +80,7 @@ def _config(variant: str, scale: str, *extra):
 def test_planned_peak_matches_the_measured_step(variant, size):
     cfg = _config(variant, "tiny", *OVR) if size == "tiny" else _config(variant, "small", *OVR, *D512)
     peak, counts, saved = _measured(cfg)
-    if cfg.model.router_recipe == "expected":
+    if cfg.objective.router.recipe == "expected":
         counts = None  # the measured step ran every loop whatever the router says; the plan knows it itself
         assert Planner(cfg, gpu("cpu")).counts is None
     pl = Planner(cfg, gpu("cpu"), counts=counts)
@@ -100,7 +99,7 @@ def test_traced_flops_match_flops_per_token(variant):
     tr = trace_step(cfg, 2, torch.float32, full, sc, count_flops=True)
     with torch.device("meta"):
         model = LoopedLM(cfg.model)
-    heads = (L if cfg.model.router_recipe == "expected" else 1) + 1  # a head per exit, and the shortcut pass's
+    heads = (L if cfg.objective.router.recipe == "expected" else 1) + 1  # a head per exit, and the shortcut pass's
     ref = model.flops_per_token(L + len(sc), T, heads) * 2 * T
     assert abs(tr.flops / ref - 1) <= 0.01, tr.flops / ref
     cfg.train.activation_checkpointing = "loop"  # recomputation is traced: more FLOPs
@@ -132,25 +131,11 @@ def test_planned_peak_under_activation_checkpointing_matches_the_measured_step(a
     assert planned < 0.5 * pl.memory(0, "none", B, 1)["peak"]
 
 
-# the recipe whose objective keeps a state of its own, the kinds' running hard rates (objective.router_withhold_kind)
-KIND = [
-    *EXPECTED_RECIPE,
-    "objective.router_hard_weight=1",
-    "model.router_forecast=true",
-    "objective.router_hard_gate=0.9",
-    "objective.router_exit_weights=depth_label",
-    "objective.router_hard_bound=true",
-    "objective.router_withhold_kind=0.8",
-    "objective.router_withhold_kind_only=true",
-    "objective.router_hard_reference=routed",
-]
-
-
 def test_the_plan_traces_an_objective_with_a_state_of_its_own():
-    """The kind table is the objective's buffer, not the network's: the trace moves it to the meta device with the
+    """The kinds recipe's table is the objective's buffer, not the network's: the trace moves it to the meta device with the
     network and runs its update there (it failed with `not on the expected device meta`, and then on a boolean
     index, whose size a meta tensor cannot know); the planned peak still matches the measured step."""
-    cfg = load_config("tiny/base-loop-router", [*OVR, *KIND])
+    cfg = load_config("tiny/base-loop-router", [*OVR, *RECIPE["kinds"]])
     peak, _, saved = _measured(cfg)
     pl = Planner(cfg, gpu("cpu"))
     planned = pl.memory(0, "none", B, 1)
@@ -166,13 +151,14 @@ def test_router_depth_lowers_the_plan():
 
 
 def test_plan_command_json_and_sweep(tmp_path):
-    out = tmp_path / "plan.json"
+    out = tmp_path / "new" / "dir" / "plan.json"  # its directories are made
     r = CliRunner().invoke(
         plan_cmd,
         ["tiny/t-loopformer", "--gpus", "2", "--gpu", "h100-80gb", "train.micro_batch_size=2", "--json", str(out)],
     )
     assert r.exit_code == 0, r.output
     assert "FITS" in r.output and "GPU-hours" in r.output
+    assert "[tlf] planning tiny/t-loopformer on 2 x h100-80gb" in r.output  # what bad input must not reach
     p = json.loads(out.read_text())
     assert p["precision"] == "bf16" and p["grad_accum"] == 1 and p["memory"]["fits"]
     assert set(p["checkpointing_modes"]) == {"none", "loop", "layer"}
@@ -194,7 +180,7 @@ def test_plan_command_json_and_sweep(tmp_path):
         ],
     )
     assert r.exit_code == 0, r.output
-    rows = json.loads(r.output)["rows"]
+    rows = json.loads(r.stdout)["rows"]  # (the planning line goes to stderr)
     assert len(rows) == 4
     by = {(x["zero_stage"], x["activation_checkpointing"]): x["peak"] for x in rows}
     assert by[(0, "layer")] < by[(0, "none")]
@@ -229,6 +215,22 @@ def test_bad_input_is_one_line(args, msg):
     assert r.exit_code != 0 and msg in r.output and "Traceback" not in r.output, r.output
 
 
+def test_a_bf16_plan_with_fp32_gradient_accumulation_is_one_line(tmp_path):
+    """The plan follows DeepSpeed's default for a bf16 ZeRO-1/2 run (gradients and their reduction buffers in
+    bf16, the fp32 gradient only inside the optimizer step); a template asking for fp32 accumulation takes paths
+    the plan does not model, and says so instead of planning them as the default."""
+    from pipeline.train.ds import ds_config_dir
+
+    ds = json.loads((ds_config_dir() / "zero1.json").read_text())
+    ds["data_types"] = {"grad_accum_dtype": "fp32"}
+    path = tmp_path / "zero1_fp32_accum.json"
+    path.write_text(json.dumps(ds))
+    args = ["tiny/t-loopformer", "--gpus", "1", "--gpu", "h100-80gb", "train.zero_stage=1", f"train.ds_config={path}"]
+    r = CliRunner().invoke(plan_cmd, args)
+    assert r.exit_code != 0 and "data_types.grad_accum_dtype=fp32" in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) <= 2, r.output  # the planning line, then the error
+
+
 def test_the_trace_chunks_the_heads_as_the_planned_device_does():
     """The fused heads take 32 x more rows per chunk on a GPU (head_loss.rows_per_chunk): a plan for a GPU traces
     those chunks on the meta device, a plan for the CPU host the CPU's, and the real rule is back afterwards."""
@@ -250,7 +252,7 @@ def test_the_largest_micro_batch_is_the_traces_own(ac):
     import dataclasses
 
     from pipeline.plan.core import Planner
-    from pipeline.plan.hardware import gpu
+    from pipeline.hardware import gpu
 
     cfg = load_config("tiny/loopformer", [])
     probe = Planner(cfg, gpu("a100-80gb"))

@@ -60,7 +60,6 @@ def test_the_counter_sees_reads_and_restores_torch():
 def test_training_loop_reads_once_per_optimizer_step(tmp_path, data):
     from test_train import tiny_cfg
 
-    from pipeline.train.callbacks import PlannedMemory, default_callbacks
     from pipeline.train.trainer import Trainer
 
     steps, accum = 3, 2
@@ -74,10 +73,7 @@ def test_training_loop_reads_once_per_optimizer_step(tmp_path, data):
         f"train.global_batch_size={2 * accum}",
     )
     with count_host_reads(TRAINER) as loop_reads, count_host_reads(MODEL) as model_reads:
-        # the loop's reads only: PlannedMemory's one trace of the step before training (tlf plan) reads its own
-        # depth map on the host once
-        callbacks = [cb for cb in default_callbacks() if not isinstance(cb, PlannedMemory)]
-        res = Trainer.build(cfg, callbacks).fit()
+        res = Trainer.build(cfg).fit()  # the default callbacks
     assert res.step == steps and len(res.losses) == steps
     assert len(loop_reads) == steps, loop_reads  # StepMeter.read: one per optimizer step
     assert len(model_reads) == steps * accum, model_reads  # one per forward (micro-batch)

@@ -114,11 +114,12 @@ def data(tmp_path_factory):
     return make_shards(tmp_path_factory.mktemp("data"), 64)
 
 
-def test_kills_leave_one_entry_per_step_and_no_run_running(tmp_path, data):
+def test_kills_leave_one_value_per_step_and_no_run_running(tmp_path, data):
     """Kill 1 before the first checkpoint, kill 2 after one (with steps past it already in MLflow), then a
-    rerun to the end: the first run ends KILLED, the resumed run holds every step's loss exactly once. The killed
-    runs have a schedule they cannot finish; the rerun's end is set from where the kill landed."""
-    from pipeline.tracking import client
+    rerun to the end: the first run ends KILLED, the resumed run holds every step's loss once, and twice the steps
+    that the rerun redid after the checkpoint (the newer value is the run's: the metrics file's). The killed runs
+    have a schedule they cannot finish; the rerun's end is set from where the kill landed."""
+    from pipeline.tracking import client, metric_history, read_metrics
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     endless = "schedule.max_steps=100000"
@@ -141,8 +142,11 @@ def test_kills_leave_one_entry_per_step_and_no_run_running(tmp_path, data):
 
     n = sent[-1] + 3  # the rerun passes every step the killed process had sent
     out = train(tmp_path, data, uri, f"schedule.max_steps={n}", "checkpoint.interval=5").finish()
-    assert "resumed from" in out
-    assert loss_steps(cl, second) == list(range(1, n + 1))
+    start = int(re.search(r"resumed from .*global_step(\d+)", out).group(1))
+    redone = list(range(start + 1, sent[-1] + 1))
+    assert sorted(loss_steps(cl, second)) == sorted(list(range(1, n + 1)) + redone)
+    assert metric_history(cl, second, "loss") == [(r["step"], r["loss"]) for r in read_metrics(metrics)]
+    assert (f"steps {start + 1}-{sent[-1]} redone" in out) == bool(redone), out[-3000:]
     assert cl.get_run(second).info.status == "FINISHED"
     assert steps_in(metrics) == list(range(1, n + 1))
 
@@ -292,3 +296,41 @@ def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, da
     assert p.returncode == 0, p.stderr
     assert "t-loopformer" in p.stdout and "Table 3" in p.stdout
     assert (tmp_path / "c" / "loss_curves.png").is_file()
+
+
+def test_redone_steps_reach_mlflow_so_it_agrees_with_the_metrics_file(tmp_path, data):
+    """A resume that falls back to an earlier checkpoint (the newest one damaged) redoes steps the MLflow run already
+    holds: they are sent again, so at every step the run's value (the newest, tracking.metric_history) is the one in
+    metrics.jsonl, for every metric; the abandoned attempt's values stay in the history, older, and a run tag names
+    the redone steps. The redo runs with another objective weight (a resume may change it), so its losses differ
+    from the abandoned ones whatever the machine."""
+    from pipeline.tracking import client, metric_history, read_metrics
+
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_server(tmp_path, port)
+    try:
+        ck, cl = tmp_path / "ck", client(uri)
+        base = ["schedule.max_steps=4", "checkpoint.interval=2", "checkpoint.keep_last=3"]
+        run_id = re.search(r"MLflow run (\w+)", train(tmp_path, data, uri, *base).finish()).group(1)
+        abandoned = dict(metric_history(cl, run_id, "loss"))
+        assert sorted(abandoned) == [1, 2, 3, 4]
+        f = ck / "global_step4" / "mp_rank_00_model_states.pt"
+        f.write_bytes(f.read_bytes()[:1000])
+
+        out = train(tmp_path, data, uri, *base, "objective.lambda_short=0.5").finish()
+        assert f"resumed from {ck / 'global_step2'}" in out and "steps 3-4 redone" in out, out[-3000:]
+        lines = read_metrics(ck / "metrics.jsonl")
+        assert [r["step"] for r in lines] == [1, 2, 3, 4]
+        for key in sorted({k for r in lines for k in r} - {"step", "time"}):
+            assert metric_history(cl, run_id, key) == [(r["step"], r[key]) for r in lines if key in r], key
+        loss = {r["step"]: r["loss"] for r in lines}
+        assert [loss[s] == abandoned[s] for s in (1, 2, 3, 4)] == [True, True, False, False]
+        kept = sorted((m.step, m.timestamp, m.value) for m in cl.get_metric_history(run_id, "loss"))
+        assert [s for s, _, _ in kept] == [1, 2, 3, 3, 4, 4]  # the abandoned attempt's values, older
+        assert [v for s, _, v in kept if s > 2] == [abandoned[3], loss[3], abandoned[4], loss[4]]
+        run = cl.get_run(run_id)
+        assert "steps 3-4 redone from the checkpoint of step 2" in run.data.tags["redo/1"]
+        assert run.info.status == "FINISHED" and run.data.metrics["loss"] == loss[4]
+    finally:
+        server.kill()

@@ -174,7 +174,7 @@ def test_tlf_train_under_the_launcher_sigterm_then_module_resume(tmp_path):
     stop = int((ck / "latest").read_text().removeprefix("global_step"))
     assert stop >= 3
     assert {p.name for p in (ck / f"global_step{stop}").glob("rank*_state.pt")} == {"rank0_state.pt", "rank1_state.pt"}
-    from pipeline.train.checkpoint import damage, newest_intact
+    from pipeline.rundir import damage, newest_intact
 
     assert newest_intact(ck) == ck / f"global_step{stop}" and damage(ck / f"global_step{stop}") is None
     client = MlflowClient(uri)

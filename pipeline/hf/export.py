@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
 from data_prep.files import atomic_write_bytes, write_json
 from data_prep.tokenizer import EOT
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.model.io import state_for_export
 
 MODULES = ["schedule", "router", "layers", "head_loss", "looped"]  # pipeline/model/*.py in dependency order
@@ -60,6 +61,7 @@ def hf_config(cfg: Config) -> dict:
         "architectures": ["TLFForCausalLM"],
         "auto_map": {"AutoConfig": "modeling_tlf.TLFConfig", "AutoModelForCausalLM": "modeling_tlf.TLFForCausalLM"},
         "tlf_model": dataclasses.asdict(m),
+        "tlf_config": cfg.to_dict(),  # the whole resolved config: `tlf generate/eval DIR` read it (pipeline/hf/load.py)
         "loops_budget": m.loops,
         "loops": m.loops,
         "router_threshold": m.router_threshold,
@@ -70,7 +72,7 @@ def hf_config(cfg: Config) -> dict:
         "max_position_embeddings": m.block_size,
         "bos_token_id": EOT,
         "eos_token_id": EOT,
-        "tie_word_embeddings": m.tie_embeddings,
+        "tie_word_embeddings": True,  # the LM head is tied to wte (stored once)
         "use_cache": False,
         "torch_dtype": "float32",
     }
@@ -78,7 +80,8 @@ def hf_config(cfg: Config) -> dict:
 
 def write_tokenizer(out: Path) -> None:
     """GPT-2 tokenizer files from the offline BPE assets (encoder.json is vocab.json, vocab.bpe is merges.txt)."""
-    from data_prep.tokenizer import BPE_CACHE_NAMES, bpe_dir, get_encoding
+    from data_prep.assets import BPE_CACHE_NAMES, bpe_dir
+    from data_prep.tokenizer import get_encoding
 
     get_encoding()  # places the verified files
     d = bpe_dir()
@@ -95,7 +98,33 @@ def write_tokenizer(out: Path) -> None:
     write_json(out / "tokenizer_config.json", tok)
 
 
-def model_card(cfg: Config, source: Path) -> str:
+def find_evaluation(source: Path, roots: list[Path]) -> Path | None:
+    """The newest `tlf eval` results.json under roots (and, for a checkpoint's export, under its run dir) recorded
+    against the export `source`: its `export` is the same directory, or its training run and step
+    (`train_run_id`, `step`) are those source's run.json names. None when there is none."""
+    from pipeline.rundir import STEP_DIR
+    from pipeline.train.checkpoint import read_run_record
+
+    try:
+        rec = read_run_record(source)
+    except ConfigError:  # a damaged run.json: matched by path only
+        rec = None
+    run = (rec.mlflow_run_id, rec.step) if rec is not None and rec.mlflow_run_id else None
+    found = set()
+    in_run = [source.parent.parent] if STEP_DIR.match(source.parent.name) else []  # <run>/global_step<N>/model
+    for root in [*roots, *in_run]:
+        for f in Path(root).glob("**/results.json"):
+            try:
+                r = json.loads(f.read_text())
+                same = Path(r["export"]).resolve() == source.resolve() or (r.get("train_run_id"), r.get("step")) == run
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):  # not a tlf eval result
+                continue
+            if same:
+                found.add((f.stat().st_mtime, f))
+    return max(found)[1] if found else None
+
+
+def model_card(cfg: Config, source: Path, roots: list[Path]) -> str:
     t, s = cfg.train, cfg.schedule
     tokens = s.max_steps * t.global_batch_size * cfg.model.block_size
     lines = [
@@ -113,17 +142,22 @@ def model_card(cfg: Config, source: Path) -> str:
         f"| loops L / layers J / d_model | {cfg.model.loops} / {cfg.model.n_layers} / {cfg.model.d_model} |",
         f"| exported from | {source} |",
         "",
-    ]
-    tables = [t for d in (source, source.parent, source.parent.parent) for t in sorted(d.glob("**/table1.md"))[:1]]
-    lines += [
         "## Evaluation",
         "",
-        tables[0].read_text() if tables else "No `tlf eval` table1.md found beside the export.",
     ]
+    found = find_evaluation(source, roots)
+    table = found.with_name("table1.md") if found is not None else None
+    if table is not None and table.is_file():
+        lines += [f"`tlf eval` of this checkpoint ({found}):", "", table.read_text()]
+    else:
+        where = ", ".join(str(r) for r in roots) or "no directory"
+        lines.append(f"No `tlf eval` results of this checkpoint under {where} nor its run dir.")
     return "\n".join(lines) + "\n"
 
 
-def export_hf(model, cfg: Config, out: Path, source: Path) -> Path:
+def export_hf(model, cfg: Config, out: Path, source: Path, evals: list[Path] | tuple = ()) -> Path:
+    """Writes the transformers directory `out` for `model` exported from `source`; its model card holds the
+    evaluation `find_evaluation` finds under `evals`."""
     from safetensors.torch import save as st_save
 
     out.mkdir(parents=True, exist_ok=True)
@@ -137,5 +171,5 @@ def export_hf(model, cfg: Config, out: Path, source: Path) -> Path:
         {"bos_token_id": EOT, "eos_token_id": EOT, "pad_token_id": EOT, "use_cache": False},
     )
     write_tokenizer(out)
-    (out / "README.md").write_text(model_card(cfg, source))
+    (out / "README.md").write_text(model_card(cfg, source, evals))
     return out

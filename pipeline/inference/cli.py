@@ -72,8 +72,9 @@ class _Stream:
 def generate(
     checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loops, threshold, seed, show_depth, stop, device
 ):
-    """Generate text from CHECKPOINT (an export dir, a checkpoint dir with model/, or a run dir)."""
-    from pipeline.model.io import load_model
+    """Generate text from CHECKPOINT (an export dir, a checkpoint dir with model/, a run dir, or the directory
+    `tlf export --format hf` wrote)."""
+    from pipeline.hf.load import load_any
 
     try:
         dev = resolve_device(device, "--device", indexed=True)
@@ -81,7 +82,7 @@ def generate(
         raise click.BadParameter(str(e)) from None
     enc = _load_tokenizer()
     try:
-        model, _ = load_model(checkpoint, dev)
+        model, _ = load_any(checkpoint, dev)
     except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
     ids = [enc.encode_ordinary(p) or [EOT] for p in prompts]  # an empty prompt starts from <|endoftext|>

@@ -102,7 +102,7 @@ def head_objective(
     token's weight on the full pass's cross-entropy (differentiable; module doc). Returns the differentiable
     loss () and its detached parts (3,) fp32: loss_L (unweighted), loss_S, loss_align (0 where absent). rows (with
     weight): also each token's full-pass cross-entropy (B, T) fp32, detached, 0 where ignored (the expected recipe's
-    per-exit losses, which objective.router_hard_weight reads)."""
+    per-exit losses, which a router recipe's hard-token target reads)."""
     assert weight is not None or not rows, "rows: the per-token losses are kept only with weights"
     cdt = _compute_dtype(hf)
     chunk = int(chunk or rows_per_chunk(W.shape[0], W.device.type))
@@ -125,7 +125,7 @@ def head_objective(
 def head_rows(hf: torch.Tensor, W: torch.Tensor, targets: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """Each token's cross-entropy (B, T) fp32, 0 where ignored, no gradient: the values `head_objective(...,
     rows=True)` returns for the same states (the same chunks, dtypes and operations), without its gradients'
-    matmuls (objective.router_exit_weights=depth_label reads them before the weighted heads run)."""
+    matmuls (the kinds recipe reads them before the weighted heads run)."""
     B, T, d = hf.shape
     chunk = int(chunk or rows_per_chunk(W.shape[0], W.device.type))
     cdt = _compute_dtype(hf)
@@ -224,34 +224,18 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored=False, we
         if xs is not None:
             xsc = xs[a:b].to(cdt)
             ls = (xsc @ Wc.t()).float()  # (r, V)
-            gap = ls - lf if lam_a is not None else None  # (r, V)
+            gap = ls - lf if lam_a is not None else None  # (r, V), taken before ls becomes its gradient
             ce, gls = _ce_grad_(ls, yc, vc * inv * lam_s, vc)
             sums[1] += ce.sum()
             if gap is not None:
-                if scored:
-                    gap.mul_(vc[:, None])  # rows without a target leave the alignment
-                gap2 += torch.linalg.vector_norm(gap, dim=-1).double().square().sum()  # (r,): no (r, V) temporary
-                if scored:  # the mean over count * V entries: count is on the device
-                    gls.add_(gap.mul_(inv * (2.0 * lam_a / V)))
-                else:
-                    gls.add_(gap, alpha=2.0 * lam_a / (n * V))
+                _align_grad_(gls, gap, vc, inv, lam_a, scored, n, gap2)
                 del gap
         ce, glf = _ce_grad_(lf, yc, vc * inv if w is None else vc * w[a:b] * inv, vc)
         sums[0] += ce.sum()
         if w is not None:
             sums[2] += (ce * w[a:b]).sum()
             ce_rows[a:b] = ce
-        glf = glf.to(cdt)
-        if g_x is not None:
-            g_x[a:b] = glf @ Wc
-        if g_W is not None:
-            _acc_(g_W, glf.t(), xc)
-        if gls is not None:
-            gls = gls.to(cdt)
-            if g_xs is not None:
-                g_xs[a:b] = gls @ Wc
-            if g_W is not None:
-                _acc_(g_W, gls.t(), xsc)
+        glf, gls = _backprop_chunk(glf, gls, xc, xsc if xs is not None else None, Wc, g_x, g_xs, g_W, a, b)
         del lf, glf, gls
     align = gap2 * inv.double() / V if scored else gap2 / (n * V)
     parts = torch.stack([sums[0] / count, sums[1] / count, align.float()])  # loss_L, loss_S, loss_align
@@ -263,3 +247,35 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored=False, we
     g_w = None if (w is None or not needs[9]) else (ce_rows * inv).view(B, T).to(weight.dtype)
     rows = ce_rows.view(B, T) if ce_rows is not None else hf.new_empty(0, dtype=torch.float32)
     return loss, parts, rows, (view(g_x), g_W, view(g_xs), g_w)
+
+
+def _align_grad_(gls, gap, vc, inv, lam_a, scored, n, gap2) -> None:
+    """In place: the alignment's gradient 2 lam_a (ls - lf) / (entries) added into the shortcut pass's logit gradient
+    gls (r, V) (entries: n * V, or count * V over the scored rows only), and the chunk's squared logit gap added into
+    gap2 (fp64); gap (r, V) = ls - lf is used up."""
+    V = gap.shape[1]
+    if scored:
+        gap.mul_(vc[:, None])  # rows without a target leave the alignment
+    gap2 += torch.linalg.vector_norm(gap, dim=-1).double().square().sum()  # (r,): no (r, V) temporary
+    if scored:  # the mean over count * V entries: count is on the device
+        gls.add_(gap.mul_(inv * (2.0 * lam_a / V)))
+    else:
+        gls.add_(gap, alpha=2.0 * lam_a / (n * V))
+
+
+def _backprop_chunk(glf, gls, xc, xsc, Wc, g_x, g_xs, g_W, a, b):
+    """Rows a:b of grad_hf (grad_hs) = the chunk's logit gradient glf (gls, None without a shortcut pass) @ W, and
+    grad_W += glf^T xc (+ gls^T xsc), each gradient buffer None when not needed. The products are in W's compute
+    dtype (Wc's): returns glf and gls in it, for the caller to free with the chunk's logits."""
+    glf = glf.to(Wc.dtype)
+    if g_x is not None:
+        g_x[a:b] = glf @ Wc
+    if g_W is not None:
+        _acc_(g_W, glf.t(), xc)
+    if gls is not None:
+        gls = gls.to(Wc.dtype)
+        if g_xs is not None:
+            g_xs[a:b] = gls @ Wc
+        if g_W is not None:
+            _acc_(g_W, gls.t(), xsc)
+    return glf, gls

@@ -21,6 +21,7 @@ from data_prep.configlib import read_yaml_mapping
 from data_prep.files import atomic_write_bytes
 from pipeline.config import Config, ConfigError, apply_overrides, config_from_dict, to_yaml
 from pipeline.model.looped import LoopedLM
+from pipeline.rundir import newest_intact
 
 WEIGHT_FILES = ("model.safetensors", "model.pt")  # in order of preference when loading
 
@@ -35,7 +36,7 @@ def have_safetensors() -> bool:
 
 def state_for_export(model: LoopedLM) -> dict[str, torch.Tensor]:
     """fp32 CPU copies of the weights, contiguous and unshared (the tied lm_head is left out)."""
-    skip = {"lm_head.weight"} if model.cfg.tie_embeddings else set()
+    skip = {"lm_head.weight"}  # tied to wte
     return {k: v.detach().float().cpu().contiguous().clone() for k, v in model.state_dict().items() if k not in skip}
 
 
@@ -66,10 +67,8 @@ def weights_file(d: Path) -> Path | None:
 
 def find_export(path: str | os.PathLike) -> Path:
     """Accepts an export dir, a checkpoint dir containing `model/`, or a run dir: its newest intact checkpoint
-    (pipeline.train.checkpoint.newest_intact; a damaged newer one is passed over with a warning), which `latest`
-    names unless a kill hit between a checkpoint's rename and `latest`'s."""
-    from pipeline.train.checkpoint import newest_intact
-
+    (pipeline.rundir.newest_intact; a damaged newer one is passed over with a warning), which `latest` names unless a
+    kill hit between a checkpoint's rename and `latest`'s."""
     p = Path(path)
     for cand in (p, p / "model"):
         if weights_file(cand) and (cand / "config.yaml").is_file():
@@ -124,7 +123,7 @@ def load_model(
             f"{f}: {len(bad)} of {len(state)} weight tensors hold NaN or inf (first: {bad[0]}); the "
             "run diverged or the file is corrupt: use an earlier checkpoint"
         )
-    missing = [k for k in missing if k != "lm_head.weight" or not cfg.model.tie_embeddings]
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte
     if missing or unexpected:
         raise ConfigError(
             f"{f}: weights do not match its config.yaml (missing {missing[:5]}, unexpected {unexpected[:5]})"

@@ -11,6 +11,7 @@ the order (1,1), (2,1), (2,2), (3,1), ... so that (m, i) sits at index m(m-1)/2 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -27,6 +28,15 @@ def sample_shortcut(L: int, generator: torch.Generator | None = None) -> torch.T
     cuts = torch.randperm(L - 1, generator=generator)[: S - 1] + 1
     bounds = torch.cat([torch.zeros(1, dtype=torch.long), cuts.sort().values, torch.tensor([L])])
     return bounds.diff()
+
+
+def step_shortcut(L: int, seed: int, step: int) -> torch.Tensor:
+    """The shortcut schedule of optimizer step `step` (1-based) of a run seeded `seed` (train.seed): `sample_shortcut`
+    from a CPU generator seeded with the first 32-bit word of numpy's `SeedSequence([seed, step])` (torch's CPU
+    generator keeps 32 bits of a seed). A function of (seed, step, L) alone: every micro-batch of the step on every
+    rank, at any world size, grad-accum or ZeRO stage, gets the same schedule; torch's global RNG is not read."""
+    key = int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
+    return sample_shortcut(L, torch.Generator().manual_seed(key))
 
 
 def table_index(depth: torch.Tensor | int, i: int) -> torch.Tensor | int:

@@ -7,6 +7,8 @@ import json
 
 import click
 
+from data_prep.files import check_writable, write_json
+from pipeline.cli import config_arguments
 from pipeline.config import ConfigError, load_config
 from pipeline.train.logger import fmt_duration
 
@@ -27,6 +29,9 @@ def parse_sweep(items: tuple[str, ...]) -> dict[str, list]:
             grid[key] = [SWEEP_KEYS[key](v) for v in vals.split(",")]
         except ValueError:
             raise click.BadParameter(f"{item!r}: {key} takes integers", param_hint="--sweep") from None
+    for mb in grid.get("mb", []):
+        if mb < 1:
+            raise click.BadParameter(f"mb={mb}: a micro-batch must be >= 1", param_hint="--sweep")
     from pipeline.train.ac import MODES
 
     for ac in grid.get("ac", []):
@@ -64,6 +69,11 @@ def print_plan(p: dict) -> None:
     per = "  ".join(f"{k} {v / GiB:.2f}" for k, v in m["activations_per_loop"].items())
     if per:
         click.echo(f"  per loop application: {per}")
+    if m["optimizer_step"]:  # ZeRO-1/2: the gradient partition and the fp32 copy one group steps with
+        opt_peak = m["params"] + m["optimizer"] + m["optimizer_step"]
+        click.echo(
+            f"  {'peak of backward / of the optimizer step':<40}{_gb(m['peak_backward'])} / {opt_peak / GiB:.2f}"
+        )
     verdict = "FITS" if m["fits"] else "DOES NOT FIT"
     click.echo(
         f"  {'peak':<40}{_gb(m['peak'])} of {cap / GiB:.1f}: {verdict} (headroom {m['headroom'] / GiB:+.2f} GiB)"
@@ -91,8 +101,7 @@ def print_plan(p: dict) -> None:
 
 
 @click.command("plan", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("config")
-@click.argument("overrides", nargs=-1)
+@config_arguments
 @click.option(
     "--gpus", type=click.IntRange(min=1), default=8, show_default=True, help="World size (data-parallel ranks)."
 )
@@ -101,7 +110,7 @@ def print_plan(p: dict) -> None:
     "gpu_name",
     default="a100-80gb",
     show_default=True,
-    help="Device of pipeline/plan/hardware.py: a100-40gb, a100-80gb, h100-80gb, h200, cpu.",
+    help="Device of pipeline/hardware.py: a100-40gb, a100-80gb, h100-80gb, h200, cpu.",
 )
 @click.option(
     "--mfu",
@@ -114,7 +123,7 @@ def print_plan(p: dict) -> None:
     "--mean-depth",
     type=float,
     default=None,
-    help="Router mean depth (default: the router's prior mean, model.router_target_depth or (L+1)/2).",
+    help="Router mean depth (default: the router's prior mean, objective.router.target_depth or (L+1)/2).",
 )
 @click.option(
     "--sweep",
@@ -135,15 +144,18 @@ def plan_cmd(config, overrides, gpus, gpu_name, mfu, mean_depth, sweep_items, js
     tlf plan paper/loopformer --gpus 8 --gpu a100-40gb --sweep zero=1,2,3 --sweep ac=none,loop,layer
     """
     from pipeline.plan.core import PlanError, plan, sweep
-    from pipeline.plan.hardware import gpu
+    from pipeline.hardware import gpu
 
     try:
         hw = gpu(gpu_name)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--gpu") from None
     grid = parse_sweep(sweep_items)
+    if json_out and json_out != "-":  # before the minutes of planning, not after them
+        check_writable(json_out, "--json", directory=False)
     try:
         cfg = load_config(config, overrides)
+        click.echo(f"[tlf] planning {cfg.name} on {gpus} x {hw.name}: tracing the training step", err=True)
         if grid:
             out = {"config": cfg.name, "gpu": hw.name, "gpus": gpus, "rows": sweep(cfg, gpus, hw, grid, mean_depth)}
         else:
@@ -152,22 +164,25 @@ def plan_cmd(config, overrides, gpus, gpu_name, mfu, mean_depth, sweep_items, js
         raise click.UsageError(f"config error: {e}") from None
     except PlanError as e:
         raise click.ClickException(str(e)) from None
-    if json_out != "-":
-        if grid:
-            click.echo(f"{cfg.name} on {gpus} x {hw.name}: per-GPU peak (GiB) of {hw.memory / GiB:.1f}")
-            click.echo(f"{'ZeRO':>4} {'ckpt':>6} {'mb':>4} {'peak':>8} {'headroom':>9} {'max mb':>7}  verdict")
-            for r in out["rows"]:
-                click.echo(
-                    f"{r['zero_stage']:>4} {r['activation_checkpointing']:>6} {r['micro_batch']:>4} "
-                    f"{r['peak'] / GiB:8.2f} {r['headroom'] / GiB:+9.2f} {r['max_micro_batch']:>7}  "
-                    f"{'FITS' if r['fits'] else 'DOES NOT FIT'}"
-                )
-        else:
-            print_plan(out)
-    if json_out:
-        text = json.dumps(out, indent=2)
-        if json_out == "-":
-            click.echo(text)
-        else:
-            with open(json_out, "w") as fh:
-                fh.write(text + "\n")
+    if json_out != "-" and grid:
+        print_sweep(out, hw)
+    elif json_out != "-":
+        print_plan(out)
+    if json_out == "-":
+        click.echo(json.dumps(out, indent=2))
+    elif json_out:
+        try:
+            write_json(json_out, out)
+        except OSError as e:
+            raise click.ClickException(f"--json {json_out}: not written ({e.strerror or e})") from None
+
+
+def print_sweep(out: dict, hw) -> None:
+    click.echo(f"{out['config']} on {out['gpus']} x {hw.name}: per-GPU peak (GiB) of {hw.memory / GiB:.1f}")
+    click.echo(f"{'ZeRO':>4} {'ckpt':>6} {'mb':>4} {'peak':>8} {'headroom':>9} {'max mb':>7}  verdict")
+    for r in out["rows"]:
+        click.echo(
+            f"{r['zero_stage']:>4} {r['activation_checkpointing']:>6} {r['micro_batch']:>4} "
+            f"{r['peak'] / GiB:8.2f} {r['headroom'] / GiB:+9.2f} {r['max_micro_batch']:>7}  "
+            f"{'FITS' if r['fits'] else 'DOES NOT FIT'}"
+        )

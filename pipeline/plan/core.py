@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from pipeline.config import Config, ConfigError
-from pipeline.plan.hardware import GPU
+from pipeline.hardware import GPU
 from pipeline.plan.trace import StepTrace, trace_step
-from pipeline.plan.zero import model_state_bytes, persistent_numel
+from pipeline.plan.zero import model_state_bytes, optimizer_step_bytes, persistent_numel
 from pipeline.train.ac import MODES
 
 GiB = 2**30
@@ -24,19 +24,19 @@ class PlanError(ValueError):
 
 
 def default_mean_depth(cfg: Config) -> float:
-    """The router's prior mean: model.router_target_depth, or (loops + 1) / 2 when it is 0."""
-    m = cfg.model
-    return m.router_target_depth or (m.loops + 1) / 2
+    """The router's prior mean: objective.router.target_depth, or (loops + 1) / 2 when it is 0 or the recipe has
+    none."""
+    return getattr(cfg.objective.router, "target_depth", 0.0) or (cfg.model.loops + 1) / 2
 
 
 def prior_counts(cfg: Config, mean_depth: float | None) -> np.ndarray | None:
     """(1, L) |A_i| per loop of a row whose T depths follow the router's maximum-entropy prior with this mean
-    (pipeline.model.router.depth_prior); None without a router or with the expected router recipe (every token
+    (pipeline.train.recipes.depth_prior); None without a router or with a recipe that trains exits (every token
     runs every loop in training)."""
-    from pipeline.model.router import depth_prior
+    from pipeline.train.recipes import RECIPES, depth_prior
 
     m = cfg.model
-    if not m.router or m.router_recipe == "expected":
+    if not m.router or RECIPES[cfg.objective.router.recipe].exits:
         return None
     mean = default_mean_depth(cfg) if mean_depth is None else mean_depth
     if not 1.0 < mean < m.loops:
@@ -103,17 +103,33 @@ class Planner:
 
     def _zero_key(self, zero: int, ranks: int, key: str, default):
         """zero_optimization.<key> of the run's DeepSpeed config (built once per stage and world size), any type."""
+        return self._ds_config(zero, ranks).get("zero_optimization", {}).get(key, default)
+
+    def _ds_config(self, zero: int, ranks: int) -> dict:
+        """The run's DeepSpeed config at this stage and world size (`ds.build_ds_config`), built once."""
         from pipeline.train.ds import build_ds_config
 
         if (zero, ranks) not in self._zero_cfg:
             c = with_settings(self.cfg, zero_stage=zero)
             c.train.grad_accum_steps = c.train.global_batch_size // (c.train.micro_batch_size * ranks) or 1
             try:
-                zc = build_ds_config(c, ranks, "bf16" if self.bf16 else "fp32").get("zero_optimization", {})
+                ds = build_ds_config(c, ranks, "bf16" if self.bf16 else "fp32")
             except ConfigError:  # a batch that does not divide: plan() reports it; the values are DeepSpeed's defaults
-                zc = {}
-            self._zero_cfg[zero, ranks] = zc
-        return self._zero_cfg[zero, ranks].get(key, default)
+                ds = {}
+            self._zero_cfg[zero, ranks] = ds
+        return self._zero_cfg[zero, ranks]
+
+    def _check_grad_accum_dtype(self, zero: int, ranks: int) -> None:
+        """The plan follows DeepSpeed's default, gradients accumulated in the run's dtype: a bf16 run that asks for
+        fp32 (data_types.grad_accum_dtype) takes other optimizer paths (ZeRO-1: BF16_Optimizer; ZeRO-2: an fp32
+        gradient partition held from backward on), which are not planned."""
+        acc = str(self._ds_config(zero, ranks).get("data_types", {}).get("grad_accum_dtype") or "bf16")
+        if self.bf16 and acc.removeprefix("torch.") not in ("bf16", "bfloat16"):
+            raise PlanError(
+                f"{self.cfg.train.ds_config or 'the DeepSpeed template'}: data_types.grad_accum_dtype={acc} in a "
+                f"bf16 run is not planned (tlf plan models DeepSpeed's default, gradients accumulated in bf16); "
+                f"remove the key to plan this run"
+            )
 
     def _zero0_bucket(self, zero: int, ranks: int, params: int) -> int:
         """ZeRO-0's reduction: gradients flattened by buckets of at most reduce_bucket_size elements, transient;
@@ -126,20 +142,20 @@ class Planner:
         """Bytes of the gradient reduction buffers ZeRO-1/2/3 allocate whole, whatever the model's size
         (DeepSpeed's contiguous_gradients, on by default): ZeRO-1/2 `setup_buckets` (stage_1_and_2.py, at each
         backward, released after the reduction) one buffer of reduce_bucket_size elements, a second with
-        overlap_comm, in fp32 under ZeRO-1 (it stages the fp32 accumulator) and the run's dtype under ZeRO-2;
-        ZeRO-3 one of its reduce_bucket_size in the run's dtype (stage3.py, built with the optimizer, kept).
-        Equal to what a 2-rank fp32 engine allocates (tests/test_plan_zero.py); the bf16 dtypes are read from
-        DeepSpeed's source, not measured."""
+        overlap_comm; ZeRO-3 one of its reduce_bucket_size (stage3.py, built with the optimizer, kept). All in the
+        run's dtype (`_gradient_reduction_buffer_dtype`: fp32 only with an fp32 grad_accum_dtype, not planned).
+        Equal to what a 2-rank fp32 engine and a 1-rank bf16 one allocate (tests/test_plan_zero.py)."""
         if zero == 0:
             return 0
         n = self.reduce_bucket(zero, ranks)
         overlap = zero == 2 and self._zero_key(zero, ranks, "overlap_comm", False)
-        size = 4 if zero == 1 or not self.bf16 else 2
-        return int(n) * size * (2 if overlap else 1)
+        return int(n) * (2 if self.bf16 else 4) * (2 if overlap else 1)
 
     def memory(self, zero: int, ac: str, batch: int, ranks: int) -> dict:
-        """Per-GPU bytes: parts and peak."""
+        """Per-GPU bytes: parts and peak, the larger of the backward's (activations) and the optimizer step's."""
         tr = self.trace(ac, batch)
+        if zero in (1, 2):
+            self._check_grad_accum_dtype(zero, ranks)
         keep, gather = persistent_numel(
             tr.sizes, self.reduce_bucket(zero, ranks, "stage3_param_persistence_threshold", 1e5)
         )
@@ -152,12 +168,16 @@ class Planner:
         # forward + backward: activations, transients and the gradients as they appear; then ZeRO-0's reduction
         # flattens the gradients by buckets of reduce_bucket_size elements (allreduce_bucket) beside them
         step_peak = max(tr.live.peak(share), tr.grad_bytes * share + self._zero0_bucket(zero, ranks, tr.params))
-        held_fp32_grads = st["grads"] - tr.grad_bytes * share  # fp32 gradient buffers (bf16 optimizers) live all step
-        peak = st["params"] + st["optimizer"] + held_fp32_grads + ipg + step_peak
+        held_fp32_grads = st["grads"] - tr.grad_bytes * share  # fp32 gradients held all step (BF16_Optimizer, ZeRO-3)
+        backward = st["params"] + st["optimizer"] + held_fp32_grads + ipg + step_peak
+        opt_step = optimizer_step_bytes(zero, ranks, self.bf16, tr.group_sizes, tr.largest_param)
+        peak = max(backward, st["params"] + st["optimizer"] + opt_step)
         saved = sum(tr.saved.values())
         loops = {k: v for k, v in tr.saved.items() if k.startswith(("full/", "short/"))}
         return {
             "peak": peak,
+            "peak_backward": backward,
+            "optimizer_step": opt_step,
             "params": st["params"],
             "grads": st["grads"],
             "optimizer": st["optimizer"],
@@ -166,7 +186,7 @@ class Planner:
             "activations_per_loop": loops,
             "embed_router": tr.saved.get("embed+router", 0),
             "heads": tr.saved.get("heads+losses", 0),
-            "transient": peak - st["params"] - st["optimizer"] - st["grads"] - ipg - saved,
+            "transient": backward - st["params"] - st["optimizer"] - st["grads"] - ipg - saved,
             "fits": peak <= self.hw.memory,
             "headroom": self.hw.memory - peak,
         }
@@ -182,12 +202,12 @@ class Planner:
         peak = lambda b: self.memory(zero, ac, b, ranks)["peak"]
         fits = lambda b: peak(b) <= self.hw.memory
         limit = max(MAX_MICRO_BATCH, self.cfg.train.global_batch_size // ranks)
-        p1 = peak(1)
-        if p1 > self.hw.memory:
+        m1 = self.memory(zero, ac, 1, ranks)
+        if m1["peak"] > self.hw.memory:
             return 0
         t1, t2 = self.trace(ac, 1), self.trace(ac, 2)
         a1, a2 = t1.live.peak(share), t2.live.peak(share)
-        other = p1 - max(a1, t1.grad_bytes * share + self._zero0_bucket(zero, ranks, t1.params))  # the states
+        other = m1["peak_backward"] - max(a1, t1.grad_bytes * share + self._zero0_bucket(zero, ranks, t1.params))
         slope = max(a2 - a1, sum(t2.saved.values()) - sum(t1.saved.values()), 1.0)
         guess = min(limit, max(1, int(1 + (self.hw.memory - other - a1) // slope)))
         if fits(guess):
@@ -230,15 +250,7 @@ def largest_dividing(cfg: Config, cap: int, ranks: int) -> int:
     return next((b for b in range(min(cap, per_rank), 0, -1) if per_rank % b == 0), 0)
 
 
-def plan(
-    cfg: Config,
-    ranks: int,
-    hw: GPU,
-    mfu: float = 0.4,
-    mean_depth: float | None = None,
-    counts: np.ndarray | None = None,
-    planner: Planner | None = None,
-) -> dict:
+def plan(cfg: Config, ranks: int, hw: GPU, mfu: float = 0.4, mean_depth: float | None = None) -> dict:
     """The plan of cfg as configured (train.zero_stage, train.activation_checkpointing, train.micro_batch_size)
     on `ranks` GPUs `hw`: memory, FLOPs, time, and the largest micro-batch per checkpointing mode."""
     t = cfg.train
@@ -250,25 +262,8 @@ def plan(
         )
     t.grad_accum_steps = accum
     cfg.check_world_size(ranks)
-    pl = planner or Planner(cfg, hw, mean_depth, counts)
-    modes = {}
-    for ac in MODES:
-        cap = pl.max_micro_batch(t.zero_stage, ac, ranks)
-        b = largest_dividing(cfg, cap, ranks)
-        modes[ac] = {"max_micro_batch": cap, "micro_batch": b, "grad_accum": grad_accum_for(cfg, b, ranks)}
-    if not any(r["max_micro_batch"] for r in modes.values()):
-        raise PlanError(
-            f"{cfg.name or 'the model'} does not fit on {hw.name} at ZeRO-{t.zero_stage} on {ranks} GPUs "
-            f"with micro-batch 1 under any activation-checkpointing mode (try a higher ZeRO stage, more "
-            f"GPUs or a larger GPU)"
-        )
-    mem = pl.memory(t.zero_stage, t.activation_checkpointing, t.micro_batch_size, ranks)
-    tokens_mb = t.micro_batch_size * cfg.model.block_size
-    flops_step = pl.flops_per_micro_batch(t.micro_batch_size) * accum  # per GPU per optimizer step
-    roof_s = flops_step / hw.peak_flops
-    step_s = roof_s / mfu
-    steps = cfg.schedule.max_steps
-    tokens = steps * t.global_batch_size * cfg.model.block_size
+    pl = Planner(cfg, hw, mean_depth)
+    modes = checkpointing_modes(cfg, pl, ranks)
     return {
         "config": cfg.name,
         "gpu": hw.name,
@@ -280,19 +275,52 @@ def plan(
         "grad_accum": accum,
         "capacity": hw.memory,
         "mean_depth": None if pl.counts is None else float(pl.counts.sum() / cfg.model.block_size),
-        "memory": mem,
+        "memory": pl.memory(t.zero_stage, t.activation_checkpointing, t.micro_batch_size, ranks),
+        **time_and_cost(cfg, pl, ranks, mfu, accum),
+        "checkpointing_modes": modes,
+    }
+
+
+def checkpointing_modes(cfg: Config, pl: Planner, ranks: int) -> dict:
+    """{activation-checkpointing mode: the largest micro-batch that fits (`max_micro_batch`), the largest that also
+    divides the per-rank global batch (`micro_batch`) and its grad-accum}, at train.zero_stage; a PlanError when
+    micro-batch 1 fits under none."""
+    t = cfg.train
+    modes = {}
+    for ac in MODES:
+        cap = pl.max_micro_batch(t.zero_stage, ac, ranks)
+        b = largest_dividing(cfg, cap, ranks)
+        modes[ac] = {"max_micro_batch": cap, "micro_batch": b, "grad_accum": grad_accum_for(cfg, b, ranks)}
+    if not any(r["max_micro_batch"] for r in modes.values()):
+        raise PlanError(
+            f"{cfg.name or 'the model'} does not fit on {pl.hw.name} at ZeRO-{t.zero_stage} on {ranks} GPUs "
+            f"with micro-batch 1 under any activation-checkpointing mode (try a higher ZeRO stage, more "
+            f"GPUs or a larger GPU)"
+        )
+    return modes
+
+
+def time_and_cost(cfg: Config, pl: Planner, ranks: int, mfu: float, accum: int) -> dict:
+    """FLOPs per optimizer step and per token (per GPU, traced at the mean shortcut length), the step time at `mfu`
+    of the GPU's peak and at its roofline (MFU 1), tokens/s, and the run's tokens, wall clock and GPU-hours."""
+    t = cfg.train
+    tokens_mb = t.micro_batch_size * cfg.model.block_size
+    flops_step = pl.flops_per_micro_batch(t.micro_batch_size) * accum  # per GPU per optimizer step
+    roof_s = flops_step / pl.hw.peak_flops
+    step_s = roof_s / mfu
+    steps = cfg.schedule.max_steps
+    return {
         "flops_per_step_per_gpu": flops_step,
         "flops_per_token": flops_step / (tokens_mb * accum),
         "mfu": mfu,
         "step_time_s": step_s,
         "step_time_roofline_s": roof_s,
         "tokens_per_s": t.global_batch_size * cfg.model.block_size / step_s,
-        "tokens": tokens,
+        "tokens": steps * t.global_batch_size * cfg.model.block_size,
         "steps": steps,
         "wall_clock_s": steps * step_s,
         "wall_clock_roofline_s": steps * roof_s,
         "gpu_hours": steps * step_s * ranks / 3600,
-        "checkpointing_modes": modes,
     }
 
 

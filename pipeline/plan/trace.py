@@ -43,16 +43,11 @@ def build_model(cfg, dtype: torch.dtype):
     """`tlf train`'s model on the meta device: LoopedLM(cfg.model) in train mode, cast to the run's dtype as
     DeepSpeed's bf16 engine casts it, with cfg.train.activation_checkpointing applied by the trainer's own
     `apply_ac`."""
-    from pipeline.model import LoopedLM, router
+    from pipeline.model import LoopedLM
     from pipeline.train.ac import apply_ac
 
-    prior = router.depth_prior
-    router.depth_prior = _on_cpu(prior)  # the budget recipe's prior is found by bisection: it needs values
-    try:
-        with torch.device("meta"):
-            model = LoopedLM(cfg.model)
-    finally:
-        router.depth_prior = prior
+    with torch.device("meta"):
+        model = LoopedLM(cfg.model)
     model.to(device="meta", dtype=dtype).train()
     apply_ac(model, cfg.train.activation_checkpointing)
     return model
@@ -62,14 +57,6 @@ def build_model(cfg, dtype: torch.dtype):
 # computes shapes): logsumexp's `(x - max).exp()` of its input's size (aten's logsumexp_out_impl), used per
 # chunk by the fused heads
 SCRATCH = {torch.ops.aten.logsumexp.default: lambda x, *a, **k: x.numel() * x.element_size()}
-
-
-def _on_cpu(fn):
-    def run(*args, **kwargs):
-        with torch.device("cpu"):
-            return fn(*args, **kwargs)
-
-    return run
 
 
 class LiveBytes(TorchDispatchMode):
@@ -172,6 +159,7 @@ class StepTrace:
     saved: dict = field(default_factory=dict)  # label -> bytes kept for backward
     flops: float = 0.0  # the step's forward + backward FLOPs (recomputation included)
     sizes: tuple = ()  # numel of every parameter tensor (ZeRO-3 keeps the small ones whole: zero.py)
+    group_sizes: tuple = ()  # numel of each of the optimizer's parameter groups (`LoopedLM.param_groups`)
 
 
 def trace_step(
@@ -226,6 +214,7 @@ def trace_step(
         params=sum(p.numel() for p in params),
         largest_param=max(p.numel() for p in params),
         sizes=tuple(p.numel() for p in params),
+        group_sizes=tuple(sum(p.numel() for p in g["params"]) for g in model.param_groups(cfg.optim.weight_decay)),
         grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
         live=live,
         saved=dict(saved.by_label),

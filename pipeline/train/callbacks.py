@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from pipeline.memory import memory_metrics
-from pipeline.plan.hardware import GPU, gpu, this_gpu  # logging.peak_flops=0 on CUDA: the GPU table's peak
+from pipeline.hardware import GPU, gpu, this_gpu  # logging.peak_flops=0 on CUDA: the GPU table's peak
 from pipeline.train.logger import fmt_duration, log
 from pipeline.train.validation import evaluate
 
@@ -58,15 +58,14 @@ _warned_gpu = []
 
 
 def cuda_row() -> GPU:
-    """The GPU table's row for this CUDA device (MFU's default peak, the plan callback's GPU), or an A100-80GB's,
-    said once."""
+    """The GPU table's row for this CUDA device (MFU's default peak), or an A100-80GB's, said once."""
     row = this_gpu()
     if row is None:
         if not _warned_gpu:
             _warned_gpu.append(True)
             log.warn(
-                "this GPU is not in pipeline/plan/hardware.py: MFU is against an A100's bf16 peak unless "
-                "logging.peak_flops is set, and the plan's figures are an A100-80GB's"
+                "this GPU is not in pipeline/hardware.py: MFU is against an A100's bf16 peak unless "
+                "logging.peak_flops is set"
             )
         row = gpu("a100-80gb")
     return row
@@ -75,7 +74,7 @@ def cuda_row() -> GPU:
 class Speed(Callback):
     """step_time_s (wall clock from the previous step's end: logging, validation and saves included),
     tokens_per_s and MFU over the executed loops and heads of the step (`trainer.work`, a StepWork;
-    model.flops_per_token; README "MFU"). The peak is `logging.peak_flops`, else on CUDA the GPU table's row for
+    model.flops_per_token; docs/training.md "MFU"). The peak is `logging.peak_flops`, else on CUDA the GPU table's row for
     this device (`hardware.this_gpu`: A100, H100, H200), else an A100's, said once at the start."""
 
     def pre_train(self) -> None:
@@ -102,50 +101,6 @@ class Memory(Callback):
 
     def post_step(self, step: int, metrics: dict) -> None:
         metrics.update(memory_metrics(self.trainer.device_kind))
-
-
-class PlannedMemory(Callback):
-    """`tlf plan`'s predicted per-GPU peak (pipeline/plan/) printed at the start (rank 0), and at the first step
-    logged beside the measured one and the measured MFU: plan/predicted_peak_gb, plan/mfu, and on GPU
-    plan/measured_peak_gb (CUDA max allocated) and plan/peak_ratio (measured / predicted; on CPU the resident set
-    also holds the interpreter and freed memory the allocator keeps, so none is logged). A plan that fails only
-    warns: it never stops training."""
-
-    predicted = None
-
-    def pre_train(self) -> None:
-        t = self.trainer
-        if t.rank != 0:
-            return
-        try:
-            import copy
-
-            from pipeline.plan.core import Planner
-            from pipeline.plan.hardware import gpu
-
-            cfg = copy.deepcopy(t.cfg)
-            cfg.train.precision = t.precision
-            c = cfg.train
-            mem = Planner(cfg, gpu("cpu") if t.device_kind == "cpu" else cuda_row()).memory(
-                c.zero_stage, c.activation_checkpointing, c.micro_batch_size, t.ws
-            )
-            self.predicted = mem["peak"] / 2**30
-            log.info(
-                f"plan: predicted peak {self.predicted:.2f} GiB per GPU (tlf plan; ZeRO-{c.zero_stage}, "
-                f"activation checkpointing {c.activation_checkpointing}, micro-batch {c.micro_batch_size})"
-            )
-        except Exception as e:  # noqa: BLE001 - the plan is advice: training goes on without it
-            log.warn(f"plan: no prediction ({type(e).__name__}: {e})")
-
-    def post_step(self, step: int, metrics: dict) -> None:
-        if self.predicted is None or step != self.trainer.result.start_step + 1:
-            return
-        measured = metrics.get("mem/cuda_max_allocated_gb")  # CPU's resident set is no measure of live tensors
-        metrics["plan/predicted_peak_gb"] = self.predicted
-        if measured:
-            metrics.update({"plan/measured_peak_gb": measured, "plan/peak_ratio": measured / self.predicted})
-        if "mfu" in metrics:
-            metrics["plan/mfu"] = metrics["mfu"]
 
 
 class Validation(Callback):
@@ -247,4 +202,4 @@ class Console(Callback):
 def default_callbacks() -> list[Callback]:
     """What `tlf train` runs with. Order matters within a hook: MLflow opens its run before the console's first
     line; the metric callbacks fill `metrics` before validation prints."""
-    return [MLflowLogger(), Console(), Speed(), Memory(), PlannedMemory(), Validation(), Curriculum(), Checkpointer()]
+    return [MLflowLogger(), Console(), Speed(), Memory(), Validation(), Curriculum(), Checkpointer()]

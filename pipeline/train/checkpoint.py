@@ -1,10 +1,10 @@
 """Checkpoints: DeepSpeed's files + one state file per rank + the consolidated model export, complete or invisible.
 
-Layout of `checkpoint.dir` (default `checkpoints/<config name with / replaced by ->`):
+One checkpoint is a directory `global_step{N}/` of the run directory (pipeline/rundir.py: its layout, and which
+checkpoints in it are complete and intact):
 
-    latest                      # names the newest complete checkpoint; written last (atomic rename); a hint only
-    global_step{N}/             # DeepSpeed's model/optimizer/scheduler files (engine.save_checkpoint)
-        files.json              # every file's size, written by rank 0 before the rename (`damage` checks it)
+    global_step{N}/             # DeepSpeed's model/optimizer/scheduler files (engine.save_checkpoint), and
+        files.json              # every file's size, written by rank 0 before the rename (`rundir.damage` checks it)
         rank{r}_state.pt        # this rank's step, data position, RNG states (python, numpy, torch, cuda), config
         model/                  # pipeline.model.io export (model.safetensors + config.yaml): what generate/eval load
 
@@ -13,22 +13,18 @@ rank has written its files, then `latest` is replaced; so a kill or a full disk 
 hidden temp dir (removed by the next save) and the previous checkpoint stays the newest complete one. Before a
 save, the free space is checked against the size of the previous checkpoint (or an estimate from the parameter
 count); too little is an error before anything is written. Old checkpoints beyond `checkpoint.keep_last` are
-renamed to `.trash-*` and then removed. Readers (the resume, `tlf eval RUN_DIR`) take the newest complete
-checkpoint whose files all have their recorded sizes (`newest_intact`), not what `latest` names: a kill between
-the two renames leaves `latest` one behind (and a `.latest.tmp*`, removed by the next save), and a truncated or
-missing file makes them fall back to the previous checkpoint with a warning naming both (also in a checkpoint
-written before files.json existed: `legacy_damage` checks the files the resume needs and each file's end). DeepSpeed's
-`client_state` comes back from rank 0's file only under ZeRO 0-2 (docs/design.md §6), which is why each rank's own
-state lives in its own file.
+renamed to `.trash-*` and then removed; a `.latest.tmp*` left by a kill between the renames is removed by the next
+save. DeepSpeed's `client_state` comes back from rank 0's file only under ZeRO 0-2 (docs/design.md §6), which is
+why each rank's own state lives in its own file. Resuming from one: pipeline/train/resume.py.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
 import random
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,161 +32,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_prep.files import atomic_write_bytes, write_json
+from data_prep.files import UnwritableError, atomic_write_bytes, check_writable, write_json
 from pipeline.config import Config, ConfigError
-
-STEP_DIR = re.compile(r"^global_step(\d+)$")
+from pipeline.rundir import complete_checkpoints, newest_intact, record_files
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the path and what is intact."""
 
 
-def run_dir(cfg: Config) -> Path:
-    if cfg.checkpoint.dir:
-        return Path(cfg.checkpoint.dir)
-    return Path("checkpoints") / (cfg.name or cfg.model.variant).replace("/", "-")
-
-
 def ensure_dir(root: Path) -> None:
-    """Creates the checkpoint root (a no-op when it exists); a CheckpointError naming it when it cannot be made.
-    `tlf train` calls it before training, so a bad checkpoint.dir fails at once, not at the first save."""
+    """Creates the checkpoint root (a no-op when it exists); a CheckpointError naming it when it cannot be written
+    (data_prep.files.check_writable). `tlf train` calls it before training, so a bad checkpoint.dir fails at once,
+    not at the first save."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"checkpoint.dir={root}: cannot create it ({e.strerror or e})") from None
-
-
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """[(step, dir)] of the complete checkpoints under root, oldest first."""
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        m = STEP_DIR.match(p.name)
-        if m and p.is_dir() and (p / "rank0_state.pt").is_file():
-            out.append((int(m.group(1)), p))
-    return sorted(out)
-
-
-def find_resume(cfg: Config, root: Path, warn=None) -> Path | None:
-    """The checkpoint dir to resume from: checkpoint.resume = auto (newest intact under root, if any), none, a
-    checkpoint dir, or a run dir (its newest intact checkpoint; `latest` is only a hint for other tools). A damaged
-    newest checkpoint is passed over with `warn(one line naming it and the one used instead)`."""
-    r = cfg.checkpoint.resume
-    if r == "none":
-        return None
-    if r == "auto":
-        return newest_intact(root, warn)
-    p = Path(r)
-    if (p / "rank0_state.pt").is_file():
-        why = damage(p)
-        if why:
-            raise CheckpointError(f"checkpoint.resume={r}: damaged checkpoint ({why}); resume from another one")
-        return p
-    found = newest_intact(p, warn)
-    if found is not None:
-        return found
-    raise CheckpointError(f"checkpoint.resume={r}: no intact checkpoint there (expected global_step<N>/rank0_state.pt)")
-
-
-FILES = (
-    "files.json"  # {relative path: size in bytes} of every file of a checkpoint, written by rank 0 before the rename
-)
-
-
-def record_files(ck: Path) -> None:
-    """Writes ck/files.json listing every file of checkpoint dir ck (all ranks have written theirs)."""
-    sizes = {str(f.relative_to(ck)): f.stat().st_size for f in sorted(ck.rglob("*")) if f.is_file()}
-    write_json(ck / FILES, sizes, indent=0)
-
-
-def damage(ck: Path) -> str | None:
-    """Why checkpoint dir ck cannot be resumed from (a file it was written with is missing or has another size),
-    or None. A checkpoint written before files.json existed: `legacy_damage`."""
-    try:
-        sizes = json.loads((ck / FILES).read_text())
-    except FileNotFoundError:
-        return legacy_damage(ck)
-    except (OSError, ValueError) as e:
-        return f"{FILES} unreadable: {e}"
-    if not isinstance(sizes, dict):
-        return f"{FILES} is not an object"
-    for name, size in sizes.items():
-        f = ck / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != size:
-            return f"{name} has {f.stat().st_size} bytes, {size} were written"
-    return None
-
-
-def legacy_damage(ck: Path) -> str | None:
-    """Why checkpoint dir ck without files.json cannot be resumed from, or None: a file the resume needs is missing
-    (each rank's state file, DeepSpeed's model states and, under ZeRO 1-3, each rank's optimizer partition; ZeRO-3
-    also each rank's model partition), or a .pt / .safetensors file is cut short (its zip directory or header
-    does not fit its size). Reads only rank0_state.pt and each file's directory or header."""
-    for f in sorted(ck.rglob("*.pt")) + sorted(ck.rglob("*.safetensors")):
-        why = _cut_short(f)
-        if why:
-            return f"{f.relative_to(ck)} {why}"
-    try:
-        st = torch.load(ck / "rank0_state.pt", map_location="cpu", weights_only=True)
-        ws, stage = int(st["world_size"]), int(st["config"]["train"].get("zero_stage", 0))
-    except Exception as e:  # noqa: BLE001 - a foreign or tampered state file: name it
-        return f"rank0_state.pt unreadable ({type(e).__name__})"
-    need = [f"rank{r}_state.pt" for r in range(ws)] + ["mp_rank_00_model_states.pt"]
-    if stage >= 1:
-        need += [
-            f"{'bf16_' if (ck / 'bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt').is_file() else ''}"
-            f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
-            for r in range(ws)
-        ]
-    if stage == 3:
-        need = [n for n in need if n != "mp_rank_00_model_states.pt"]
-        need += [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(ws)]
-    missing = [n for n in need if not (ck / n).is_file()]
-    return f"{missing[0]} is missing" if missing else None
-
-
-def _cut_short(f: Path) -> str | None:
-    """Why file f (torch's zip format or safetensors) is incomplete, or None; a cheap look at its end or header."""
-    import struct
-    import zipfile
-
-    try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            if f.suffix == ".safetensors":
-                n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-                meta = json.loads(fh.read(n)) if 0 < n < size else None
-                if not isinstance(meta, dict):
-                    return f"is cut short ({size} bytes, no complete header)"
-                end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
-                return None if 8 + n + end == size else f"is cut short ({size} bytes, {8 + n + end} expected)"
-        if not head.startswith(b"PK"):
-            return f"is cut short ({size} bytes)" if size == 0 else None  # torch's old pickle format: not checked
-        with zipfile.ZipFile(f):
-            return None
-    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error, zipfile.BadZipFile) as e:
-        return f"is cut short or unreadable ({type(e).__name__})"
-
-
-def newest_intact(root: Path, warn=None) -> Path | None:
-    """The newest complete checkpoint under root whose files are all there (`damage`), or None; each newer damaged
-    one is reported through warn (a callable taking one line) naming it and the one chosen instead."""
-    done = [p for _, p in complete_checkpoints(root)]
-    for i in range(len(done) - 1, -1, -1):
-        why = damage(done[i])
-        if why is None:
-            return done[i]
-        if warn is not None:
-            warn(
-                f"checkpoint {done[i]} is damaged ({why}); "
-                + (f"falling back to {done[i - 1]}" if i else "no earlier complete checkpoint to fall back to")
-            )
-    return None
+        check_writable(root, "checkpoint.dir", make=True)
+    except UnwritableError as e:
+        raise CheckpointError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------- RNG
@@ -353,11 +211,20 @@ def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: i
     return final
 
 
+# How a failed write shows up: OSError ENOSPC / EDQUOT (our writers, torch's legacy format), or a RuntimeError of
+# torch's zip writer (DeepSpeed's own save): "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs
+# 598" (torch 2.13 on a full disk), "basic_ios::clear: iostream error" (a small file), "PytorchStreamWriter failed
+# writing file data/0: file write failed" (older torch).
+WRITE_FAILED = ("unexpected pos", "iostream error", "file write failed", "No space left on device")
+
+
 def _one_line(e: BaseException, where: Path) -> str:
-    """An exception as one line (torch's writer errors span several lines; a failed write gets the free space)."""
+    """An exception as one line (torch's writer errors span several lines); a failed write gets the free space on
+    `where`, the checkpoint dir."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
     msg = next((ln for ln in lines if "failed" in ln.lower()), lines[0])
-    if isinstance(e, RuntimeError) and "write" in msg.lower():
+    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    if full or (isinstance(e, RuntimeError) and any(m in str(e) for m in WRITE_FAILED)):
         try:
             msg += f" (disk full? {shutil.disk_usage(where).free / 2**20:.1f} MiB free on {where})"
         except OSError:

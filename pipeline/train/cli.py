@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from pipeline.cli import config_arguments
 from pipeline.config import ConfigError, load_config
 
 
@@ -16,11 +17,65 @@ def _check_batch(cfg, ws: int) -> None:
     micro-batches: grad-accum may then adapt to another world size (the trainer checks after reading it)."""
     t = cfg.train
     if cfg.checkpoint.resume != "none" and t.global_batch_size % (t.micro_batch_size * ws) == 0:
-        from pipeline.train.checkpoint import complete_checkpoints, run_dir
+        from pipeline.rundir import complete_checkpoints, run_dir
 
         if cfg.checkpoint.resume != "auto" or complete_checkpoints(run_dir(cfg)):
             return
     cfg.check_world_size(ws)
+
+
+def _finished(cfg) -> str | None:
+    """The line saying the run is already complete, when checkpoint.resume finds a checkpoint at or past
+    schedule.max_steps (None otherwise, also when the checkpoint cannot be read: the trainer then says why)."""
+    if cfg.checkpoint.resume == "none":
+        return None
+    from pipeline.rundir import STEP_DIR, run_dir
+    from pipeline.train.checkpoint import CheckpointError
+    from pipeline.train.resume import find_resume
+
+    try:
+        ck = find_resume(cfg, run_dir(cfg))
+    except CheckpointError:
+        return None
+    m = STEP_DIR.match(ck.name) if ck is not None else None
+    if m is None or int(m.group(1)) < cfg.schedule.max_steps:
+        return None
+    return (
+        f"[tlf] run already complete: checkpoint {ck} is at step {m.group(1)} of schedule.max_steps="
+        f"{cfg.schedule.max_steps}; nothing to train. To train further, raise schedule.max_steps (the run resumes "
+        "from this checkpoint); to train anew, checkpoint.resume=none or another checkpoint.dir"
+    )
+
+
+def _mlflow_settled(cfg) -> bool:
+    """Whether a finished run leaves MLflow nothing to send: logging.mlflow=false, or the run its tracking.json
+    names is FINISHED at this tracking URI. Otherwise its end found MLflow unreachable (or it never had a run),
+    and a start replays metrics.jsonl's unsent steps (pipeline/train/spool.py), so the rerun goes on to do that."""
+    if not cfg.logging.mlflow:
+        return True
+    from pipeline import tracking
+    from pipeline.rundir import run_dir
+
+    rec, uri = tracking.read_run_file(run_dir(cfg)), tracking.tracking_uri(cfg.logging.tracking_uri)
+    if not rec.get("run_id") or rec.get("tracking_uri") != uri:
+        return False
+    try:
+        return tracking.checked_client(uri).get_run(rec["run_id"]).info.status == "FINISHED"
+    except Exception:  # noqa: BLE001 - a server down or a run gone: the start below deals with it as usual
+        return False
+
+
+def _nothing_left(cfg, line: str, rank0: bool) -> bool:
+    """A finished run: says `line` (rank 0); True when nothing is left to do, False when MLflow still lacks steps
+    (`_mlflow_settled`), which the start then sends. Every rank takes the same decision, so with more than one
+    rank none asks the server (each would get its own answer) and only logging.mlflow=false stops at once."""
+    if rank0:
+        click.echo(line)
+    if _mlflow_settled(cfg) if int(os.environ.get("WORLD_SIZE", "1")) == 1 else not cfg.logging.mlflow:
+        return True
+    if rank0:
+        click.echo("[tlf] starting once more only to send MLflow the steps it has not received")
+    return False
 
 
 def _exit(code: int) -> None:
@@ -40,8 +95,7 @@ def _exit(code: int) -> None:
 
 
 @click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("config")
-@click.argument("overrides", nargs=-1)
+@config_arguments
 @click.option(
     "--resume",
     default=None,
@@ -65,23 +119,31 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
         resume_ov = [] if resume is None else [f"checkpoint.resume={json.dumps(resume)}"]  # quotes survive
         cfg = load_config(config, [*overrides, *resume_ov])  # validated once, --resume included
         _check_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # fail fast, before the heavy imports
+        done = _finished(cfg)  # a rerun of a finished run: said at once, before the heavy set-up
     except ConfigError as e:
         raise click.UsageError(f"config error: {e}") from None
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if done and _nothing_left(cfg, done, rank0):
+        return
+    from data_prep.files import new_dirs_removed_on_error
     from data_prep.shards import ShardError
-    from pipeline.train.checkpoint import CheckpointError, ensure_dir, run_dir
+    from pipeline.rundir import run_dir
+    from pipeline.tracking import MetricsFileError
+    from pipeline.train.checkpoint import CheckpointError, ensure_dir
     from pipeline.train.trainer import NonFiniteError, run
 
     code = 0
     try:
-        if int(os.environ.get("RANK", "0")) == 0:  # every run saves at its end: a bad checkpoint.dir fails now
-            ensure_dir(run_dir(cfg))
-        res = run(cfg)
-        if res.stopped_by and int(os.environ.get("RANK", "0")) == 0:
+        with new_dirs_removed_on_error(run_dir(cfg)):  # a failed start leaves no empty checkpoint.dir
+            if rank0:  # every run saves at its end: a bad checkpoint.dir fails now
+                ensure_dir(run_dir(cfg))
+            res = run(cfg)
+        if res.stopped_by and rank0:
             click.echo(f"[tlf] stopped by {res.stopped_by} at step {res.step}; checkpoint {res.checkpoint}")
     except ConfigError as e:
         click.echo(f"Error: config error: {e}", err=True)
         code = 2
-    except (ShardError, CheckpointError, NonFiniteError, OSError) as e:
+    except (ShardError, CheckpointError, NonFiniteError, MetricsFileError, OSError) as e:
         click.echo(f"Error: {e}", err=True)
         code = 1
     except KeyboardInterrupt:

@@ -14,6 +14,8 @@ skipped or repeated. `micro` counts the draws of this loader (this run's units, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -183,3 +185,35 @@ class ValLoader:
             first = (b * self.ws + self.rank) * self.mb
             rows = [self.shards.read(((first + i) % self.windows) * self.T, self.T + 1) for i in range(self.mb)]
             yield _to_batch(rows, self.vocab_size, f"{self.shards.dir} '{self.shards.split}'", self.task)
+
+
+def build_loaders(cfg, rank: int, ws: int, loader=None) -> tuple:
+    """(train loader, [(metric name, ValLoader)]) of a run: `loader` when given (anything with next() -> (x, y),
+    epoch, state_dict(), load_state_dict()), else the TrainLoader over data.dir; a ValLoader per validation dir
+    (data.dir's named val/loss, each of data.extra_val_dirs val/<its name>), none when train.eval_interval is 0."""
+    T, mb = cfg.model.block_size, cfg.train.micro_batch_size
+    if loader is None:
+        loader = TrainLoader(
+            cfg.data.dir,
+            cfg.data.train_split,
+            T,
+            mb,
+            rank,
+            ws,
+            cfg.train.seed,
+            cfg.model.vocab_size,
+            cfg.data.verify,
+            global_batch=cfg.train.global_batch_size,
+            curriculum=cfg.data.curriculum > 0,
+        )
+    val = []
+    if cfg.train.eval_interval > 0:
+        val = [
+            (
+                f"val/{Path(d).name or d}",
+                ValLoader(d, cfg.data.val_split, T, mb, rank, ws, cfg.model.vocab_size, cfg.data.verify),
+            )
+            for d in [cfg.data.dir] + list(cfg.data.extra_val_dirs)
+        ]
+        val[0] = ("val/loss", val[0][1])
+    return loader, val

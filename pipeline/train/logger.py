@@ -47,20 +47,24 @@ class RunLogger:
         """On rank 0 after `open`: the local metrics file `root`/metrics.jsonl (its lines after `step`, the start
         step, dropped: they are run again) and, with logging.mlflow, the MLflow run (`resume_run_id` reopened, else
         a new one) with its sender thread; returns the run id (None without MLflow; when the server cannot be reached
-        at the start, the file alone keeps the metrics and a resumed run's id is kept for the next start). A run the previous process left RUNNING
-        (tracking.json) is ended KILLED."""
+        at the start, the file alone keeps the metrics and a resumed run's id is kept for the next start). Steps the
+        run holds past `step` (an attempt no checkpoint kept) are sent again as they are redone (`_record_redo`). A
+        run the previous process left RUNNING (tracking.json) is ended KILLED."""
         self.client, self.run_id, self._file, self._sender = None, None, None, None
         self.drain_s = cfg.logging.mlflow_drain_s
         if not self.active:
             return None
         if root is not None:
-            self._file = _open_metrics(Path(root) / tracking.METRICS_FILE, step)
-        prev = tracking.read_run_file(root) if root is not None else {}
+            self._file = _open_metrics(Path(root) / tracking.METRICS_FILE, step, self.warn)
+        prev = self._previous_run(root)
         uri = tracking.tracking_uri(cfg.logging.tracking_uri) if cfg.logging.mlflow else ""
         try:
             if cfg.logging.mlflow:
                 self.client = tracking.checked_client(uri)
                 after = self._open_run(cfg, tags, resume_run_id, uri)
+                if after > step:
+                    self._record_redo(step, after)
+                after = min(after, step)  # unsent steps up to the start are replayed; the redone ones sent again
                 self._end_dead_run(prev, uri)
         except Exception as e:  # noqa: BLE001 - the outside service failing never stops training
             self.warn(
@@ -106,6 +110,28 @@ class RunLogger:
             self.client.log_batch(self.run_id, params=params[i : i + 100])
         self.client.log_batch(self.run_id, tags=[RunTag("tracking_uri", uri)])
         return 0
+
+    def _previous_run(self, root) -> dict:
+        """The previous process's tracking.json ({} when there is none or it is unreadable: one warning)."""
+        try:
+            return tracking.read_run_file(root) if root is not None else {}
+        except tracking.MetricsFileError as e:
+            self.warn(f"{e}; ignored (rewritten now)")
+            return {}
+
+    def _record_redo(self, step: int, after: int) -> None:
+        """The run already holds steps step+1..after of an attempt that no checkpoint kept: they are sent again as
+        they are redone; a run tag `redo/<n>` says which values are the abandoned attempt's (the older ones)."""
+        what = f"steps {step + 1}-{after} redone from the checkpoint of step {step}"
+        try:
+            n = 1 + sum(k.startswith("redo/") for k in self.client.get_run(self.run_id).data.tags)
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            note = f"{what} at {when}; the values logged at these steps before then are the abandoned attempt's"
+            self.client.set_tag(self.run_id, f"redo/{n}", note)
+        except Exception as e:  # noqa: BLE001 - a tag is advice: never stop training
+            self.warn(f"MLflow tag redo/* not set: {tracking.one_line(e)}")
+            n = "?"
+        self.info(f"MLflow run {self.run_id}: {what}; their new values supersede the earlier ones (tag redo/{n})")
 
     def _end_dead_run(self, prev: dict, uri: str) -> None:
         """The previous process's run, if it is not the one reopened and is still RUNNING: ended KILLED."""
@@ -184,9 +210,10 @@ def fmt_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
-def _open_metrics(path: Path, start_step: int):
-    """metrics.jsonl opened for appending, after dropping its lines past start_step (and a line cut by a kill)."""
-    keep = [r for r in tracking.read_metrics(path) if isinstance(r.get("step"), int) and r["step"] <= start_step]
+def _open_metrics(path: Path, start_step: int, warn):
+    """metrics.jsonl opened for appending, after dropping its lines past start_step (and a line cut by a kill,
+    with a warning); a malformed line is a tracking.MetricsFileError. A run from step 0 starts it empty."""
+    keep = [r for r in tracking.read_metrics(path, warn) if r["step"] <= start_step] if start_step else []
     if path.exists():
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))

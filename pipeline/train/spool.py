@@ -6,12 +6,13 @@ tracking.BATCH metrics, never splitting a step), each metric with the time stamp
 after a lost reply is stored once (MLflow drops an identical metric). While the server is down it warns once,
 retries every `retry_s` and says when it is back; what is still unsent at the end (after `drain_s`) stays in the
 file and is replayed by the next start (`RunLogger.start`). Steps at or below `after_step` are already in the
-run (sent by an earlier process) and are skipped: after a resume the history holds each step once.
+run (sent by an earlier process) and are skipped: after a resume the history holds each step once, except the
+steps a resume from an earlier checkpoint redoes, which are sent again (the newer value at a step is the run's,
+`tracking.metric_history`). The file's lines are read by `tracking.parse_metrics`, the one metrics.jsonl reader.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ class Sender(threading.Thread):
         super().__init__(name="tlf-mlflow-sender", daemon=True)
         self.path, self.client, self.run_id, self.after = Path(path), client, run_id, after_step
         self.say, self.retry_s = say, retry_s  # say(kind, msg): kind "info" or "warn"
-        self.offset, self.down_since = 0, None
+        self.offset, self.line, self.down_since = 0, 1, None  # byte offset and line number of the next unsent line
         self._wake, self._stopping, self._lock, self.drain_s = threading.Event(), False, threading.Lock(), 0.0
 
     # --------------------------------------------------------------------------- called by the training thread
@@ -38,7 +39,10 @@ class Sender(threading.Thread):
         self.join(timeout=self.drain_s + 2 * _request_s())
         if self.is_alive():  # stuck in a request: leave it (a daemon thread), the file keeps the rest
             return False
-        return self.down_since is None and not any(r.get("step", 0) > self.after for _, r in self._pending()[0])
+        try:
+            return self.down_since is None and not any(r["step"] > self.after for _, r in self._pending())
+        except (OSError, tracking.MetricsFileError):
+            return False
 
     # -------------------------------------------------------------------------------------- the thread
     def run(self) -> None:
@@ -65,31 +69,33 @@ class Sender(threading.Thread):
                 time.sleep(min(self.retry_s, max(deadline - time.monotonic(), 0.0)))
                 self._wake.set()
 
-    def _pending(self) -> tuple[list[tuple[int, dict]], int]:
-        """(complete lines after the offset as (end offset, record), file size read)."""
+    def _pending(self) -> list[tuple[int, dict]]:
+        """The complete lines after the offset as (end offset, record), checked by tracking.parse_metrics (the last
+        piece is empty or a line still being written)."""
         try:
             with open(self.path, "rb") as fh:
                 fh.seek(self.offset)
                 data = fh.read()
         except FileNotFoundError:
-            return [], self.offset
-        out, pos = [], self.offset
-        for raw in data.split(b"\n")[:-1]:  # the last piece is empty or a line still being written
-            pos += len(raw) + 1
-            try:
-                out.append((pos, json.loads(raw)))
-            except ValueError:
-                out.append((pos, {}))
-        return out, pos
+            return []
+        lines, _ = tracking.parse_metrics(data, self.path, self.line)
+        return [(self.offset + end, rec) for end, rec in lines]
+
+    def _advance(self, end: int) -> None:
+        """Moves the offset (and the line number that messages name) to `end`."""
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            self.line += fh.read(end - self.offset).count(b"\n")
+        self.offset = end
 
     def _send_pending(self) -> bool:
         from mlflow.entities import Metric
 
-        lines, _ = self._pending()
+        lines = self._pending()
         batch, end = [], self.offset
         for i, (pos, rec) in enumerate(lines):
-            step = rec.get("step")
-            if isinstance(step, int) and step > self.after:
+            step = rec["step"]
+            if step > self.after:
                 ts = int(rec.get("time", 0))
                 batch += [Metric(k, float(v), ts, step) for k, v in rec.items() if k not in ("step", "time")]
             end = pos
@@ -97,7 +103,8 @@ class Sender(threading.Thread):
             if last or len(batch) + len(lines[i + 1][1]) > tracking.BATCH:
                 if batch and not self._post(batch):
                     return False
-                self.offset, batch = end, []
+                self._advance(end)
+                batch = []
         if self.down_since is not None:
             self.say(
                 "info", f"MLflow is back after {time.monotonic() - self.down_since:.0f} s; the spooled steps were sent"

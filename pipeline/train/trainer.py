@@ -5,15 +5,19 @@ validation, checkpoints, console, MLflow). `run(cfg)` = `Trainer.build(cfg).fit(
 
 One step = train.grad_accum_steps micro-batches through the DeepSpeed engine, which trains the `Objective`
 (pipeline/train/objective.py) wrapped around the network: `engine(x, y)` computes the whole training objective in
-one forward; `engine.backward`; `engine.step`. Host syncs: the loss, its parts, the
-router statistics, a non-finite flag per micro-batch, the stop-signal flag and the gradient norm stay on the
-device (`StepMeter`) and are summed over ranks in one all-reduce and read once, after the step's last
-micro-batch: one device -> host sync per optimizer step, so every rank takes the same decision; callbacks get
-host values only. A non-finite loss stops the run naming the step and micro-batch (train.nan_policy=stop; the
-step's update is never saved, the last good checkpoint stays the newest). nan_policy=skip must decide before
-each backward, so it reads one flag per micro-batch (all-reduced) and drops a bad micro-batch, drawing the next
-one (at most train.nan_skip_limit in a row). SIGTERM/SIGINT end the run after the current step with a
-checkpoint. A non-finite gradient norm always stops.
+one forward; `engine.backward`; `engine.step`. The shortcut pass's schedule is one per optimizer step, drawn from
+(train.seed, step) (`step_shortcut`, `Trainer.shortcut`): every micro-batch of the step on every rank runs it (ZeRO-3
+gathers parameters per block call, so all ranks must run the same loops), whatever the world size, grad-accum or
+ZeRO stage, so a run resumed on another layout draws what the uninterrupted run drew. The rule is saved in the
+training state (`schedule`); a checkpoint without one (tlf's older ones) keeps its run's rule: the objective draws
+one schedule per micro-batch from torch's RNG. Host syncs: the loss, its parts, the router statistics, a
+non-finite flag per micro-batch, the stop-signal flag and the gradient norm stay on the device (`StepMeter`) and
+are summed over ranks in one all-reduce and read once, after the step's last micro-batch: one device -> host sync
+per optimizer step, so every rank takes the same decision; callbacks get host values only. A non-finite loss
+stops the run naming the step and micro-batch (train.nan_policy=stop; the step's update is never saved, the last
+good checkpoint stays the newest). nan_policy=skip must decide before each backward, so it reads one flag per
+micro-batch (all-reduced) and drops a bad micro-batch, drawing the next one (at most train.nan_skip_limit in a
+row). SIGTERM/SIGINT end the run after the current step with a checkpoint. A non-finite gradient norm always stops.
 """
 
 from __future__ import annotations
@@ -26,11 +30,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import Config, ConfigError, ModelConfig, upgrade
+from pipeline.config import Config
+from pipeline.model.schedule import step_shortcut
+from pipeline.rundir import run_dir
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.logger import log
 from pipeline.train.objective import Objective, ObjectiveOutput
 from pipeline.train.validation import sum_over_ranks
+
+
+STEP_KEYED = "step-keyed"  # the training state's `schedule`: one shortcut schedule per (train.seed, step)
+GLOBAL_RNG = "global-rng"  # ... of a checkpoint written before it: one per micro-batch from torch's RNG (each rank's)
 
 
 class NonFiniteError(RuntimeError):
@@ -97,6 +107,7 @@ class StepMeter:
         self.losses = torch.zeros(1 + len(self.PARTS), dtype=torch.float64, device=device)  # loss, parts: sums
         self.bad = torch.zeros(accum, dtype=torch.float64, device=device)  # 1 where micro-batch k was non-finite
         self.stats: dict[str, torch.Tensor] = {}  # key -> sum over micro-batches (vectors zero-padded)
+        self.hists: set[str] = set()  # the keys that are histograms (a vector per micro-batch, not a scalar)
         self.parts: list[str] = []  # the parts the objective has, in PARTS order
         self.loops = torch.zeros(1, dtype=torch.float64, device=device)  # sum of ObjectiveOutput.loops_executed
         self.lm_heads = 1
@@ -110,6 +121,8 @@ class StepMeter:
         self.losses += torch.where(finite, vals, 0.0)
         self.bad[k] = (~finite).double()
         for key, v in out.stats.items():
+            if v.dim() > 0:  # a histogram such as depth_hist (M,), whatever its length: one depth is still one
+                self.hists.add(key)
             v = v.detach().to(self.device, torch.float64).reshape(-1)
             cur = self.stats.get(key)
             if cur is not None:  # histograms of shortcut passes of different S: pad to the longer
@@ -155,9 +168,9 @@ class StepMeter:
         metrics = {}
         for key in keys:
             vals, rest = rest[: self.stats[key].numel()], rest[self.stats[key].numel() :]
-            if len(vals) == 1:
+            if key not in self.hists:
                 metrics[f"router/{key}"] = vals[0] / ws / n
-            else:  # depth_hist: share of tokens per depth 1..M
+            else:  # depth_hist: share of tokens per depth 1..M (one entry when the pass ran one loop)
                 for i, x in enumerate(vals, 1):
                     metrics[f"router/{key.replace('depth_hist', 'depth_share')}_{i}"] = x / ws / n
         out["router"] = metrics
@@ -204,6 +217,7 @@ class Trainer:
         self.consecutive_bad = 0  # nan_policy=skip: non-finite micro-batches in a row
         self._signals: _Signals | None = None
         self.resume_note = ""  # how a resume on another world size or ZeRO stage adapted (logged by fit)
+        self.schedule = STEP_KEYED  # how shortcut schedules are drawn (build: the resumed checkpoint's rule)
         self.work = StepWork(float(cfg.model.loops), 1)  # the last step's work per token (Speed's MFU)
         self.callbacks = list(callbacks)
         for cb in self.callbacks:
@@ -211,93 +225,29 @@ class Trainer:
 
     @classmethod
     def build(cls, cfg: Config, callbacks: list | None = None, *, loader=None, model=None) -> "Trainer":
-        """Device, process group, determinism, loaders, model, DeepSpeed engine, resume. callbacks: None for
-        `default_callbacks()`; loader: instead of the TrainLoader over data.dir (anything with next() -> (x, y),
-        epoch, state_dict(), load_state_dict()); model: a fresh LoopedLM(cfg.model) to train instead of a new one
-        (e.g. with weights set by a benchmark before the engine is built)."""
-        from pipeline.model import LoopedLM
+        """Device, process group, determinism, resume, loaders, network, DeepSpeed engine, in that order. callbacks:
+        None for `default_callbacks()`; loader: instead of the TrainLoader over data.dir (anything with next() ->
+        (x, y), epoch, state_dict(), load_state_dict()); model: a fresh LoopedLM(cfg.model) to train instead of a new
+        one (e.g. with weights set by a benchmark before the engine is built)."""
         from pipeline.train import determinism, ds
-        from pipeline.train.ac import apply_ac
         from pipeline.train.callbacks import default_callbacks
-        from pipeline.train.data import TrainLoader, ValLoader
+        from pipeline.train.data import build_loaders
+        from pipeline.train.resume import Resume
 
         device_kind = ds.resolve_device(cfg)
         precision = ds.resolve_precision(cfg, device_kind)
         rank, _, ws = ds.init_distributed(device_kind)
         determinism.apply(cfg.train.deterministic, device_kind)
-        root = ckpt.run_dir(cfg)
+        root = run_dir(cfg)
         log.open(rank)  # so a damaged newest checkpoint is reported (once, by rank 0) as it is passed over
-        resume_from = ckpt.find_resume(cfg, root, log.warn)
-        saved = ckpt.read_state(resume_from, 0, None) if resume_from is not None else None
-        changed = _check_compatible(cfg, saved["config"], resume_from) if saved is not None else ""
-        layout = _adapt_to_layout(cfg, saved, ws)  # another world size or ZeRO stage: grad-accum adapts
-        note = "; ".join(n for n in (layout, changed) if n)  # logged when the run starts
+        resume = Resume.find(cfg, root, ws)  # another world size or ZeRO stage: grad-accum adapts
         ds_config = ds.build_ds_config(cfg, ws, precision)  # checks the batch sizes against ws (check_world_size)
-        T, mb = cfg.model.block_size, cfg.train.micro_batch_size
-
-        if loader is None:
-            loader = TrainLoader(
-                cfg.data.dir,
-                cfg.data.train_split,
-                T,
-                mb,
-                rank,
-                ws,
-                cfg.train.seed,
-                cfg.model.vocab_size,
-                cfg.data.verify,
-                global_batch=cfg.train.global_batch_size,
-                curriculum=cfg.data.curriculum > 0,
-            )
-        val = []
-        if cfg.train.eval_interval > 0:
-            val = [
-                (
-                    f"val/{Path(d).name or d}",
-                    ValLoader(d, cfg.data.val_split, T, mb, rank, ws, cfg.model.vocab_size, cfg.data.verify),
-                )
-                for d in [cfg.data.dir] + list(cfg.data.extra_val_dirs)
-            ]
-            val[0] = ("val/loss", val[0][1])
-
-        # Same seed on every rank: identical initial weights, and the same shortcut schedule sampled on every rank
-        # (ZeRO-3 gathers parameters per block call, so all ranks must run the same number of loops).
-        ckpt.set_rng_state(_seeded_rng(cfg.train.seed))
-        if model is None:
-            model = LoopedLM(cfg.model)
-        apply_ac(model, cfg.train.activation_checkpointing)
-        if cfg.train.compile:
-            from pipeline.train.compile import apply_compile
-
-            apply_compile(model)
-        full = None
-        if layout:  # resharding: the full weights go in before the engine partitions them
-            from pipeline.train import reshard
-
-            full = reshard.full_state(resume_from)
-            reshard.load_weights(model, full)
+        loader, val = build_loaders(cfg, rank, ws, loader)
+        model = _network(cfg, model)
+        resume.load_weights(model)  # resharding: the full weights go in before the engine partitions them
         optimizer, scheduler = ds.build_optimizer(cfg, model)
         engine = ds.initialize(Objective(model, cfg.objective), optimizer, scheduler, ds_config)
-
-        step, run_id = 0, None
-        if resume_from is not None:
-            # another world size: every rank continues from rank 0's state (RNG states are the same on every rank)
-            state = ckpt.read_state(resume_from, rank, ws) if saved["world_size"] == ws else saved
-            if full is not None:
-                reshard.load_optimizer(engine, model, full, rank)
-            else:
-                ckpt.load_engine(engine, resume_from)
-            loader.load_state_dict(state["loader"])
-            try:  # the Objective's own state (the kind table)
-                engine.module.load_state(state.get("objective", {}), str(resume_from))
-            except ValueError as e:
-                raise ckpt.CheckpointError(str(e)) from e
-            ckpt.set_rng_state(state["rng"])
-            step, run_id = int(state["step"]), state.get("mlflow_run_id")
-            if engine.global_steps != step:
-                raise ckpt.CheckpointError(
-                    f"{resume_from}: DeepSpeed is at step {engine.global_steps}, our state at {step}"
-                )
+        step, run_id = resume.restore(engine, model, loader, rank, ws)
         trainer = cls(
             cfg,
             rank=rank,
@@ -311,10 +261,11 @@ class Trainer:
             engine=engine,
             step=step,
             run_id=run_id,
-            resume_from=resume_from,
+            resume_from=resume.path,
             callbacks=default_callbacks() if callbacks is None else callbacks,
         )
-        trainer.resume_note = note
+        trainer.resume_note = resume.note
+        trainer.schedule = resume.saved.get("schedule", GLOBAL_RNG) if resume.saved is not None else STEP_KEYED
         return trainer
 
     # ------------------------------------------------------------------------------------------- one step
@@ -325,9 +276,10 @@ class Trainer:
         engine, device = self.engine, self.device
         meter = StepMeter(self.accum, device)
         done, zero0_norm = 0, None
+        shortcut = self.shortcut(self.step + 1)  # (S,) on the CPU, or None
         while done < self.accum:
             x, y = self.loader.next()  # (B, T) each
-            out = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            out = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True), shortcut=shortcut)
             if self.cfg.train.nan_policy == "skip" and self._skip(out.loss, done):
                 del out
                 continue
@@ -340,6 +292,14 @@ class Trainer:
         gn = engine.get_global_grad_norm()
         meter.grad_norm = zero0_norm if gn is None else gn
         return meter
+
+    def shortcut(self, step: int) -> torch.Tensor | None:
+        """The shortcut schedule of optimizer step `step` (1-based), the same on every rank and micro-batch; None
+        without a shortcut pass, or under a checkpoint's old rule (the objective draws per micro-batch)."""
+        c = self.cfg
+        if not c.objective.shortcut or self.schedule != STEP_KEYED:
+            return None
+        return step_shortcut(c.model.loops, c.train.seed, step)
 
     def _skip(self, loss: torch.Tensor, done: int) -> bool:
         """nan_policy=skip: whether micro-batch done+1 is non-finite on any rank (one read, before its backward)."""
@@ -377,6 +337,7 @@ class Trainer:
             "loader": self.loader.state_dict(),
             "rng": ckpt.rng_state(),
             "objective": self.engine.module.state(),
+            "schedule": self.schedule,
             "config": self.cfg.to_dict(),
             "mlflow_run_id": self.run_id,
         }
@@ -392,6 +353,8 @@ class Trainer:
         log.open(self.rank)
         if self.resume_note:
             log.info(self.resume_note)
+        if self.schedule != STEP_KEYED and self.cfg.objective.shortcut:
+            log.info(OLD_SCHEDULE)
         try:
             with _Signals() as self._signals:
                 self._call("pre_train")
@@ -448,6 +411,13 @@ class Trainer:
             getattr(cb, hook)(*args)
 
 
+OLD_SCHEDULE = (
+    "the checkpoint resumed was written before step-keyed shortcut schedules: this run keeps drawing one schedule "
+    "per micro-batch from each rank's torch RNG (a resume on another world size or ZeRO stage is not exact); a run "
+    "started afresh draws one per optimizer step from (train.seed, step)"
+)
+
+
 def run(cfg: Config) -> TrainResult:
     """Trains cfg (a resolved Config) from scratch or from a checkpoint with the default callbacks."""
     return Trainer.build(cfg).fit()
@@ -471,7 +441,30 @@ def _lr_of_step(engine) -> float:
     return sched.base_lrs[0] * f(engine.global_steps - 1)
 
 
-def _seeded_rng(seed: int) -> dict:
+def _network(cfg: Config, model=None):
+    """The network to train: a new LoopedLM(cfg.model) unless `model` is given, with activation checkpointing and
+    torch.compile applied. Seeded from train.seed first, the same on every rank: identical initial weights, and (a
+    checkpoint's old rule: per micro-batch from this RNG) the same shortcut schedule sampled on every rank (ZeRO-3
+    gathers parameters per block call, so all ranks must run the same number of loops; the step-keyed rule draws one
+    per step, `Trainer.shortcut`)."""
+    from pipeline.model import LoopedLM
+    from pipeline.train.ac import apply_ac
+    from pipeline.train.recipes import init_router
+
+    _seed(cfg.train.seed)
+    if model is None:
+        model = LoopedLM(cfg.model)
+        init_router(model, cfg.objective.router)  # the router recipe's init (the paper's: the network's own)
+    apply_ac(model, cfg.train.activation_checkpointing)
+    if cfg.train.compile:
+        from pipeline.train.compile import apply_compile
+
+        apply_compile(model)
+    return model
+
+
+def _seed(seed: int) -> None:
+    """Python's, numpy's and torch's (CPU and every CUDA device) RNGs seeded from `seed`."""
     import random
 
     import numpy as np
@@ -479,55 +472,3 @@ def _seeded_rng(seed: int) -> dict:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    return ckpt.rng_state()
-
-
-def _adapt_to_layout(cfg: Config, saved: dict | None, ws: int) -> str:
-    """Resuming a checkpoint written by another number of ranks or ZeRO stage: sets train.grad_accum_steps so
-    that the global batch stays train.global_batch_size (when it divides); returns a line saying what changed,
-    "" when nothing did (the checkpoint then loads as DeepSpeed wrote it)."""
-    if saved is None:
-        return ""
-    t = cfg.train
-    was_ws, was_stage = int(saved["world_size"]), int(saved["config"]["train"].get("zero_stage", t.zero_stage))
-    if was_ws == ws and was_stage == t.zero_stage:
-        return ""
-    per = t.micro_batch_size * ws
-    if (
-        was_ws != ws
-        and t.global_batch_size % per == 0
-        and t.micro_batch_size * t.grad_accum_steps * ws != t.global_batch_size
-    ):
-        t.grad_accum_steps = t.global_batch_size // per
-    return (
-        f"resuming a checkpoint of {was_ws} ranks under ZeRO-{was_stage} on {ws} ranks under ZeRO-{t.zero_stage}: "
-        f"global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x grad-accum {t.grad_accum_steps} "
-        f"x {ws} ranks; weights, AdamW moments, LR schedule and data position carried over"
-    )
-
-
-def _check_compatible(cfg: Config, saved: dict, path: Path) -> str:
-    """Resuming needs the same network and data order: a `model` field outside `ModelConfig.RESUMABLE`, or the
-    batch sizes or seed, that differs from the checkpoint's (its config `upgrade`d: older checkpoints hold the
-    objective under `model`) is an error naming each key. The `objective` section and the execution knobs may
-    change (the other sections too: schedule length, logging, ...); returns a note naming those that did ("" when
-    none)."""
-    now, was = cfg.to_dict(), upgrade(saved)
-    changed = {
-        f"{sec}.{k}": (was.get(sec, {}).get(k), v)
-        for sec in ("model", "objective")
-        for k, v in now[sec].items()
-        if was.get(sec, {}).get(k) != v
-    }
-    free = {f"model.{k}" for k in ModelConfig.RESUMABLE} | {f"objective.{k}" for k in now["objective"]}
-    diff = [f"{k} ({a!r} -> {b!r})" for k, (a, b) in changed.items() if k not in free]
-    for k in ("micro_batch_size", "global_batch_size", "seed"):  # world size and ZeRO stage may change
-        if was["train"].get(k) != now["train"][k]:
-            diff.append(f"train.{k} ({was['train'].get(k)!r} -> {now['train'][k]!r})")
-    if diff:
-        raise ConfigError(
-            f"cannot resume from {path}: config differs in {', '.join(diff)} "
-            "(use checkpoint.resume=none or another checkpoint.dir)"
-        )
-    kept = [f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items() if k in free]
-    return f"resuming with the objective or execution changed: {', '.join(kept)}" if kept else ""

@@ -1,9 +1,11 @@
-"""The GPU table of `tlf plan` (`--gpu NAME`): one row per device, each figure with its source.
+"""The GPU table: one row per device, each figure with its source. Training reads the peak of this CUDA device's
+row for MFU (`this_gpu`; logging.peak_flops=0), `tlf plan --gpu NAME` plans for any row.
 
 peak_flops: dense (no sparsity) bf16 tensor-core FLOP/s; memory: capacity in bytes as the vendor states it
 (GB = 1e9 bytes); bandwidth: memory bandwidth in bytes/s; bf16: whether `train.precision=auto` picks bf16 there.
-The CPU row is this project's CI machine class, for planning the CPU runs the tests make (its FLOP/s is the
-figure `logging.peak_flops` defaults to on CPU runs in README "MFU": an order of magnitude, not a datasheet).
+The CPU row is this project's CI machine class, for planning the CPU runs the tests make (its FLOP/s is an
+order of magnitude, not a datasheet; training reports no MFU on CPU unless `logging.peak_flops` is set:
+docs/training.md "MFU").
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ GPUS = {
 def gpu(name: str) -> GPU:
     """The row NAME, or a one-line error listing the known names."""
     if name not in GPUS:
-        raise ValueError(f"unknown GPU {name!r}: one of {', '.join(GPUS)} (pipeline/plan/hardware.py)")
+        raise ValueError(f"unknown GPU {name!r}: one of {', '.join(GPUS)} (pipeline/hardware.py)")
     return GPUS[name]
 
 

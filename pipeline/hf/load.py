@@ -1,0 +1,57 @@
+"""tlf's own transformers export (`tlf export --format hf`) read back as a LoopedLM, so `tlf generate` and
+`tlf eval` take that directory as they take a tlf export, a checkpoint or a run dir (`load_any`).
+
+The directory's config.json holds the network (`tlf_model`) and, from exports that carry it, the whole resolved
+config (`tlf_config`: data.dir, eval settings, the preset name); model.safetensors holds the weights under
+`model.` (the tied LM head once, as the embedding).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from pipeline.config import Config, ConfigError, apply_overrides, config_from_dict
+from pipeline.model.io import find_export, load_model, load_state
+from pipeline.model.looped import LoopedLM
+
+MODEL_TYPE = "tlf_looped"  # config.json's model_type of tlf's transformers export
+
+
+def is_hf_export(path: str | os.PathLike) -> bool:
+    """Whether path is a directory written by `tlf export --format hf` (config.json naming MODEL_TYPE)."""
+    try:
+        conf = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(conf, dict) and conf.get("model_type") == MODEL_TYPE
+
+
+def model_dir(path: str | os.PathLike) -> Path:
+    """The directory a model loads from: tlf's transformers export itself, else `find_export`'s (an export dir,
+    a checkpoint dir holding model/, or a run dir's newest intact checkpoint)."""
+    return Path(path) if is_hf_export(path) else find_export(path)
+
+
+def load_any(path: str | os.PathLike, device="cpu", overrides: list[str] | tuple = ()) -> tuple[LoopedLM, Config]:
+    """(model in eval mode on device, its Config) of anything `model_dir` accepts; overrides as load_model's."""
+    if not is_hf_export(path):
+        return load_model(path, device, list(overrides))
+    d = Path(path)
+    conf = json.loads((d / "config.json").read_text())
+    stored = conf.get("tlf_config") or {"model": conf.get("tlf_model", {})}
+    cfg = config_from_dict(stored, source=str(d / "config.json"))
+    cfg.name = cfg.name or d.name
+    apply_overrides(cfg, list(overrides))
+    f = d / "model.safetensors"
+    state = {k.removeprefix("model."): v for k, v in load_state(f).items()}
+    model = LoopedLM(cfg.model)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of another shape than config.json gives
+        raise ConfigError(f"{f}: weights do not match its config.json ({str(e).splitlines()[-1].strip()})") from None
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte
+    if missing or unexpected:
+        raise ConfigError(f"{f}: weights do not match config.json (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    return model.to(device).eval(), cfg

@@ -1,0 +1,164 @@
+"""The run directory (`checkpoint.dir`, default `checkpoints/<config name with / replaced by ->`) as training
+leaves it, read by the resume and by whatever loads a trained model (`tlf eval RUN_DIR`, `tlf generate`): which
+checkpoints in it are complete, and which of those are intact.
+
+    latest                      # names the newest complete checkpoint; a hint only
+    global_step{N}/             # one checkpoint (pipeline/train/checkpoint.py writes it)
+        files.json              # every file's size, written before the checkpoint's rename
+        rank{r}_state.pt        # rank r's training state
+        model/                  # the model export (pipeline/model/io.py)
+
+A checkpoint is complete once its dir bears its final name (`global_step{N}` holding rank0_state.pt), and intact
+when every file files.json lists has the size it was written with (`damage`; a checkpoint written before
+files.json existed: `legacy_damage`). `newest_intact` is what readers take, not what `latest` names: a kill
+between the two renames leaves `latest` one behind (said in a warning, `lagging_latest`), and a truncated or missing
+file makes them fall back to the previous checkpoint with a warning naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from data_prep.files import write_json
+from pipeline.config import Config
+
+STEP_DIR = re.compile(r"^global_step(\d+)$")
+
+
+def run_dir(cfg: Config) -> Path:
+    if cfg.checkpoint.dir:
+        return Path(cfg.checkpoint.dir)
+    return Path("checkpoints") / (cfg.name or cfg.model.variant).replace("/", "-")
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """[(step, dir)] of the complete checkpoints under root, oldest first."""
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and p.is_dir() and (p / "rank0_state.pt").is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+FILES = (
+    "files.json"  # {relative path: size in bytes} of every file of a checkpoint, written by rank 0 before the rename
+)
+
+
+def record_files(ck: Path) -> None:
+    """Writes ck/files.json listing every file of checkpoint dir ck (all ranks have written theirs)."""
+    sizes = {str(f.relative_to(ck)): f.stat().st_size for f in sorted(ck.rglob("*")) if f.is_file()}
+    write_json(ck / FILES, sizes, indent=0)
+
+
+def damage(ck: Path) -> str | None:
+    """Why checkpoint dir ck cannot be resumed from (a file it was written with is missing or has another size),
+    or None. A checkpoint written before files.json existed: `legacy_damage`."""
+    try:
+        sizes = json.loads((ck / FILES).read_text())
+    except FileNotFoundError:
+        return legacy_damage(ck)
+    except (OSError, ValueError) as e:
+        return f"{FILES} unreadable: {e}"
+    if not isinstance(sizes, dict):
+        return f"{FILES} is not an object"
+    for name, size in sizes.items():
+        f = ck / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def legacy_damage(ck: Path) -> str | None:
+    """Why checkpoint dir ck without files.json cannot be resumed from, or None: a file the resume needs is missing
+    (each rank's state file, DeepSpeed's model states and, under ZeRO 1-3, each rank's optimizer partition; ZeRO-3
+    also each rank's model partition), or a .pt / .safetensors file is cut short (its zip directory or header
+    does not fit its size). Reads only rank0_state.pt and each file's directory or header."""
+    for f in sorted(ck.rglob("*.pt")) + sorted(ck.rglob("*.safetensors")):
+        why = _cut_short(f)
+        if why:
+            return f"{f.relative_to(ck)} {why}"
+    try:
+        st = torch.load(ck / "rank0_state.pt", map_location="cpu", weights_only=True)
+        ws, stage = int(st["world_size"]), int(st["config"]["train"].get("zero_stage", 0))
+    except Exception as e:  # noqa: BLE001 - a foreign or tampered state file: name it
+        return f"rank0_state.pt unreadable ({type(e).__name__})"
+    need = [f"rank{r}_state.pt" for r in range(ws)] + ["mp_rank_00_model_states.pt"]
+    if stage >= 1:
+        need += [
+            f"{'bf16_' if (ck / 'bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt').is_file() else ''}"
+            f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+            for r in range(ws)
+        ]
+    if stage == 3:
+        need = [n for n in need if n != "mp_rank_00_model_states.pt"]
+        need += [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(ws)]
+    missing = [n for n in need if not (ck / n).is_file()]
+    return f"{missing[0]} is missing" if missing else None
+
+
+def _cut_short(f: Path) -> str | None:
+    """Why file f (torch's zip format or safetensors) is incomplete, or None; a cheap look at its end or header."""
+    import struct
+    import zipfile
+
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if f.suffix == ".safetensors":
+                n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+                meta = json.loads(fh.read(n)) if 0 < n < size else None
+                if not isinstance(meta, dict):
+                    return f"is cut short ({size} bytes, no complete header)"
+                end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
+                return None if 8 + n + end == size else f"is cut short ({size} bytes, {8 + n + end} expected)"
+        if not head.startswith(b"PK"):
+            return f"is cut short ({size} bytes)" if size == 0 else None  # torch's old pickle format: not checked
+        with zipfile.ZipFile(f):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error, zipfile.BadZipFile) as e:
+        return f"is cut short or unreadable ({type(e).__name__})"
+
+
+def newest_intact(root: Path, warn=None) -> Path | None:
+    """The newest complete checkpoint under root whose files are all there (`damage`), or None; each newer damaged
+    one is reported through warn (a callable taking one line) naming it and the one chosen instead, and so is a
+    `latest` that names another checkpoint (`lagging_latest`)."""
+    done = [p for _, p in complete_checkpoints(root)]
+    for i in range(len(done) - 1, -1, -1):
+        why = damage(done[i])
+        if why is None:
+            if warn is not None and (note := lagging_latest(root, done[i], done[i + 1 :])):
+                warn(note)
+            return done[i]
+        if warn is not None:
+            warn(
+                f"checkpoint {done[i]} is damaged ({why}); "
+                + (f"falling back to {done[i - 1]}" if i else "no earlier complete checkpoint to fall back to")
+            )
+    return None
+
+
+def lagging_latest(root: Path, chosen: Path, damaged: list[Path]) -> str | None:
+    """Why root/latest, a hint written after each save, is passed over for `chosen`, or None when it names chosen
+    (or is absent, or names a damaged checkpoint: that warning was given)."""
+    try:
+        named = (root / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if named == chosen.name or root / named in damaged:
+        return None
+    m, step = STEP_DIR.match(named), int(STEP_DIR.match(chosen.name).group(1))
+    older = m is not None and (root / named / "rank0_state.pt").is_file() and int(m.group(1)) < step
+    why = "a save was cut off before it updated latest" if older else "no complete checkpoint of that name"
+    return f"{root / 'latest'} names {named[:80]!r}; using {chosen}, the newest intact checkpoint ({why})"
