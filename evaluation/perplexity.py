@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from data_prep.shards import ShardSet
-from evaluation.forward import hidden_states, logits_at
+from evaluation.forward import hidden_states, nll_at
 
 
 @dataclass
@@ -114,9 +114,7 @@ def perplexity(
         idx, rows, pos, tgt = window_batch(stream, win, ids)
         h, depth = hidden_states(model, idx.to(device), M, router=router, threshold=threshold)
         rows_t, pos_t = torch.tensor(rows), torch.tensor(pos)
-        lg = logits_at(model, h[rows_t, pos_t])  # (P, V)
-        y = torch.cat(tgt).to(lg.device)
-        nll = (torch.logsumexp(lg, -1) - lg.gather(-1, y[:, None])[:, 0]).double().cpu().numpy()
+        nll = nll_at(model, h[rows_t, pos_t], torch.cat(tgt).to(h.device)).double().cpu().numpy()  # (P,)
         tally.add(nll, depth[rows_t, pos_t].cpu().numpy())
         if progress:
             progress(len(ids))

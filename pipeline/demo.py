@@ -1,23 +1,22 @@
 """`make demo`: the whole pipeline on the embedded offline default, in minutes on 2 CPU cores.
 
     data (demo corpus -> shards) -> train small base-loop, loopformer, t-loopformer -> eval -> compare
-    data (the fold task) -> train fold loopformer, t-loopformer -> eval by level -> compare at equal work
 
-The second part (README "The fold task"; bench/README `## depth-need`) runs on a task whose every answer needs a
-known number of loops: `tlf eval` scores it by level with the level x executed-depth table, and `tlf compare`'s
-Table 4 sets t-loopformer's accuracy against loopformer's elastic curve at the same executed loop work.
+`make demo-fold` (`--fold`) runs the same plan on the fold task (docs/data.md), whose every answer needs a known
+number of loops: data (the fold task) -> train fold loopformer, t-loopformer -> eval by level -> compare at equal
+work. `tlf eval` scores it by level with the level x executed-depth table, and `tlf compare`'s Table 4 sets
+t-loopformer's accuracy against loopformer's elastic curve at the same executed loop work.
 
 Every stage is the `tlf` command a user would type (printed before it runs); the train -> eval -> compare
 stages are `pipeline/orchestrate.py`'s, the same plan `tlf sweep` runs, with the demo's own settings.
 Everything the demo writes lives under `runs/demo/` (MLflow store, checkpoints, evaluation and comparison
-outputs) and `data/`.
+outputs; the fold task's under `runs/demo/fold/`, with a store of its own) and `data/`.
 Options: `python -m pipeline.demo --help` (more variants, steps, task limit).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import time
@@ -27,7 +26,7 @@ from pipeline import orchestrate
 
 DEFAULT_VARIANTS = ("base-loop", "loopformer", "t-loopformer")
 # The demo's t-loopformer trains with the budget router recipe (docs/router.md; target depth 2.5 of 4):
-# the paper's recipe sends every token to one depth for the first ~100 steps, so a 120-step demo would show a single
+# the paper's recipe sends every token to one depth for the first ~100 steps, so an 80-step demo would show a single
 # bar. The fold part's t-loopformer trains with the expected recipe (frozen exited keys, no shortcut terms).
 PRESETS = {"t-loopformer": "small/t-loopformer-budget"}
 FOLD_PRESETS = {"t-loopformer": "fold/t-loopformer-expected"}
@@ -68,6 +67,7 @@ def plan(a: argparse.Namespace, work: Path, uri: str) -> list[orchestrate.Stage]
         f"schedule.max_steps={a.steps}",
         "checkpoint.resume=none",
         f"checkpoint.interval={a.steps}",
+        "train.eval_batches=4",  # 4 x 512 tokens per validation set
         "data.extra_val_dirs=[data/demo-enwiki]",
         "train.eval_interval=50",
         *common,
@@ -134,13 +134,12 @@ def _fail(st: orchestrate.Stage, code: int) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="small/<variant> presets to train")
-    ap.add_argument("--steps", type=int, default=120, help="training steps per variant")
+    ap.add_argument("--steps", type=int, default=80, help="training steps per variant")
     ap.add_argument("--limit", type=int, default=40, help="examples per zero-shot task")
     ap.add_argument("--loops", default="1,2,4", help="loop budgets to evaluate")
-    ap.add_argument("--ppl-tokens", type=int, default=16384, help="validation tokens scored per set")
-    ap.add_argument(
-        "--fold-steps", type=int, default=1500, help="training steps per model on the fold task (0: skip that part)"
-    )
+    ap.add_argument("--ppl-tokens", type=int, default=4096, help="validation tokens scored per set")
+    ap.add_argument("--fold", action="store_true", help="run the fold task's plan instead (make demo-fold)")
+    ap.add_argument("--fold-steps", type=int, default=1500, help="training steps per model on the fold task")
     ap.add_argument("--work", default="runs/demo")
     return ap.parse_args(argv)
 
@@ -149,41 +148,42 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     t_start = time.time()
     work = Path(a.work).resolve()
-    if work.exists():
-        shutil.rmtree(work)  # the demo's own directory: every number printed is measured in this run
-    work.mkdir(parents=True)
-    uri = f"sqlite:///{work / 'mlflow.db'}"
+    out = work / "fold" if a.fold else work  # what this run writes (the fold task's plan: its own MLflow store)
+    if out.exists():
+        shutil.rmtree(out)  # the demo's own directory: every number printed is measured in this run
+    out.mkdir(parents=True)
+    uri = f"sqlite:///{out / 'mlflow.db'}"
     from pipeline.train.ds import extensions_dir
 
     extensions_dir()  # the demo's ranks inherit it: DeepSpeed's shm op is built once per virtualenv
-    # Table 3 reports peak RSS on CPU: with glibc's moving mmap threshold, t-loopformer's changing compacted sizes
-    # fragment the heap and the RSS shows the allocator, not the tensors (README "Troubleshooting"). A fixed
-    # threshold costs about 4% of step time at the demo's size (29% at d=512: see there).
-    ours = "MALLOC_MMAP_THRESHOLD_" not in os.environ
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    log = orchestrate.run(plan(a, work, uri), _announce, _fail)
-    if a.fold_steps:
-        if ours:  # the fold part reports no RSS, and its small steps took twice the time under the fixed threshold
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        log += orchestrate.run(fold_plan(a, work, uri), _announce, _fail)
-
-    routed = [v for v in variants_of(a) if (work / "eval" / v / "results.json").is_file()]
-    for v in routed:
-        summary = depth_summary(work / "eval" / v / "results.json")
-        if summary:
-            print(summary)
+    log = orchestrate.run((fold_plan if a.fold else plan)(a, work, uri), _announce, _fail)
     wall = time.time() - t_start
+    if not a.fold:
+        for v in variants_of(a):
+            results = work / "eval" / v / "results.json"
+            summary = depth_summary(results) if results.is_file() else None
+            if summary:
+                print(summary)
     print("\n=== demo finished in " + f"{wall / 60:.1f} min: " + ", ".join(f"{t} {dt:.0f}s" for t, dt in log))
-    print(f"comparison (markdown, CSV, PNG): {work / 'compare'}")
-    if a.fold_steps:
+    _where(a, work, uri)
+
+
+def _where(a: argparse.Namespace, work: Path, uri: str) -> None:
+    """The closing lines: where the outputs are, and (text part) the fold task's command."""
+    if a.fold:
         print(
             f"fold task comparison (Table 4: accuracy at equal loop work; level x depth): {work / 'fold' / 'compare'}"
         )
-    for p in sorted((work / "compare").glob("*.png")):
-        print(f"  plot: {p}")
-    print(f"evaluation outputs: {work / 'eval'}")
+    else:
+        print(f"comparison (markdown, CSV, PNG): {work / 'compare'}")
+        for p in sorted((work / "compare").glob("*.png")):
+            print(f"  plot: {p}")
+        print(f"evaluation outputs: {work / 'eval'}")
     print(f"MLflow store: {uri}")
-    print(f"browse it:    .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000")
+    ui = f".venv/bin/mlflow ui --backend-store-uri {uri} --port 5000"
+    print(f"browse it:    make setup && {ui}  # make setup adds MLflow's UI to the demo's packages")
+    if not a.fold:
+        print("the same plan on the fold task, where an answer of level k needs k loops: make demo-fold")
 
 
 def depth_summary(results: Path) -> str | None:

@@ -43,8 +43,8 @@ def test_the_demos_t_loopformer_trains_the_budget_preset():
 
 
 def test_the_fold_part_trains_valid_configs_on_its_own_data_and_compares_apart():
-    """make demo's fold part: each `tlf train` stage's preset and overrides load (the expected recipe's preset at the
-    fold task's mean need with frozen keys for t-loopformer), train on the shards its prep stage writes, with one
+    """make demo-fold: each `tlf train` stage's preset and overrides load (the expected recipe's preset at the fold
+    task's mean need with frozen keys for t-loopformer), train on the shards its prep stage writes, with one
     document a window, and every stage logs to the fold part's own experiment."""
     from pathlib import Path
 
@@ -65,3 +65,24 @@ def test_the_fold_part_trains_valid_configs_on_its_own_data_and_compares_apart()
     assert abs(t.objective.router.target_depth - 10 / 9) < 1e-3  # the fold task's mean need with frozen keys, L = 2
     assert [st.args[0] for st in stages] == ["prep-data", "train", "train", "eval", "eval", "compare"]
     assert "demo-fold" in stages[-1].args
+
+
+def test_make_demo_plans_the_text_models_and_make_demo_fold_the_fold_task_alone(tmp_path, monkeypatch, capsys):
+    """`make demo` runs the text plan only and says in one line how to run the fold task; `--fold` (make demo-fold)
+    runs the fold task's plan alone, into <work>/fold with a store of its own, leaving the text part's outputs."""
+    from pipeline import demo, orchestrate
+
+    planned = []
+    monkeypatch.setattr(orchestrate, "run", lambda stages, announce, fail: planned.append(stages) or [])
+    demo.main(["--work", str(tmp_path)])
+    text = planned.pop()
+    assert [st.args[0] for st in text].count("train") == 3 and not any("fold" in " ".join(st.args) for st in text)
+    out = capsys.readouterr().out
+    assert "make demo-fold" in out and f"sqlite:///{tmp_path / 'mlflow.db'}" in out
+
+    (tmp_path / "compare").mkdir()
+    demo.main(["--work", str(tmp_path), "--fold"])
+    fold = planned.pop()
+    assert fold[0].args[:3] == ["prep-data", "--source", "depth-fold"] and "demo-fold" in fold[-1].args
+    assert f"sqlite:///{tmp_path / 'fold' / 'mlflow.db'}" in capsys.readouterr().out
+    assert (tmp_path / "compare").is_dir()  # the text part's outputs stay

@@ -1,7 +1,8 @@
 """Every setting of the network and the objective has a user: a shipped preset that sets it in its YAML, or that
-runs on its default (`make demo` trains presets: small/t-loopformer-budget, fold/t-loopformer-expected), and the
-router recipes' keys are counted once each as objective.router.<key>. A setting added without a user here fails,
-and so do more than 30 of them (docs/router.md: what did not help is deleted)."""
+runs on its default (`make demo` and `make demo-fold` train presets: small/t-loopformer-budget,
+fold/t-loopformer-expected), and the router recipes' keys are counted once each as objective.router.<key>. A
+setting added without a user here fails, and so do more than 30 of them (docs/router.md: what did not help is
+deleted)."""
 
 import dataclasses
 

@@ -69,7 +69,8 @@ def test_demo_and_sweep_run_through_the_one_orchestrator(monkeypatch, tmp_path):
     )
     assert r.exit_code == 0, r.output
     demo.main(["--variants", "base-loop,naive-loop-ee", "--work", str(tmp_path / "demo")])
-    (sweep, shown, fold) = plans  # the demo's fold part is the same plan on the fold task (fold presets)
+    demo.main(["--fold", "--work", str(tmp_path / "demo")])
+    (sweep, shown, fold) = plans  # make demo-fold is the same plan on the fold task (fold presets)
     assert [s.args[0] for s in fold] == ["prep-data", "train", "train", "eval", "eval", "compare"]
     assert [s.title for s in fold[1:]] == [
         "train fold/loopformer",
