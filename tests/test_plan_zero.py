@@ -6,20 +6,17 @@ up to DeepSpeed's alignment padding. Gradients are measured where they are held:
 backward starts (ZeRO-1: the full gradients) and after it (ZeRO-2/3: the rank's partition); parameters and optimizer
 state after the step.
 
-This file is also the worker script: `deepspeed --no_local_rank --num_gpus 2 tests/test_plan_zero.py OUT DATA TMP`.
+The engines are built and measured in part "plan_zero" of the shared launcher run (tests/two_ranks.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train import TINY, clean_env, make_shards
-from test_train_dist import DIST, _launcher
+from test_train import TINY
+from test_train_dist import DIST
 
 STAGES = (1, 2, 3)
 
@@ -97,7 +94,7 @@ def _before_reduction(engine) -> dict:
     return before
 
 
-def _cfg(tmp: str, data: str, stage: int):
+def _cfg(tmp: str, stage: int):
     from pipeline.config import load_config
 
     return load_config(
@@ -105,8 +102,8 @@ def _cfg(tmp: str, data: str, stage: int):
         TINY
         + DIST
         + [
-            f"data.dir={data}",
-            f"checkpoint.dir={tmp}/z{stage}",
+            f"data.dir={tmp}/rep",
+            f"checkpoint.dir={tmp}/plan_z{stage}",
             f"train.zero_stage={stage}",
             "schedule.max_steps=1",
             "checkpoint.interval=0",
@@ -115,15 +112,13 @@ def _cfg(tmp: str, data: str, stage: int):
     )
 
 
-def worker(out: str, data: str, tmp: str) -> None:
-    import torch
-
-    from pipeline.train.cli import _exit
+def two_rank_part(tmp: str) -> dict:
+    """Each rank's part of the shared 2-rank run: an engine per ZeRO stage, one step each, its bytes by role."""
     from pipeline.train.trainer import Trainer
 
     res = {}
     for stage in STAGES:
-        tr = Trainer.build(_cfg(tmp, data, stage), callbacks=[])
+        tr = Trainer.build(_cfg(tmp, stage), callbacks=[])
         engine = tr.engine
         x, y = tr.loader.next()
         before = _before_reduction(engine)
@@ -146,30 +141,15 @@ def worker(out: str, data: str, tmp: str) -> None:
             sizes=sorted(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
         )
         res[stage] = r
-    both = [None, None]
-    torch.distributed.all_gather_object(both, res)
-    if int(os.environ["RANK"]) == 0:
-        Path(out).write_text(json.dumps(both))
-    _exit(0)
+    return res
 
 
-def test_planned_model_states_equal_what_deepspeed_holds_on_two_ranks(tmp_path):
+def test_planned_model_states_equal_what_deepspeed_holds_on_two_ranks(two_ranks):
     from pipeline.plan.core import Planner
     from pipeline.hardware import gpu
 
-    data = make_shards(tmp_path / "data", windows=4)
-    out = tmp_path / "out.json"
-    p = subprocess.run(
-        _launcher("--no_local_rank", __file__, str(out), str(data), str(tmp_path / "ck")),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=clean_env(),
-        cwd=tmp_path,
-    )
-    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
-    both = json.loads(out.read_text())
-    cfg = _cfg(str(tmp_path / "ck"), str(data), 1)
+    both = two_ranks.part("plan_zero")  # per rank, by stage (JSON: the keys are strings)
+    cfg = _cfg(str(two_ranks.tmp), 1)
     pl = Planner(cfg, gpu("cpu"))  # fp32, as the gloo ranks ran
     for stage in STAGES:
         plan = pl.memory(stage, "none", 2, 2)
@@ -204,7 +184,3 @@ def test_planned_model_states_equal_what_deepspeed_holds_on_two_ranks(tmp_path):
                 + ", ".join(f"{k} {r[k]} (planned {v:.0f})" for k, v in want.items())
                 + f"; reduction bucket {r['bucket_before']}"
             )
-
-
-if __name__ == "__main__":
-    worker(*sys.argv[1:])
