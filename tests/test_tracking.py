@@ -264,56 +264,43 @@ def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data, s
             t.kill()
 
 
-def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, data):
+def tlf_in_process(monkeypatch, *args: str, **env: str):
+    """`tlf ARGS` through its click entry point in this process, with env set (click's CliRunner)."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    with monkeypatch.context() as m:
+        for k, v in env.items():
+            m.setenv(k, v)
+        return CliRunner().invoke(main, list(args))
+
+
+def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, data, monkeypatch):
+    from pipeline.config import load_config
+    from pipeline.train.trainer import run
+
     dead = f"http://127.0.0.1:{free_port()}"
-    p = subprocess.run(
-        [str(BIN / "tlf"), "compare", "--tracking-uri", dead, "--out", str(tmp_path / "c")],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=clean_env(),
-        timeout=300,
-    )
-    assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert dead in p.stderr and "Traceback" not in p.stderr
+    monkeypatch.chdir(tmp_path)
+    r = tlf_in_process(monkeypatch, "compare", "--tracking-uri", dead, "--out", str(tmp_path / "c"))
+    assert r.exit_code != 0 and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert dead in r.stderr and "Traceback" not in r.output
     # the same from the environment variable, which a run with no tracking_uri honours too
-    p = subprocess.run(
-        [str(BIN / "tlf"), "compare", "--out", str(tmp_path / "c")],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=clean_env(MLFLOW_TRACKING_URI=dead),
-        timeout=300,
-    )
-    assert p.returncode != 0 and dead in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    r = tlf_in_process(monkeypatch, "compare", "--out", str(tmp_path / "c"), MLFLOW_TRACKING_URI=dead)
+    assert r.exit_code != 0 and dead in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
 
     # logging.mlflow=false: the metrics file alone, and tlf compare reads it
-    train(tmp_path, data, "", "schedule.max_steps=4", "checkpoint.interval=0", "logging.mlflow=false").finish()
+    over = [f"data.dir={data}", f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.interval=0", "logging.mlflow=false"]
+    run(load_config("tiny/t-loopformer", [*QUICK, *over, "schedule.max_steps=4"]))
     assert steps_in(tmp_path / "ck" / "metrics.jsonl") == [1, 2, 3, 4]
     assert not (tmp_path / "mlflow.db").exists()
     # tlf eval: the dead server (from MLFLOW_TRACKING_URI, the checkpoint's logging.tracking_uri being empty) is
     # one line before the evaluation starts
-    p = subprocess.run(
-        [
-            str(BIN / "tlf"),
-            "eval",
-            str(tmp_path / "ck"),
-            "--tasks",
-            "none",
-            "--no-ppl",
-            "--no-latency",
-            "--out",
-            str(tmp_path / "e"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=clean_env(MLFLOW_TRACKING_URI=dead),
-        timeout=300,
-    )
-    assert p.returncode == 1 and dead in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "Traceback" not in p.stderr
-    p = subprocess.run(
+    argv = ["eval", str(tmp_path / "ck"), "--tasks", "none", "--no-ppl", "--no-latency", "--out", str(tmp_path / "e")]
+    r = tlf_in_process(monkeypatch, *argv, MLFLOW_TRACKING_URI=dead)
+    assert r.exit_code == 1 and dead in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert "Traceback" not in r.output
+    p = subprocess.run(  # the real entry point
         [str(BIN / "tlf"), "compare", "--run-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "c")],
         capture_output=True,
         text=True,
