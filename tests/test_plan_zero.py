@@ -14,9 +14,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train import TINY
 from test_train_dist import DIST
+
+pytestmark = pytest.mark.slow  # real multi-process runs (`-m 'not slow'` skips them)
 
 STAGES = (1, 2, 3)
 

@@ -19,8 +19,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train import TINY, make_shards
+
+pytestmark = pytest.mark.slow  # real multi-process runs (`-m 'not slow'` skips them)
 
 PAIRS = {0: 3, 1: 2}  # 1 rank ZeRO-s <-> 2 ranks ZeRO-PAIRS[s]: a world-size and a stage change in each resume
 STAGES = {"one": tuple(PAIRS), "two": tuple(PAIRS.values())}  # the uninterrupted runs' stages per world size

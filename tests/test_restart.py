@@ -16,8 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train import TINY, clean_env
+
+pytestmark = pytest.mark.slow  # real multi-process runs (`-m 'not slow'` skips them)
 
 STEPS, KILL_MICRO = 8, 5  # 2 ranks x micro-batch 2 = the global batch: micro-batch k is step k + 1
 

@@ -114,6 +114,7 @@ def data(tmp_path_factory):
     return make_shards(tmp_path_factory.mktemp("data"), 64)
 
 
+@pytest.mark.slow
 def test_kills_leave_one_value_per_step_and_no_run_running(tmp_path, data):
     """Kill 1 before the first checkpoint, kill 2 after one (with steps past it already in MLflow), then a
     rerun to the end: the first run ends KILLED, the resumed run holds every step's loss once, and twice the steps
@@ -218,6 +219,7 @@ def _get(url: str, host: str | None = None) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data, server):
     from pipeline.tracking import client
 
@@ -313,6 +315,7 @@ def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, da
     assert (tmp_path / "c" / "loss_curves.png").is_file()
 
 
+@pytest.mark.slow
 def test_redone_steps_reach_mlflow_so_it_agrees_with_the_metrics_file(tmp_path, data, server):
     """A resume that falls back to an earlier checkpoint (the newest one damaged) redoes steps the MLflow run already
     holds: they are sent again, so at every step the run's value (the newest, tracking.metric_history) is the one in

@@ -15,9 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train import TINY, clean_env, make_shards
 from two_ranks import launcher
+
+pytestmark = pytest.mark.slow  # real multi-process runs (`-m 'not slow'` skips them)
 
 PY = sys.executable
 DIST = ["train.micro_batch_size=2", "train.global_batch_size=4"]  # 2 ranks x 2 sequences
