@@ -1,42 +1,32 @@
 """Depth-need study: on a task where every scored token needs a known number of loops, does the router earn its compute?
 
-Data: `tlf prep-data --source depth-hops` (data_prep/depthtask.py; README "The depth-hops task"), or with
-`--task fold` `--source depth-fold` (data_prep/foldtask.py; README "The fold task"), made once; `--layout slots`
-makes the fold task's documents one slot of a drawn level each (prep-data fold_layout=slots), `--slots` of them a
-window.
-Cases, each trained with the project's trainer (`pipeline.train.trainer.run`, one process per case, `--jobs` at a
-time, one thread each) for `--steps` steps at every seed of `--seeds`, paired by seed (the same seed gives every
-case the same data order, and the same initial weights for the parts the architectures share):
-- base: depth/base, the non-looped model with J L = 4 distinct layers (one pass);
-- loopformer: depth/loopformer, evaluated elastically at M = 1..L (its accuracy-vs-work curve);
-- t-loopformer budget <t>: depth/t-loopformer with the budget recipe at each `--targets` mean depth (`need` is
-  the task's mean need per token, the manifest's `mean_need`);
-- t-loopformer paper: the paper's router recipe;
-- t-loopformer expected: the expected-exit recipe (README "Router training": every exit trained, the router on
-  the expected loss over exits) with frozen exited keys and prefix exits, at the task's mean need with frozen keys;
-  `no shortcut terms`: the same with the shortcut pass's and the alignment's weights at 0; `uniform exits`: that,
-  with the network learning every exit with equal weight (objective.router_exit_uniform=1);
-- base-loop-router expected: the expected recipe (as above) on the looped baseline with the router, no
-  conditioning and no shortcut pass (model.variant=base-loop-router); `hard`: with the router's target for hard
-  tokens gated by its forecast, reading sg(h0) (objective.router_hard_weight, model.router_forecast,
-  model.router_detach; README "Router training"); `hard bound`: that, with the network's exits at the router's
-  depth and the hard labels' losses bounded at chance (objective.router_exit_weights=depth,
-  objective.router_hard_bound); `hard bound kind`: that, with an answer the router runs short of the last loop
-  withheld from the network while its kind's running hard rate exceeds 0.8, the hard labels read against each
-  exit's own answers (objective.router_exit_weights=depth_label, router_withhold_kind, router_withhold_kind_only,
-  router_hard_reference=routed); `hard bound kind gate`: that, with the router's hard target acting wherever the
-  kind's rate exceeds 0.8, the forecast's gate shut or not (objective.router_kind_gate);
-`--curriculum c` trains with data.curriculum=c (levels one at a time, validated every `--eval-every` steps), which
-the fold task needs.
+Data: `tlf prep-data --source depth-fold` (data_prep/foldtask.py; docs/data.md "The fold task"), made once: levels 1..L of
+a fold over `--symbols` symbols (`--rule`, `--typed` cells); `--layout slots` makes the documents one slot of a drawn
+level each (prep-data fold_layout=slots), `--slots` of them a window.
+Cases: presets of the fold scale (configs/fold/), each trained with `tlf train`'s trainer (`pipeline.train.trainer.run`
+through bench/testkit.train_case, one process per case, `--jobs` at a time, one thread each) for `--steps` steps at
+every seed of `--seeds`, paired by seed (the same seed gives every case the same data order, and the same initial
+weights for the parts the architectures share):
+- base: fold/base, the non-looped model with J L distinct layers (one pass);
+- loopformer: fold/loopformer, evaluated elastically at M = 1..L (its accuracy-vs-work curve);
+- t-loopformer: fold/t-loopformer, the paper's router recipe;
+- t-loopformer-budget: fold/t-loopformer-budget, the budget recipe at the task's mean need;
+- t-loopformer-expected: fold/t-loopformer-expected, the expected recipe with frozen exited keys and no shortcut
+  terms at the task's mean need with frozen keys;
+- kinds: fold/kinds, the kinds recipe on base-loop-router (docs/router.md), at that need too.
+What the task decides is passed to every case over its preset: block_size, vocabulary, loops L (base: L layers) and
+the router's target depth (the manifest's mean need, with frozen exited keys where the preset has them), with the
+steps, seed, batch and data. `--curriculum c` trains with data.curriculum=c (levels one at a time, validated every
+`--eval-every` steps), which the fold task needs.
 Measured on the first `--windows` validation windows (evaluation/levels.py, the code `tlf eval` runs): answer
 accuracy overall and by level at every budget M, executed work (layers per token over every token: loops x
-layers per loop, so base's one pass of 4 layers counts 4), the
+layers per loop, so base's one pass of L layers counts L), the
 level x depth table, the share of level-k answers run at depth >= k, and Spearman's rho(executed depth, level).
-The value question: t-loopformer's accuracy at its executed work against loopformer's elastic curve
+The value question: a routed case's accuracy at its executed work against loopformer's elastic curve
 interpolated at the same work, per seed (paired), mean +- std.
 
-    python bench/depth_need.py                              # 3 seeds x 10 cases
-    python bench/depth_need.py --seeds 0 --cases loopformer,"t-loopformer budget need"   # one seed, two cases
+    python bench/depth_need.py --levels 2 --symbols 32 --rule random --typed --layout slots --slots 2 \
+        --curriculum 0.9 --eval-every 500 --batch 256 --steps 14000 --seeds 0,1,2 --cases loopformer,kinds
 
 Writes `<out>/depth_need.json`, `<out>/depth_need_accuracy_vs_work.png`, `<out>/depth_need_level_depth.png`
 (out: bench/results/depth_need).
@@ -62,7 +52,6 @@ from interleave import write_json  # noqa: E402  (after the sys.path lines above
 from testkit import train_case  # noqa: E402  (after the sys.path lines above)
 
 from data_prep.foldtask import LAYOUTS, RULES  # noqa: E402
-from pipeline.demo import DEPTH_TASK_RECIPE, EXPECTED_RECIPE  # noqa: E402
 
 BASE = [
     "checkpoint.resume=none",
@@ -72,82 +61,24 @@ BASE = [
     "logging.mlflow=false",
     "train.log_interval=100",
 ]
+CASES = ("base", "loopformer", "t-loopformer", "t-loopformer-budget", "t-loopformer-expected", "kinds")
 
 
-EXPECTED = [
-    *EXPECTED_RECIPE,
-    "model.exited_keys=frozen",
-    "model.router_target_depth=needf",  # the task's mean need with frozen exited keys
-]
+def task_overrides(preset: str, task: dict, levels: int, per_window: int) -> list[str]:
+    """What the task decides of a case, over its preset: the window's length, the vocabulary, the loops (base: the
+    layers of its one pass) and, for a recipe with a prior over depths, its target: the task's mean need (with
+    frozen exited keys where the preset has them)."""
+    from pipeline.config import load_config
 
-
-# the router's hard-token target (weight 1, ratio 1.5), gated at 0.9 by the router's forecast, the router on sg(h0)
-HARD = [
-    "objective.router_hard_weight=1",
-    "objective.router_hard_ratio=1.5",
-    "model.router_forecast=true",
-    "objective.router_hard_gate=0.9",
-    "model.router_detach=true",
-]
-
-
-# the network trained at the router's depth only, the hard labels reading each exit's loss bounded at ln V
-BOUND = ["objective.router_exit_weights=depth", "objective.router_hard_bound=true"]
-
-# ... the same, with the labels' wait decided by the kind's running hard rate alone, against each exit's own answers
-BOUND_KIND = [
-    "objective.router_exit_weights=depth_label",
-    "objective.router_hard_bound=true",
-    "objective.router_withhold_kind=0.8",
-    "objective.router_withhold_kind_only=true",
-    "objective.router_hard_reference=routed",
-]
-
-
-def cases(targets: list[str]) -> dict[str, tuple[str, list[str]]]:
-    """label -> (preset, overrides); a target is a number or `need` (filled in from the manifest; `needf`: the
-    mean need with frozen exited keys)."""
-    out = {"base": ("depth/base", []), "loopformer": ("depth/loopformer", [])}
-    for t in targets:
-        out[f"t-loopformer budget {t}"] = (
-            "depth/t-loopformer",
-            ["model.router_recipe=budget", f"model.router_target_depth={t}"],
-        )
-    out["t-loopformer paper"] = ("depth/t-loopformer", ["model.router_recipe=paper"])
-    out["t-loopformer expected"] = ("depth/t-loopformer", EXPECTED)
-    # the same without the LoopFormer objective's shortcut terms (weights 0), as the probes ran it: the alignment's
-    # target is the last exit, which the expected loss trains only in proportion to its pi_L
-    out["t-loopformer expected no shortcut terms"] = (
-        "depth/t-loopformer",
-        [*EXPECTED, "objective.lambda_short=0", "objective.lambda_align=0"],
-    )
-    # ... and the network learning every exit with equal weight (the router's gradient unchanged): the network's
-    # side of the race between the one-loop table at exit 1 and composition at exit 2 (bench/README)
-    out["t-loopformer expected uniform exits"] = (
-        "depth/t-loopformer",
-        [*EXPECTED, "objective.lambda_short=0", "objective.lambda_align=0", "objective.router_exit_uniform=1"],
-    )
-    # ... and on the looped baseline's network (base-loop-router: no conditioning, no shortcut pass), the network
-    # of the probes that composed on the slots layout (bench/README `### Where the step is learnt`)
-    out["base-loop-router expected"] = ("depth/base-loop-router", EXPECTED)
-    # ... with the router's target for hard tokens, gated by its forecast (README "Router training")
-    out["base-loop-router expected hard"] = ("depth/base-loop-router", [*EXPECTED, *HARD])
-    # ... with the network's exits at the router's depth and the hard labels' losses bounded at chance (bench/README
-    # `### The hard labels bounded at chance`: the probes' first level-2 answers by the router's depth)
-    out["base-loop-router expected hard bound"] = ("depth/base-loop-router", [*EXPECTED, *HARD, *BOUND])
-    # ... with the network's loss on an answer the router runs short of the last loop withheld while its kind's
-    # running hard rate exceeds 0.8, the labels read against each exit's own answers (bench/README `### A label with
-    # no lag`: the recipe that composed in four probe seeds of four)
-    out["base-loop-router expected hard bound kind"] = (
-        "depth/base-loop-router",
-        [*EXPECTED, *HARD, *BOUND_KIND],
-    )
-    # ... and the router's hard target acting wherever the kind's rate exceeds 0.8, the forecast's gate shut or not:
-    # what waits is sent deeper (without it a kind of level 1 between 0.8 and the forecast's 0.9 waited for good)
-    out["base-loop-router expected hard bound kind gate"] = (
-        "depth/base-loop-router",
-        [*EXPECTED, *HARD, *BOUND_KIND, "objective.router_kind_gate=true"],
-    )
+    cfg = load_config(preset)
+    out = [
+        f"model.block_size={task['doc_tokens'] * per_window}",
+        f"model.vocab_size={-(-task['vocab_needed'] // 64) * 64}",
+        f"model.n_layers={levels}" if cfg.model.loops == 1 else f"model.loops={levels}",
+    ]
+    if hasattr(cfg.objective.router, "target_depth"):
+        need = task["mean_need_frozen" if cfg.model.exited_keys == "frozen" else "mean_need"]
+        out.append(f"objective.router.target_depth={round(float(need), 3)}")
     return out
 
 
@@ -158,35 +89,20 @@ def _slug(label: str) -> str:
 def prepare(
     data: Path,
     docs: int,
-    levels: int = 4,
-    log=print,
-    task: str = "hops",
-    symbols: int = 16,
-    rule: str = "cyclic",
-    typed: bool = False,
-    layout: str = "ordered",
+    levels: int = 2,
+    symbols: int = 32,
+    rule: str = "random",
+    typed: bool = True,
+    layout: str = "slots",
 ) -> dict:
     """The task's shards (made once with the real CLI; a rerun with the same options is a no-op)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline.cli",
-        "prep-data",
-        "--source",
-        f"depth-{task}",
-        "--out",
-        str(data),
-        f"depth_docs={docs}",
-        f"depth_levels={levels}",
-        "seed=0",
-        "--no-progress",
-    ]
-    if task == "fold":
-        cmd += [f"fold_symbols={symbols}", f"fold_rule={rule}", f"fold_typed={typed}", f"fold_layout={layout}"]
+    cmd = [sys.executable, "-m", "pipeline.cli", "prep-data", "--source", "depth-fold", "--out", str(data)]
+    cmd += [f"depth_docs={docs}", f"depth_levels={levels}", "seed=0", "--no-progress"]
+    cmd += [f"fold_symbols={symbols}", f"fold_rule={rule}", f"fold_typed={typed}", f"fold_layout={layout}"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
         sys.exit(f"prep-data failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
-    from data_prep.depthtask import task_of
+    from data_prep.foldtask import task_of
 
     return task_of(data)
 
@@ -375,38 +291,25 @@ def merge(res: dict, path: str) -> None:
     res["merged_from"] = str(path)
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3000, help="training steps per case")
-    ap.add_argument("--batch", type=int, default=64, help="windows per step (each a document, or --slots of them)")
-    ap.add_argument("--levels", type=int, default=4, help="task levels 1..L = the models' loops L (base: L layers)")
+    ap.add_argument("--batch", type=int, default=256, help="windows per step (each a document, or --slots of them)")
+    ap.add_argument("--levels", type=int, default=2, help="task levels 1..L = the models' loops L (base: L layers)")
+    ap.add_argument("--symbols", type=int, default=32, help="symbols m of the folded operation")
+    ap.add_argument("--rule", choices=RULES, default="random", help="how g is drawn (prep-data fold_rule)")
     ap.add_argument(
-        "--task", choices=["hops", "fold"], default="hops", help="prep-data source depth-hops or depth-fold"
+        "--typed", action=argparse.BooleanOptionalAction, default=True, help="typed cells (prep-data fold_typed)"
     )
-    ap.add_argument("--symbols", type=int, default=16, help="--task fold: symbols m of the folded operation")
-    ap.add_argument("--rule", choices=RULES, default=RULES[0], help="--task fold: how g is drawn (prep-data fold_rule)")
-    ap.add_argument("--typed", action="store_true", help="--task fold: typed cells (prep-data fold_typed)")
-    ap.add_argument(
-        "--layout", choices=LAYOUTS, default=LAYOUTS[0], help="--task fold: documents' layout (prep-data fold_layout)"
-    )
+    ap.add_argument("--layout", choices=LAYOUTS, default="slots", help="documents' layout (prep-data fold_layout)")
     ap.add_argument(
         "--slots", type=int, default=2, help="--layout slots: slots (documents) per window, levels drawn per slot"
     )
     ap.add_argument("--curriculum", type=float, default=0.0, help="data.curriculum (0: off)")
     ap.add_argument("--eval-every", type=int, default=250, help="with --curriculum: train.eval_interval")
     ap.add_argument("--lr", type=float, default=0.0, help="optim.lr (0: the preset's)")
-    ap.add_argument(
-        "--recipe",
-        choices=["preset", "probe"],
-        default="preset",
-        help="optimiser and init: the presets' or the probe's (not its learning rate: the fold task's probes ran at "
-        "1e-3, the presets' is 3e-3; set --lr)",
-    )
     ap.add_argument("--seeds", default="0,1,2", help="training seeds (comma-separated); cases are paired by seed")
-    ap.add_argument(
-        "--targets", default="need,2.5", help="budget recipe's target mean depths; `need`: the task's mean need"
-    )
-    ap.add_argument("--cases", default="", help="only these case labels (comma-separated); default all")
+    ap.add_argument("--cases", default="", help=f"only these cases (comma-separated; default all: {', '.join(CASES)})")
     ap.add_argument("--jobs", type=int, default=2, help="runs trained at once (one thread each)")
     ap.add_argument(
         "--windows", type=int, default=512, help="validation windows measured (each a document, or --slots of them)"
@@ -422,7 +325,7 @@ def main(argv=None) -> dict:
         "--merge",
         metavar="JSON",
         help="an earlier study's depth_need.json of the same task, steps, batch and seeds: its cases not run now "
-        "join the table and figures (a case added in a later session, on another machine)",
+        "join the table and figures (a case run apart, e.g. on another machine)",
     )
     ap.add_argument(
         "--set",
@@ -431,8 +334,39 @@ def main(argv=None) -> dict:
         metavar="KEY=VALUE",
         help="a config override for every case, after the others (repeatable; e.g. model.d_ff=64)",
     )
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def make_specs(a: argparse.Namespace, task: dict, data: Path, out: Path, per_window: int) -> dict:
+    """{(case, seed): train_case's spec}: each case's preset with the task's and the run's overrides."""
+    chosen = list(CASES)
+    if a.cases:
+        chosen = [c.strip() for c in a.cases.split(",")]
+        unknown = [c for c in chosen if c not in CASES]
+        if unknown:
+            sys.exit(f"--cases: unknown {unknown}; known: {list(CASES)}")
+    run = [o for o in BASE if not (a.curriculum and o.startswith("train.eval_interval"))]
+    run += [f"optim.lr={a.lr}"] if a.lr else []
+    if a.curriculum:
+        run += [f"data.curriculum={a.curriculum}", f"train.eval_interval={a.eval_every}", "train.eval_batches=4"]
+    run += [f"schedule.max_steps={a.steps}", f"data.dir={data}"]
+    run += [f"train.micro_batch_size={a.batch}", f"train.global_batch_size={a.batch}"]
+    specs = {}
+    for label in chosen:
+        preset = f"fold/{label}"
+        ov = run + task_overrides(preset, task, a.levels, per_window) + a.set
+        for s in [int(s) for s in a.seeds.split(",") if s.strip()]:
+            ck = out / "checkpoints" / f"{_slug(label)}_s{s}"
+            specs[(label, s)] = {
+                "preset": preset,
+                "overrides": ov + [f"train.seed={s}", f"checkpoint.dir={ck}"],
+                "reuse": a.reuse,
+            }
+    return specs
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
     torch.set_num_threads(1)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -442,61 +376,17 @@ def main(argv=None) -> dict:
         + ("_typed" if a.typed else "")
         + ("" if a.layout == LAYOUTS[0] else f"_{a.layout}")
     )
-    per_window = a.slots if a.task == "fold" and a.layout == "slots" else 1  # documents per window
-    data = out / (f"data_L{a.levels}" if a.task == "hops" else fold)
-    mb = a.batch
-    task = prepare(
-        data,
-        docs=(a.steps * mb + 20 * a.windows) * per_window,
-        levels=a.levels,
-        task=a.task,
-        symbols=a.symbols,
-        rule=a.rule,
-        typed=a.typed,
-        layout=a.layout,
-    )
-    shape = [
-        f"model.block_size={task['doc_tokens'] * per_window}",
-        f"model.vocab_size={-(-task['vocab_needed'] // 64) * 64}",
-    ]
-    shape += DEPTH_TASK_RECIPE if a.recipe == "probe" else ()  # --recipe probe: what the depth probes found
-    shape += [f"optim.lr={a.lr}"] if a.lr else []
-    if a.curriculum:
-        shape += [f"data.curriculum={a.curriculum}", f"train.eval_interval={a.eval_every}", "train.eval_batches=4"]
-    shape += a.set
-    need = round(float(task["mean_need"]), 3)
-    need_frozen = round(float(task.get("mean_need_frozen", task["mean_need"])), 3)
+    per_window = a.slots if a.layout == "slots" else 1  # documents per window
+    data = out / fold
+    docs = (a.steps * a.batch + 20 * a.windows) * per_window
+    task = prepare(data, docs, a.levels, a.symbols, a.rule, a.typed, a.layout)
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
-    chosen = cases([t.strip() for t in a.targets.split(",") if t.strip()])
-    if a.cases:
-        keep = [c.strip() for c in a.cases.split(",")]
-        unknown = [c for c in keep if c not in chosen]
-        if unknown:
-            sys.exit(f"--cases: unknown {unknown}; known: {list(chosen)}")
-        chosen = {k: v for k, v in chosen.items() if k in keep}
-    specs = {}
-    for label, (preset, ov) in chosen.items():
-        ov = [o.replace("=needf", f"={need_frozen}").replace("=need", f"={need}") for o in ov]
-        ov = [o for o in BASE if not (a.curriculum and o.startswith("train.eval_interval"))] + ov + shape
-        ov.append(f"model.n_layers={a.levels}" if preset == "depth/base" else f"model.loops={a.levels}")
-        for s in seeds:
-            specs[(label, s)] = {
-                "preset": preset,
-                "overrides": ov
-                + [
-                    f"schedule.max_steps={a.steps}",
-                    f"train.seed={s}",
-                    f"data.dir={data}",
-                    f"train.micro_batch_size={mb}",
-                    f"train.global_batch_size={mb}",
-                    f"checkpoint.dir={out / 'checkpoints' / f'{_slug(label)}_s{s}'}",
-                ],
-                "reuse": a.reuse,
-            }
+    specs = make_specs(a, task, data, out, per_window)
+    need = round(float(task["mean_need"]), 3)
     t0 = time.time()
     print(
-        f"depth-need study: {len(chosen)} cases x {len(seeds)} seeds x {a.steps} steps, {a.jobs} at a time; "
-        f"task mean need {need} loops per token -> {out}",
+        f"depth-need study: {len(specs) // len(seeds)} cases x {len(seeds)} seeds x {a.steps} steps, {a.jobs} at a "
+        f"time; task mean need {need} loops per token -> {out}",
         flush=True,
     )
     with mp.get_context("spawn").Pool(a.jobs) as pool:
@@ -508,8 +398,7 @@ def main(argv=None) -> dict:
     res = {
         "command": "python bench/depth_need.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "steps": a.steps,
-        "documents_per_step": mb * per_window,
-        "recipe": a.recipe,
+        "documents_per_step": a.batch * per_window,
         "seeds": seeds,
         "task": task,
         "mean_need": need,

@@ -1,6 +1,6 @@
 """How far off is `tlf plan`? Runs the real `tlf train` (one process, DeepSpeed at world size 1) for a few steps
 per case on real shards, plans the same config, world size and micro-batch on --gpu's row (`tlf plan`'s
-`Planner`, in this process) and reads back from each run's metrics.jsonl (README "Planning a run"): the measured
+`Planner`, in this process) and reads back from each run's metrics.jsonl (docs/planning.md): the measured
 CUDA max allocated at the first step and over the whole run (the first step's peak comes before the optimizer's
 state exists; later steps hold it) beside the plan's predicted per-GPU peak, the routed mean depth (the plan
 assumes the router prior's mean), the longest shortcut pass drawn, tokens/s and MFU (median over the steps after

@@ -1,8 +1,8 @@
 """Router study: does the token-choice router earn its compute?
 
 Trains, at each of `--seeds` (paired: every case sees the same data order at a seed), with the same data and steps (the project's trainer, `pipeline.train.trainer.run`, one process
-per case, `--jobs` at a time), small/loopformer and small/t-loopformer under each router recipe: the paper's
-(`model.router_recipe=paper`) and the budget recipe at each `--targets` mean depth. Then, on the first
+per case, `--jobs` at a time), small/loopformer and t-loopformer under each router recipe: the paper's
+(small/t-loopformer) and the budget recipe (small/t-loopformer-budget) at each `--targets` mean depth. Then, on the first
 `--val-tokens` validation tokens of the demo corpus, it measures for every case:
 
 - depth shares over training (the trainer's per-step `router/full/depth_share_<i>` of the training batches,
@@ -55,13 +55,10 @@ def cases(targets: list[float]) -> dict[str, tuple[str, list[str]]]:
     """label -> (preset, overrides) of every case of the study."""
     out = {
         "loopformer": ("small/loopformer", []),
-        "t-loopformer paper": ("small/t-loopformer", ["model.router_recipe=paper"]),
+        "t-loopformer paper": ("small/t-loopformer", []),
     }
     for t in targets:
-        out[f"t-loopformer budget {t:g}"] = (
-            "small/t-loopformer",
-            ["model.router_recipe=budget", f"model.router_target_depth={t}"],
-        )
+        out[f"t-loopformer budget {t:g}"] = ("small/t-loopformer-budget", [f"objective.router.target_depth={t}"])
     return out
 
 
@@ -243,6 +240,7 @@ def measure_seed(
 ) -> dict:
     """Every case of one seed: the per-case dict the tables and figures read."""
     from pipeline.model.io import load_model
+    from pipeline.train.recipes import target_depth
 
     cases_out = {}
     for label, tr in trained.items():
@@ -264,9 +262,9 @@ def measure_seed(
             },
         }
         if cfg.model.router:
-            c["recipe"] = cfg.model.router_recipe
-            if cfg.model.router_recipe == "budget":
-                target = model.router.target_depth
+            c["recipe"] = cfg.objective.router.recipe
+            if cfg.objective.router.recipe == "budget":
+                target = target_depth(cfg.objective.router, cfg.model.loops)
                 c["target_depth"] = target
                 c["final"]["depth_vs_target"] = float(depth.mean() / target - 1)
             c["final"]["token_dependence"] = token_dependence(ids, depth, counts, L)

@@ -62,13 +62,15 @@ def spread_router(model, seed: int = 0, scale: float = 1.0):
     """Gives `model.router` weights that act like a
     trained router's, peaky exit distributions with token depths spread over 1..L, where the initialisation
     sends nearly every token to the same depth. fc1 is scaled to its input (h0 at the model's init std, or unit
-    RMS under the budget recipe) so its pre-activations have std ~5*scale; fc2 ~ N(0, scale); fc2's bias falls
+    RMS with model.router_norm) so its pre-activations have std ~5*scale; fc2 ~ N(0, scale); fc2's bias falls
     linearly from 1 to -1 over the depths. Draws from its own generator (seed), not the global RNG. A model
     without a router is returned unchanged; returns the model."""
+    from pipeline.model.looped import INIT_STD
+
     r = model.router
     if r is None:
         return model
-    in_std = 1.0 if r.has_prior else model.cfg.init_std
+    in_std = 1.0 if r.norm else INIT_STD
     g = torch.Generator().manual_seed(seed)
     w1 = torch.randn(r.fc1.weight.shape, generator=g) * (5.0 * scale / (math.sqrt(r.fc1.in_features) * in_std))
     w2 = torch.randn(r.fc2.weight.shape, generator=g) * scale

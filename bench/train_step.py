@@ -19,7 +19,7 @@ CPU time (robust to other load on the machine; one thread per case), on CUDA by 
 Memory breakdown (`pipeline.memory.SavedTensors`): one forward of the objective per case counts the bytes autograd
 keeps for backward, once per storage (weights saved by the matmuls included, in loop 1), per loop application (full pass loops 1..L, shortcut loops 1..S) with the
 tokens that ran it, and the rest (embedding + router, the LM heads with their losses). Host reads per forward
-are counted with `bench/testkit.py`. The summary prints issue 12's three targets: t-loopformer's peak memory
+are counted with `bench/testkit.py`. The summary prints the step's three targets: t-loopformer's peak memory
 <= 0.80x loopformer's; step-time ratio <= 1.10x the ratio of their model FLOPs per token (mean executed loops of
 both passes); <= 1 host read per forward. On CPU the peak compared is that of live tensors (weights + optimizer
 state + the peak during one untimed step whose shortcut pass has the most loops, S = L - 1, so the largest;
@@ -298,7 +298,6 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     from pipeline.config import VARIANTS, load_config
     from pipeline.hardware import gpu, this_gpu
-    from pipeline.demo import EXPECTED_RECIPE
 
     overrides = a.overrides if a.overrides is not None else ["model.vocab_size=8192"]
     on_gpu = a.device.startswith("cuda") and this_gpu()  # the table's row for this GPU, if it holds one
@@ -324,7 +323,7 @@ def main(argv=None) -> dict:
         # the expected router recipe: every token runs every loop in training, a head per exit
         "t-loopformer expected": (
             "t-loopformer",
-            list(EXPECTED_RECIPE),
+            ["model.router_norm=true", "model.exit_schedule=prefix", "objective.router.recipe=expected"],
         ),
         "t-loopformer ckpt=loop": ("t-loopformer", ["train.activation_checkpointing=loop"]),
         "t-loopformer ckpt=layer": ("t-loopformer", ["train.activation_checkpointing=layer"]),
@@ -383,8 +382,8 @@ def main(argv=None) -> dict:
     if "t-loopformer" in results and "loopformer" in results:
         t, lf = results["t-loopformer"], results["loopformer"]
         # time against FLOPs over the same timed rounds (round r is the same shortcut schedule in both cases):
-        # total CPU time of the rounds against total FLOPs of the rounds. (Until 2026-11-23 this divided the
-        # median step's time by the mean FLOPs of all steps, warm-up included: two different sets of steps.)
+        # total CPU time of the rounds against total FLOPs of the rounds (not the median step's time against the
+        # mean FLOPs of all steps, warm-up included: two different sets of steps).
         flops = sum(t["round_flops_per_token"]) / sum(lf["round_flops_per_token"])
         time_r = sum(t["times_s"]) / sum(lf["times_s"])
         per_round = sorted(

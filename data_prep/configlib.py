@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 
 def f(default: Any, doc: str, **kw):
-    """A dataclass field with a one-line doc (shown by `tlf config show --doc` and in the README)."""
+    """A dataclass field with a one-line doc (shown by `tlf config show --doc` and in docs/configuration.md)."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc}, **kw)
     return field(default=default, metadata={"doc": doc}, **kw)
@@ -143,10 +143,37 @@ def set_key(obj: Any, key: str, value: Any, source: str, prefix: str = "", root:
     """Sets obj.<key> (dotted) with type checks; unknown keys are errors (with `suggest`'s hint; root: the
     whole config, whose other sections it searches), and so are keys listed in the dataclass's `MOVED` ({old
     field: new dotted key}), with a message naming the new key, and in its `REMOVED` ({old field: why, and what
-    to use instead})."""
+    to use instead}). A section whose class defines `CHOICE` (a field name) and `choices()` ({name: class}) is a
+    choice: setting that field makes the section an instance of the chosen class, its fields at their defaults (in
+    a mapping, the choice is made before the other keys are set)."""
     root = obj if root is None else root
     head, _, rest = key.partition(".")
     names = {fl.name: fl for fl in fields(obj)}
+    full = f"{prefix}{head}"
+    _check_known(obj, root, head, rest, names, source, prefix)
+    cur = getattr(obj, head)
+    if dataclasses.is_dataclass(cur):
+        if not rest and not isinstance(value, dict):
+            raise ConfigError(f"{source}: '{full}' is a section; give a mapping, got {value!r}")
+        items = {rest: value} if rest else {str(k): v for k, v in value.items()}
+        choice = getattr(type(cur), "CHOICE", None)
+        if choice in items:  # the section's class first: the other keys are the chosen class's
+            cur = _chosen(cur, items.pop(choice), source, f"{full}.{choice}")
+            setattr(obj, head, cur)
+        for k, v in items.items():
+            set_key(cur, k, v, source, f"{full}.", root)
+        return
+    if rest:
+        raise ConfigError(f"{source}: '{full}' is not a section, so '{prefix}{key}' does not exist")
+    tp = typing.get_type_hints(type(obj))[head]
+    ok, v = _type_ok(value, tp)
+    if not ok:
+        raise ConfigError(f"{source}: '{full}' expects {describe(tp)}, got {value!r}")
+    setattr(obj, head, v)
+
+
+def _check_known(obj: Any, root: Any, head: str, rest: str, names: dict, source: str, prefix: str) -> None:
+    """A key moved or removed (the dataclass's MOVED / REMOVED), or not a field: a ConfigError naming it."""
     full = f"{prefix}{head}"
     moved = getattr(type(obj), "MOVED", {}).get(head)
     if moved is not None:
@@ -154,27 +181,29 @@ def set_key(obj: Any, key: str, value: Any, source: str, prefix: str = "", root:
     removed = getattr(type(obj), "REMOVED", {}).get(head)
     if removed is not None:
         raise ConfigError(f"{source}: '{full}': {removed}")
-    if head not in names:
-        close = suggest(root, obj, prefix, head, rest)
-        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-        raise ConfigError(f"{source}: unknown config key '{full}'{hint}")
-    tp = typing.get_type_hints(type(obj))[head]
-    cur = getattr(obj, head)
-    if dataclasses.is_dataclass(cur):
-        if rest:
-            set_key(cur, rest, value, source, f"{full}.", root)
-            return
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: '{full}' is a section; give a mapping, got {value!r}")
-        for k, v in value.items():
-            set_key(cur, str(k), v, source, f"{full}.", root)
+    if head in names:
         return
-    if rest:
-        raise ConfigError(f"{source}: '{full}' is not a section, so '{prefix}{key}' does not exist")
-    ok, v = _type_ok(value, tp)
-    if not ok:
-        raise ConfigError(f"{source}: '{full}' expects {describe(tp)}, got {value!r}")
-    setattr(obj, head, v)
+    choice = getattr(type(obj), "CHOICE", None)
+    if choice is not None:  # a choice's keys are those of the chosen class
+        keys = ", ".join(n for n in names if n != choice) or "none"
+        raise ConfigError(
+            f"{source}: unknown config key '{full}': {choice} {getattr(obj, choice)!r} has the keys {keys}"
+        )
+    close = suggest(root, obj, prefix, head, rest)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    raise ConfigError(f"{source}: unknown config key '{full}'{hint}")
+
+
+def _chosen(section: Any, name: Any, source: str, key: str) -> Any:
+    """The section as the class `name` chooses: itself if it is that choice already, else a fresh instance."""
+    choices = type(section).choices()
+    if not isinstance(name, str) or name not in choices:
+        raise ConfigError(f"{source}: '{key}' expects one of {', '.join(map(repr, choices))}, got {name!r}")
+    if getattr(section, type(section).CHOICE) == name:
+        return section
+    new = choices[name]()
+    setattr(new, type(section).CHOICE, name)
+    return new
 
 
 def read_yaml_mapping(path: Path, what: str = "sections") -> dict:
@@ -229,24 +258,58 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 
 def apply_overrides(cfg: Any, overrides: list[str] | tuple, validate: bool = True) -> Any:
-    """Applies `key=value` strings in place (type-checked), then calls cfg.validate()."""
-    for item in overrides:
-        k, v = parse_override(item)
+    """Applies `key=value` strings in place (type-checked), then calls cfg.validate(). A key that chooses a
+    section's class (its `CHOICE`, e.g. objective.router.recipe) is applied before the others, wherever it stands
+    on the line, so the chosen class's keys are never set and then dropped by the choice."""
+    parsed = [(item, *parse_override(item)) for item in overrides]
+    parsed.sort(key=lambda t: not _is_choice(cfg, t[1]))  # stable: otherwise in the order given
+    for item, k, v in parsed:
         set_key(cfg, k, v, f"command line ({item})")
     if validate:
         cfg.validate()
     return cfg
 
 
-def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
-    """[(dotted key, type, default, doc)] for every field of a config dataclass, sections flattened."""
+def _is_choice(cfg: Any, key: str) -> bool:
+    """Whether the dotted key names the choosing field (`CHOICE`) of the section it lands in."""
+    *path, last = key.split(".")
+    obj = cfg
+    for part in path:
+        obj = getattr(obj, part, None)
+        if not dataclasses.is_dataclass(obj):
+            return False
+    return getattr(type(obj), "CHOICE", None) == last
+
+
+def field_docs(cls: Any, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """[(dotted key, type, default, doc)] for every field of a config dataclass, sections flattened. Given a class,
+    a choice section lists its choosing field, then every choice's own fields (their docs led by `[choice]`);
+    given an instance, the fields its sections have (the chosen class's), with their current values."""
     rows = []
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls if isinstance(cls, type) else type(cls))
     for fl in fields(cls):
         tp = hints[fl.name]
-        if dataclasses.is_dataclass(tp):
-            rows += field_docs(tp, f"{prefix}{fl.name}.")
-            continue
         default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
+        if isinstance(cls, type) and dataclasses.is_dataclass(tp):
+            rows += _section_docs(tp, f"{prefix}{fl.name}.")
+            continue
+        if not isinstance(cls, type):
+            default = getattr(cls, fl.name)
+            if dataclasses.is_dataclass(default):
+                rows += field_docs(default, f"{prefix}{fl.name}.")
+                continue
+        if fl.name == getattr(cls, "CHOICE", None):
+            tp = Literal[tuple(type(cls).choices() if not isinstance(cls, type) else cls.choices())]
         rows.append((f"{prefix}{fl.name}", describe(tp), default, fl.metadata.get("doc", "")))
+    return rows
+
+
+def _section_docs(tp: type, prefix: str) -> list[tuple[str, str, Any, str]]:
+    """`field_docs` of a section's class; a choice section: its choosing field, then each choice's own fields."""
+    rows = field_docs(tp, prefix)
+    choice = getattr(tp, "CHOICE", None)
+    if choice is None:
+        return rows
+    for name, sub in tp.choices().items():
+        rows += [(k, t, d, f"[{name}] {doc}") for k, t, d, doc in field_docs(sub, prefix) if k != prefix + choice]
     return rows

@@ -1,5 +1,5 @@
 """`tlf prep-data --source depth-fold`: the fold task, whose every scored answer needs a known number of loops
-(README "The fold task").
+(docs/data.md "The fold task").
 
 A fixed binary operation g on m symbols (a Latin square drawn from `rule_seed`: every row and every column a
 permutation, so one operand alone says nothing of the result) is folded from the left over a segment of cells:
@@ -62,7 +62,7 @@ MAX_SYMBOLS = 256
 # What a prep config or a data directory of the removed depth-hops source (the other synthetic task) is told
 HOPS_REMOVED = (
     "the depth-hops task was removed (at no size were its loops both needed and learnable); "
-    "use the fold task, source=depth-fold (README 'The fold task')"
+    "use the fold task, source=depth-fold (docs/data.md 'The fold task')"
 )
 RULES = ("cyclic", "random")
 LAYOUTS = ("ordered", "slots")

@@ -47,7 +47,7 @@ from pipeline.tracking import TrackingError
     metavar="PRESET",
     help="Refuse a checkpoint whose model section differs from this preset's.",
 )
-@click.option("--config", "config_alias", default=None, hidden=True)  # the former name of --check-preset
+@click.option("--config", "config_alias", default=None, hidden=True)  # refused: eval reads the checkpoint's config
 @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option(
     "--variant",
@@ -59,6 +59,11 @@ def eval_cmd(checkpoint, overrides, loops, config, config_alias, device, variant
     from evaluation.evaluate import run
     from evaluation.tasks import TaskDataError
 
+    if config_alias is not None:
+        raise click.UsageError(
+            f"--config {config_alias}: tlf eval reads the checkpoint's own config; --check-preset PRESET refuses a "
+            "checkpoint whose model section differs from a preset's, and section.key=value overrides change eval's keys"
+        )
     if loops is not None and not loops.strip():  # as `--loops ' '` is: no budget named
         raise click.BadParameter(f"{loops!r} names no loop budget (expected e.g. 2,4,8)", param_hint="--loops")
     ov = list(overrides) + option_overrides(**opts)
@@ -66,7 +71,7 @@ def eval_cmd(checkpoint, overrides, loops, config, config_alias, device, variant
         outs = [str(v) for k, v in map(parse_override, ov) if k == "eval.out_dir" and v]
         if outs:  # checked before the evaluation, not after it
             check_writable(outs[-1], "--out" if opts["out_dir"] else "eval.out_dir")
-        run(checkpoint, ov, loops=loops, config=config or config_alias, device=device, variant=variant, log=click.echo)
+        run(checkpoint, ov, loops=loops, config=config, device=device, variant=variant, log=click.echo)
     except (TaskDataError, OSError, ValueError) as e:  # OSError: a missing file, an unwritable --out
         if isinstance(e, ConfigError):
             raise

@@ -9,8 +9,8 @@ from importlib.metadata import entry_points
 
 import click
 
+from data_prep.configlib import ConfigError  # (pipeline.config loads torch, with the router recipes' settings)
 from data_prep.files import UnwritableError
-from pipeline.config import ConfigError, field_docs, list_presets, load_config, to_yaml
 
 
 class _Group(click.Group):
@@ -74,19 +74,24 @@ def config() -> None:
 @config.command("list")
 def config_list() -> None:
     """List the shipped presets (SCALE/VARIANT)."""
+    from pipeline.config import list_presets
+
     for name in list_presets():
         click.echo(name)
 
 
 @config.command("show")
 @config_arguments
-@click.option("--doc", is_flag=True, help="Print every field with its type, default and one-line doc.")
+@click.option("--doc", is_flag=True, help="Print every field with its value, type and one-line doc.")
 def config_show(config: str, overrides: tuple[str, ...], doc: bool) -> None:
-    """Print the resolved CONFIG (preset or YAML file) with OVERRIDES (section.key=value)."""
+    """Print the resolved CONFIG (preset or YAML file) with OVERRIDES (section.key=value); --doc: every key it has
+    (of objective.router, the chosen recipe's) with its value, type and doc."""
+    from pipeline.config import field_docs, load_config, to_yaml
+
     cfg = load_config(config, overrides)
     if doc:
         flat = cfg.flat()
-        for key, tp, _default, text in field_docs():
+        for key, tp, _default, text in field_docs(cfg):
             click.echo(f"{key} = {flat[key]!r}  ({tp})  # {text}")
         return
     click.echo(to_yaml(cfg), nl=False)

@@ -22,8 +22,9 @@ import yaml
 
 # The generic machinery lives in data_prep.configlib (the lowest layer; PrepConfig uses it too); ConfigError
 # and apply_overrides stay importable from here.
-from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_chain, set_key
+from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_chain, read_yaml_mapping, set_key
 from data_prep.configlib import field_docs as _field_docs
+from pipeline.train.recipes import RouterSettings, default_settings
 
 
 def _config_dir() -> Path:
@@ -38,7 +39,7 @@ def _config_dir() -> Path:
 
 
 CONFIG_DIR = _config_dir()
-SCALES = ("tiny", "small", "paper", "depth")
+SCALES = ("tiny", "small", "paper", "fold")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -94,81 +95,41 @@ class ModelConfig:
     )
     router: bool = f(True, "Token-choice router giving each token its own depth (t-loopformer).")
     router_threshold: float = f(0.5, "theta: token runs loop i while its continue probability p(i) > theta.")
-    router_hidden: int = f(0, "Router MLP hidden size; 0 means d_model // 4.")
-    router_recipe: Literal["paper", "budget", "expected"] = f(
-        "paper",
-        "Router training: paper (STE only, default init), budget (defined init + depth prior + entropy loss) or expected (the budget router trained on the expected loss over exits: every token runs every loop in training; README 'Router training').",
-    )
-    router_target_depth: float = f(
-        0.0,
-        "budget recipe: target mean depth in (1, loops) (loop work = it / loops); 0 means (loops + 1) / 2. Sets the router's init and the prior the objective's balance loss pulls to.",
-    )
-    router_init_std: float = f(
-        2.0, "budget recipe: std of the router's output weights x sqrt(hidden) at init (logit spread across tokens)."
-    )
-    router_detach: bool = f(
+    router_norm: bool = f(
         False,
-        "The router reads sg(h0): its losses and the gradient of the depths it gives train the router alone, not the embeddings the network shares (README 'Router training'). Values unchanged.",
+        "The router reads RMS-normalised h0 (the budget, expected and kinds recipes' router, whose init assumes it; docs/router.md).",
     )
     router_forecast: bool = f(
         False,
-        "expected router recipe: the router also forecasts, for each exit but the last, the probability that a token is hard there (objective.router_hard_gate trains and reads it); depth never reads it (README 'Router training').",
+        "The router also has a head forecasting, for each exit but the last, whether a token is hard there: parameters the kinds recipe trains and reads; depth never reads it (docs/router.md).",
     )
     gather_scatter: bool = f(True, "Compute only active tokens per loop (false: dense masked reference path).")
     exit_schedule: Literal["own", "prefix"] = f(
         "own",
-        "The steps a token of depth m < M runs: own (its own trajectory, m steps renormalised to sum 1, so depth m ends at time 1) or prefix (the first m steps of the pass's, so a depth-m token is the pass stopped after loop m: an early exit; README 'The model', Per-token time).",
+        "The steps a token of depth m < M runs: own (its own trajectory, m steps renormalised to sum 1, so depth m ends at time 1) or prefix (the first m steps of the pass's, so a depth-m token is the pass stopped after loop m: an early exit; docs/model.md 'The network', Per-token time).",
     )
     exited_keys: Literal["drop", "frozen"] = f(
         "drop",
-        "What a token that has exited shows later loops: drop (attention in loop i runs among the tokens still looping; the recursion-wise KV cache) or frozen (it stays a key and value through its final state; README 'Exited tokens').",
+        "What a token that has exited shows later loops: drop (attention in loop i runs among the tokens still looping; the recursion-wise KV cache) or frozen (it stays a key and value through its final state; docs/model.md 'The network', Exited tokens).",
     )
     gate_init: float = f(
         0.0,
         "Modulated layers: initial output gates a_msa, a_mlp (their modulator rows' bias). 0 (default): each layer starts as the identity (adaLN-zero); 1: as a plain pre-norm layer.",
     )
     fourier_dim: int = f(256, "Sinusoidal Fourier features of the time/step embeddings.")
-    fourier_max_period: float = f(10000.0, "Max period of the Fourier features.")
-    norm_eps: float = f(1e-5, "RMSNorm epsilon.")
-    init_std: float = f(0.02, "Std of the normal init (residual projections scaled by 1/sqrt(2*J*L)).")
-    tie_embeddings: bool = f(True, "Tie the LM head to the token embedding.")
 
-    # What a resume may change (README 'Determinism contract'): the inits (moot once weights are loaded; the
-    # target depth also moves the balance loss's prior) and the execution knobs (the dense reference path, the
-    # router's exit threshold, whether the router's gradient reaches h0). Every other field defines the network: its
-    # parameters and what a forward pass computes from them, so a resume refuses to change it. The `objective`
-    # section may always change.
-    RESUMABLE: ClassVar[tuple[str, ...]] = (
-        "router_target_depth",
-        "router_init_std",
-        "gate_init",
-        "gather_scatter",
-        "router_threshold",
-        "router_detach",
-    )
-    # Keys that moved to the `objective` section (issue 26): naming one here is an error that names the new key;
-    # configs tlf stored before the move (checkpoints, exports) are read through `upgrade`.
-    MOVED: ClassVar[dict[str, str]] = {
-        k: f"objective.{k}"
-        for k in (
-            "shortcut",
-            "lambda_short",
-            "lambda_align",
-            "align_target",
-            "align_positions",
-            "router_ste",
-            "router_balance_weight",
-            "router_entropy_weight",
-        )
-    }
+    # What a resume may change (docs/training.md 'Checkpoints and resume'): an init (moot once weights are loaded) and the
+    # execution knobs (the dense reference path, the router's exit threshold). Every other field defines the
+    # network: its parameters and what a forward pass computes from them, so a resume refuses to change it. The
+    # `objective` section may always change.
+    RESUMABLE: ClassVar[tuple[str, ...]] = ("gate_init", "gather_scatter", "router_threshold")
+    # Keys that moved or are gone (configs/removed.yaml, `_gone`): naming one is an error that says where it went or
+    # why; configs tlf stored before (checkpoints, exports) are read through `upgrade`.
+    MOVED: ClassVar[dict[str, str]]
+    REMOVED: ClassVar[dict[str, str]]
     # Network keys newer than some stored configs, with the value every network before them had: `upgrade`
     # fills them in, so an older checkpoint resumes and an older export loads as what it was.
-    ADDED: ClassVar[dict[str, Any]] = {
-        "exited_keys": "drop",
-        "exit_schedule": "own",
-        "router_forecast": False,
-        "router_detach": False,
-    }
+    ADDED: ClassVar[dict[str, Any]] = {"exited_keys": "drop", "exit_schedule": "own", "router_forecast": False}
 
     def validate(self) -> None:
         if self.variant not in VARIANTS:
@@ -185,27 +146,9 @@ class ModelConfig:
             raise ConfigError("model.router=true needs model.loops >= 2")
         if not 0.0 < self.router_threshold < 1.0:
             raise ConfigError(f"model.router_threshold must lie in (0, 1), got {self.router_threshold}")
-        if self.router_hidden < 0:
-            raise ConfigError(f"model.router_hidden must be >= 0, got {self.router_hidden}")
-        if self.router_target_depth != 0.0 and not 1.0 < self.router_target_depth < self.loops:
-            raise ConfigError(
-                f"model.router_target_depth must be 0 (default) or lie strictly between 1 and "
-                f"model.loops ({self.loops}), got {self.router_target_depth}"
-            )
-        if self.router_init_std < 0:
-            raise ConfigError(f"model.router_init_std must be >= 0, got {self.router_init_std}")
-        if self.router_detach and not self.router:
-            raise ConfigError("model.router_detach=true needs a router (model.router=true, t-loopformer)")
-        if self.router_forecast and not (self.router and self.router_recipe == "expected"):
-            raise ConfigError(
-                "model.router_forecast=true needs the expected router recipe (model.router=true, "
-                "model.router_recipe=expected): it forecasts the hard-token target read from the expected loss's exits"
-            )
-        if self.router_recipe == "expected" and self.exit_schedule != "prefix" and self.conditioning != "none":
-            raise ConfigError(
-                "model.router_recipe=expected needs model.exit_schedule=prefix: the recipe trains the exit after "
-                "loop d of the full pass, which is a depth-d token only when depth d runs the pass's first d steps"
-            )
+        for k in ("router_norm", "router_forecast"):
+            if getattr(self, k) and not self.router:
+                raise ConfigError(f"model.{k}=true needs a router (model.router=true)")
 
     def _check_variant_flags(self) -> None:
         """The flags must be the ones VARIANT_TABLE gives the `variant` name (a run's tag is what it trained)."""
@@ -232,245 +175,45 @@ def _check_flag(key: str, value, variant: str) -> None:
 @dataclass
 class ObjectiveConfig:
     """The training objective's settings (pipeline/train/objective.py): what the loss is made of, never what the
-    network computes, so a resume may change any of them (README 'The model')."""
+    network computes, so a resume may change any of them (docs/model.md 'The network and the objective')."""
 
     shortcut: bool = f(True, "Add the shortcut pass (S~U{1..L-1}) and the alignment loss to the objective.")
     lambda_short: float = f(0.1, "Weight lambda1 of the shortcut pass's CE loss L_S.")
-    lambda_align: float = f(0.1, "Weight lambda2 of the alignment loss L_align.")
-    align_target: Literal["logits", "hidden"] = f(
-        "logits", "Alignment MSE on per-token logits (paper) or on final-normed hidden states (LoopFormer code)."
-    )
+    lambda_align: float = f(0.1, "Weight lambda2 of the alignment loss L_align (MSE of logits).")
     align_positions: Literal["all", "scored"] = f(
         "all",
         "Positions the alignment loss averages over: all (default) or scored, only those with a target (the same on text, where every position has one).",
     )
-    router_ste: bool = f(
-        True,
-        "Straight-through estimator: scale active updates by 1 + p(i) - sg(p(i)) (the router's gradient; values unchanged). Paper and budget recipes; the expected recipe's training pass runs every token through every loop, so no update is scaled.",
+    router: RouterSettings = field(
+        default_factory=default_settings,
+        metadata={
+            "doc": "The router's training recipe (`recipe`) and that recipe's own keys (pipeline/train/recipes; docs/router.md)."
+        },
     )
-    router_ste_log: bool = f(
-        False,
-        "The straight-through factor on log p(i) instead of p(i): its gradient on the exit logits stays of order one when p(i) is near 0, where p's own vanishes (README 'Router training').",
-    )
-    router_ste_keys: bool = f(
-        False,
-        "The straight-through factor also on each token's attention values in a loop, so p(i) learns how much the loop's other tokens read it, not only what its own update did (README 'Router training').",
-    )
-    router_balance_weight: float = f(
-        1.0, "budget and expected router recipes: weight of KL(prior || batch-mean exit distribution)."
-    )
-    router_entropy_weight: float = f(
-        0.1,
-        "budget router recipe: weight of the mean per-token entropy of the exit distribution (must be 0 with the expected recipe, whose per-token term is router_prior_weight's).",
-    )
-    router_prior_weight: float = f(
-        0.1,
-        "expected router recipe: weight of the mean per-token KL(exit distribution || prior), which keeps each token's exit distribution from collapsing onto one exit before its answer counts (README 'Router training').",
-    )
-    router_exit_uniform: float = f(
-        0.0,
-        "expected router recipe: share a of each exit's weight in the network's loss that is uniform, (1 - a) * pi_d + a / loops instead of pi_d, so every exit learns every answer whatever the router picks; the router's gradient is the expected loss's, unchanged (README 'Router training'). 0: the recipe as it is.",
-    )
-    router_exit_weights: Literal["pi", "depth", "depth_label"] = f(
-        "pi",
-        "expected router recipe: what weighs each exit's loss in the network's part of the objective: pi, the router's exit distribution; depth, 1 at the exit of the depth the router gives the token (model.router_threshold, as inference runs it) and 0 at the others, so the network learns each answer only at the exit the routed model answers it from; depth_label, as depth but 0 at every exit for a token whose hard-token target (router_hard_weight; the forecast's gate not applied) lies deeper than that depth, so no answer is learnt at an exit shallower than it needs while the router catches up (logged router/withheld). The router's gradient is the expected loss's either way (README 'Router training').",
-    )
-    router_hard_weight: float = f(
-        0.0,
-        "expected router recipe: weight of the router's hard-token target, the cross-entropy of each scored token's exit distribution to its first exit where its loss is at most router_hard_ratio times the batch's mean loss there (the last exit if none), so tokens a shallow exit answers far worse than average go deeper before a deeper exit answers them better (README 'Router training'). 0: off.",
-    )
-    router_hard_ratio: float = f(
-        1.5,
-        "The hard-token target's margin: a token is hard at an exit when its loss there exceeds this multiple (>= 1) of the batch's mean loss at that exit; above 1, a batch whose tokens are all alike (all at chance, or one kind of token) has no hard token (README 'Router training').",
-    )
-    router_hard_bound: bool = f(
-        False,
-        "The hard-token target's losses bounded at chance, ln(vocab_size), before the batch's mean and the comparison: an exit that is never trained on some answers (router_exit_weights=depth) can score them far above chance, which inflates the mean and stops tokens near chance from counting as hard (README 'Router training').",
-    )
-    router_hard_reference: Literal["batch", "routed"] = f(
-        "batch",
-        "The mean the hard-token labels compare a token's loss at an exit with: batch, the batch's scored tokens at that exit; routed, the scored tokens the router runs at that depth, i.e. the answers that exit is trained to give (the batch's where it runs none), so answers run elsewhere and never trained there cannot lift the mean past a new kind at chance (README 'Router training').",
-    )
-    router_hard_gate: float = f(
-        0.0,
-        "tau in [0, 1): the hard-token target acts on a token at an exit only where the router's forecast (model.router_forecast) that it is hard there exceeds tau, so only tokens of a kind that is hard nearly always go deeper, not the not-yet-learnt part of a kind being learnt (README 'Router training'). 0: every hard token.",
-    )
-    router_withhold_gate: float = f(
-        0.0,
-        "g in [0, 1): with router_exit_weights=depth_label a token's loss is withheld only where the router's forecast (model.router_forecast) that it is hard at its routed exit also exceeds g, so the not-yet-learnt part of a kind being learnt (at most 1/router_hard_ratio of it is hard) keeps being learnt while a new kind that is always hard waits (README 'Router training'). 0: by the labels alone.",
-    )
-    router_withhold_learnt: float = f(
-        0.0,
-        "e > 0 (nats): with router_exit_weights=depth_label a token's loss is withheld only where the batch's scored tokens that are not hard at its routed exit also have a mean loss there below e, so nothing waits while the batch is still being learnt and a new kind that arrives once the rest is learnt waits from its first step (README 'Router training'). 0: off.",
-    )
-    router_withhold_kind: float = f(
-        0.0,
-        "g in [0, 1): with router_exit_weights=depth_label a token's loss is withheld only where its kind's running hard rate at its routed exit also exceeds g. A kind is the (input token, position) pair at the predicting position, in bucket (position x vocab_size + token) mod router_kind_buckets; the objective keeps each kind's exponential mean of its hard labels (router_kind_decay per batch that holds it), presumed 1 for a kind never scored, so a new kind that is always hard waits from its first step while the not-yet-learnt part of a kind being learnt (at most 1/router_hard_ratio of it is hard) keeps being learnt (README 'Router training'). 0: off.",
-    )
-    router_withhold_kind_only: bool = f(
-        False,
-        "With router_withhold_kind = g: the kind alone decides: every scored answer the router runs shallower than the last loop waits where its kind's running hard rate at its routed exit exceeds g, whatever its own hard label (README 'Router training').",
-    )
-    router_kind_gate: bool = f(
-        False,
-        "With router_withhold_kind = g and router_hard_gate: the router's hard-token target also acts at each exit where the token's kind has a running hard rate above g, whatever the forecast says, so what waits for its kind is also sent deeper; without it a kind whose rate lies between g and what the forecast needs to pass tau waits at its routed exit and is never sent deeper (README 'Router training').",
-    )
-    router_kind_buckets: int = f(
-        4093,
-        "With router_withhold_kind: the number of buckets the (token, position) kinds share (one per kind when at least block_size x vocab_size; a prime spreads them evenly otherwise); the table (buckets x (loops - 1) floats) lives on the device, is summed over ranks each micro-batch and is saved with each rank's training state.",
-    )
-    router_kind_decay: float = f(
-        0.9,
-        "With router_withhold_kind: each kind's hard rate moves to decay x rate + (1 - decay) x the micro-batch's mean hard label of that kind, for the kinds it holds; in [0, 1).",
-    )
-    router_explore: float = f(
-        0.0,
-        "Share of tokens whose training depth is drawn from the router's prior (budget recipe; uniform over 1..loops for paper) instead of the router's, so the straight-through estimator also sees loops past a token's exit; validation and eval never explore. 0: off.",
-    )
-    router_explore_span: int = f(
-        1,
-        "Tokens per exploration draw: each training row's positions in windows of this many share one draw (whether to explore, and the depth), so a token and the context it reads run the drawn depth together (README 'Router training'). 1: one draw per token.",
-    )
-    router_explore_draw: Literal["prior", "next"] = f(
-        "prior",
-        "The depth an explored token runs: prior, a depth drawn from the router's prior (uniform for paper); next, one loop past its own depth (clipped at the budget), so exploration never runs a token shallower than its router does (README 'Router training').",
-    )
+
+    MOVED: ClassVar[dict[str, str]]  # configs/removed.yaml, as ModelConfig's
+    REMOVED: ClassVar[dict[str, str]]
 
     def validate(self, model: ModelConfig) -> None:
         if model.variant in VARIANT_TABLE:
             _check_flag("objective.shortcut", self.shortcut, model.variant)
         if self.shortcut and model.loops < 2:
             raise ConfigError("objective.shortcut=true needs model.loops >= 2 (the shortcut pass has S in 1..L-1)")
-        for k in ("router_balance_weight", "router_entropy_weight", "router_prior_weight", "router_hard_weight"):
+        for k in ("lambda_short", "lambda_align"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"objective.{k} must be >= 0, got {getattr(self, k)}")
-        if not 0.0 <= self.router_exit_uniform <= 1.0:
-            raise ConfigError(f"objective.router_exit_uniform must lie in [0, 1], got {self.router_exit_uniform}")
-        for k, on in (
-            ("router_exit_uniform", bool(self.router_exit_uniform)),
-            ("router_exit_weights", self.router_exit_weights != "pi"),
-        ):
-            if on and not (model.router and model.router_recipe == "expected"):
-                raise ConfigError(
-                    f"objective.{k}={getattr(self, k)} needs model.router_recipe=expected "
-                    "(t-loopformer): it weights the expected loss's exits"
-                )
-        if self.router_exit_weights != "pi" and self.router_exit_uniform:
-            raise ConfigError(
-                f"objective.router_exit_weights={self.router_exit_weights} with objective.router_exit_uniform="
-                f"{self.router_exit_uniform}: the uniform share mixes into pi's weights (set one of them)"
-            )
-        if self.router_exit_weights == "depth_label" and not self.router_hard_weight:
-            raise ConfigError(
-                "objective.router_exit_weights=depth_label needs the hard-token target "
-                "(objective.router_hard_weight > 0): its labels decide which answers wait"
-            )
-        if not 0.0 <= self.router_withhold_gate < 1.0:
-            raise ConfigError(f"objective.router_withhold_gate must lie in [0, 1), got {self.router_withhold_gate}")
-        if self.router_withhold_gate and not (self.router_exit_weights == "depth_label" and model.router_forecast):
-            raise ConfigError(
-                f"objective.router_withhold_gate={self.router_withhold_gate} needs "
-                "objective.router_exit_weights=depth_label and model.router_forecast=true (it gates the withholding "
-                "by the forecast)"
-            )
-        if self.router_withhold_learnt < 0:
-            raise ConfigError(f"objective.router_withhold_learnt must be >= 0, got {self.router_withhold_learnt}")
-        if self.router_withhold_learnt and self.router_exit_weights != "depth_label":
-            raise ConfigError(
-                f"objective.router_withhold_learnt={self.router_withhold_learnt} needs "
-                "objective.router_exit_weights=depth_label (it decides which answers wait)"
-            )
-        if not 0.0 <= self.router_withhold_kind < 1.0:
-            raise ConfigError(f"objective.router_withhold_kind must lie in [0, 1), got {self.router_withhold_kind}")
-        if self.router_withhold_kind and self.router_exit_weights != "depth_label":
-            raise ConfigError(
-                f"objective.router_withhold_kind={self.router_withhold_kind} needs "
-                "objective.router_exit_weights=depth_label (it decides which answers wait)"
-            )
-        if self.router_kind_buckets < 1:
-            raise ConfigError(f"objective.router_kind_buckets must be >= 1, got {self.router_kind_buckets}")
-        if not 0.0 <= self.router_kind_decay < 1.0:
-            raise ConfigError(f"objective.router_kind_decay must lie in [0, 1), got {self.router_kind_decay}")
-        for k, v, on in (
-            ("router_kind_buckets", self.router_kind_buckets, self.router_kind_buckets != 4093),
-            ("router_kind_decay", self.router_kind_decay, self.router_kind_decay != 0.9),
-            ("router_withhold_kind_only", "true", self.router_withhold_kind_only),
-            ("router_kind_gate", "true", self.router_kind_gate),
-        ):
-            if on and not self.router_withhold_kind:
-                raise ConfigError(f"objective.{k}={v} needs objective.router_withhold_kind > 0 (the kinds' table)")
-        if self.router_hard_ratio < 1:
-            raise ConfigError(f"objective.router_hard_ratio must be >= 1, got {self.router_hard_ratio}")
-        for k, v, on in (
-            ("router_hard_ratio", self.router_hard_ratio, self.router_hard_ratio != 1.5),
-            ("router_hard_bound", "true", self.router_hard_bound),
-            ("router_hard_reference", self.router_hard_reference, self.router_hard_reference != "batch"),
-        ):
-            if on and not self.router_hard_weight:
-                raise ConfigError(f"objective.{k}={v} needs the hard-token target (objective.router_hard_weight > 0)")
-        if not 0.0 <= self.router_hard_gate < 1.0:
-            raise ConfigError(f"objective.router_hard_gate must lie in [0, 1), got {self.router_hard_gate}")
-        if bool(self.router_hard_gate) != model.router_forecast:
-            raise ConfigError(
-                f"objective.router_hard_gate={self.router_hard_gate} with model.router_forecast="
-                f"{str(model.router_forecast).lower()}: the gate reads the router's forecast and the forecast is "
-                "trained only for the gate (set both, or neither)"
-            )
-        if self.router_kind_gate and not self.router_hard_gate:
-            raise ConfigError(
-                "objective.router_kind_gate=true needs objective.router_hard_gate > 0 (the gate the kinds' table opens)"
-            )
-        if self.router_hard_gate and not self.router_hard_weight:
-            raise ConfigError(
-                f"objective.router_hard_gate={self.router_hard_gate} needs the hard-token target "
-                "(objective.router_hard_weight > 0)"
-            )
-        if self.router_hard_weight and not (model.router and model.router_recipe == "expected"):
-            raise ConfigError(
-                f"objective.router_hard_weight={self.router_hard_weight} needs model.router_recipe=expected "
-                "(t-loopformer): its target is read from the expected loss's exits"
-            )
-        if not 0.0 <= self.router_explore <= 1.0:
-            raise ConfigError(f"objective.router_explore must lie in [0, 1], got {self.router_explore}")
-        if self.router_explore > 0 and not model.router:
-            raise ConfigError(
-                f"objective.router_explore={self.router_explore} needs a router (model.router=true, t-loopformer)"
-            )
-        if self.router_explore_span < 1:
-            raise ConfigError(f"objective.router_explore_span must be >= 1, got {self.router_explore_span}")
-        for k, off in (("router_explore_span", 1), ("router_explore_draw", "prior")):  # refinements of exploration
-            if getattr(self, k) != off and self.router_explore == 0:
-                raise ConfigError(f"objective.{k}={getattr(self, k)} needs exploration (objective.router_explore > 0)")
-        if model.router and model.router_recipe == "expected":
-            self._check_expected()
-        if self.router_ste_keys and model.exited_keys == "frozen":
-            raise ConfigError(
-                "objective.router_ste_keys=true needs model.exited_keys=drop: with frozen exited keys a token's "
-                "value in a loop past its depth does not depend on whether it runs that loop"
-            )
-        for k in ("router_ste_log", "router_ste_keys"):  # refinements of the straight-through factor
-            if getattr(self, k) and not (model.router and self.router_ste):
-                raise ConfigError(
-                    f"objective.{k}=true needs the straight-through estimator (objective.router_ste=true) and a router "
-                    "(model.router=true, t-loopformer)"
-                )
+        self.router.validate(model)
 
-    def _check_expected(self) -> None:
-        """The expected recipe trains the router from the loss at every exit, with no straight-through factor or
-        exploration, and spreads each token's exit distribution with router_prior_weight, not the entropy term."""
-        if self.router_entropy_weight:
-            raise ConfigError(
-                f"objective.router_entropy_weight={self.router_entropy_weight} with model.router_recipe=expected: "
-                "its per-token term is objective.router_prior_weight (the entropy term would cancel it); set "
-                "objective.router_entropy_weight=0"
-            )
-        for k, off in (("router_explore", 0.0), ("router_ste_log", False), ("router_ste_keys", False)):
-            if getattr(self, k) != off:
-                raise ConfigError(
-                    f"objective.{k}={_yaml_scalar(getattr(self, k))} needs a straight-through router recipe "
-                    "(model.router_recipe=paper or budget): the expected recipe runs every token through every loop "
-                    "in training"
-                )
+
+def _gone() -> dict:
+    """configs/removed.yaml: {section: {"moved": {key: new dotted key}, "removed": {key: {"why", "value", ...}}}}."""
+    return read_yaml_mapping(CONFIG_DIR / "removed.yaml", "sections")
+
+
+GONE = _gone()
+for _cls, _sec in ((ModelConfig, "model"), (ObjectiveConfig, "objective")):
+    _cls.MOVED = dict(GONE[_sec]["moved"])
+    _cls.REMOVED = {k: f"removed: {v['why']}" for k, v in GONE[_sec]["removed"].items()}
 
 
 def _yaml_scalar(x) -> str:
@@ -490,7 +233,7 @@ class DataConfig:
     )
     curriculum: float = f(
         0.0,
-        "Depth-task data (prep-data sources depth-hops, depth-fold): train on the answers of levels 1..c only, c starting at 1 and raised by one at each validation where every level up to c reaches this accuracy (val/acc_L<k>); 0: off, every level trained (README 'Data').",
+        "Fold-task data (prep-data source depth-fold): train on the answers of levels 1..c only, c starting at 1 and raised by one at each validation where every level up to c reaches this accuracy (val/acc_L<k>); 0: off, every level trained (docs/data.md 'The fold task').",
     )
 
 
@@ -668,14 +411,16 @@ class Config:
         return dataclasses.asdict(self)
 
     def flat(self) -> dict[str, Any]:
-        """{'model.d_model': 2048, ...}: the resolved config as dotted keys (MLflow params)."""
-        out = {}
-        for sec, vals in self.to_dict().items():
-            if isinstance(vals, dict):
-                out.update({f"{sec}.{k}": v for k, v in vals.items()})
-            else:
-                out[sec] = vals
-        return out
+        """{'model.d_model': 2048, 'objective.router.recipe': 'paper', ...}: the resolved config as dotted keys
+        (MLflow params)."""
+
+        def walk(d: dict, prefix: str) -> dict:
+            out = {}
+            for k, v in d.items():
+                out.update(walk(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+            return out
+
+        return walk(self.to_dict(), "")
 
     def check_world_size(self, world_size: int) -> int:
         """Batch sizes live here only: returns grad_accum_steps, or raises naming both values."""
@@ -731,27 +476,57 @@ def load_config(name: Optional[str] = None, overrides: list[str] | tuple = ()) -
     return cfg
 
 
-def upgrade(d: dict) -> dict:
+def upgrade(d: dict, source: str = "stored config") -> dict:
     """A config dict as tlf stored it (a checkpoint's state, an export's config.yaml), in today's layout: one
-    written before the `objective` section has the objective's keys under `model` (`ModelConfig.MOVED`), and
-    one written before a network key existed lacks it (`ModelConfig.ADDED`: the value it had). A new dict; the
-    input is left as it was."""
+    written before the `objective` section has the objective's keys under `model`, one written before a network key
+    existed lacks it (`ModelConfig.ADDED`: the value it had), and one written before `objective.router` has the
+    router's recipe under `model` and its keys as flat `objective.router_*` keys (`_upgrade_router`). A new dict;
+    the input is left as it was. A stored value today's code cannot run is a ConfigError naming it."""
     d = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
     model = d.get("model")
     if isinstance(model, dict):
-        for k, new in ModelConfig.MOVED.items():
-            if k in model:
-                sec, key = new.split(".")
-                d.setdefault(sec, {})[key] = model.pop(k)
+        obj = d.setdefault("objective", {})
+        for k in list(model):  # the objective's keys, held under `model` before the `objective` section
+            if (
+                k in ObjectiveConfig.MOVED
+                or k in ObjectiveConfig.REMOVED
+                or ModelConfig.MOVED.get(k) == f"objective.{k}"
+            ):
+                obj[k] = model.pop(k)
         for k, v in ModelConfig.ADDED.items():
             model.setdefault(k, v)
+        if not isinstance(obj.get("router"), dict):
+            _upgrade_router(model, obj, source)
     return d
+
+
+def _upgrade_router(model: dict, obj: dict, source: str) -> None:
+    """A stored config's router training from before `objective.router` (in place): the recipe (the expected recipe
+    with the hard-token target is the kinds recipe), its keys, model.router_norm; every removed key dropped where it
+    holds the value today's code runs under that recipe (configs/removed.yaml; a key the config lacks had the value
+    every config had then), else a ConfigError naming it."""
+    recipe = model.pop("router_recipe", "paper")
+    recipe = "kinds" if recipe == "expected" and obj.get("router_hard_weight", 0.0) else recipe
+    settings = {"recipe": recipe, "target_depth": model.pop("router_target_depth", 0.0)}
+    for sec, held in (("model", model), ("objective", obj)):
+        for k, gone in GONE[sec]["removed"].items():
+            got = held.pop(k, gone.get("value"))
+            want = gone.get(recipe, gone.get("value")) if "value" in gone else None  # no value: an init
+            if want is not None and got != want:
+                raise ConfigError(
+                    f"{source}: '{sec}.{k}'={got!r}: removed: {gone['why']}; today's code runs {want!r} there"
+                )
+    for k in [k for k in obj if k in ObjectiveConfig.MOVED]:
+        settings[ObjectiveConfig.MOVED[k].removeprefix("objective.router.")] = obj.pop(k)
+    keys = [fl.name for fl in dataclasses.fields(RouterSettings.choices()[recipe])]
+    obj["router"] = {k: settings[k] for k in keys if k in settings}  # a key the recipe lacks had no effect there
+    model["router_norm"] = recipe != "paper"
 
 
 def config_from_dict(d: dict, source: str = "checkpoint") -> Config:
     """The Config of a dict tlf stored (`upgrade`d first)."""
     cfg = Config()
-    for k, v in upgrade(d).items():
+    for k, v in upgrade(d, source).items():
         set_key(cfg, k, v, source)
     cfg.validate()
     return cfg
@@ -763,9 +538,10 @@ def list_presets() -> list[str]:
     )
 
 
-def field_docs(cls: type = Config) -> list[tuple[str, str, Any, str]]:
-    """[(dotted key, type, default, doc)] for every field, for `tlf config show --doc` and the README."""
-    return _field_docs(cls)
+def field_docs(cfg: Config | type = Config) -> list[tuple[str, str, Any, str]]:
+    """[(dotted key, type, default, doc)] for every field: of the class (docs/configuration.md: every recipe's keys, their docs
+    led by `[recipe]`), or of a loaded config (`tlf config show --doc`: the chosen recipe's keys only)."""
+    return _field_docs(cfg)
 
 
 def to_yaml(cfg: Config) -> str:

@@ -1,7 +1,7 @@
 """`make demo`: the whole pipeline on the embedded offline default, in minutes on 2 CPU cores.
 
     data (demo corpus -> shards) -> train small base-loop, loopformer, t-loopformer -> eval -> compare
-    data (the fold task) -> train depth loopformer, t-loopformer -> eval by level -> compare at equal work
+    data (the fold task) -> train fold loopformer, t-loopformer -> eval by level -> compare at equal work
 
 The second part (README "The fold task"; bench/README `## depth-need`) runs on a task whose every answer needs a
 known number of loops: `tlf eval` scores it by level with the level x executed-depth table, and `tlf compare`'s
@@ -26,28 +26,14 @@ from pathlib import Path
 from pipeline import orchestrate
 
 DEFAULT_VARIANTS = ("base-loop", "loopformer", "t-loopformer")
-# The demo's t-loopformer trains with the budget router recipe (README "Router training"): the paper's recipe
-# sends every token to one depth for the first ~100 steps, so a 120-step demo would show a single bar.
-VARIANT_OVERRIDES = {"t-loopformer": ["model.router_recipe=budget", "model.router_target_depth=2.5"]}
-# The expected router recipe (README "Router training"): the overrides it needs on t-loopformer (prefix exits, no
-# entropy term). Shared by the demo's fold part, the benchmarks and the tests that run it.
-EXPECTED_RECIPE = ("model.router_recipe=expected", "model.exit_schedule=prefix", "objective.router_entropy_weight=0")
-# What the depth tasks need to be learnt at all (bench/README `### depth-probe`): no weight decay, beta2 0.99, a
-# constant learning rate after 100 warm-up steps, modulated layers that start as plain pre-norm layers, and the
-# alignment only where a target is scored. Shared with bench/depth_need.py (`--recipe probe`).
-DEPTH_TASK_RECIPE = (
-    "optim.weight_decay=0",
-    "optim.beta2=0.99",
-    "schedule.decay=constant",
-    "schedule.warmup_steps=100",
-    "model.gate_init=1",
-    "objective.align_positions=scored",
-)
-# The fold part: levels 1..2 of a fold over 8 symbols (9-token documents), 128 documents a step. t-loopformer runs
-# the expected recipe with frozen exited keys at the task's mean need, without LoopFormer's shortcut terms (their
-# alignment target is the last exit, which that recipe trains only in proportion to its pi: bench/README).
+# The demo's t-loopformer trains with the budget router recipe (docs/router.md; target depth 2.5 of 4):
+# the paper's recipe sends every token to one depth for the first ~100 steps, so a 120-step demo would show a single
+# bar. The fold part's t-loopformer trains with the expected recipe (frozen exited keys, no shortcut terms).
+PRESETS = {"t-loopformer": "small/t-loopformer-budget"}
+FOLD_PRESETS = {"t-loopformer": "fold/t-loopformer-expected"}
+# The fold part: levels 1..2 of a fold over 8 symbols (9-token documents), 128 documents a step, on the fold scale
+# (its optimiser: what the depth tasks need to be learnt at all), the router's prior at this task's mean need.
 FOLD_LEVELS, FOLD_SYMBOLS, FOLD_BATCH = 2, 8, 128
-FOLD_ROUTER = (*EXPECTED_RECIPE, "model.exited_keys=frozen", "objective.lambda_short=0", "objective.lambda_align=0")
 DEMO_TASKS = (
     "copa",
     "hellaswag",
@@ -84,7 +70,6 @@ def plan(a: argparse.Namespace, work: Path, uri: str) -> list[orchestrate.Stage]
         f"checkpoint.interval={a.steps}",
         "data.extra_val_dirs=[data/demo-enwiki]",
         "train.eval_interval=50",
-        *VARIANT_OVERRIDES.get(v, []),
         *common,
     ]
     ev = [
@@ -100,11 +85,11 @@ def plan(a: argparse.Namespace, work: Path, uri: str) -> list[orchestrate.Stage]
         *common,
     ]
     cmp = ["--tracking-uri", uri, "--experiment", "demo", "--out", str(work / "compare")]
-    return data + orchestrate.variant_stages("small", variants_of(a), str(work), train, ev, cmp)
+    return data + orchestrate.variant_stages("small", variants_of(a), str(work), train, ev, cmp, presets=PRESETS)
 
 
 def fold_plan(a: argparse.Namespace, work: Path, uri: str) -> list[orchestrate.Stage]:
-    """The fold part's stages: the task's shards, then the orchestrator's train -> eval -> compare for depth
+    """The fold part's stages: the task's shards, then the orchestrator's train -> eval -> compare for fold
     loopformer and t-loopformer (its own MLflow experiment, so compare never mixes them with the text models)."""
     from data_prep import foldtask
 
@@ -124,18 +109,17 @@ def fold_plan(a: argparse.Namespace, work: Path, uri: str) -> list[orchestrate.S
         f"schedule.max_steps={a.fold_steps}",
         f"train.micro_batch_size={FOLD_BATCH}",
         f"train.global_batch_size={FOLD_BATCH}",
-        "optim.lr=1e-3",
-        *DEPTH_TASK_RECIPE,
         "checkpoint.resume=none",
         f"checkpoint.interval={a.fold_steps}",
-        *([*FOLD_ROUTER, f"model.router_target_depth={need:.4f}"] if v == "t-loopformer" else []),
+        *([f"objective.router.target_depth={need:.4f}"] if v == "t-loopformer" else []),
         *common,
     ]
     budgets = ",".join(str(M) for M in range(1, L + 1))
     ev = ["--loops", budgets, "eval.tasks=[]", "eval.perplexity=false", "eval.latency=false", *common]
     cmp = ["--tracking-uri", uri, "--experiment", "demo-fold", "--out", str(work / "fold" / "compare")]
+    variants = ["loopformer", "t-loopformer"]
     return [prep] + orchestrate.variant_stages(
-        "depth", ["loopformer", "t-loopformer"], str(work / "fold"), train, ev, cmp
+        "fold", variants, str(work / "fold"), train, ev, cmp, presets=FOLD_PRESETS
     )
 
 

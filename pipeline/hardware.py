@@ -3,8 +3,9 @@ row for MFU (`this_gpu`; logging.peak_flops=0), `tlf plan --gpu NAME` plans for 
 
 peak_flops: dense (no sparsity) bf16 tensor-core FLOP/s; memory: capacity in bytes as the vendor states it
 (GB = 1e9 bytes); bandwidth: memory bandwidth in bytes/s; bf16: whether `train.precision=auto` picks bf16 there.
-The CPU row is this project's CI machine class, for planning the CPU runs the tests make (its FLOP/s is the
-figure `logging.peak_flops` defaults to on CPU runs in README "MFU": an order of magnitude, not a datasheet).
+The CPU row is this project's CI machine class, for planning the CPU runs the tests make (its FLOP/s is an
+order of magnitude, not a datasheet; training reports no MFU on CPU unless `logging.peak_flops` is set:
+docs/training.md "MFU").
 """
 
 from __future__ import annotations

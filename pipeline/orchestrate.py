@@ -50,23 +50,26 @@ def variant_stages(
     eval_args: list[str],
     compare_args: list[str],
     launcher: list[str] = (),
+    presets: dict[str, str] | None = None,
 ) -> list[Stage]:
     """Train each distinct trained model once, evaluate every variant, compare: checkpoints in
     `<out>/checkpoints/<trained variant>`, evaluations in `<out>/eval/<variant>`. `train_args(v)` gives the extra
     `tlf train` arguments of trained variant v; `eval_args` and `compare_args` are appended to every eval and
-    to the compare."""
+    to the compare. presets: the preset a trained variant trains from where it is not `<scale>/<variant>` (e.g.
+    t-loopformer from `small/t-loopformer-budget`, a recipe of its own)."""
     trained = list(dict.fromkeys(trained_variant(v) for v in variants))
+    preset = {t: (presets or {}).get(t, f"{scale}/{t}") for t in trained}
     stages = [
         Stage(
-            f"train {scale}/{t}",
-            ["train", f"{scale}/{t}", f"checkpoint.dir={out}/checkpoints/{t}", *train_args(t)],
+            f"train {preset[t]}",
+            ["train", preset[t], f"checkpoint.dir={out}/checkpoints/{t}", *train_args(t)],
             list(launcher),
         )
         for t in trained
     ]
     for v in variants:
         t = trained_variant(v)
-        label = f"eval {scale}/{v}" + (f" (the {t} checkpoint)" if t != v else "")
+        label = f"eval {preset[v] if v in preset else f'{scale}/{v}'}" + (f" (the {t} checkpoint)" if t != v else "")
         stages.append(
             Stage(
                 label,

@@ -29,3 +29,28 @@ def spread_router(model, seed: int = 0, scale: float = 3.0):
     """The tests' one router-spreading fixture: bench.testkit.spread_router (the benchmarks' recipe) at a
     peakier scale, so that the few tokens of a tiny test already cover every depth 1..L; returns the model."""
     return _spread_router(model, seed, scale)
+
+
+# Each router recipe as overrides of a router preset (tiny/t-loopformer, fold/base-loop-router ...): the recipe and
+# the network keys it needs (pipeline/train/recipes)
+RECIPE = {
+    "paper": [],
+    "budget": ["model.router_norm=true", "objective.router.recipe=budget"],
+    "expected": ["model.router_norm=true", "model.exit_schedule=prefix", "objective.router.recipe=expected"],
+    "kinds": [
+        "model.router_norm=true",
+        "model.router_forecast=true",
+        "model.exit_schedule=prefix",
+        "objective.router.recipe=kinds",
+    ],
+}
+
+
+def loose_kinds(monkeypatch, ratio: float = 1.0, buckets: int = 31, decay: float = 0.5) -> None:
+    """The kinds recipe's constants loosened for a few steps on random tokens: a token is hard above `ratio` times
+    its exit's mean (random tokens' losses are nearly uniform), a small table that moves fast."""
+    from pipeline.train.recipes import kinds
+
+    monkeypatch.setattr(kinds, "HARD_RATIO", ratio)
+    monkeypatch.setattr(kinds, "KIND_BUCKETS", buckets)
+    monkeypatch.setattr(kinds, "KIND_DECAY", decay)

@@ -1,6 +1,7 @@
 """The one config system: presets, YAML inheritance, dotted overrides and their errors."""
 
 import dataclasses
+import json
 
 import pytest
 from click.testing import CliRunner
@@ -22,15 +23,44 @@ from pipeline.config import (
 )
 
 
+# the presets beside SCALE/VARIANT: the router recipes' (docs/router.md)
+RECIPE_PRESETS = {
+    *(f"{scale}/t-loopformer-budget" for scale in SCALES),
+    "fold/kinds",
+    "fold/t-loopformer-expected",
+}
+
+
 def test_every_shipped_config_loads():
     presets = list_presets()
-    assert len(presets) == len(SCALES) * len(VARIANTS) == 36
+    assert set(presets) == {f"{s}/{v}" for s in SCALES for v in VARIANTS} | RECIPE_PRESETS
     for name in presets:
         cfg = load_config(name)
         scale, variant = name.split("/")
-        assert cfg.model.variant == variant and cfg.name == name
+        assert cfg.model.variant == variant.removesuffix("-budget").removesuffix("-expected").replace(
+            "kinds", "base-loop-router"
+        )
+        assert cfg.name == name
     for p in CONFIG_DIR.glob("**/*.yaml"):  # scale and variant fragments load as files too
-        load_config(str(p))
+        if p.name != "removed.yaml":  # (the table of keys configs no longer have)
+            load_config(str(p))
+
+
+def test_presets_name_their_recipe():
+    """t-loopformer is the paper's recipe (a faithful reproduction); SCALE/t-loopformer-budget the budget recipe;
+    fold/kinds the recipe that composed on the fold task, fold/t-loopformer-expected the expected one."""
+    for scale in SCALES:
+        assert load_config(f"{scale}/t-loopformer").objective.router.recipe == "paper"
+        budget = load_config(f"{scale}/t-loopformer-budget")
+        assert budget.objective.router.recipe == "budget" and budget.model.router_norm
+    assert load_config("small/t-loopformer-budget").objective.router.target_depth == 2.5  # make demo's
+    kinds = load_config("fold/kinds")
+    assert (kinds.model.variant, kinds.objective.router.recipe, kinds.model.exited_keys) == (
+        "base-loop-router",
+        "kinds",
+        "frozen",
+    )
+    assert load_config("fold/t-loopformer-expected").objective.router.recipe == "expected"
 
 
 def test_variant_flags_match_design_table():
@@ -97,14 +127,19 @@ def test_overrides_are_typed():
         ("model.conditioning=sometimes", "'model.conditioning' expects one of"),
         ("model.d_model=33", "model.d_model (33) must be divisible by model.n_heads"),
         ("model.router_threshold=1.5", "model.router_threshold must lie in (0, 1)"),
-        ("model.router_recipe=greedy", "'model.router_recipe' expects one of 'paper', 'budget', 'expected'"),
         (
-            "model.router_target_depth=4",
-            "model.router_target_depth must be 0 (default) or lie strictly between 1 and model.loops (4)",
+            "objective.router.recipe=greedy",
+            "'objective.router.recipe' expects one of 'paper', 'budget', 'expected', 'kinds', got 'greedy'",
         ),
-        ("objective.router_entropy_weight=-1", "objective.router_entropy_weight must be >= 0"),
-        ("objective.router_explore=1.5", "objective.router_explore must lie in [0, 1], got 1.5"),
-        ("objective.router_explore_span=0", "objective.router_explore_span must be >= 1, got 0"),
+        (
+            "objective.router.target_depth=2",
+            "unknown config key 'objective.router.target_depth': recipe 'paper' has the keys none",
+        ),
+        ("model.router_recipe=budget", "'model.router_recipe' moved to 'objective.router.recipe'"),
+        (
+            "objective.router_explore=0.25",
+            "'objective.router_explore': removed: exploration did not help (docs/research/router.md)",
+        ),
         ("eval.loops=[9]", "eval.loops: budget 9"),
         ("model.loops.x=1", "'model.loops' is not a section"),
         ("model", "must look like section.key=value"),
@@ -116,107 +151,111 @@ def test_bad_overrides_name_the_key(override, needle):
     assert needle in str(e.value)
 
 
-def test_router_training_options_without_what_they_act_on_are_errors():
-    with pytest.raises(ConfigError, match=r"objective.router_explore=0.25 needs a router"):
-        load_config("tiny/loopformer", ["objective.router_explore=0.25"])
-    with pytest.raises(ConfigError, match=r"objective.router_explore_span=8 needs exploration"):
-        load_config("tiny/t-loopformer", ["objective.router_explore_span=8"])
-    load_config("tiny/t-loopformer", ["objective.router_explore_span=8", "objective.router_explore=0.25"])
-    with pytest.raises(ConfigError, match=r"objective.router_explore_draw=next needs exploration"):
-        load_config("tiny/t-loopformer", ["objective.router_explore_draw=next"])
-    load_config("tiny/t-loopformer", ["objective.router_explore_draw=next", "objective.router_explore=0.25"])
-    for k in ("router_ste_log", "router_ste_keys"):
-        with pytest.raises(ConfigError, match=rf"objective.{k}=true needs the straight-through estimator"):
-            load_config("tiny/t-loopformer", [f"objective.{k}=true", "objective.router_ste=false"])
-        with pytest.raises(ConfigError, match=rf"objective.{k}=true needs"):
-            load_config("tiny/loopformer", [f"objective.{k}=true"])
-        load_config("tiny/t-loopformer", [f"objective.{k}=true"])  # with both: fine
-    with pytest.raises(ConfigError, match=r"objective.router_ste_keys=true needs model.exited_keys=drop"):
-        load_config("tiny/t-loopformer", ["objective.router_ste_keys=true", "model.exited_keys=frozen"])
-    load_config("tiny/t-loopformer", ["objective.router_ste_log=true", "model.exited_keys=frozen"])
-    with pytest.raises(ConfigError, match=r"model.router_detach=true needs a router"):
-        load_config("tiny/loopformer", ["model.router_detach=true"])
-    load_config("tiny/t-loopformer", ["model.router_detach=true"])
+def test_a_recipe_checks_its_keys_and_the_network_it_trains():
+    """Each recipe's own checks and the cross-checks every recipe shares, each a one-line error naming the key."""
+    budget = "tiny/t-loopformer-budget"
+    bad = [
+        ("tiny/loopformer", ["objective.router.recipe=budget"], r"objective.router.recipe=budget needs a router"),
+        ("tiny/t-loopformer", ["objective.router.recipe=budget"], r"budget needs model.router_norm=true"),
+        (budget, ["objective.router.target_depth=4"], r"target_depth must be 0 \(default\) or lie strictly between"),
+        (budget, ["objective.router.entropy_weight=-1"], r"objective.router.entropy_weight must be >= 0.0, got -1"),
+        (budget, ["objective.router.hard_weight=1"], r"recipe 'budget' has the keys target_depth, balance_w"),
+        (budget, ["model.router_forecast=true"], r"budget does not train the forecast head .* recipes that train"),
+        (budget, ["objective.router.recipe=kinds"], r"kinds needs model.router_forecast=true"),
+        (budget, ["objective.router.recipe=expected"], r"expected needs model.exit_schedule=prefix"),
+        ("fold/kinds", ["objective.router.hard_gate=1"], r"objective.router.hard_gate must be in \(0.0, 1.0\), got 1"),
+        ("fold/kinds", ["objective.router.withhold=0"], r"objective.router.withhold must be in \(0.0, 1.0\), got 0"),
+        ("fold/kinds", ["objective.router.hard_weight=0"], r"objective.router.hard_weight must be > 0.0, got 0"),
+        ("tiny/loopformer", ["model.router_norm=true"], r"model.router_norm=true needs a router"),
+    ]
+    for preset, overrides, msg in bad:
+        with pytest.raises(ConfigError, match=msg):
+            load_config(preset, overrides)
+    load_config(budget, ["objective.router.recipe=expected", "model.exit_schedule=prefix"])
+    load_config(
+        "fold/base-loop-router", ["objective.router.recipe=expected", "model.router_norm=true"]
+    )  # unconditioned
 
 
-# objective keys that were never model keys: newer than the move, so a config stored before it has none of them
-BORN_IN_OBJECTIVE = (
-    "router_explore",
-    "router_explore_span",
-    "router_explore_draw",
-    "router_ste_log",
-    "router_ste_keys",
-    "router_prior_weight",
-    "router_exit_uniform",
-    "router_exit_weights",
-    "router_hard_weight",
-    "router_hard_ratio",
-    "router_hard_bound",
-    "router_hard_gate",
-    "router_withhold_gate",
-    "router_withhold_learnt",
-    "router_withhold_kind",
-    "router_kind_buckets",
-    "router_kind_decay",
-    "router_withhold_kind_only",
-    "router_kind_gate",
-    "router_hard_reference",
-)
+def test_setting_the_recipe_starts_its_keys_from_their_defaults(tmp_path):
+    """In a mapping the recipe is chosen first, whatever the key order; on top of a preset, another recipe starts
+    from its own defaults (the keys of the preset's recipe do not carry over)."""
+    y = tmp_path / "r.yaml"
+    y.write_text(
+        "inherit: [" + str(CONFIG_DIR / "tiny" / "t-loopformer-budget.yaml") + "]\nobjective:\n  router:\n"
+        "    prior_weight: 0.3\n    recipe: expected\nmodel:\n  exit_schedule: prefix\n"
+    )
+    r = load_config(str(y)).objective.router
+    assert (r.recipe, r.prior_weight, r.target_depth) == ("expected", 0.3, 0.0)
+    r = load_config("fold/kinds", ["objective.router.recipe=kinds", "objective.router.withhold=0.5"]).objective.router
+    assert (r.recipe, r.target_depth, r.withhold) == ("kinds", 1.1, 0.5)  # the same recipe: kept
 
 
-def test_a_key_that_moved_to_the_objective_is_a_one_line_error_naming_its_new_key(tmp_path):
-    born_there = set(BORN_IN_OBJECTIVE)
-    assert set(ModelConfig.MOVED) == {f.name for f in dataclasses.fields(ObjectiveConfig)} - born_there
-    for old, new in ModelConfig.MOVED.items():
-        with pytest.raises(ConfigError) as e:
-            load_config("tiny/t-loopformer", [f"model.{old}=1"])
-        assert str(e.value) == f"command line (model.{old}=1): 'model.{old}' moved to '{new}'"
+def test_a_moved_or_removed_key_is_a_one_line_error_naming_what_replaces_it(tmp_path):
+    for cls, sec in ((ModelConfig, "model"), (ObjectiveConfig, "objective")):
+        assert not set(cls.MOVED) & set(cls.REMOVED) & {f.name for f in dataclasses.fields(cls)}
+        for old, new in cls.MOVED.items():
+            with pytest.raises(ConfigError) as e:
+                load_config("tiny/t-loopformer", [f"{sec}.{old}=1"])
+            assert str(e.value) == f"command line ({sec}.{old}=1): '{sec}.{old}' moved to '{new}'"
+        for old, why in cls.REMOVED.items():
+            with pytest.raises(ConfigError) as e:
+                load_config("tiny/t-loopformer", [f"{sec}.{old}=1"])
+            assert str(e.value) == f"command line ({sec}.{old}=1): '{sec}.{old}': {why}"
     bad = tmp_path / "old.yaml"
     bad.write_text("inherit: [" + str(CONFIG_DIR / "tiny" / "loopformer.yaml") + "]\nmodel:\n  lambda_align: 0.5\n")
     with pytest.raises(ConfigError, match=r"old\.yaml: 'model.lambda_align' moved to 'objective.lambda_align'$"):
         load_config(str(bad))
 
 
-def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
-    """Checkpoints and exports written before the move hold the objective's keys under `model`."""
-    old = Config().to_dict()
-    objective = old.pop("objective")
-    for k in BORN_IN_OBJECTIVE:  # newer than the move: an old file does not have them
-        objective.pop(k)
-    old["model"].pop("exited_keys")  # newer too
-    old["model"].pop("exit_schedule")
-    old["model"].pop("router_forecast")
-    old["model"].pop("router_detach")
-    old["model"].update(objective, lambda_short=0.3, align_target="hidden")
-    before = {k: dict(v) if isinstance(v, dict) else v for k, v in old.items()}
-    cfg = config_from_dict(old, "old checkpoint")
-    assert cfg.objective.lambda_short == 0.3 and cfg.objective.align_target == "hidden"
-    assert cfg.objective.router_explore == 0.0  # a key the old file lacks keeps its default
-    expected = upgrade(old)
-    expected["model"].update(exited_keys="drop", exit_schedule="own", router_forecast=False, router_detach=False)
-    expected["objective"].update(
-        router_explore=0.0,
-        router_explore_span=1,
-        router_explore_draw="prior",
-        router_ste_log=False,
-        router_ste_keys=False,
-        router_prior_weight=0.1,
-        router_exit_uniform=0.0,
-        router_exit_weights="pi",
-        router_hard_weight=0.0,
-        router_hard_ratio=1.5,
-        router_hard_bound=False,
-        router_hard_gate=0.0,
-        router_withhold_gate=0.0,
-        router_withhold_learnt=0.0,
-        router_withhold_kind=0.0,
-        router_kind_buckets=4093,
-        router_kind_decay=0.9,
-        router_withhold_kind_only=False,
-        router_kind_gate=False,
-        router_hard_reference="batch",
+def _stored(name: str) -> dict:
+    """A stored config of tests/fixtures (an export's config.yaml)."""
+    import yaml
+
+    return yaml.safe_load(
+        (CONFIG_DIR.parent / "tests" / "fixtures" / name / "global_step2/model/config.yaml").read_text()
     )
-    assert cfg.to_dict() == expected and old == before  # the stored dict is left as it was
+
+
+def test_a_config_stored_before_the_objective_section_reads_in_todays_layout():
+    """Checkpoints and exports written before the move hold the objective's keys under `model`, the router's
+    recipe there too and no network key newer than them."""
+    old = _stored("pre_objective/zero0")
+    before = json.dumps(old, sort_keys=True)
+    cfg = config_from_dict(old, "old checkpoint")
+    assert cfg.objective.lambda_short == 0.2 and cfg.model.router_norm and cfg.model.exited_keys == "drop"
+    assert dataclasses.asdict(cfg.objective.router) == {
+        "recipe": "budget",
+        "target_depth": 0.0,
+        "balance_weight": 1.0,
+        "entropy_weight": 0.1,
+    }
+    assert upgrade(old)["objective"]["router"]["recipe"] == "budget" and json.dumps(old, sort_keys=True) == before
+
+
+def test_a_stored_config_whose_router_training_is_gone_is_a_one_line_error():
+    """A stored value today's code does not run (a removed setting on, a network constant changed, the expected
+    recipe with the hard-token target but not the kinds recipe's choices) names the key and why."""
+    cases = [
+        (
+            ("objective", "router_explore", 0.25),
+            r"'objective.router_explore'=0.25: removed: exploration did not help .*; today's code runs 0.0 there$",
+        ),
+        (("model", "norm_eps", 1e-6), r"'model.norm_eps'=1e-06: removed: RMSNorm's epsilon is 1e-5"),
+        (
+            ("model", "router_detach", True),
+            r"'model.router_detach'=True: removed: the router reads sg\(h0\) under the kinds recipe",
+        ),
+        (
+            ("objective", "router_exit_weights", "pi"),
+            r"'objective.router_exit_weights'='pi': removed: fixed in the kinds recipe .* runs 'depth_label' there$",
+        ),
+    ]
+    for (sec, key, value), msg in cases:
+        d = _stored("pre_recipes/kinds_zero0" if key == "router_exit_weights" else "pre_recipes/budget_zero0")
+        d[sec][key] = value
+        with pytest.raises(ConfigError, match=r"^old checkpoint: " + msg):
+            config_from_dict(d, "old checkpoint")
 
 
 def test_yaml_errors_name_the_file(tmp_path):
@@ -270,93 +309,32 @@ def test_cli_config_commands():
     assert r.exit_code == 2 and "unknown config key 'model.nope'" in r.output
 
 
-def test_the_expected_router_recipe_needs_its_exits_to_be_depths():
-    """model.router_recipe=expected trains the exit after loop d of the full pass: a config where that is not
-    a depth-d token, or that asks for the straight-through recipes' knobs or the entropy term, is one line."""
-    ok = ["model.router_recipe=expected", "model.exit_schedule=prefix", "objective.router_entropy_weight=0"]
-    load_config("tiny/t-loopformer", ok)
-    bad = [
-        (ok[::2], r"model.router_recipe=expected needs model.exit_schedule=prefix"),
-        (ok[:2], r"objective.router_entropy_weight=0.1 with model.router_recipe=expected"),
-        ([*ok, "objective.router_explore=0.25"], r"objective.router_explore=0.25 needs a straight-through router"),
-        ([*ok, "objective.router_ste_log=true"], r"objective.router_ste_log=true needs a straight-through router"),
-        ([*ok, "objective.router_ste_keys=true"], r"objective.router_ste_keys=true needs a straight-through router"),
-        ([*ok, "objective.router_exit_uniform=1.5"], r"objective.router_exit_uniform must lie in \[0, 1\], got 1.5"),
-        (
-            ["objective.router_exit_uniform=0.5"],
-            r"objective.router_exit_uniform=0.5 needs model.router_recipe=expected",
-        ),
-        (
-            ["objective.router_exit_weights=depth"],
-            r"objective.router_exit_weights=depth needs model.router_recipe=expected",
-        ),
-        (
-            [*ok, "objective.router_exit_weights=depth", "objective.router_exit_uniform=0.1"],
-            r"objective.router_exit_weights=depth with objective.router_exit_uniform=0.1: .* \(set one of them\)$",
-        ),
-        ([*ok, "objective.router_exit_weights=hard"], r"objective.router_exit_weights"),
-        (
-            [*ok, "objective.router_exit_weights=depth_label"],
-            r"objective.router_exit_weights=depth_label needs the hard-token target",
-        ),
-        ([*ok, "objective.router_withhold_learnt=-1"], r"objective.router_withhold_learnt must be >= 0, got -1"),
-        (
-            [*ok, "objective.router_withhold_learnt=0.1"],
-            r"objective.router_withhold_learnt=0.1 needs objective.router_exit_weights=depth_label",
-        ),
-        ([*ok, "objective.router_withhold_gate=1"], r"objective.router_withhold_gate must lie in \[0, 1\), got 1"),
-        (
-            [*ok, "objective.router_hard_weight=1", "objective.router_withhold_gate=0.7"],
-            r"objective.router_withhold_gate=0.7 needs objective.router_exit_weights=depth_label and model.router_f",
-        ),
-        ([*ok, "objective.router_withhold_kind=1"], r"objective.router_withhold_kind must lie in \[0, 1\), got 1"),
-        (
-            [*ok, "objective.router_withhold_kind=0.9"],
-            r"objective.router_withhold_kind=0.9 needs objective.router_exit_weights=depth_label",
-        ),
-        ([*ok, "objective.router_kind_buckets=0"], r"objective.router_kind_buckets must be >= 1, got 0"),
-        ([*ok, "objective.router_kind_decay=1"], r"objective.router_kind_decay must lie in \[0, 1\), got 1"),
-        (
-            [*ok, "objective.router_kind_buckets=64"],
-            r"objective.router_kind_buckets=64 needs objective.router_withhold_kind > 0 \(the kinds' table\)$",
-        ),
-        (
-            [*ok, "objective.router_kind_decay=0.5"],
-            r"objective.router_kind_decay=0.5 needs objective.router_withhold_kind > 0",
-        ),
-        (
-            [*ok, "objective.router_withhold_kind_only=true"],
-            r"objective.router_withhold_kind_only=true needs objective.router_withhold_kind > 0",
-        ),
-        (
-            [*ok, "objective.router_kind_gate=true"],
-            r"objective.router_kind_gate=true needs objective.router_withhold_kind > 0",
-        ),
-        (
-            [
-                *ok,
-                "objective.router_hard_weight=1",
-                "objective.router_exit_weights=depth_label",
-                "objective.router_withhold_kind=0.8",
-                "objective.router_kind_gate=true",
-            ],
-            r"objective.router_kind_gate=true needs objective.router_hard_gate > 0 \(the gate the kinds' table opens\)$",
-        ),
-        (
-            [*ok, "objective.router_hard_reference=routed"],
-            r"objective.router_hard_reference=routed needs the hard-token target \(objective.router_hard_weight > 0\)$",
-        ),
-        ([*ok, "objective.router_hard_reference=exit"], r"objective.router_hard_reference"),
-        ([*ok, "objective.router_hard_weight=-1"], r"objective.router_hard_weight must be >= 0, got -1"),
-        (["objective.router_hard_weight=0.5"], r"objective.router_hard_weight=0.5 needs model.router_recipe=expected"),
-        ([*ok, "objective.router_hard_weight=1", "objective.router_hard_ratio=0.5"], r"router_hard_ratio must be >= 1"),
-        ([*ok, "objective.router_hard_bound=true"], r"router_hard_bound=true needs the hard-token target"),
-        ([*ok, "objective.router_hard_ratio=2"], r"objective.router_hard_ratio=2.0 needs the hard-token target"),
-        ([*ok, "model.router_forecast=true"], r"objective.router_hard_gate=0.0 with model.router_forecast=true"),
-        ([*ok, "objective.router_hard_gate=0.9"], r"objective.router_hard_gate=0.9 with model.router_forecast=false"),
-        ([*ok, "model.router_forecast=true", "objective.router_hard_gate=0.9"], r"router_hard_gate=0.9 needs the hard"),
-        (["model.router_forecast=true"], r"model.router_forecast=true needs the expected router recipe"),
-    ]
-    for overrides, msg in bad:
-        with pytest.raises(ConfigError, match=msg):
-            load_config("tiny/t-loopformer", overrides)
+def test_config_show_doc_shows_only_the_chosen_recipes_keys():
+    keys = {}
+    for name in ("tiny/t-loopformer", "tiny/t-loopformer-budget", "fold/kinds"):
+        r = CliRunner().invoke(main, ["config", "show", name, "--doc"])
+        assert r.exit_code == 0, r.output
+        keys[name] = {line.split(" = ")[0] for line in r.output.splitlines() if line.startswith("objective.router.")}
+    assert keys["tiny/t-loopformer"] == {"objective.router.recipe"}
+    assert keys["tiny/t-loopformer-budget"] == {
+        f"objective.router.{k}" for k in ("recipe", "target_depth", "balance_weight", "entropy_weight")
+    }
+    assert {f"objective.router.{k}" for k in ("hard_weight", "hard_gate", "withhold", "prior_weight")} <= keys[
+        "fold/kinds"
+    ] and "objective.router.entropy_weight" not in keys["fold/kinds"]
+    rows = {k for k, *_ in field_docs()}  # the README's reference: every recipe's keys
+    assert {"objective.router.entropy_weight", "objective.router.withhold"} <= rows
+
+
+def test_the_recipe_is_chosen_before_its_keys_wherever_it_stands_on_the_command_line():
+    """objective.router.recipe starts the section over: a recipe key given before it on the command line must not be
+    dropped with the old recipe (a setting silently ignored)."""
+    for order in (
+        ["objective.router.target_depth=3", "objective.router.recipe=expected"],
+        ["objective.router.recipe=expected", "objective.router.target_depth=3"],
+    ):
+        cfg = load_config("small/t-loopformer-budget", [*order, "model.exit_schedule=prefix"])
+        assert cfg.objective.router.recipe == "expected"
+        assert cfg.objective.router.target_depth == 3.0
+    kept = load_config("small/t-loopformer-budget", ["objective.router.recipe=budget"])
+    assert kept.objective.router.target_depth == 2.5  # naming the recipe already chosen keeps its keys

@@ -2,7 +2,7 @@
 
 import json
 
-from pipeline.demo import VARIANT_OVERRIDES, depth_summary
+from pipeline.demo import PRESETS, depth_summary
 from pipeline.config import load_config
 
 
@@ -30,14 +30,21 @@ def test_depth_summary_reports_the_largest_budget_and_its_loop_work(tmp_path):
     assert depth_summary(_results(tmp_path, router=False)) is None
 
 
-def test_demo_router_overrides_are_valid_config():
-    cfg = load_config("small/t-loopformer", VARIANT_OVERRIDES["t-loopformer"])
-    assert cfg.model.router_recipe == "budget" and 1 < cfg.model.router_target_depth < cfg.model.loops
+def test_the_demos_t_loopformer_trains_the_budget_preset():
+    from pathlib import Path
+
+    from pipeline import demo
+
+    cfg = load_config(PRESETS["t-loopformer"])
+    assert cfg.objective.router.recipe == "budget" and cfg.objective.router.target_depth == 2.5
+    stages = demo.plan(demo.parse_args([]), Path("runs/demo"), "sqlite:///x.db")
+    trains = [st.args[1] for st in stages if st.args[0] == "train"]
+    assert trains == ["small/base-loop", "small/loopformer", "small/t-loopformer-budget"]
 
 
 def test_the_fold_part_trains_valid_configs_on_its_own_data_and_compares_apart():
-    """make demo's fold part: each `tlf train` stage's preset and overrides load (the expected recipe at the fold
-    task's mean need with frozen keys for t-loopformer), train on the shards its prep stage writes, with one
+    """make demo's fold part: each `tlf train` stage's preset and overrides load (the expected recipe's preset at the
+    fold task's mean need with frozen keys for t-loopformer), train on the shards its prep stage writes, with one
     document a window, and every stage logs to the fold part's own experiment."""
     from pathlib import Path
 
@@ -48,13 +55,13 @@ def test_the_fold_part_trains_valid_configs_on_its_own_data_and_compares_apart()
     stages = demo.fold_plan(a, Path("runs/demo"), "sqlite:///x.db")
     prep, trains = stages[0], [st for st in stages if st.args[0] == "train"]
     out = prep.args[prep.args.index("--out") + 1]
-    assert [st.args[1] for st in trains] == ["depth/loopformer", "depth/t-loopformer"]
+    assert [st.args[1] for st in trains] == ["fold/loopformer", "fold/t-loopformer-expected"]
     for st in trains:
         cfg = load_config(st.args[1], [o for o in st.args[2:] if not o.startswith("checkpoint.dir")])
         assert cfg.data.dir == out and cfg.model.block_size == doc_length(cfg.model.loops) == doc_length(2)
         assert cfg.logging.experiment == "demo-fold" and cfg.schedule.max_steps == 10
     t = load_config(trains[1].args[1], trains[1].args[3:])
-    assert t.model.router_recipe == "expected" and t.model.exited_keys == "frozen"
-    assert abs(t.model.router_target_depth - 10 / 9) < 1e-3  # the fold task's mean need with frozen keys, L = 2
+    assert t.objective.router.recipe == "expected" and t.model.exited_keys == "frozen"
+    assert abs(t.objective.router.target_depth - 10 / 9) < 1e-3  # the fold task's mean need with frozen keys, L = 2
     assert [st.args[0] for st in stages] == ["prep-data", "train", "train", "eval", "eval", "compare"]
     assert "demo-fold" in stages[-1].args

@@ -36,7 +36,6 @@ def train(args: list[str], **extra) -> subprocess.CompletedProcess:
 def test_deterministic_on_is_bit_exact_across_reruns_and_a_kill(tmp_path):
     data = make_shards(tmp_path / "shards", windows=10)
     common = TINY + [f"data.dir={data}", "checkpoint.interval=3", "train.deterministic=true", "logging.mlflow=false"]
-    common.append("objective.router_explore=0.5")  # the exploration draws come from the checkpointed RNG too
     a = train(common + [f"checkpoint.dir={tmp_path / 'a'}"])
     assert a.returncode == 0, a.stderr[-3000:]
     ra = json.loads(a.stdout.strip().splitlines()[-1])

@@ -30,8 +30,7 @@ def test_safetensors_is_default_and_export_cli_round_trips(tmp_path, name):
     assert cfg2.model == cfg.model
     idx = torch.randint(0, cfg.model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_logits(model, idx), _logits(loaded, idx))
-    if cfg.model.tie_embeddings:  # tied weights are stored once and stay tied after loading
-        assert loaded.lm_head.weight.data_ptr() == loaded.wte.weight.data_ptr()
+    assert loaded.lm_head.weight.data_ptr() == loaded.wte.weight.data_ptr()  # tied: stored once, tied after loading
 
 
 def test_legacy_model_pt_loads_and_converts(tmp_path):

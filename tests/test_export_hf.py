@@ -9,9 +9,7 @@ import sys
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import perturbed_tiny
-
-from pipeline.demo import EXPECTED_RECIPE
+from helpers import RECIPE, perturbed_tiny
 
 from pipeline.cli import main
 from pipeline.config import list_presets
@@ -21,20 +19,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 torch.set_num_threads(1)
 ATOL = 1e-5
+# every tiny preset (t-loopformer-budget: the budget recipe's router), and "@recipe": a router recipe's network
+# (the exit recipes': prefix exits, frozen keys; kinds: the forecast head too)
 TINY = sorted(p for p in list_presets() if p.startswith("tiny/")) + [
-    "tiny/t-loopformer@budget",
     "tiny/t-loopformer@expected",
+    "tiny/base-loop-router@kinds",
 ]
-RECIPE = {  # "@recipe": a router recipe's overrides (the expected recipe's network: prefix exits, frozen keys)
-    "": (),
-    "budget": ("model.router_recipe=budget",),
-    "expected": (*EXPECTED_RECIPE, "model.exited_keys=frozen"),
-}
 
 
 def export_hf(tmp_path, name="tiny/t-loopformer"):
     name, _, recipe = name.partition("@")
-    model, cfg = perturbed_tiny(name, overrides=RECIPE[recipe])
+    overrides = [*RECIPE[recipe], "model.exited_keys=frozen"] if recipe else []
+    model, cfg = perturbed_tiny(name, overrides=overrides)
     src = save_model(tmp_path / "src", model, cfg)
     res = CliRunner().invoke(main, ["export", str(src), "--format", "hf", "--out", str(tmp_path / "hf")])
     assert res.exit_code == 0, res.output
@@ -151,7 +147,6 @@ def test_fine_tuning_keeps_the_head_tied_and_one_step_equals_tlfs(tmp_path):
     from safetensors import safe_open
 
     model, cfg, d = export_hf(tmp_path)
-    assert cfg.model.tie_embeddings
     with safe_open(str(d / "model.safetensors"), "pt") as f:
         assert "model.lm_head.weight" not in f.keys() and "model.wte.weight" in f.keys()
     hf = load_hf(d)

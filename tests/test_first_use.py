@@ -242,3 +242,10 @@ def test_inherit_takes_a_preset_name(tmp_path):
     (tmp_path / "typo.yaml").write_text("inherit: tiny/t-lopformer\n")
     r = CliRunner().invoke(main, ["config", "show", str(tmp_path / "typo.yaml")])
     assert r.exit_code == 2 and "'tiny/t-lopformer' not found" in r.output and "no preset has that name" in r.output
+
+
+def test_eval_refuses_config_with_what_to_use(tmp_path):
+    """`tlf train --config FILE` takes a config; `tlf eval` reads its checkpoint's, so its `--config` is an error that
+    names --check-preset and overrides, not a silent alias of --check-preset."""
+    r = CliRunner().invoke(main, ["eval", str(tmp_path), "--config", "tiny/t-loopformer"])
+    assert r.exit_code == 2 and "--check-preset" in r.output and "Traceback" not in r.output, r.output

@@ -453,13 +453,13 @@ def test_the_slots_layout_refuses_windows_that_cut_a_slot(tmp_path):
         ["depth_docs=200", "depth_levels=2", "fold_symbols=8", "fold_typed=true", "fold_layout=slots"],
     )
     prepare(cfg, log=lambda m: None)
-    cmd = [sys.executable, "-m", "pipeline.cli", "train", "depth/base-loop-router", f"data.dir={d}"]
+    cmd = [sys.executable, "-m", "pipeline.cli", "train", "fold/base-loop-router", f"data.dir={d}"]
     cmd += [f"checkpoint.dir={tmp_path / 'ck'}", "model.block_size=9", "train.device=cpu", "logging.mlflow=false"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in r.stderr.splitlines() if "model.block_size=9" in ln]
     assert r.returncode != 0 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
     assert "multiple of its slot (5 tokens)" in lines[0]
-    model = LoopedLM(load_config("depth/base-loop-router", ["model.block_size=9"]).model)
+    model = LoopedLM(load_config("fold/base-loop-router", ["model.block_size=9"]).model)
     with pytest.raises(ShardError, match="model.block_size=9"):
         level_scores(model, str(d), 2)
 

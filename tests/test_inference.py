@@ -5,7 +5,7 @@ plus proofs that a cache attending to an empty slot fails those checks."""
 import numpy as np
 import pytest
 import torch
-from helpers import DEVICES, spread_router
+from helpers import DEVICES, RECIPE, spread_router
 
 from pipeline.config import list_presets, load_config
 from pipeline.inference.cache import LoopView, RecursionKVCache
@@ -15,15 +15,15 @@ from pipeline.model import LoopedLM
 torch.set_num_threads(1)
 ATOL = 1e-5
 TINY = sorted(p.split("/")[1] for p in list_presets() if p.startswith("tiny/"))
-CASES = TINY + ["t-loopformer@budget"]  # variant@router_recipe: the budget recipe's router (normalised input) too
+CASES = TINY + ["base-loop-router@kinds"]  # variant@recipe: a router recipe's network (kinds: the forecast head)
 
 
 def make(variant="t-loopformer", seed=0, device="cpu", *overrides):
     """A tiny model whose layers do something (non-zero modulators) and whose router depths vary a lot.
-    variant may name a router recipe: 't-loopformer@budget'."""
+    variant may name a router recipe: 'base-loop-router@kinds' (tests/helpers.py RECIPE)."""
     torch.manual_seed(seed)
     variant, _, recipe = variant.partition("@")
-    extra = [f"model.router_recipe={recipe}"] if recipe else []
+    extra = RECIPE[recipe] if recipe else []
     model = LoopedLM(load_config(f"tiny/{variant}", [*extra, *overrides]).model)
     with torch.no_grad():
         for layer in model.layers:

@@ -17,6 +17,8 @@ MEMBERS = METHODS | set(LoopedNetwork.__annotations__)
 # file -> the expressions that hold the model there (the decoder binds `m = self.model`)
 USERS = {
     "pipeline/train/objective.py": ("self.net",),
+    "pipeline/train/recipes/__init__.py": ("net",),  # the router recipes: the network the objective hands them
+    "pipeline/train/recipes/kinds.py": ("step.net",),
     "pipeline/inference/decode.py": ("self.model", "m", "model"),
     "evaluation/forward.py": ("model",),
     "evaluation/scorer.py": ("model",),

@@ -7,23 +7,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import VARIANTS, ObjectiveConfig, load_config, list_presets
-from pipeline.demo import EXPECTED_RECIPE
+from pipeline.config import VARIANTS, load_config, list_presets
 from pipeline.model import LoopedLM, RouterOutput
-from pipeline.model.router import depth_prior
 from pipeline.model.schedule import sample_shortcut, table_index, time_table, uniform
 from pipeline.train.ac import apply_ac, checkpointed_mode
 from pipeline.train.objective import Objective
-from tests.helpers import DEVICES, spread_router
+from pipeline.train.recipes import init_router
+from tests.helpers import DEVICES, RECIPE, spread_router
 
 torch.set_num_threads(1)
 
 
 def make(variant="t-loopformer", *overrides, perturb=True, seed=1):
-    """A tiny model; perturb=True makes modulators non-zero and router depths diverse."""
+    """A tiny model as the trainer builds it (the router recipe's init); perturb=True makes modulators non-zero and
+    router depths diverse. Its `objective` is the config's."""
     torch.manual_seed(seed)
-    cfg = load_config(f"tiny/{variant}", list(overrides)).model
-    model = LoopedLM(cfg)
+    cfg = load_config(f"tiny/{variant}", list(overrides))
+    model = LoopedLM(cfg.model)
+    init_router(model, cfg.objective.router)
+    model.objective_cfg = cfg.objective
     if perturb:
         with torch.no_grad():
             for layer in model.layers:
@@ -40,8 +42,9 @@ def batch(B=3, T=40, V=50304, seed=1):
 
 
 def objective(model):
-    """The training objective around `model`, with the objective settings of its variant's tiny preset."""
-    return Objective(model, load_config(f"tiny/{model.cfg.variant}").objective)
+    """The training objective around `model`: its config's (`make`), else its variant's tiny preset's."""
+    cfg = getattr(model, "objective_cfg", None) or load_config(f"tiny/{model.cfg.variant}").objective
+    return Objective(model, cfg)
 
 
 def grads(model):
@@ -50,43 +53,40 @@ def grads(model):
 
 # --------------------------------------------------------------------------------- gather-scatter
 @pytest.mark.parametrize(
-    "variant,overrides,router_training",
+    "variant,overrides",
     [
-        ("t-loopformer", [], {}),
-        ("t-loopformer", ["model.router_recipe=budget"], {}),
-        ("t-loopformer", ["model.router_recipe=budget"], {"router_explore": 0.5, "router_explore_span": 5}),
-        ("t-loopformer", ["model.router_recipe=budget"], {"router_explore": 0.5, "router_explore_draw": "next"}),
-        ("t-loopformer", ["model.router_recipe=budget"], {"router_ste_keys": True}),
-        ("t-loopformer", ["model.router_recipe=budget", "model.exited_keys=frozen"], {}),
-        ("t-loopformer", ["model.exited_keys=frozen"], {"router_explore": 0.5, "router_explore_draw": "next"}),
-        ("t-loopformer", ["model.router_recipe=budget", "model.exit_schedule=prefix", "model.exited_keys=frozen"], {}),
-        ("loopformer", [], {}),
-        ("base-loop-ee-align", [], {}),
-        ("base-loop-router", [*EXPECTED_RECIPE, "model.exited_keys=frozen"], {}),
-        ("base-loop-router", ["model.router_recipe=budget"], {"router_explore": 0.5, "router_explore_draw": "next"}),
+        ("t-loopformer", []),
+        ("t-loopformer", RECIPE["budget"]),
+        ("t-loopformer", [*RECIPE["budget"], "model.exited_keys=frozen"]),
+        ("t-loopformer", [*RECIPE["budget"], "model.exit_schedule=prefix", "model.exited_keys=frozen"]),
+        ("t-loopformer", [*RECIPE["expected"], "model.exited_keys=frozen"]),
+        ("loopformer", []),
+        ("base-loop-ee-align", []),
+        ("base-loop-router", RECIPE["budget"]),
+        ("base-loop-router", [*RECIPE["expected"], "model.exited_keys=frozen"]),
+        ("base-loop-router", [*RECIPE["kinds"], "model.exited_keys=frozen"]),
     ],
 )
 @pytest.mark.parametrize("device", DEVICES)
-def test_gather_scatter_equals_dense_reference(variant, overrides, router_training, device):
-    """router_training: objective settings of the router's training (exploration draws the same depths on both
-    paths: the RNG is reseeded before each). fp32 on every device (on CUDA without TF32)."""
+def test_gather_scatter_equals_dense_reference(variant, overrides, device):
+    """Every router recipe (paper, budget, expected, kinds): the objective's losses and gradients on the
+    gather-scatter path equal the dense reference's (a recipe's state, the kinds' table, is restored between the
+    two). fp32 on every device (on CUDA without TF32)."""
     model = make(variant, *overrides).to(device)
     idx, tgt = (t.to(device) for t in batch())
     k = torch.tensor([1, 2, 1])  # a fixed shortcut schedule (on the host, as the trainer draws it)
     model.train()
-    obj = objective(model)
-    for key, v in router_training.items():
-        setattr(obj.cfg, key, v)
-    torch.manual_seed(5)
+    obj = objective(model).to(device)
+    state = obj.state()
     out_gs = obj(idx, tgt, k)
     out_gs.loss.backward()
     g_gs = grads(model)
-    if variant == "t-loopformer":  # rows really differ in depth pattern, several depths present
+    if variant == "t-loopformer" and not overrides:  # rows really differ in depth pattern, several depths present
         d = out_gs.depth
         assert len(d.unique()) >= 3 and not torch.equal(d[0], d[1])
         assert not torch.equal((d >= 2).sum(1), (d >= 2).sum(1)[:1].expand(3))  # different |A_2| per row
     model.zero_grad()
-    torch.manual_seed(5)
+    obj.load_state(state, "before")
     out_dense = obj(idx, tgt, k, gather_scatter=False)
     out_dense.loss.backward()
     g_dense = grads(model)
@@ -147,22 +147,23 @@ def test_gather_scatter_elastic_budget_and_threshold():
         assert int(a.depth.max()) <= M
 
 
-@pytest.mark.parametrize("mode,keys", [("loop", False), ("layer", False), ("loop", True)])
-def test_activation_checkpointing_is_exact(mode, keys):
-    """keys: the key straight-through factor's attention closes over the continue probabilities, which the
-    recomputation must still connect to the router."""
-    model = make()
+@pytest.mark.parametrize("mode,recipe", [("loop", "paper"), ("layer", "paper"), ("loop", "kinds")])
+def test_activation_checkpointing_is_exact(mode, recipe):
+    """kinds: every exit's state is kept for the heads and the router reads sg(h0) (its table restored between the
+    two steps)."""
+    model = make("t-loopformer", *RECIPE[recipe])
     idx, tgt = batch(B=2, T=24)
     k = torch.tensor([2, 2])
     model.train()
     obj = objective(model)
-    obj.cfg.router_ste_keys = keys
+    state = obj.state()
     obj(idx, tgt, k).loss.backward()
     ref = grads(model)
     sd = {k_: v.clone() for k_, v in model.state_dict().items()}
     model.zero_grad()
     apply_ac(model, mode)
     assert checkpointed_mode(model) == mode
+    obj.load_state(state, "before")
     obj(idx, tgt, k).loss.backward()
     for n, g in grads(model).items():
         torch.testing.assert_close(g, ref[n], atol=1e-6, rtol=0, msg=n)
@@ -235,98 +236,50 @@ def test_router_probabilities():
     torch.testing.assert_close(r.cont[..., 1], 1 - pi[..., 0], atol=1e-6, rtol=0)
 
 
-def test_the_hard_token_target_is_each_tokens_first_exit_within_the_margin_of_the_batch_mean():
-    """Router.hard_loss (objective.router_hard_weight): a scored token is hard at exit d when its loss there exceeds
-    ratio x the mean over the batch's scored tokens; its target is its first exit where it is not (the last if
-    none); the term is the mean of -log pi there, and only the router's logits get its gradient. Above ratio 1 a
-    batch of alike tokens has no hard token (at ratio 1 about half of them are: noise). With a gate, a token whose target
-    lies past an exit where it is hard and the gate is shut has no target."""
-    from pipeline.model.router import Router
-
-    ce = torch.tensor(
-        [[[0.1, 0.1, 0.1], [5.0, 0.2, 0.1], [5.0, 5.0, 5.0], [0.1, 0.1, 0.1], [0.0, 0.0, 0.0]]]
-    )  # (1, 5, 3); exit means over the four scored tokens: 2.55, 1.35, 1.33
-    scored = torch.tensor([[True, True, True, True, False]])
-    logits = torch.randn(1, 5, 3, requires_grad=True)
-    logp = torch.log_softmax(logits.detach(), -1)[0]
-    want = -(logp[0, 0] + logp[1, 1] + logp[2, 2] + logp[3, 0]) / 4  # exit 1, exit 2, none easy -> exit 3, exit 1
-    for ratio in (1.0, 1.5):
-        logits.grad = None
-        loss = Router.hard_loss(
-            RouterOutput(logits, torch.ones(1, 5, 3)), Router.hard_labels(ce, scored, ratio), scored
-        )
-        torch.testing.assert_close(loss.detach(), want)
-        loss.backward()
-        assert float(logits.grad[0, 4].abs().sum()) == 0.0  # the unscored token has no target
-        assert float(logits.grad[0, 2, 2]) < 0 < float(logits.grad[0, 1, 0])  # towards each target, from the rest
-    # the gate: token 1 (target exit 2) keeps its target only if the gate is open at exit 1; token 2 (target exit 3)
-    # only if it is open at exits 1 and 2; a token not hard before its target (0 and 3) keeps it whatever the gate
-    hard = Router.hard_labels(ce, scored, 1.5)
-    gate = torch.ones(1, 5, 2, dtype=torch.bool)
-    gate[0, 2, 1] = False  # shut at exit 2 for token 2
-    gate[0, 0, 0] = gate[0, 3, 0] = False  # shut where the tokens are easy: no effect
-    got = Router.hard_loss(RouterOutput(logits.detach(), torch.ones(1, 5, 3)), hard, scored, gate)
-    torch.testing.assert_close(got, -(logp[0, 0] + logp[1, 1] + logp[3, 0]) / 3)
-    gate[0, 1, 0] = False  # shut at exit 1 for token 1 too
-    got = Router.hard_loss(RouterOutput(logits.detach(), torch.ones(1, 5, 3)), hard, scored, gate)
-    torch.testing.assert_close(got, -(logp[0, 0] + logp[3, 0]) / 2)
-    alike = (3.4 + 0.1 * torch.randn(1, 64, 2, generator=torch.Generator().manual_seed(0))).abs()  # all at chance
-    flat = torch.zeros(1, 64, 2)  # pi uniform: -log pi = log 2 at either exit, -log pi_2 - -log pi_1 = 0
-    at = lambda k: flat.clone().index_fill_(-1, torch.tensor([k]), 1.0)  # logits favouring exit k + 1
-    ones = torch.ones(64, dtype=torch.bool)[None]
-    # ratio 1.5: every token's target is exit 1, so logits favouring exit 1 lose less than those favouring exit 2
-    lo, hi = (
-        float(Router.hard_loss(RouterOutput(at(k), flat), Router.hard_labels(alike, ones, 1.5), ones)) for k in (0, 1)
-    )
-    assert lo < hi and lo == pytest.approx(float(-torch.log_softmax(at(0)[0, 0], -1)[0]))
-    hard = (alike[..., 0] > alike[..., 0].mean()).float().mean()  # ratio 1: the tokens above the mean
-    assert 0.3 < float(hard) < 0.7
-
-
 def test_a_detached_router_trains_itself_and_leaves_the_embeddings_alone():
-    """model.router_detach: the router reads sg(h0). The forward and the router's own gradients are unchanged; the
-    gradient its losses send into the token and position embeddings is gone (without it, those losses move them)."""
-    ov = [*EXPECTED_RECIPE, "model.exited_keys=frozen", "objective.router_hard_weight=1"]
-    idx, tgt = batch(T=24, V=512)
+    """forward(detach=True) (the kinds recipe's): the router reads sg(h0). The forward and the router's own
+    gradients are unchanged; the gradient its losses send into the token and position embeddings is gone (without
+    it, those losses move them)."""
+    m = make("base-loop-router", *RECIPE["kinds"], "model.vocab_size=512")
+    rec = objective(m).recipe
+    idx, _ = batch(T=24, V=512)
     runs = {}
     for detach in (False, True):
-        m = make("base-loop-router", *ov, f"model.router_detach={str(detach).lower()}", "model.vocab_size=512")
-        obj = Objective(m, load_config("tiny/base-loop-router", ov).objective)
-        out = obj(idx, tgt)
-        r = m.route(m.embed(idx))
-        aux, _ = m.router.aux_loss(r, 1.0, 0.0, 0.1)  # the router's own loss alone
-        aux.backward()
-        own = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-        runs[detach] = (out, own)
+        m.zero_grad()
+        out = m(idx, detach=detach)
+        loss, _ = rec.prior_loss(out.router)  # the router's own loss alone
+        loss.backward()
+        runs[detach] = (out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
     (a, ga), (b, gb) = runs[False], runs[True]
-    torch.testing.assert_close(a.loss, b.loss, rtol=0, atol=0)  # the same values
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.router.logits, b.router.logits)  # the same values
     assert set(ga) == {*gb, "wte.weight", "wpe.weight"} and float(ga["wte.weight"].abs().sum()) > 0
     for n in gb:  # the router's own gradients are the same
         torch.testing.assert_close(ga[n], gb[n])
 
 
 def test_straight_through_estimator():
-    model = make()
+    """forward(ste=True) (the paper and budget recipes'): the router gets the gradient of the loops' updates; the
+    values are unchanged, and without it the discrete routing gives the router no gradient."""
+    model = make().train()
     idx, tgt = batch()
-    model.train()
-    k = torch.tensor([2, 2])
-    obj = objective(model)
-    with_ste = obj(idx, tgt, k)
-    with_ste.loss.backward()
-    g = model.router.fc1.weight.grad
+    runs = {}
+    for ste in (True, False):
+        model.zero_grad()
+        out = model(idx, ste=ste)
+        F.cross_entropy(out.logits.flatten(0, 1), tgt.flatten()).backward()
+        runs[ste] = (out, model.router.fc1.weight.grad)
+    (with_ste, g), (without, g0) = runs[True], runs[False]
     assert g is not None and float(g.abs().sum()) > 0  # the router receives gradient
-    model.zero_grad()
-    obj.cfg.router_ste = False
-    without = obj(idx, tgt, k)
-    without.loss.backward()
-    torch.testing.assert_close(with_ste.parts, without.parts, atol=1e-6, rtol=0)  # forward unchanged
-    assert torch.equal(with_ste.depth, without.depth)
-    assert model.router.fc1.weight.grad is None  # without STE the discrete routing gives no gradient
+    torch.testing.assert_close(with_ste.logits, without.logits, atol=1e-6, rtol=0)  # forward unchanged
+    assert torch.equal(with_ste.depth, without.depth) and g0 is None
+    assert objective(model).recipe.network_args() == {"ste": True, "exits": False, "detach": False}  # paper's
 
 
 # ------------------------------------------------------------------------------- budget recipe
 @pytest.mark.parametrize("L,mean", [(4, 2.0), (4, 3.0), (8, 2.5), (3, 2.0)])
 def test_depth_prior_has_the_target_mean_and_maximum_entropy(L, mean):
+    from pipeline.train.recipes import depth_prior
+
     q = depth_prior(L, mean)
     depths = torch.arange(1, L + 1, dtype=torch.float64)
     assert float(q.sum()) == pytest.approx(1.0) and bool((q > 0).all())
@@ -358,12 +311,10 @@ def test_budget_init_spreads_depth_and_gives_the_router_gradient_at_step_one():
     assert float(r.logits.detach().std(dim=(0, 1)).max()) < 1e-2
     objective(paper)(idx, tgt, k).loss.backward()
     assert float(paper.router.fc1.weight.grad.abs().sum()) == 0.0
-    model = make(
-        "t-loopformer", "model.router_recipe=budget", "model.router_target_depth=2.5", perturb=False, seed=0
-    ).train()
+    model = make("t-loopformer", *RECIPE["budget"], "objective.router.target_depth=2.5", perturb=False, seed=0).train()
     r = model.route(model.embed(idx))
-    pi_mean = torch.softmax(r.logits.float(), -1).mean((0, 1))
-    q = depth_prior(4, 2.5).float()
+    pi_mean = torch.softmax(r.logits.detach().float(), -1).mean((0, 1))
+    q = objective(model).recipe.prior
     assert float((q * (q / pi_mean).log()).sum()) < 0.1
     assert float(r.logits.detach().std(dim=(0, 1)).min()) > 0.3
     assert len(r.depth(4, 0.5).unique()) >= 2
@@ -380,7 +331,7 @@ def test_budget_init_spreads_depth_and_gives_the_router_gradient_at_step_one():
 def test_budget_loss_reaches_depths_no_token_runs():
     """The straight-through estimator cannot raise p(L) for a token that stops before loop L; the budget loss
     does: when no token of the batch reaches depth L, its gradient raises every token's depth-L logit."""
-    model = make("t-loopformer", "model.router_recipe=budget", "model.router_target_depth=2.5", perturb=False)
+    model = make("t-loopformer", *RECIPE["budget"], "objective.router.target_depth=2.5", perturb=False)
     L = model.cfg.loops
     logits = torch.randn(2, 16, L) * 0.3
     logits[..., L - 1] -= 4.0  # p(L) << theta everywhere
@@ -389,184 +340,9 @@ def test_budget_loss_reaches_depths_no_token_runs():
     cont = torch.cat([torch.ones_like(pi[..., :1]), pi.flip(-1).cumsum(-1).flip(-1)[..., 1:]], -1)
     r = RouterOutput(logits=logits, cont=cont)
     assert int(r.depth(L, 0.5).max()) < L
-    c = ObjectiveConfig()
-    loss, _ = model.router.aux_loss(r, c.router_balance_weight, c.router_entropy_weight)
+    loss, _ = objective(model).recipe.prior_loss(r)
     loss.backward()
     assert bool((logits.grad[..., L - 1] < 0).all())  # descending the loss raises the depth-L logit
-
-
-# ------------------------------------------------------------------------ router exploration
-@pytest.mark.parametrize("recipe", ["budget", "paper"])
-def test_exploration_draws_a_share_of_depths_from_the_prior(recipe):
-    """Router.explore: a token is drawn with probability `share`, its depth then follows the prior q (budget) or
-    the uniform distribution (paper); a smaller budget still clips every depth (the shortcut pass's rule)."""
-    from pipeline.model.router import Router
-
-    L, n = 4, 200_000
-    torch.manual_seed(0)
-    router = Router(16, 8, L, recipe, target_depth=2.2)
-    r = router(torch.randn(1, n, 16))
-    own = r.depth(L, 0.5)
-    for share in (1.0, 0.3):
-        e = router.explore(r, share)
-        picked = e.drawn > 0
-        assert abs(float(picked.float().mean()) - share) < 0.01
-        assert torch.equal(e.depth(L, 0.5)[~picked], own[~picked])  # the others keep the router's depth
-        hist = torch.stack([(e.drawn[picked] == k).float().mean() for k in range(1, L + 1)])
-        q = depth_prior(L, 2.2).float() if recipe == "budget" else torch.full((L,), 1 / L)
-        torch.testing.assert_close(hist, q, atol=0.01, rtol=0)
-        for S in range(1, L + 1):
-            assert torch.equal(e.depth(S, 0.5), e.depth(L, 0.5).clamp(max=S))
-
-
-def test_exploration_in_windows_draws_once_per_window():
-    """objective.router_explore_span = w: the positions of a row in windows of w from position 0 share one draw
-    (explored or not, and the depth), the share of windows explored and their depths still follow share and q;
-    w = 1 draws exactly what the per-token exploration always drew (same RNG stream)."""
-    from pipeline.model.router import Router
-
-    L, T, w = 4, 12, 5
-    torch.manual_seed(0)
-    router = Router(16, 8, L, "budget", target_depth=2.2)
-    r = router(torch.randn(50_000, T, 16))
-    torch.manual_seed(1)
-    e = router.explore(r, 0.3, w)
-    for a in range(0, T, w):  # windows [0, 5), [5, 10), [10, 12)
-        win = e.drawn[:, a : a + w]
-        assert torch.equal(win, win[:, :1].expand_as(win))
-    first = e.drawn[:, ::w]  # (rows, windows): one draw each
-    assert not torch.equal(first[:, 0], first[:, 1])  # windows draw independently
-    picked = first > 0
-    assert abs(float(picked.float().mean()) - 0.3) < 0.01
-    hist = torch.stack([(first[picked] == k).float().mean() for k in range(1, L + 1)])
-    torch.testing.assert_close(hist, depth_prior(L, 2.2).float(), atol=0.01, rtol=0)
-    torch.manual_seed(1)
-    one = router.explore(r, 0.3, 1).drawn
-    torch.manual_seed(1)
-    assert torch.equal(one, router.explore(r, 0.3).drawn)
-    assert not torch.equal(one, e.drawn)
-
-
-def test_exploring_the_next_loop_runs_one_loop_past_the_routers_depth():
-    """objective.router_explore_draw = next: an explored token runs its own depth + 1, clipped at the budget (so a
-    smaller budget still clips the full pass's depth, the shortcut pass's rule); the others keep their own; the
-    same uniform draws pick the tokens as with draws from the prior."""
-    from pipeline.model.router import Router
-
-    L = 4
-    torch.manual_seed(0)
-    router = Router(16, 8, L, "budget", target_depth=2.2)
-    r = router(torch.randn(4, 5000, 16))
-    own = r.depth(L, 0.5)
-    torch.manual_seed(1)
-    e = router.explore(r, 0.3, 1, "next")
-    torch.manual_seed(1)
-    picked = router.explore(r, 0.3).drawn > 0
-    assert torch.equal(e.deeper, picked) and e.drawn is None
-    assert torch.equal(e.depth(L, 0.5), torch.where(picked, (own + 1).clamp(max=L), own))
-    assert bool((e.depth(L, 0.5)[picked & (own < L)] == own[picked & (own < L)] + 1).all())
-    for S in range(1, L + 1):
-        assert torch.equal(e.depth(S, 0.5), e.depth(L, 0.5).clamp(max=S))
-
-
-def _exits_at_one(model):
-    """Every token's router says depth 1, unsaturated: p(2) = 0.42 < theta."""
-    with torch.no_grad():
-        model.router.fc2.weight.zero_()
-        model.router.fc2.bias.copy_(torch.tensor([1.0, 0.0, -0.5, -1.0]))
-    return model
-
-
-def test_exploration_gives_tokens_that_exit_early_the_signal_to_go_deeper():
-    """With every token exiting after loop 1 the straight-through estimator has nothing to say about p(2..L)
-    (the router gets no loss gradient at all); with exploration the tokens drawn deeper run those loops and
-    the router learns from them. Validation (full_only) never explores."""
-    idx, tgt = batch(B=2, T=24)
-    k = torch.tensor([2, 2])
-    grads_of = {}
-    for share in (0.0, 0.5):
-        model = _exits_at_one(make("t-loopformer", "model.router_recipe=budget", seed=0)).train()
-        obj = objective(model)
-        obj.cfg.router_balance_weight = obj.cfg.router_entropy_weight = 0.0  # only the STE reaches the router
-        obj.cfg.router_explore = share
-        torch.manual_seed(3)
-        out = obj(idx, tgt, k)
-        out.loss.backward()
-        grads_of[share] = model.router.fc2.weight.grad
-        assert (int(out.depth.max()) > 1) == (share > 0)
-        ev = obj(idx, tgt, full_only=True)
-        assert int(ev.depth.max()) == 1  # validation runs the router's own depth
-    assert grads_of[0.0] is None or float(grads_of[0.0].abs().sum()) == 0.0
-    assert float(grads_of[0.5].abs().sum()) > 0
-
-
-def test_the_log_space_straight_through_factor_reaches_a_saturated_router():
-    """A router certain that every token exits after loop 1 (p(2) about 1e-13): tokens explored deeper run loops 2..L,
-    but p's gradient on the exit logits vanishes with p, so the router hears nothing; on log p(i)
-    (objective.router_ste_log) the same loops move the logits by an amount of order one. The forward is the same."""
-    idx, tgt = batch(B=2, T=24)
-    k = torch.tensor([2, 2])
-    res = {}
-    for log in (False, True):
-        model = _exits_at_one(make("t-loopformer", "model.router_recipe=budget", seed=0)).train()
-        with torch.no_grad():
-            model.router.fc2.bias[0] = 30.0
-        obj = objective(model)
-        obj.cfg.router_balance_weight = obj.cfg.router_entropy_weight = 0.0
-        obj.cfg.router_explore, obj.cfg.router_ste_log = 1.0, log
-        torch.manual_seed(3)
-        out = obj(idx, tgt, k)
-        out.loss.backward()
-        res[log] = (out.loss.detach(), float(model.router.fc2.bias.grad.abs().sum()))
-    assert torch.equal(res[False][0], res[True][0])  # the factor's value is 1 either way
-    assert res[True][1] > 1e9 * res[False][1]  # p's gradient carries a factor p(2) ~ 1e-13; log p's does not
-    assert res[True][1] > 1e-6
-    with torch.no_grad():
-        r = model.route(model.embed(idx))
-    lc = r.log_cont
-    assert bool(torch.isfinite(lc).all()) and torch.equal(lc[..., 0], torch.zeros_like(lc[..., 0]))
-    assert float(lc[..., 1].max()) < -25  # log p(2) about -30, where p(2) itself is ~1e-13
-    ok = r.cont > 1e-6
-    torch.testing.assert_close(lc[ok], r.cont[ok].log(), atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("keys", [False, True])
-def test_a_tokens_last_loop_hears_that_others_read_it_only_with_the_key_factor(keys):
-    """Every token runs 2 loops and only the last position is scored. In loop 2 the query reads the other tokens'
-    states as keys, so whether they run loop 2 matters to its loss; but the update factor puts p(2) only on a
-    token's own loop-2 update, which nothing scored reads: a context token's p(2) gets exactly no gradient. The
-    factor on the attention values (ste_keys) gives it the query's use of that token."""
-    model = make("t-loopformer", "model.router_recipe=budget")
-    idx, tgt = batch(B=2, T=12)
-    h0 = model.embed(idx)  # (3, 24, d); row 0 is watched
-    r = model.route(h0)
-    cont = r.cont.detach().requires_grad_(True)
-    depth = torch.full(idx.shape, 2)
-    h = model.run_loops(h0, uniform(2), depth, cont, ste_keys=keys)
-    logits, _ = model.head(h[:, -1:])
-    F.cross_entropy(logits.flatten(0, 1), tgt[:, -1]).backward()
-    g = cont.grad[..., 1]  # (B, T) d loss / d p(2)
-    assert bool((g[:, -1] != 0).all())  # the query's own update
-    assert bool((g[:, :-1] != 0).any()) == keys
-    if not keys:
-        assert bool((g[:, :-1] == 0).all())
-
-
-def test_the_key_factor_keeps_the_forward_and_gives_the_router_more():
-    model = make("t-loopformer", "model.router_recipe=budget")
-    idx, tgt = batch()
-    k = torch.tensor([1, 2, 1])
-    obj = objective(model)
-    res = []
-    for keys in (False, True):
-        obj.cfg.router_ste_keys = keys
-        model.zero_grad()
-        out = obj(idx, tgt, k)
-        out.loss.backward()
-        res.append((out, grads(model)))
-    (plain, gp), (a, ga) = res
-    torch.testing.assert_close(plain.parts, a.parts, atol=1e-6, rtol=0)  # the factor's value is 1
-    assert not torch.equal(gp["router.fc2.weight"], ga["router.fc2.weight"])  # the router hears more
 
 
 # ----------------------------------------------------------------------------- conditioning
@@ -637,9 +413,7 @@ def test_every_preset_forward_backward(variant):
     out = obj(idx, tgt)
     assert out.logits is None and torch.isfinite(out.loss)  # the fused objective materialises no logits
     out.loss.backward()
-    assert all(
-        p.grad is not None for n, p in model.named_parameters() if not n.startswith("router.") or obj.cfg.router_ste
-    )
+    assert all(p.grad is not None for p in model.parameters())  # the router's too: the paper's estimator
     expect = {"loss_L", "loss_S", "loss_align"} if obj.cfg.shortcut else {"loss_L"}
     assert set(out.parts) == expect
     assert out.stats["full/depth_hist"].shape == (model.cfg.loops,)
@@ -732,7 +506,7 @@ def test_router_defaults_agree_with_model_config():
 def test_forward_does_not_depend_on_training_mode():
     """The objective is the same call in train and eval mode (validation asks for its part, never inferred); the
     network takes no targets and the objective needs them."""
-    model = make("t-loopformer", "model.router_recipe=budget", perturb=False)
+    model = make("t-loopformer", *RECIPE["budget"], perturb=False)
     obj = objective(model)
     idx, tgt = batch(B=2, T=32)
     k = torch.tensor([1, 3])
@@ -766,11 +540,11 @@ def test_gate_init_starts_modulated_layers_as_identity_or_plain(gate):
 
 @pytest.mark.parametrize("schedule", ["own", "prefix"])
 def test_exits_are_depths_only_under_the_prefix_schedule(schedule):
-    """forward(exits=True), the expected recipe's training pass: every token runs every loop and `exits[d-1]` is
+    """forward(exits=True), the exit recipes' training pass: every token runs every loop and `exits[d-1]` is
     the final-normed state after loop d. Under model.exit_schedule=prefix that is exactly a depth-d token's
     final state (here every token at depth d, so the keys agree too); under `own` depth d runs its own
     trajectory, another computation for d < L."""
-    model = make("t-loopformer", "model.router_recipe=budget", f"model.exit_schedule={schedule}").eval()
+    model = make("t-loopformer", *RECIPE["budget"], f"model.exit_schedule={schedule}").eval()
     with torch.no_grad():  # modulations of order one: the time and step embeddings matter
         for layer in model.layers:
             layer.modulator[1].weight.mul_(10)

@@ -10,10 +10,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pipeline.demo import EXPECTED_RECIPE
 from pipeline.config import load_config
 from pipeline.memory import SavedTensors, tensor_peak_mib
-from helpers import spread_router
+from helpers import RECIPE, spread_router
 from pipeline.model import LoopedLM
 from pipeline.model.looped import active_counts
 from pipeline.plan.cli import plan_cmd
@@ -73,7 +72,7 @@ def _config(variant: str, scale: str, *extra):
     """variant may name the expected router recipe, whose training step runs every token through every loop with
     a head per exit: 't-loopformer@expected'."""
     variant, _, recipe = variant.partition("@")
-    return load_config(f"{scale}/{variant}", [*(EXPECTED_RECIPE if recipe else ()), *extra])
+    return load_config(f"{scale}/{variant}", [*(RECIPE[recipe] if recipe else ()), *extra])
 
 
 @pytest.mark.parametrize("size", ["tiny", "d512"])
@@ -81,7 +80,7 @@ def _config(variant: str, scale: str, *extra):
 def test_planned_peak_matches_the_measured_step(variant, size):
     cfg = _config(variant, "tiny", *OVR) if size == "tiny" else _config(variant, "small", *OVR, *D512)
     peak, counts, saved = _measured(cfg)
-    if cfg.model.router_recipe == "expected":
+    if cfg.objective.router.recipe == "expected":
         counts = None  # the measured step ran every loop whatever the router says; the plan knows it itself
         assert Planner(cfg, gpu("cpu")).counts is None
     pl = Planner(cfg, gpu("cpu"), counts=counts)
@@ -100,7 +99,7 @@ def test_traced_flops_match_flops_per_token(variant):
     tr = trace_step(cfg, 2, torch.float32, full, sc, count_flops=True)
     with torch.device("meta"):
         model = LoopedLM(cfg.model)
-    heads = (L if cfg.model.router_recipe == "expected" else 1) + 1  # a head per exit, and the shortcut pass's
+    heads = (L if cfg.objective.router.recipe == "expected" else 1) + 1  # a head per exit, and the shortcut pass's
     ref = model.flops_per_token(L + len(sc), T, heads) * 2 * T
     assert abs(tr.flops / ref - 1) <= 0.01, tr.flops / ref
     cfg.train.activation_checkpointing = "loop"  # recomputation is traced: more FLOPs
@@ -132,25 +131,11 @@ def test_planned_peak_under_activation_checkpointing_matches_the_measured_step(a
     assert planned < 0.5 * pl.memory(0, "none", B, 1)["peak"]
 
 
-# the recipe whose objective keeps a state of its own, the kinds' running hard rates (objective.router_withhold_kind)
-KIND = [
-    *EXPECTED_RECIPE,
-    "objective.router_hard_weight=1",
-    "model.router_forecast=true",
-    "objective.router_hard_gate=0.9",
-    "objective.router_exit_weights=depth_label",
-    "objective.router_hard_bound=true",
-    "objective.router_withhold_kind=0.8",
-    "objective.router_withhold_kind_only=true",
-    "objective.router_hard_reference=routed",
-]
-
-
 def test_the_plan_traces_an_objective_with_a_state_of_its_own():
-    """The kind table is the objective's buffer, not the network's: the trace moves it to the meta device with the
+    """The kinds recipe's table is the objective's buffer, not the network's: the trace moves it to the meta device with the
     network and runs its update there (it failed with `not on the expected device meta`, and then on a boolean
     index, whose size a meta tensor cannot know); the planned peak still matches the measured step."""
-    cfg = load_config("tiny/base-loop-router", [*OVR, *KIND])
+    cfg = load_config("tiny/base-loop-router", [*OVR, *RECIPE["kinds"]])
     peak, _, saved = _measured(cfg)
     pl = Planner(cfg, gpu("cpu"))
     planned = pl.memory(0, "none", B, 1)

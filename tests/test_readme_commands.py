@@ -28,31 +28,6 @@ CONFIG_CMDS = {("train",), ("config", "show"), ("eval",), ("sweep",), ("plan",)}
 TAKES_PRESET = {("train",), ("config", "show"), ("plan",)}
 READS_CHECKPOINT = {("eval",), ("ablate",), ("generate",), ("export",)}
 
-# Names the docs use that the router-recipes change brings (docs/router.md: `objective.router`, the
-# `SCALE/t-loopformer-budget` and `fold/*` presets, the `fold` scale replacing `depth`). Until that change is merged
-# they do not exist here: a command naming one is checked for everything else. Once they exist,
-# test_pending_names_are_still_pending fails: delete these sets then (and RETIRING_SCALES once `depth` is gone).
-PENDING_PRESETS = {f"{s}/t-loopformer-budget" for s in ("tiny", "small", "paper")} | {"fold/kinds"}
-PENDING_PRESETS |= {f"fold/{v}" for v in VARIANTS}
-PENDING_KEYS = (
-    {"model.router_norm"}
-    | {
-        f"objective.router.{k}"
-        for k in (
-            "recipe",
-            "target_depth",
-            "balance_weight",
-            "entropy_weight",
-            "prior_weight",
-            "hard_weight",
-            "hard_gate",
-        )
-    }
-    | {"objective.router.withhold"}
-)
-PENDING_SCALES = {"fold"}
-RETIRING_SCALES = {"depth"}  # the depth-hops scale, which the fold scale replaces
-
 
 def rel(path: Path) -> str:
     return str(path.relative_to(ROOT))
@@ -115,13 +90,14 @@ def split(cmd: click.Command, argv: list[str], where: str) -> tuple[list[str], d
     return pos, vals
 
 
+def config_of(vals: dict[str, str], pos: list[str]) -> str:
+    """The config a train/plan/config show line names: `--config CONFIG`, else its first positional argument."""
+    return vals.get("config_opt") or (pos[0] if pos else "")
+
+
 COMMANDS = [(path, no, argv) for path in DOCS for no, argv in doc_commands(path)]
 KEYS = {k for k, *_ in field_docs(Config)} | set(load_config("tiny/t-loopformer").flat())
 PRESETS = set(list_presets())
-
-
-def _pending(argv: list[str]) -> bool:
-    return any(t in PENDING_PRESETS or t.partition("=")[0] in PENDING_KEYS for t in argv)
 
 
 def test_the_docs_have_tlf_commands():
@@ -135,16 +111,16 @@ def test_doc_command_names_what_exists(path, no, argv):
     where = f"{rel(path)}:{no} `tlf {' '.join(argv)}`"
     cmd_path, cmd, rest = resolve(argv)
     pos, vals = split(cmd, rest, where)
-    for preset in ([pos[0]] if cmd_path in TAKES_PRESET else []) + [vals.get("check_preset", "")]:
+    for preset in ([config_of(vals, pos)] if cmd_path in TAKES_PRESET else []) + [vals.get("check_preset", "")]:
         if preset and not preset.endswith((".yaml", ".yml")) and "$" not in preset:
-            assert preset in PRESETS | PENDING_PRESETS, f"{where}: no preset {preset!r}"
+            assert preset in PRESETS, f"{where}: no preset {preset!r}"
     if cmd_path == ("sweep",):
         assert any(p.startswith(pos[0] + "/") for p in PRESETS), f"{where}: no scale {pos[0]!r}"
     if cmd_path in CONFIG_CMDS:
         for tok in pos:
             key = tok.partition("=")[0]
             if "=" in tok and "." in key:
-                assert key in KEYS | PENDING_KEYS, f"{where}: {key} is not a config key"
+                assert key in KEYS, f"{where}: {key} is not a config key"
 
 
 def _written_and_read():
@@ -157,7 +133,7 @@ def _written_and_read():
         pos, vals = split(cmd, rest, where)
         kv = dict(t.split("=", 1) for t in pos if "=" in t)
         if cmd_path == ("train",):
-            ckpts.add(kv.get("checkpoint.dir") or "checkpoints/" + pos[0].replace("/", "-"))
+            ckpts.add(kv.get("checkpoint.dir") or "checkpoints/" + config_of(vals, pos).replace("/", "-"))
             reads += [(where, "data", kv["data.dir"])] if "data.dir" in kv else []
         if cmd_path == ("prep-data",):
             data.setdefault(vals["out"], []).append((where, sorted(rest)))
@@ -197,7 +173,7 @@ def test_cheap_doc_commands_run_as_written(tmp_path, monkeypatch):
     """`tlf data fetch-assets`, `tlf config list`, the `tlf config show` lines, then `tlf prep-data --source demo
     --out data/demo` and `tlf data inspect data/demo` in a fresh directory, exactly as the docs write them."""
     monkeypatch.chdir(tmp_path)
-    runnable = [a for _, _, a in COMMANDS if not _pending(a)]
+    runnable = [a for _, _, a in COMMANDS]
     cheap = [a for a in runnable if a[:2] in (["data", "fetch-assets"], ["config", "list"])]  # instant after set-up
     cheap += [a for a in runnable if a[:2] == ["config", "show"] and not a[2].endswith(".yaml")]
     cheap += [a for a in runnable if a[:1] == ["prep-data"] and "demo" in a and "data/demo" in a]
@@ -281,8 +257,8 @@ def _stated(pattern: str) -> list[tuple[str, int]]:
 
 
 def test_counts_stated_in_the_docs_are_the_programs():
-    scales = {p.split("/")[0] for p in PRESETS} - RETIRING_SCALES | PENDING_SCALES
-    recipe_presets = {p for p in PRESETS | PENDING_PRESETS if p.split("/")[1] not in VARIANTS}
+    scales = {p.split("/")[0] for p in PRESETS}
+    recipe_presets = {p for p in PRESETS if p.split("/")[1] not in VARIANTS}
     sweep = _run(["sweep", "tiny", "--print"]).splitlines()
     counts = {
         r"scales\b": len(scales),
@@ -303,15 +279,13 @@ def test_the_scale_and_variant_tables_are_the_configs():
     for cells in _table_rows(text, "scale"):
         scale = cells[0].strip("`")
         named.add(scale)
-        assert scale in {p.split("/")[0] for p in PRESETS} | PENDING_SCALES, f"README's scale table: no scale {scale}"
-        if scale in PENDING_SCALES or not cells[1]:
-            continue
+        assert scale in {p.split("/")[0] for p in PRESETS}, f"README's scale table: no scale {scale}"
         m = load_config(f"{scale}/base-loop")
         got = [m.model.d_model, m.model.n_heads, m.model.d_ff, f"{m.model.n_layers} × {m.model.loops}"]
         got += [m.model.block_size, m.train.global_batch_size]
         stated = [*cells[1:5], cells[5], cells[6].split()[0]]
         assert [str(x) for x in got] == stated, f"README's {scale} row {stated} vs the config {got}"
-    assert named == {p.split("/")[0] for p in PRESETS} - RETIRING_SCALES | PENDING_SCALES
+    assert named == {p.split("/")[0] for p in PRESETS}
     cond = {"none": "none", "time t": "time", "t and step Δ": "time_step"}
     rows = _table_rows(text, "variant")
     assert [c[0].strip("`") for c in rows] == list(VARIANTS)
@@ -321,17 +295,14 @@ def test_the_scale_and_variant_tables_are_the_configs():
             v.conditioning,
             *("yes" if f else "no" for f in (v.shortcut, v.router)),
         ), f"README's {name} row"
+    listed = set()
     for cells in _table_rows(text, "recipe preset"):
+        recipe = re.match(r"`(\w+)`", cells[2]).group(1)
         for preset in re.findall(r"`([\w-]+/[\w-]+)`", cells[0]):
-            assert preset in PRESETS | PENDING_PRESETS, f"README's recipe presets: no preset {preset}"
-
-
-def test_pending_names_are_still_pending():
-    """The names the router-recipes change brings do not exist yet; once they do, delete the PENDING sets above."""
-    assert not PENDING_PRESETS & PRESETS, f"exist now, remove from PENDING_PRESETS: {sorted(PENDING_PRESETS & PRESETS)}"
-    assert not PENDING_KEYS & KEYS, f"exist now, remove from PENDING_KEYS: {sorted(PENDING_KEYS & KEYS)}"
-    scales = {p.split("/")[0] for p in PRESETS}
-    assert not PENDING_SCALES & scales and RETIRING_SCALES <= scales, "the fold scale exists: empty both scale sets"
+            assert preset in PRESETS, f"README's recipe presets: no preset {preset}"
+            assert load_config(preset).objective.router.recipe == recipe, f"README's recipe presets: {preset}"
+            listed.add(preset)
+    assert listed == {p for p in PRESETS if p.split("/")[1] not in VARIANTS}, "README's recipe presets vs the configs"
 
 
 def test_the_slurm_script_is_the_same_in_the_readme_and_the_training_page():

@@ -69,13 +69,13 @@ def test_demo_and_sweep_run_through_the_one_orchestrator(monkeypatch, tmp_path):
     )
     assert r.exit_code == 0, r.output
     demo.main(["--variants", "base-loop,naive-loop-ee", "--work", str(tmp_path / "demo")])
-    (sweep, shown, fold) = plans  # the demo's fold part is the same plan on the fold task (depth presets)
+    (sweep, shown, fold) = plans  # the demo's fold part is the same plan on the fold task (fold presets)
     assert [s.args[0] for s in fold] == ["prep-data", "train", "train", "eval", "eval", "compare"]
     assert [s.title for s in fold[1:]] == [
-        "train depth/loopformer",
-        "train depth/t-loopformer",
-        "eval depth/loopformer",
-        "eval depth/t-loopformer",
+        "train fold/loopformer",
+        "train fold/t-loopformer-expected",
+        "eval fold/loopformer",
+        "eval fold/t-loopformer-expected",
         "compare",
     ]
     for stages, scale in ((sweep, "tiny"), (shown[2:], "small")):  # the demo first makes its two data sets

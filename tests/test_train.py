@@ -23,7 +23,6 @@ import torch
 
 from data_prep.shards import write_shard
 from pipeline.config import ConfigError, load_config
-from pipeline.demo import EXPECTED_RECIPE
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -324,29 +323,20 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch,
     assert rest.start_step == 3 and rest.losses == full.losses[3:]
 
 
-@pytest.mark.parametrize("recipe", ["paper", "budget", "expected", "expected hard label"])
-def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
-    from helpers import spread_router  # (here: rank scripts import this module without bench on their path)
+@pytest.mark.parametrize("recipe", ["paper", "budget", "expected", "kinds"])
+def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe, monkeypatch):
+    from helpers import RECIPE, loose_kinds, spread_router  # (rank scripts import this module without bench there)
     from pipeline.model import LoopedLM
     from pipeline.train.trainer import Trainer
 
-    # the router's hard-token target, gated by its forecast (a parameter the network gains: checkpointed, resumed)
-    gated = ["objective.router_hard_weight=1", "model.router_forecast=true", "objective.router_hard_gate=0.5"]
-    # ... and the network's loss withheld (router_exit_weights) where the kind's running hard rate (the objective's
-    # table, saved in the training state) says so, the labels read against each exit's own answers
-    label = ["objective.router_exit_weights=depth_label", "objective.router_hard_bound=true"]
-    label += [
-        "objective.router_withhold_kind=0.5",
-        "objective.router_kind_buckets=31",
-        "objective.router_kind_decay=0.5",
-    ]
-    label += ["objective.router_hard_ratio=1"]  # (labels on a near-uniform loss: hard above the mean)
-    label += ["objective.router_withhold_kind_only=true", "objective.router_hard_reference=routed"]
-    label += ["objective.router_kind_gate=true"]  # (the router's gate opened by the same table)
-    hard = [*gated, *label] if recipe.endswith("hard label") else []
+    # kinds: the router's forecast head (a parameter the network gains: checkpointed, resumed) and the kinds' table
+    # (the recipe's state, saved in the training state) that withholds the network's loss and opens the gate
+    kinds = recipe == "kinds"
+    if kinds:
+        loose_kinds(monkeypatch)
     extra = [
-        *(EXPECTED_RECIPE if recipe.startswith("expected") else [f"model.router_recipe={recipe}"]),
-        *hard,
+        *RECIPE[recipe],
+        *(["objective.router.hard_gate=0.5", "objective.router.withhold=0.5"] if kinds else []),
         "train.zero_stage=2",
         "train.grad_accum_steps=2",
         "train.global_batch_size=4",
@@ -356,18 +346,18 @@ def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe):
         "train.eval_interval=0",
     ]
 
-    def train(d, *more):  # the label recipe from a spread router, so that some answers are routed shallow
+    def train(d, *more):  # the kinds recipe from a spread router, so that some answers are routed shallow
         cfg = tiny_cfg(tmp_path / d, data, *extra, *more)
-        return Trainer.build(cfg, model=spread_router(LoopedLM(cfg.model)) if hard else None).fit()
+        return Trainer.build(cfg, model=spread_router(LoopedLM(cfg.model)) if kinds else None).fit()
 
     full = train("a")
     part = train("b", f"checkpoint.resume={tmp_path / 'a' / 'global_step3'}")
     assert part.losses == full.losses[3:]
     logged = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     withheld = [r["router/withheld"] for r in logged if "router/withheld" in r]
-    assert len(withheld) == (6 if recipe.endswith("label") else 0) and all(0 <= w <= 1 for w in withheld)
-    assert not hard or max(withheld) > 0
-    if hard:  # the resumed table has kinds below the gate (a fresh one, all 1, would withhold their answers)
+    assert len(withheld) == (6 if kinds else 0) and all(0 <= w <= 1 for w in withheld)
+    assert not kinds or max(withheld) > 0
+    if kinds:  # the resumed table has kinds below the gate (a fresh one, all 1, would withhold their answers)
         saved = torch.load(tmp_path / "a" / "global_step3" / "rank0_state.pt", weights_only=True)["objective"]
         assert 0 < float(saved["kind_rate"].min()) < 0.5
 
@@ -385,8 +375,9 @@ def test_budget_recipe_lands_on_its_target_depth(tmp_path, target):
         tiny_cfg(
             tmp_path / "run",
             data,
-            "model.router_recipe=budget",
-            f"model.router_target_depth={target}",
+            "model.router_norm=true",
+            "objective.router.recipe=budget",
+            f"objective.router.target_depth={target}",
             "schedule.max_steps=40",
             "train.eval_interval=0",
             "checkpoint.interval=0",

@@ -187,7 +187,8 @@ def test_mlflow_keys_tags_and_console_lines_are_unchanged(tmp_path, data, capsys
             "logging.experiment=k",
             "schedule.max_steps=2",
             "train.eval_interval=2",
-            "model.router_recipe=budget",
+            "model.router_norm=true",
+            "objective.router.recipe=budget",
             f"data.extra_val_dirs=[{extra}]",
         )
     )

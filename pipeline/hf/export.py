@@ -72,7 +72,7 @@ def hf_config(cfg: Config) -> dict:
         "max_position_embeddings": m.block_size,
         "bos_token_id": EOT,
         "eos_token_id": EOT,
-        "tie_word_embeddings": m.tie_embeddings,
+        "tie_word_embeddings": True,  # the LM head is tied to wte (stored once)
         "use_cache": False,
         "torch_dtype": "float32",
     }

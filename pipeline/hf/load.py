@@ -51,7 +51,7 @@ def load_any(path: str | os.PathLike, device="cpu", overrides: list[str] | tuple
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of another shape than config.json gives
         raise ConfigError(f"{f}: weights do not match its config.json ({str(e).splitlines()[-1].strip()})") from None
-    missing = [k for k in missing if k != "lm_head.weight" or not cfg.model.tie_embeddings]
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte
     if missing or unexpected:
         raise ConfigError(f"{f}: weights do not match config.json (missing {missing[:5]}, unexpected {unexpected[:5]})")
     return model.to(device).eval(), cfg

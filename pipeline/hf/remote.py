@@ -1,7 +1,7 @@
 # The `transformers` wrapper of the exported modelling file. NOT imported by tlf: pipeline.hf.export appends this
 # text to tlf's model source (pipeline/model/*.py with their tlf imports removed), so the file it writes,
 # modeling_tlf.py, is self-contained and its math is tlf's by construction. Names used here but not defined
-# (LoopedLM, FourierEmbedding, math, torch, F) come from that bundled source.
+# (LoopedLM, FourierEmbedding, FOURIER_MAX_PERIOD, math, torch, F) come from that bundled source.
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -24,8 +24,8 @@ class TLFConfig(PretrainedConfig):
         loops = kw.pop("loops", None)  # config.json's `loops` is L; its `loops_budget` M wins when both are there
         self.loops_budget = loops_budget if loops_budget is not None else loops  # default budget M (None: M = L)
         # tied: lm_head.weight is not in the file and transformers ties it to wte after loading (post_init,
-        # from_pretrained), so fine-tuning trains one matrix, as tlf does. Exports before this stored a copy (False).
-        kw.setdefault("tie_word_embeddings", bool(self.tlf_model.get("tie_embeddings", False)))
+        # from_pretrained), so fine-tuning trains one matrix, as tlf does (config.json says so)
+        kw.setdefault("tie_word_embeddings", True)
         super().__init__(**kw)
 
     def __setattr__(self, key, value):
@@ -57,7 +57,7 @@ class TLFPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         if isinstance(module, FourierEmbedding):  # the non-persistent frequency buffer is not in the weights
             half = module.freqs.numel()
-            mp = self.config.tlf_model["fourier_max_period"]
+            mp = FOURIER_MAX_PERIOD
             module.freqs = torch.exp(-math.log(mp) * torch.arange(half, dtype=torch.float32) / half)
 
 

@@ -102,7 +102,7 @@ def head_objective(
     token's weight on the full pass's cross-entropy (differentiable; module doc). Returns the differentiable
     loss () and its detached parts (3,) fp32: loss_L (unweighted), loss_S, loss_align (0 where absent). rows (with
     weight): also each token's full-pass cross-entropy (B, T) fp32, detached, 0 where ignored (the expected recipe's
-    per-exit losses, which objective.router_hard_weight reads)."""
+    per-exit losses, which a router recipe's hard-token target reads)."""
     assert weight is not None or not rows, "rows: the per-token losses are kept only with weights"
     cdt = _compute_dtype(hf)
     chunk = int(chunk or rows_per_chunk(W.shape[0], W.device.type))
@@ -125,7 +125,7 @@ def head_objective(
 def head_rows(hf: torch.Tensor, W: torch.Tensor, targets: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """Each token's cross-entropy (B, T) fp32, 0 where ignored, no gradient: the values `head_objective(...,
     rows=True)` returns for the same states (the same chunks, dtypes and operations), without its gradients'
-    matmuls (objective.router_exit_weights=depth_label reads them before the weighted heads run)."""
+    matmuls (the kinds recipe reads them before the weighted heads run)."""
     B, T, d = hf.shape
     chunk = int(chunk or rows_per_chunk(W.shape[0], W.device.type))
     cdt = _compute_dtype(hf)

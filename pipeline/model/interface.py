@@ -50,15 +50,16 @@ class LoopedNetwork(Protocol):
     cfg: ModelConfig  # the network's settings (loops L, block_size, conditioning, ...)
     wte: nn.Embedding  # (V, d) token embedding; its weight's dtype and device are the model's
     lm_head: nn.Module  # (V, d) output projection, tied to wte by default; lm_head(hf, targets, ...): fused losses
-    router: nn.Module | None  # the token-choice router (None without one); router.aux_loss: its own loss's terms
+    router: nn.Module | None  # the token-choice router (None without one): fc1, fc2, hard_forecast (the recipes')
     layers: nn.Module  # the shared block (J layers, run once per loop by `loop`); its layers' attn shapes, kv()
 
     def embed(self, idx: torch.Tensor, pos_offset: int | torch.Tensor = 0) -> torch.Tensor:
         """h0 (B, T, d) for tokens idx (B, T) starting at position pos_offset (an int or one per row)."""
         ...
 
-    def route(self, h0: torch.Tensor, router: bool = True) -> RouterOutput | None:
-        """The router's output for h0, or None (no router, or router=False: every token runs the budget)."""
+    def route(self, h0: torch.Tensor, router: bool = True, detach: bool = False) -> RouterOutput | None:
+        """The router's output for h0, or None (no router, or router=False: every token runs the budget); detach:
+        the router reads sg(h0)."""
         ...
 
     def modulation_tables(self, delta: torch.Tensor) -> list[torch.Tensor] | None:

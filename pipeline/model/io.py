@@ -36,7 +36,7 @@ def have_safetensors() -> bool:
 
 def state_for_export(model: LoopedLM) -> dict[str, torch.Tensor]:
     """fp32 CPU copies of the weights, contiguous and unshared (the tied lm_head is left out)."""
-    skip = {"lm_head.weight"} if model.cfg.tie_embeddings else set()
+    skip = {"lm_head.weight"}  # tied to wte
     return {k: v.detach().float().cpu().contiguous().clone() for k, v in model.state_dict().items() if k not in skip}
 
 
@@ -123,7 +123,7 @@ def load_model(
             f"{f}: {len(bad)} of {len(state)} weight tensors hold NaN or inf (first: {bad[0]}); the "
             "run diverged or the file is corrupt: use an earlier checkpoint"
         )
-    missing = [k for k in missing if k != "lm_head.weight" or not cfg.model.tie_embeddings]
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte
     if missing or unexpected:
         raise ConfigError(
             f"{f}: weights do not match its config.yaml (missing {missing[:5]}, unexpected {unexpected[:5]})"

@@ -16,10 +16,14 @@ import torch.nn.functional as F
 from pipeline.config import ModelConfig
 
 
+NORM_EPS = 1e-5  # RMSNorm's epsilon
+FOURIER_MAX_PERIOD = 10000.0  # the longest period of the time/step embeddings' Fourier features
+
+
 class RMSNorm(nn.Module):
     """RMSNorm; `affine=False` inside modulated blocks (the modulator's gamma scales instead)."""
 
-    def __init__(self, d: int, eps: float, affine: bool = True):
+    def __init__(self, d: int, affine: bool = True, eps: float = NORM_EPS):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d)) if affine else None
@@ -30,9 +34,9 @@ class RMSNorm(nn.Module):
 
 
 class FourierEmbedding(nn.Module):
-    """phi(s): 256 sinusoidal features (cos, sin; max period 10000) then Linear-SiLU-Linear to d."""
+    """phi(s): `dim` sinusoidal features (cos, sin; max period FOURIER_MAX_PERIOD) then Linear-SiLU-Linear to d."""
 
-    def __init__(self, d: int, dim: int, max_period: float):
+    def __init__(self, d: int, dim: int, max_period: float = FOURIER_MAX_PERIOD):
         super().__init__()
         half = dim // 2
         freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32) / half)
@@ -142,9 +146,9 @@ class Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, modulated: bool):
         super().__init__()
         self.modulated = modulated
-        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps, affine=not modulated)
+        self.norm1 = RMSNorm(cfg.d_model, affine=not modulated)
         self.attn = Attention(cfg)
-        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps, affine=not modulated)
+        self.norm2 = RMSNorm(cfg.d_model, affine=not modulated)
         self.mlp = MLP(cfg)
         if modulated:
             self.modulator = nn.Sequential(nn.SiLU(), nn.Linear(cfg.d_model, 4 * cfg.d_model))

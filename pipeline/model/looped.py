@@ -17,9 +17,10 @@ merge); they differ only in which states they hand it.
 
 The network computes passes, not losses: `forward` returns each pass's logits (or, with logits=False, only the
 final-normed states the fused head takes), depths and the router's output. The training objective (both passes'
-losses, the alignment, the router's auxiliary loss) is `pipeline.train.objective.Objective`, which wraps this
+losses, the alignment, the router recipe's terms) is `pipeline.train.objective.Objective`, which wraps this
 module; it asks for the shortcut pass by passing its schedule (`shortcut=`), so both passes share h0, the router
-output and one host read of the active counts.
+output and one host read of the active counts, and for the recipe's way of training the router by the call's
+arguments (`ste`, `detach`, `exits`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from pipeline.model.head_loss import LMHead
 from pipeline.model.layers import FourierEmbedding, Layer, RMSNorm, RowMod, SharedBlock
 from pipeline.model.router import Router, RouterOutput
 from pipeline.model.schedule import table_index, time_table, uniform
+
+INIT_STD = 0.02  # std of the normal init (residual projections scaled by 1/sqrt(2*J*L)); the router's recipe may
+# give the router its own (pipeline/train/recipes)
 
 
 def active_counts(depth: torch.Tensor, M: int) -> np.ndarray:
@@ -81,38 +85,6 @@ class _StraightThrough(torch.autograd.Function):
         (delta,) = ctx.saved_tensors
         gs = torch.linalg.vecdot(g, delta)[..., None] if ctx.needs_input_grad[2] else None  # (B, Tm, 1)
         return None, g, gs
-
-
-class _KeyStraightThrough(torch.autograd.Function):
-    """The straight-through factor on a loop's attention values, v * (1 + s - sg(s)) for v (N, H, S, hd) and the
-    states' continue probabilities s (N, 1, S, 1): the value is v itself, v gets the incoming gradient unchanged
-    and s the projection sum_{H, hd} g * v, i.e. how much the loop's queries used each state as a key. Without
-    it a token's p(i) hears only about its own update in loop i, never that others read it there."""
-
-    @staticmethod
-    def forward(ctx, v, s):
-        ctx.save_for_backward(v)
-        return v.view_as(v)
-
-    @staticmethod
-    def backward(ctx, g):
-        (v,) = ctx.saved_tensors
-        gs = (g * v).sum((1, 3), keepdim=True) if ctx.needs_input_grad[1] else None  # (N, 1, S, 1)
-        return g, gs
-
-
-def _key_ste_attend(s: torch.Tensor, mask: torch.Tensor | None):
-    """An attention override (q, k, v) -> y that runs SDPA (causal, or `mask`) with `_KeyStraightThrough` on v;
-    s (N, S) the states' continue probabilities."""
-    s = s[:, None, :, None]
-
-    def attend(q, k, v):
-        v = _KeyStraightThrough.apply(v, s.to(v.dtype))
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-    return attend
 
 
 class _MaskHooks:
@@ -172,31 +144,22 @@ class LoopedLM(nn.Module):
         modulated = cfg.conditioning != "none"
         self.layers = SharedBlock(Layer(cfg, modulated) for _ in range(cfg.n_layers))  # Phi_J, one loop
         if modulated:
-            self.phi_t = FourierEmbedding(d, cfg.fourier_dim, cfg.fourier_max_period)
+            self.phi_t = FourierEmbedding(d, cfg.fourier_dim)
         if cfg.conditioning == "time_step":
-            self.phi_dt = FourierEmbedding(d, cfg.fourier_dim, cfg.fourier_max_period)
+            self.phi_dt = FourierEmbedding(d, cfg.fourier_dim)
         self.router = (
-            Router(
-                d,
-                cfg.router_hidden or max(d // 4, 1),
-                cfg.loops,
-                cfg.router_recipe,
-                cfg.router_target_depth,
-                cfg.router_init_std,
-                cfg.router_forecast,
-            )
+            Router(d, max(d // 4, 1), cfg.loops, norm=cfg.router_norm, forecast=cfg.router_forecast)
             if cfg.router
             else None
         )
-        self.norm_f = RMSNorm(d, cfg.norm_eps, affine=True)
+        self.norm_f = RMSNorm(d, affine=True)
         self.lm_head = LMHead(d, cfg.vocab_size)  # (V, d); also computes the fused objective (head_loss.py)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.wte.weight
+        self.lm_head.weight = self.wte.weight  # tied to the token embedding
         self._init_weights()
 
     # ------------------------------------------------------------------------------------------ init
     def _init_weights(self) -> None:
-        std, cfg = self.cfg.init_std, self.cfg
+        std, cfg = INIT_STD, self.cfg
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 nn.init.zeros_(p) if name.endswith("bias") else None
@@ -215,8 +178,8 @@ class LoopedLM(nn.Module):
                 nn.init.zeros_(layer.modulator[1].bias)
                 with torch.no_grad():
                     layer.modulator[1].bias[: 2 * cfg.d_model].fill_(cfg.gate_init)
-        if self.router is not None:
-            self.router.reset_parameters()  # the budget recipe's defined init; a no-op for the paper recipe
+        if self.router is not None and self.router.forecast is not None:  # every forecast 1/2 at init
+            nn.init.zeros_(self.router.forecast.weight)
 
     # -------------------------------------------------------------------------------- conditioning
     def modulation_tables(self, delta: torch.Tensor) -> list[torch.Tensor] | None:
@@ -265,7 +228,6 @@ class LoopedLM(nn.Module):
         cont: torch.Tensor | None = None,
         active: torch.Tensor | None = None,
         by_index: bool = True,
-        ste_keys: bool = False,
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Loop i of a pass of budget M on the states h (N, S, d) that a caller chose for it (a row's compacted
@@ -276,14 +238,10 @@ class LoopedLM(nn.Module):
         probability p(i) of each state, for the router's straight-through estimator (None: none; loop 1's is the
         identity). active (N, S) bool: the states that take the loop's output; the others (exited tokens, tail
         padding of a compaction) leave it unchanged (None: all take it). by_index=False gathers the modulation
-        rows per token (the dense reference). ste_keys: the straight-through factor also on the states' attention
-        values (`_KeyStraightThrough`; needs cont and no `attends`). keep (N, S) bool: states that stay keys and
-        values through their frozen state at every layer (exited tokens under model.exited_keys=frozen, on the
-        dense path and the decoder's prefill). Returns the states after the loop (N, S, d)."""
+        rows per token (the dense reference). keep (N, S) bool: states that stay keys and values through their
+        frozen state at every layer (exited tokens under model.exited_keys=frozen, on the dense path and the
+        decoder's prefill). Returns the states after the loop (N, S, d)."""
         mods = self.loop_mods(tables, i, M, depth, by_index)
-        if ste_keys and cont is not None and i > 1:
-            assert attends is None, "the key straight-through factor runs its own attention (no KV-cache hooks)"
-            attends = [_key_ste_attend(cont, mask)] * len(self.layers)
         out = self.layers(h, mods, mask, attends, keep)  # (N, S, d)
         if cont is not None and i > 1:  # p(1) is the constant 1
             out = _StraightThrough.apply(h, out, cont.to(out.dtype)[..., None])
@@ -299,7 +257,6 @@ class LoopedLM(nn.Module):
         hooks=None,
         counts: np.ndarray | None = None,
         gather_scatter: bool | None = None,
-        ste_keys: bool = False,
         collect: list | None = None,
     ) -> torch.Tensor:
         """Runs M = len(delta) loops from h0 (B, T, d). depth (B, T) in 0..M (0: a token that runs no loop,
@@ -310,9 +267,8 @@ class LoopedLM(nn.Module):
         compacted active tokens (None: no compaction) and n (B,) numpy int64 the |A_i| of each row; hooks force
         the gather-scatter path. counts: (B, >= M) numpy int64 |A_i| of each row and loop (`active_counts`), or
         None to read them here: the pass's only host sync. gather_scatter: compact the active tokens (default
-        `cfg.gather_scatter`) or run the dense masked reference. ste_keys: the straight-through factor
-        also on each loop's attention values (`LoopedLM.loop`). collect: a list that gets the states after each
-        loop (B, T, d) appended (the expected recipe's exits). Returns the final states (B, T, d); exited
+        `cfg.gather_scatter`) or run the dense masked reference. collect: a list that gets the states after each
+        loop (B, T, d) appended (the exits of `forward(exits=True)`). Returns the final states (B, T, d); exited
         tokens keep their last state. Each loop is `loop`; this method only chooses its active states."""
         M = delta.numel()
         tables = self.modulation_tables(delta) if tables is None else tables
@@ -328,26 +284,26 @@ class LoopedLM(nn.Module):
                 n = np.full(B, T, dtype=np.int64)
                 h = self.loop(h, i, M, tables, attends=self._attends(hooks, i, None, n))
             elif not compact:  # the dense reference (never with hooks)
-                h = self._masked_loop(h, i, M, tables, depth, p, ste_keys)
+                h = self._masked_loop(h, i, M, tables, depth, p)
             else:
                 n = counts[:, i - 1]  # (B,) |A_i| per row, on the host
                 if int(n.max()) == 0:
                     break
-                h = self._compacted_loop(h, i, M, tables, depth, p, n, hooks, ste_keys)
+                h = self._compacted_loop(h, i, M, tables, depth, p, n, hooks)
             if hooks is not None:
                 hooks.loop_done(i, n)
             if collect is not None:
                 collect.append(h)
         return h
 
-    def _compacted_loop(self, h, i, M, tables, depth, cont, n: np.ndarray, hooks, ste_keys=False) -> torch.Tensor:
+    def _compacted_loop(self, h, i, M, tables, depth, cont, n: np.ndarray, hooks) -> torch.Tensor:
         """Loop i on each row's active tokens (depth >= i) of h (B, T, d), compacted in position order to the
         front of a (B, Tm, d) tensor (Tm = max n, n (B,) the rows' |A_i| on the host; shorter rows padded at the
         tail, so plain causal attention never lets a real query see a pad), then scattered back."""
         B, T, d = h.shape
         if int(n.min()) == T:  # every token active (always so in loop 1): nothing to compact
             attends = self._attends(hooks, i, None, n)
-            return self.loop(h, i, M, tables, depth, attends=attends, cont=cont, ste_keys=ste_keys)
+            return self.loop(h, i, M, tables, depth, attends=attends, cont=cont)
         Tm = int(n.max())
         order = torch.sort((~(depth >= i)).to(torch.uint8), dim=1, stable=True).indices[:, :Tm]  # (B, Tm)
         gidx = order[..., None].expand(B, Tm, d)
@@ -367,7 +323,6 @@ class LoopedLM(nn.Module):
             attends=attends,
             cont=None if cont is None else cont.gather(1, order),
             active=real,
-            ste_keys=ste_keys,
         )
         return h.scatter(1, gidx, out)
 
@@ -391,19 +346,18 @@ class LoopedLM(nn.Module):
 
         return [partial(attend, layer, None if mods is None else mods[j]) for j, layer in enumerate(self.layers)]
 
-    def _masked_loop(self, h, i, M, tables, depth, cont, ste_keys=False) -> torch.Tensor:
+    def _masked_loop(self, h, i, M, tables, depth, cont) -> torch.Tensor:
         """The dense reference of loop i: every token of h (B, T, d) computed; query tau attends key tau' iff
         tau' <= tau and tau' in A_i (or tau' = tau), or, with model.exited_keys=frozen, every tau' <= tau, the
         exited ones through their frozen state; only active tokens take the output."""
         T = h.shape[1]
         active = depth >= i  # (B, T)
         if self.cfg.exited_keys == "frozen":  # causal over every token; exited states held at every layer
-            assert not ste_keys, "the key factor needs model.exited_keys=drop (config validation)"
             return self.loop(h, i, M, tables, depth, cont=cont, active=active, by_index=False, keep=~active)
         causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
         eye = torch.eye(T, dtype=torch.bool, device=h.device)
         mask = ((causal[None] & active[:, None, :]) | eye[None])[:, None]  # (B, 1, T, T)
-        return self.loop(h, i, M, tables, depth, mask=mask, cont=cont, active=active, by_index=False, ste_keys=ste_keys)
+        return self.loop(h, i, M, tables, depth, mask=mask, cont=cont, active=active, by_index=False)
 
     def _attends(self, hooks, i: int, order, n) -> list | None:
         return None if hooks is None else [hooks.attend(i, j, order, n) for j in range(len(self.layers))]
@@ -420,13 +374,13 @@ class LoopedLM(nn.Module):
         pos = torch.arange(pos_offset, pos_offset + T, device=idx.device)
         return self.wte(idx) + self.wpe(pos)[None]
 
-    def route(self, h0: torch.Tensor, router: bool = True) -> RouterOutput | None:
+    def route(self, h0: torch.Tensor, router: bool = True, detach: bool = False) -> RouterOutput | None:
         """The router's output for h0 (B, T, d), or None without a router or with router=False (every token
-        then runs the whole budget: with the same weights, t-loopformer becomes loopformer). With
-        model.router_detach the router reads sg(h0): its gradients stop at the router."""
+        then runs the whole budget: with the same weights, t-loopformer becomes loopformer). detach: the router
+        reads sg(h0), so its gradients stop at the router (values unchanged)."""
         if self.router is None or not router:
             return None
-        return self.router(h0.detach() if self.cfg.router_detach else h0)
+        return self.router(h0.detach() if detach else h0)
 
     def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hf = self.norm_f(h)
@@ -442,19 +396,17 @@ class LoopedLM(nn.Module):
         gather_scatter: bool | None = None,
         hooks=None,
         ste: bool = False,
-        ste_log: bool = False,
-        ste_keys: bool = False,
         collect: list | None = None,
     ):
         """One pass with schedule delta (budget M = len(delta)) from h0 (B, T, d): returns the final states
         before the norm (B, T, d) and the per-token depth (B, T) int64 in 1..M (all M without a router).
         counts: `active_counts` of a depth map of budget >= M from the same router output (None: read here).
         threshold: the router's exit threshold (default `cfg.router_threshold`); gather_scatter and hooks as
-        run_loops; ste: the router's straight-through estimator on each loop's update (gradients only), on log p(i)
-        with ste_log, and with ste_keys on each loop's attention values too; collect as run_loops takes it."""
+        run_loops; ste: the router's straight-through estimator on each loop's update (gradients only); collect as
+        run_loops takes it."""
         M = delta.numel()
         depth = None if r is None else r.depth(M, self._theta(threshold))
-        cont = None if (r is None or not ste) else (r.log_cont if ste_log else r.cont)
+        cont = None if (r is None or not ste) else r.cont
         h = self.run_loops(
             h0,
             delta,
@@ -463,7 +415,6 @@ class LoopedLM(nn.Module):
             counts=counts,
             gather_scatter=gather_scatter,
             hooks=hooks,
-            ste_keys=ste_keys,
             collect=collect,
         )
         if depth is None:
@@ -496,8 +447,8 @@ class LoopedLM(nn.Module):
         hooks = None if mask is None else _MaskHooks(mask)
         return self.final_states(h0, self.route(h0, router), uniform(M), threshold=threshold, hooks=hooks)
 
-    def _pass(self, h0, r: RouterOutput | None, delta, counts, threshold, gs, logits, ste: dict) -> PassOutput:
-        h, depth = self.final_states(h0, r, delta, counts, threshold, gs, **ste)
+    def _pass(self, h0, r: RouterOutput | None, delta, counts, threshold, gs, logits, **kw) -> PassOutput:
+        h, depth = self.final_states(h0, r, delta, counts, threshold, gs, **kw)
         hf = self.norm_f(h)  # (B, T, d)
         return PassOutput(self.lm_head(hf) if logits else None, hf, depth, delta.numel())
 
@@ -512,11 +463,7 @@ class LoopedLM(nn.Module):
         threshold: float | None = None,
         gather_scatter: bool | None = None,
         ste: bool = False,
-        ste_log: bool = False,
-        ste_keys: bool = False,
-        explore: float = 0.0,
-        explore_span: int = 1,
-        explore_draw: str = "prior",
+        detach: bool = False,
         exits: bool = False,
     ) -> LoopedLMOutput:
         """idx (B, T) tokens; loops = budget M <= L (default L; elastic inference uses the uniform schedule 1/M and
@@ -527,14 +474,9 @@ class LoopedLM(nn.Module):
         are arguments of the call, never model state: router=False runs every token through the whole budget
         (the router is not consulted); threshold overrides `cfg.router_threshold`; gather_scatter overrides
         `cfg.gather_scatter` (False: the dense masked reference); ste: scale each active token's loop update by
-        1 + p(i) - sg(p(i)) so the router gets a gradient (the values are unchanged); ste_log: the same factor on
-        log p(i), 1 + log p(i) - sg(log p(i)), whose gradient on the exit logits does not vanish as p(i) -> 0;
-        ste_keys: the factor also on each active token's attention values in the loop, so p(i) hears how much the
-        loop's queries read the token (`_KeyStraightThrough`); explore: the share of tokens
-        that run a depth drawn from the router's prior instead of their own (`Router.explore`; training only,
-        the objective passes `objective.router_explore`), one draw per window of explore_span positions;
-        explore_draw "next": one loop past their own depth instead. exits: every token runs every loop of both
-        passes (the router's output is returned but sets no depth: the expected recipe's training pass), and
+        1 + p(i) - sg(p(i)) so the router gets a gradient (the values are unchanged); detach: the router reads
+        sg(h0) (gradients only); exits: every token runs every loop of both passes (the router's output is
+        returned but sets no depth: the training pass of a recipe that trains every exit), and
         `out.exits` holds the full pass's final-normed state after each loop 1..M, the last being `hidden`; with
         model.exit_schedule=prefix exit d is what a depth-d token would hold if every other token ran on too.
         Nothing here depends on `self.training`."""
@@ -543,29 +485,26 @@ class LoopedLM(nn.Module):
         assert 1 <= M <= L, f"loop budget {M} must lie in 1..{L}"
         assert shortcut is None or M == L, "a shortcut pass is run beside the full budget M = L only"
         h0 = self.embed(idx)  # (B, T, d)
-        r = self.route(h0, router)
+        r = self.route(h0, router, detach)
         if exits:
             return self._exits(h0, r, M, shortcut, logits)
-        if r is not None and explore > 0:
-            r = self.router.explore(r, explore, explore_span, explore_draw)
         gs = self.cfg.gather_scatter if gather_scatter is None else gather_scatter
         # |A_i| of every loop of both passes from one host read (the shortcut pass's are this pass's first S)
         counts = active_counts(r.depth(M, self._theta(threshold)), M) if (r is not None and gs) else None
-        ste_args = {"ste": ste, "ste_log": ste_log, "ste_keys": ste_keys}
-        full = self._pass(h0, r, uniform(M), counts, threshold, gs, logits, ste_args)
+        full = self._pass(h0, r, uniform(M), counts, threshold, gs, logits, ste=ste)
         short = None
         if shortcut is not None:
-            short = self._pass(h0, r, shortcut.double() / L, counts, threshold, gs, logits, ste_args)
+            short = self._pass(h0, r, shortcut.double() / L, counts, threshold, gs, logits, ste=ste)
         return LoopedLMOutput(full.logits, full.hidden, full.depth, full.loops, router=r, short=short)
 
     def _exits(self, h0, r: RouterOutput | None, M: int, shortcut, logits: bool) -> LoopedLMOutput:
         """`forward(exits=True)`: both passes with every token at the whole budget; the full pass's state after
         each loop, final-normed (M of (B, T, d))."""
         states = []  # the state after each loop (B, T, d), the last normed by the pass itself
-        full = self._pass(h0, None, uniform(M), None, None, None, logits, {"collect": states})
+        full = self._pass(h0, None, uniform(M), None, None, None, logits, collect=states)
         short = None
         if shortcut is not None:
-            short = self._pass(h0, None, shortcut.double() / M, None, None, None, logits, {})
+            short = self._pass(h0, None, shortcut.double() / M, None, None, None, logits)
         exits = [*(self.norm_f(h) for h in states[:-1]), full.hidden]
         return LoopedLMOutput(full.logits, full.hidden, full.depth, M, router=r, short=short, exits=exits)
 

@@ -118,7 +118,7 @@ def print_plan(p: dict) -> None:
     "--mean-depth",
     type=float,
     default=None,
-    help="Router mean depth (default: the router's prior mean, model.router_target_depth or (L+1)/2).",
+    help="Router mean depth (default: the router's prior mean, objective.router.target_depth or (L+1)/2).",
 )
 @click.option(
     "--sweep",

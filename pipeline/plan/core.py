@@ -24,19 +24,19 @@ class PlanError(ValueError):
 
 
 def default_mean_depth(cfg: Config) -> float:
-    """The router's prior mean: model.router_target_depth, or (loops + 1) / 2 when it is 0."""
-    m = cfg.model
-    return m.router_target_depth or (m.loops + 1) / 2
+    """The router's prior mean: objective.router.target_depth, or (loops + 1) / 2 when it is 0 or the recipe has
+    none."""
+    return getattr(cfg.objective.router, "target_depth", 0.0) or (cfg.model.loops + 1) / 2
 
 
 def prior_counts(cfg: Config, mean_depth: float | None) -> np.ndarray | None:
     """(1, L) |A_i| per loop of a row whose T depths follow the router's maximum-entropy prior with this mean
-    (pipeline.model.router.depth_prior); None without a router or with the expected router recipe (every token
+    (pipeline.train.recipes.depth_prior); None without a router or with a recipe that trains exits (every token
     runs every loop in training)."""
-    from pipeline.model.router import depth_prior
+    from pipeline.train.recipes import RECIPES, depth_prior
 
     m = cfg.model
-    if not m.router or m.router_recipe == "expected":
+    if not m.router or RECIPES[cfg.objective.router.recipe].exits:
         return None
     mean = default_mean_depth(cfg) if mean_depth is None else mean_depth
     if not 1.0 < mean < m.loops:

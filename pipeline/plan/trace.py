@@ -43,16 +43,11 @@ def build_model(cfg, dtype: torch.dtype):
     """`tlf train`'s model on the meta device: LoopedLM(cfg.model) in train mode, cast to the run's dtype as
     DeepSpeed's bf16 engine casts it, with cfg.train.activation_checkpointing applied by the trainer's own
     `apply_ac`."""
-    from pipeline.model import LoopedLM, router
+    from pipeline.model import LoopedLM
     from pipeline.train.ac import apply_ac
 
-    prior = router.depth_prior
-    router.depth_prior = _on_cpu(prior)  # the budget recipe's prior is found by bisection: it needs values
-    try:
-        with torch.device("meta"):
-            model = LoopedLM(cfg.model)
-    finally:
-        router.depth_prior = prior
+    with torch.device("meta"):
+        model = LoopedLM(cfg.model)
     model.to(device="meta", dtype=dtype).train()
     apply_ac(model, cfg.train.activation_checkpointing)
     return model
@@ -62,14 +57,6 @@ def build_model(cfg, dtype: torch.dtype):
 # computes shapes): logsumexp's `(x - max).exp()` of its input's size (aten's logsumexp_out_impl), used per
 # chunk by the fused heads
 SCRATCH = {torch.ops.aten.logsumexp.default: lambda x, *a, **k: x.numel() * x.element_size()}
-
-
-def _on_cpu(fn):
-    def run(*args, **kwargs):
-        with torch.device("cpu"):
-            return fn(*args, **kwargs)
-
-    return run
 
 
 class LiveBytes(TorchDispatchMode):

@@ -3,7 +3,7 @@
 asks whether it is checkpointed.
 
     loop   the shared block (all J layers, `model.layers`) is one checkpointed unit: backward keeps only each
-           loop's input and recomputes the loop (README, Training: **Activation checkpointing**)
+           loop's input and recomputes the loop (docs/training.md "Activation checkpointing and compile")
     layer  each layer is a checkpointed unit
     none   nothing changes
 

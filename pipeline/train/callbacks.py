@@ -74,7 +74,7 @@ def cuda_row() -> GPU:
 class Speed(Callback):
     """step_time_s (wall clock from the previous step's end: logging, validation and saves included),
     tokens_per_s and MFU over the executed loops and heads of the step (`trainer.work`, a StepWork;
-    model.flops_per_token; README "MFU"). The peak is `logging.peak_flops`, else on CUDA the GPU table's row for
+    model.flops_per_token; docs/training.md "MFU"). The peak is `logging.peak_flops`, else on CUDA the GPU table's row for
     this device (`hardware.this_gpu`: A100, H100, H200), else an A100's, said once at the start."""
 
     def pre_train(self) -> None:

@@ -6,7 +6,7 @@ drifting; scatter/index_add and embedding backward take their deterministic path
 benchmarking off, CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA (set before the first cuBLAS call), and on CPU one
 intra-op thread per rank: with more than one, CPU reductions split their work by thread and the summation order
 (hence the last bits of the loss) can differ from run to run. Off: nothing is changed and resume is as exact as any
-rerun (see the README), except that a run with it off in a process where an earlier run turned it on (a sweep, a
+rerun (docs/training.md "Determinism contract"), except that a run with it off in a process where an earlier run turned it on (a sweep, a
 notebook, the tests) gets back the settings that were there before: a run's behaviour is its config's alone.
 
 On CPU the contract turns off torch's filling of uninitialised memory (`torch.utils.deterministic.

@@ -449,10 +449,12 @@ def _network(cfg: Config, model=None):
     per step, `Trainer.shortcut`)."""
     from pipeline.model import LoopedLM
     from pipeline.train.ac import apply_ac
+    from pipeline.train.recipes import init_router
 
     _seed(cfg.train.seed)
     if model is None:
         model = LoopedLM(cfg.model)
+        init_router(model, cfg.objective.router)  # the router recipe's init (the paper's: the network's own)
     apply_ac(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         from pipeline.train.compile import apply_compile
