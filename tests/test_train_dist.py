@@ -19,7 +19,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train import TINY, clean_env, make_shards
-from two_ranks import launcher
 
 pytestmark = pytest.mark.slow  # real multi-process runs (`-m 'not slow'` skips them)
 
@@ -98,6 +97,8 @@ def test_two_gloo_ranks_resume_bit_exact(two_ranks):
 
 def test_tlf_train_under_the_launcher_sigterm_then_module_resume(tmp_path):
     from mlflow.tracking import MlflowClient
+
+    from bench.faults import launcher
 
     data = make_shards(tmp_path / "data", windows=20)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

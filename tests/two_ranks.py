@@ -52,22 +52,6 @@ def worker(out: str, tmp: str) -> None:
     _exit(0)
 
 
-def launcher(*args: str) -> list[str]:
-    """The real DeepSpeed launcher (`deepspeed --num_gpus 2 ...`) on a free port."""
-    from pipeline.train.ds import free_port
-
-    return [
-        sys.executable,
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(free_port()),
-        *args,
-    ]
-
-
 def shm_buffers() -> set[str]:
     """DeepSpeed's CPU all-reduce buffers in /dev/shm (one per rank of a run on one machine)."""
     return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
@@ -100,6 +84,7 @@ class TwoRanks:
 
 @pytest.fixture(scope="session")
 def two_ranks(tmp_path_factory) -> TwoRanks:
+    from bench.faults import launcher  # (bench is importable in pytest's process, not in the ranks')
     from test_reshard import one_rank_sources
     from test_train import clean_env, make_shards
 
@@ -112,7 +97,7 @@ def two_ranks(tmp_path_factory) -> TwoRanks:
     out = tmp / "out.json"
     before = shm_buffers()
     p = subprocess.run(
-        launcher("--no_local_rank", __file__, str(out), str(tmp)),
+        launcher("--no_local_rank", __file__, str(out), str(tmp)),  # the real DeepSpeed launcher
         capture_output=True,
         text=True,
         timeout=900,
