@@ -52,9 +52,9 @@ def worker(out: str, tmp: str) -> None:
     _exit(0)
 
 
-def shm_buffers() -> set[str]:
-    """DeepSpeed's CPU all-reduce buffers in /dev/shm (one per rank of a run on one machine)."""
-    return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
+def shm_buffers(port: str) -> set[str]:
+    """DeepSpeed's CPU all-reduce buffers in /dev/shm of the run on this master port (one per rank)."""
+    return {p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")}
 
 
 @dataclass
@@ -62,7 +62,7 @@ class TwoRanks:
     tmp: Path  # the parts' data and checkpoint directories
     results: list | None  # per rank: {part: {"ok": result} or {"error": traceback}}
     failure: str  # why the launcher run gave no results ("" when it did)
-    leftover_shm: set  # DeepSpeed all-reduce buffers the run left in /dev/shm
+    leftover_shm: set  # DeepSpeed all-reduce buffers the run left in /dev/shm (their names hold its port)
     one_rank: dict  # {"ok": test_reshard.one_rank_sources's result} or {"error": traceback}
 
     def sources(self) -> dict:
@@ -95,19 +95,12 @@ def two_ranks(tmp_path_factory) -> TwoRanks:
     except Exception:  # noqa: BLE001 - the reshard part then fails on its missing sources; the others still run
         one_rank = {"error": traceback.format_exc()}
     out = tmp / "out.json"
-    before = shm_buffers()
-    p = subprocess.run(
-        launcher("--no_local_rank", __file__, str(out), str(tmp)),  # the real DeepSpeed launcher
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=clean_env(),
-        cwd=tmp,
-    )
+    cmd = launcher("--no_local_rank", __file__, str(out), str(tmp))  # the real DeepSpeed launcher
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=clean_env(), cwd=tmp)
     ok = p.returncode == 0 and out.is_file()
     failure = "" if ok else f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     results = json.loads(out.read_text()) if ok else None
-    return TwoRanks(tmp, results, failure, shm_buffers() - before, one_rank)
+    return TwoRanks(tmp, results, failure, shm_buffers(cmd[cmd.index("--master_port") + 1]), one_rank)
 
 
 if __name__ == "__main__":
