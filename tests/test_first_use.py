@@ -190,11 +190,13 @@ def test_failed_starts_leave_no_empty_directories(first):
     assert not (w / "aborted").exists()
 
 
-# `tlf eval ARGS`, with Ctrl-C (SIGINT to itself) as the first perplexity set starts: after the tasks are scored
+# `tlf eval ARGS`, with Ctrl-C (SIGINT to itself) as the first perplexity set starts: after the tasks are scored.
+# SIGINT raises KeyboardInterrupt as at a terminal (a job started in the background inherits it ignored).
 CTRL_C_CHILD = """
 import os, signal, sys
 import evaluation.evaluate as ev
 from pipeline.cli import main
+signal.signal(signal.SIGINT, signal.default_int_handler)
 real = ev.perplexity
 def perplexity(*a, **kw):
     os.kill(os.getpid(), signal.SIGINT)
