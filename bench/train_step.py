@@ -10,7 +10,9 @@ checkpointing none/loop/layer.
 Each case runs in a process of its own (peak memory is its own: CUDA max allocated, or on CPU the growth of the
 process's peak RSS over the steps, i.e. gradients + optimizer state + activations), and the timed steps of all
 cases are interleaved round-robin so machine load hits every case alike; the median step time is reported.
-Before each step every case reseeds torch with the step number, so all cases draw the same shortcut schedules.
+Every step runs as a numbered step of a run (`keyed_step`): the trainer draws its shortcut schedule from
+(train.seed, step) and torch is reseeded with the step number for the router's exploration draws, so step n is the
+same in every case.
 By default the router's weights are spread so token depths cover 1..L as a trained router's do (`--router init`
 keeps the initialisation, near-uniform pi, every token about L/2 deep); the mean depth is printed.
 MFU = tokens/s x model.flops_per_token(executed loops) / --peak-flops. On CPU a step is timed by the process's

@@ -215,6 +215,22 @@ def test_bad_input_is_one_line(args, msg):
     assert r.exit_code != 0 and msg in r.output and "Traceback" not in r.output, r.output
 
 
+def test_a_bf16_plan_with_fp32_gradient_accumulation_is_one_line(tmp_path):
+    """The plan follows DeepSpeed's default for a bf16 ZeRO-1/2 run (gradients and their reduction buffers in
+    bf16, the fp32 gradient only inside the optimizer step); a template asking for fp32 accumulation takes paths
+    the plan does not model, and says so instead of planning them as the default."""
+    from pipeline.train.ds import ds_config_dir
+
+    ds = json.loads((ds_config_dir() / "zero1.json").read_text())
+    ds["data_types"] = {"grad_accum_dtype": "fp32"}
+    path = tmp_path / "zero1_fp32_accum.json"
+    path.write_text(json.dumps(ds))
+    args = ["tiny/t-loopformer", "--gpus", "1", "--gpu", "h100-80gb", "train.zero_stage=1", f"train.ds_config={path}"]
+    r = CliRunner().invoke(plan_cmd, args)
+    assert r.exit_code != 0 and "data_types.grad_accum_dtype=fp32" in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) <= 2, r.output  # the planning line, then the error
+
+
 def test_the_trace_chunks_the_heads_as_the_planned_device_does():
     """The fused heads take 32 x more rows per chunk on a GPU (head_loss.rows_per_chunk): a plan for a GPU traces
     those chunks on the meta device, a plan for the CPU host the CPU's, and the real rule is back afterwards."""

@@ -17,10 +17,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train import TINY
+from test_train import TINY, make_shards
 from test_train_dist import DIST
-
-pytestmark = pytest.mark.slow  # real multi-process runs (`-m 'not slow'` skips them)
 
 STAGES = (1, 2, 3)
 
@@ -148,6 +146,7 @@ def two_rank_part(tmp: str) -> dict:
     return res
 
 
+@pytest.mark.slow  # the shared 2-rank launcher run
 def test_planned_model_states_equal_what_deepspeed_holds_on_two_ranks(two_ranks):
     from pipeline.plan.core import Planner
     from pipeline.hardware import gpu
@@ -188,3 +187,80 @@ def test_planned_model_states_equal_what_deepspeed_holds_on_two_ranks(two_ranks)
                 + ", ".join(f"{k} {r[k]} (planned {v:.0f})" for k, v in want.items())
                 + f"; reduction bucket {r['bucket_before']}"
             )
+
+
+def _storages(tensors) -> set:
+    return {t.untyped_storage()._cdata for t in tensors if t is not None}
+
+
+def _bf16_step(engine, x, y) -> dict:
+    """One optimizer step of a bf16 ZeRO-1/2 engine, observed: the reduction buffers (setup_buckets, during
+    backward), whether any fp32 gradient exists between backward and step, the gradient partition then (bytes),
+    the fp32 gradients inside `step()` per group, and the peak of what the step allocates (LiveBytes: new
+    storages, the ones that already exist left out)."""
+    import torch
+
+    from pipeline.plan.trace import LiveBytes
+
+    opt, seen, buffers = engine.optimizer, {"fp32_grads": []}, {}
+    setup, step_group = opt.setup_buckets, opt._optimizer_step
+
+    def setup_buckets(*a, **k):  # called at every gradient; allocates at the first of a backward
+        setup(*a, **k)
+        buffers.update(
+            {t.untyped_storage()._cdata: (t.dtype, t.numel()) for b in opt.ipg_buckets.values() for t in b.buffer}
+        )
+
+    def optimizer_step(i):
+        held = [j for j, m in enumerate(opt.single_partition_of_fp32_groups) if m.grad is not None]
+        seen["fp32_grads"].append((held, opt.single_partition_of_fp32_groups[i].grad.dtype))
+        return step_group(i)
+
+    opt.setup_buckets, opt._optimizer_step = setup_buckets, optimizer_step
+    engine.backward(engine(x, y).loss)
+    seen["fp32_after_backward"] = [m.grad for m in opt.single_partition_of_fp32_groups if m.grad is not None]
+    grads = _listed(opt, "averaged_gradients")
+    seen["grads"] = _bytes(grads)
+    params = list(engine.module.parameters())
+    moments = [v for st in opt.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    live = LiveBytes()  # views of what exists (the gradients, the master partition) are not new storages
+    live._seen |= _storages(grads + params + moments + _listed(opt, "single_partition_of_fp32_groups"))
+    with live:
+        engine.step()
+    seen["step_peak"] = live.peak()
+    seen["buffers"] = list(buffers.values())
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_zero_buffers_and_optimizer_step_as_planned(stage, tmp_path):
+    """A bf16 ZeRO-1/2 engine (one process, CPU): the reduction buffers are bf16 (`_gradient_reduction_buffer_dtype`
+    is the model's dtype unless data_types.grad_accum_dtype says otherwise), and no fp32 gradient is held after
+    backward: the master partition's fp32 gradient exists inside `step()` only, one group at a time. So the plan
+    counts none at backward's peak and the optimizer step apart (`optimizer_step_bytes`: the gradient partition,
+    then the larger of the norm's fp64 copy of the largest gradient and a group's flattened gradient with its fp32
+    copy); the second step is measured (the first also creates Adam's moments, optimizer state)."""
+    import torch
+
+    from pipeline.hardware import gpu
+    from pipeline.plan.core import Planner
+    from pipeline.train.trainer import Trainer
+
+    make_shards(tmp_path / "rep", windows=4)
+    cfg = _cfg(str(tmp_path), stage)
+    for k, v in {"precision": "bf16", "micro_batch_size": 2, "global_batch_size": 2, "grad_accum_steps": 1}.items():
+        setattr(cfg.train, k, v)
+    tr = Trainer.build(cfg, callbacks=[])
+    x, y = tr.loader.next()
+    tr.engine.backward(tr.engine(x, y).loss)
+    tr.engine.step()
+    seen = _bf16_step(tr.engine, x, y)
+    plan = Planner(cfg, gpu("cpu")).memory(stage, "none", 2, 1)
+    assert {dt for dt, _ in seen["buffers"]} == {torch.bfloat16}
+    assert sum(2 * n for _, n in seen["buffers"]) == plan["reduce_buffers"] == 2 * 500_000_000 * (stage == 2) + 1e9
+    assert seen["fp32_after_backward"] == [] and seen["fp32_grads"] == [([0], torch.float32), ([1], torch.float32)]
+    P = sum(p.numel() for p in tr.engine.module.parameters())
+    pad = 2 * 2 * len(seen["fp32_grads"])  # each flat group padded to a multiple of 2 elements (stage_1_and_2.py)
+    assert plan["grads"] == 2 * P and 0 <= seen["grads"] - plan["grads"] <= pad  # one rank's partition: all, bf16
+    measured = seen["grads"] + seen["step_peak"]
+    assert 0 <= measured - plan["optimizer_step"] <= 3 * pad, (measured, plan["optimizer_step"])

@@ -19,6 +19,13 @@ from pipeline.config import ModelConfig
 NORM_EPS = 1e-5  # RMSNorm's epsilon
 FOURIER_MAX_PERIOD = 10000.0  # the longest period of the time/step embeddings' Fourier features
 
+# torch's fused RMSNorm kernel (one kernel forward, one backward; keeps x and a per-row factor for backward), where
+# this build has it for CUDA. Elsewhere F.rms_norm is composed of an fp32 upcast of x, which autograd keeps: twice
+# the bytes of a bf16 x, so there RMSNorm runs the formula, whose bytes kept for backward are the fused kernel's.
+_FUSED_RMS_NORM = hasattr(torch.ops.aten, "_fused_rms_norm") and torch._C._dispatch_has_kernel_for_dispatch_key(
+    "aten::_fused_rms_norm", "CUDA"
+)
+
 
 class RMSNorm(nn.Module):
     """RMSNorm; `affine=False` inside modulated blocks (the modulator's gamma scales instead)."""
@@ -29,6 +36,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d)) if affine else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d) -> (..., d)
+        if x.is_cuda and _FUSED_RMS_NORM:
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return y * self.weight if self.weight is not None else y
 
@@ -91,47 +100,87 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+# torch.mm(..., out_dtype=torch.float32) of bf16/fp16 operands: a CUDA kernel in recent torch versions
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
 class RowMod(NamedTuple):
     """Per-token modulation given by reference: row idx[b, t] of a (K, 4d) table (K = the distinct (depth, loop)
-    pairs of a pass). Layers scale by the picked rows without materialising (B, T, 4d) for backward."""
+    pairs of a pass). Layers scale by the picked rows without materialising (B, T, 4d) for backward. onehot:
+    idx as a (B*T, K) one-hot in the table's dtype, the operand of the table's gradient (`SharedBlock` builds
+    it once per loop for its J layers; None: built by the layer when the table needs a gradient)."""
 
     table: torch.Tensor  # (K, 4d)
     idx: torch.Tensor  # (B, T) int64 row of each token
+    onehot: torch.Tensor | None = None  # (B*T, K)
+
+
+def _one_hot(idx: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """(B*T, K): the rows idx (B, T) picks from table (K, ...) as a one-hot in the table's dtype (two kernels,
+    no host read)."""
+    flat = idx.reshape(-1, 1)
+    return torch.zeros(flat.shape[0], table.shape[0], dtype=table.dtype, device=table.device).scatter_(1, flat, 1.0)
+
+
+def _row_sums(onehot: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """(K, d) = onehot.T @ p for onehot (N, K) and p (N, d): p's rows summed per table row in one matmul,
+    accumulated in fp32 or wider (deterministic, no atomics: an index_add_ on a GPU is N*d atomic adds into the
+    few rows one loop uses). bf16/fp16 on a GPU (or the plan's meta trace of one): the matmul writes fp32 itself;
+    elsewhere they are upcast first."""
+    oh = onehot.t() if onehot.dtype == p.dtype else onehot.t().to(p.dtype)  # (K, N); autocast: p in fp32
+    if p.dtype not in (torch.float16, torch.bfloat16):
+        return oh @ p
+    if p.device.type in ("cuda", "meta") and _MM_OUT_DTYPE:
+        return torch.mm(oh, p, out_dtype=torch.float32)
+    return oh.float() @ p.float()
 
 
 class _ScaleRows(torch.autograd.Function):
-    """y = x * (c + rows[idx]) for x (B, T, d), rows (K, d), idx (B, T), c a constant (1: gamma, 0: gate).
+    """y = x * (c + r) for x (B, T, d), r = rows[idx] (B, T, d) gathered by the caller, rows (K, d), idx (B, T),
+    onehot (B*T, K) idx's one-hot (None when rows need no gradient), c 1 (gamma: x + x * r, one fused op) or 0
+    (gate).
 
-    Saves x, the small table and the index, and recomputes rows[idx] in backward: the (B, T, d) gathered rows
-    and c + rows[idx] that plain autograd would keep per token are never stored. The table's gradient is
-    accumulated in fp32 (a sum over all B*T tokens) and cast back to the table's dtype."""
+    Saves x, the small table, the index and the one-hot, and gathers rows[idx] again in backward: the (B, T, d)
+    gathered rows and c + rows[idx] that plain autograd would keep per token are never stored. The table's
+    gradient is a sum over all B*T tokens accumulated in fp32 (`_row_sums`), cast back to the table's dtype."""
 
     @staticmethod
-    def forward(ctx, x, rows, idx, c: float):
+    def forward(ctx, x, rows, r, idx, onehot, c: float):
+        assert c in (0.0, 1.0), c
         ctx.c = c
-        ctx.save_for_backward(x, rows, idx)
-        r = F.embedding(idx, rows)  # (B, T, d) = rows[idx], transient (a row copy: ~3x faster than indexing)
-        return x * (r + c) if c else x * r
+        ctx.save_for_backward(x, rows, idx, onehot)
+        return torch.addcmul(x, x, r) if c else x * r
 
     @staticmethod
     def backward(ctx, gy):
-        x, rows, idx = ctx.saved_tensors
+        x, rows, idx, onehot = ctx.saved_tensors
         gx = grows = None
         if ctx.needs_input_grad[0]:
-            r = F.embedding(idx, rows)
-            gx = gy * (r + ctx.c) if ctx.c else gy * r
-        if ctx.needs_input_grad[1]:  # index_add_: deterministic on GPUs under torch.use_deterministic_algorithms
-            acc = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)  # (K, d)
-            grows = acc.index_add_(0, idx.reshape(-1), (gy * x).reshape(-1, rows.shape[-1]).float()).to(rows.dtype)
-        return gx, grows, None, None
+            r = F.embedding(idx, rows)  # (B, T, d) = rows[idx] (a row copy: ~3x faster than indexing)
+            gx = torch.addcmul(gy, gy, r) if ctx.c else gy * r
+        if ctx.needs_input_grad[1]:
+            grows = _row_sums(onehot, (gy * x).reshape(-1, rows.shape[-1]))  # (K, d)
+            grows = grows if grows.dtype == rows.dtype else grows.to(rows.dtype)
+        return gx, grows, None, None, None, None
 
 
-def _split(mod):
-    """(a_msa, a_mlp, g_msa, g_mlp) as callables scale(x, c) -> x * (c + part) for a dense mod tensor
-    (B|1, T|1, 4d) or a RowMod."""
-    if isinstance(mod, RowMod):
-        return [lambda x, c, r=r: _ScaleRows.apply(x, r, mod.idx, c) for r in mod.table.chunk(4, dim=-1)]
-    return [lambda x, c, r=r: x * (r + c) if c else x * r for r in mod.chunk(4, dim=-1)]
+def _split(mod, parts: tuple[int, int] = (0, 4)) -> list:
+    """Scales parts[0]..parts[1]-1 of (a_msa, a_mlp, g_msa, g_mlp) as callables scale(x, c) -> x * (c + part) for a
+    dense mod tensor (B|1, T|1, 4d) or a RowMod; a RowMod's rows of all of them are gathered at once (one
+    (B, T, k*d) gather per layer, not kept for backward)."""
+    lo, hi = parts
+    if not isinstance(mod, RowMod):
+        return [lambda x, c, r=r: x * (r + c) if c else x * r for r in mod.chunk(4, dim=-1)[lo:hi]]
+    d = mod.table.shape[-1] // 4
+    table = mod.table if hi - lo == 4 else mod.table[:, lo * d : hi * d]  # (K, k*d)
+    rows = F.embedding(mod.idx, table.detach()).chunk(hi - lo, dim=-1)  # k x (B, T, d) views of one gather
+    onehot = mod.onehot
+    if onehot is None and table.requires_grad and torch.is_grad_enabled():
+        onehot = _one_hot(mod.idx, table)
+    return [
+        lambda x, c, t=t, r=r: _ScaleRows.apply(x, t, r, mod.idx, onehot, c)
+        for t, r in zip(table.chunk(hi - lo, dim=-1), rows)
+    ]
 
 
 class Layer(nn.Module):
@@ -169,7 +218,7 @@ class Layer(nn.Module):
     def kv(self, x: torch.Tensor, mod) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (B, H, T, hd) this layer's attention would project from x (B, T, d) under mod,
         without running it (decoding's ablation writes them for tokens past their depth)."""
-        a = self.norm1(x) if mod is None else _split(mod)[2](self.norm1(x), 1.0)
+        a = self.norm1(x) if mod is None else _split(mod, (2, 3))[0](self.norm1(x), 1.0)
         _, k, v = self.attn.qkv(a)
         return k, v
 
@@ -192,8 +241,25 @@ class SharedBlock(nn.ModuleList):
         every layer (exited tokens that stay keys, model.exited_keys=frozen): each layer's keys and values of
         theirs come from that frozen state."""
         h_in = h
+        mods = _one_hot_once(mods)
         for j, layer in enumerate(self):
             h = layer(h, None if mods is None else mods[j], mask, None if attends is None else attends[j])
             if keep is not None:
                 h = torch.where(keep[..., None], h_in, h)
         return h
+
+
+def _one_hot_once(mods: list | None) -> list | None:
+    """mods with each RowMod's one-hot filled in, one per index tensor: the J layers of a loop share the index,
+    so its one-hot is built and kept for backward once per loop (only where a table needs a gradient)."""
+    if mods is None or not torch.is_grad_enabled():
+        return mods
+    made, out = {}, []
+    for m in mods:
+        if isinstance(m, RowMod) and m.onehot is None and m.table.requires_grad:
+            key = (id(m.idx), m.table.shape[0], m.table.dtype)
+            if key not in made:
+                made[key] = _one_hot(m.idx, m.table)
+            m = m._replace(onehot=made[key])
+        out.append(m)
+    return out

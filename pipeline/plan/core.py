@@ -13,7 +13,7 @@ import torch
 from pipeline.config import Config, ConfigError
 from pipeline.hardware import GPU
 from pipeline.plan.trace import StepTrace, trace_step
-from pipeline.plan.zero import model_state_bytes, persistent_numel
+from pipeline.plan.zero import model_state_bytes, optimizer_step_bytes, persistent_numel
 from pipeline.train.ac import MODES
 
 GiB = 2**30
@@ -103,17 +103,33 @@ class Planner:
 
     def _zero_key(self, zero: int, ranks: int, key: str, default):
         """zero_optimization.<key> of the run's DeepSpeed config (built once per stage and world size), any type."""
+        return self._ds_config(zero, ranks).get("zero_optimization", {}).get(key, default)
+
+    def _ds_config(self, zero: int, ranks: int) -> dict:
+        """The run's DeepSpeed config at this stage and world size (`ds.build_ds_config`), built once."""
         from pipeline.train.ds import build_ds_config
 
         if (zero, ranks) not in self._zero_cfg:
             c = with_settings(self.cfg, zero_stage=zero)
             c.train.grad_accum_steps = c.train.global_batch_size // (c.train.micro_batch_size * ranks) or 1
             try:
-                zc = build_ds_config(c, ranks, "bf16" if self.bf16 else "fp32").get("zero_optimization", {})
+                ds = build_ds_config(c, ranks, "bf16" if self.bf16 else "fp32")
             except ConfigError:  # a batch that does not divide: plan() reports it; the values are DeepSpeed's defaults
-                zc = {}
-            self._zero_cfg[zero, ranks] = zc
-        return self._zero_cfg[zero, ranks].get(key, default)
+                ds = {}
+            self._zero_cfg[zero, ranks] = ds
+        return self._zero_cfg[zero, ranks]
+
+    def _check_grad_accum_dtype(self, zero: int, ranks: int) -> None:
+        """The plan follows DeepSpeed's default, gradients accumulated in the run's dtype: a bf16 run that asks for
+        fp32 (data_types.grad_accum_dtype) takes other optimizer paths (ZeRO-1: BF16_Optimizer; ZeRO-2: an fp32
+        gradient partition held from backward on), which are not planned."""
+        acc = str(self._ds_config(zero, ranks).get("data_types", {}).get("grad_accum_dtype") or "bf16")
+        if self.bf16 and acc.removeprefix("torch.") not in ("bf16", "bfloat16"):
+            raise PlanError(
+                f"{self.cfg.train.ds_config or 'the DeepSpeed template'}: data_types.grad_accum_dtype={acc} in a "
+                f"bf16 run is not planned (tlf plan models DeepSpeed's default, gradients accumulated in bf16); "
+                f"remove the key to plan this run"
+            )
 
     def _zero0_bucket(self, zero: int, ranks: int, params: int) -> int:
         """ZeRO-0's reduction: gradients flattened by buckets of at most reduce_bucket_size elements, transient;
@@ -126,20 +142,20 @@ class Planner:
         """Bytes of the gradient reduction buffers ZeRO-1/2/3 allocate whole, whatever the model's size
         (DeepSpeed's contiguous_gradients, on by default): ZeRO-1/2 `setup_buckets` (stage_1_and_2.py, at each
         backward, released after the reduction) one buffer of reduce_bucket_size elements, a second with
-        overlap_comm, in fp32 under ZeRO-1 (it stages the fp32 accumulator) and the run's dtype under ZeRO-2;
-        ZeRO-3 one of its reduce_bucket_size in the run's dtype (stage3.py, built with the optimizer, kept).
-        Equal to what a 2-rank fp32 engine allocates (tests/test_plan_zero.py); the bf16 dtypes are read from
-        DeepSpeed's source, not measured."""
+        overlap_comm; ZeRO-3 one of its reduce_bucket_size (stage3.py, built with the optimizer, kept). All in the
+        run's dtype (`_gradient_reduction_buffer_dtype`: fp32 only with an fp32 grad_accum_dtype, not planned).
+        Equal to what a 2-rank fp32 engine and a 1-rank bf16 one allocate (tests/test_plan_zero.py)."""
         if zero == 0:
             return 0
         n = self.reduce_bucket(zero, ranks)
         overlap = zero == 2 and self._zero_key(zero, ranks, "overlap_comm", False)
-        size = 4 if zero == 1 or not self.bf16 else 2
-        return int(n) * size * (2 if overlap else 1)
+        return int(n) * (2 if self.bf16 else 4) * (2 if overlap else 1)
 
     def memory(self, zero: int, ac: str, batch: int, ranks: int) -> dict:
-        """Per-GPU bytes: parts and peak."""
+        """Per-GPU bytes: parts and peak, the larger of the backward's (activations) and the optimizer step's."""
         tr = self.trace(ac, batch)
+        if zero in (1, 2):
+            self._check_grad_accum_dtype(zero, ranks)
         keep, gather = persistent_numel(
             tr.sizes, self.reduce_bucket(zero, ranks, "stage3_param_persistence_threshold", 1e5)
         )
@@ -152,12 +168,16 @@ class Planner:
         # forward + backward: activations, transients and the gradients as they appear; then ZeRO-0's reduction
         # flattens the gradients by buckets of reduce_bucket_size elements (allreduce_bucket) beside them
         step_peak = max(tr.live.peak(share), tr.grad_bytes * share + self._zero0_bucket(zero, ranks, tr.params))
-        held_fp32_grads = st["grads"] - tr.grad_bytes * share  # fp32 gradient buffers (bf16 optimizers) live all step
-        peak = st["params"] + st["optimizer"] + held_fp32_grads + ipg + step_peak
+        held_fp32_grads = st["grads"] - tr.grad_bytes * share  # fp32 gradients held all step (BF16_Optimizer, ZeRO-3)
+        backward = st["params"] + st["optimizer"] + held_fp32_grads + ipg + step_peak
+        opt_step = optimizer_step_bytes(zero, ranks, self.bf16, tr.group_sizes, tr.largest_param)
+        peak = max(backward, st["params"] + st["optimizer"] + opt_step)
         saved = sum(tr.saved.values())
         loops = {k: v for k, v in tr.saved.items() if k.startswith(("full/", "short/"))}
         return {
             "peak": peak,
+            "peak_backward": backward,
+            "optimizer_step": opt_step,
             "params": st["params"],
             "grads": st["grads"],
             "optimizer": st["optimizer"],
@@ -166,7 +186,7 @@ class Planner:
             "activations_per_loop": loops,
             "embed_router": tr.saved.get("embed+router", 0),
             "heads": tr.saved.get("heads+losses", 0),
-            "transient": peak - st["params"] - st["optimizer"] - st["grads"] - ipg - saved,
+            "transient": backward - st["params"] - st["optimizer"] - st["grads"] - ipg - saved,
             "fits": peak <= self.hw.memory,
             "headroom": self.hw.memory - peak,
         }
@@ -182,12 +202,12 @@ class Planner:
         peak = lambda b: self.memory(zero, ac, b, ranks)["peak"]
         fits = lambda b: peak(b) <= self.hw.memory
         limit = max(MAX_MICRO_BATCH, self.cfg.train.global_batch_size // ranks)
-        p1 = peak(1)
-        if p1 > self.hw.memory:
+        m1 = self.memory(zero, ac, 1, ranks)
+        if m1["peak"] > self.hw.memory:
             return 0
         t1, t2 = self.trace(ac, 1), self.trace(ac, 2)
         a1, a2 = t1.live.peak(share), t2.live.peak(share)
-        other = p1 - max(a1, t1.grad_bytes * share + self._zero0_bucket(zero, ranks, t1.params))  # the states
+        other = m1["peak_backward"] - max(a1, t1.grad_bytes * share + self._zero0_bucket(zero, ranks, t1.params))
         slope = max(a2 - a1, sum(t2.saved.values()) - sum(t1.saved.values()), 1.0)
         guess = min(limit, max(1, int(1 + (self.hw.memory - other - a1) // slope)))
         if fits(guess):

@@ -159,6 +159,7 @@ class StepTrace:
     saved: dict = field(default_factory=dict)  # label -> bytes kept for backward
     flops: float = 0.0  # the step's forward + backward FLOPs (recomputation included)
     sizes: tuple = ()  # numel of every parameter tensor (ZeRO-3 keeps the small ones whole: zero.py)
+    group_sizes: tuple = ()  # numel of each of the optimizer's parameter groups (`LoopedLM.param_groups`)
 
 
 def trace_step(
@@ -213,6 +214,7 @@ def trace_step(
         params=sum(p.numel() for p in params),
         largest_param=max(p.numel() for p in params),
         sizes=tuple(p.numel() for p in params),
+        group_sizes=tuple(sum(p.numel() for p in g["params"]) for g in model.param_groups(cfg.optim.weight_decay)),
         grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
         live=live,
         saved=dict(saved.by_label),
