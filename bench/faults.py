@@ -175,23 +175,23 @@ def _start(args: list[str], **extra) -> subprocess.Popen:
     return _popen([sys.executable, "-c", CHILD, *args], **extra)
 
 
+def launcher(*args: str) -> list[str]:
+    """The DeepSpeed launcher's command for 2 local ranks on a free port (as `deepspeed --num_gpus 2 ARGS`)."""
+    return [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        *args,
+    ]
+
+
 def _start_dist(child: Path, args: list[str], **extra) -> subprocess.Popen:
-    """CHILD as 2 gloo ranks under the DeepSpeed launcher (as `deepspeed --num_gpus 2 ...`), in one process group."""
-    return _popen(
-        [
-            sys.executable,
-            "-m",
-            "deepspeed.launcher.runner",
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "--no_local_rank",
-            str(child),
-            *args,
-        ],
-        **extra,
-    )
+    """CHILD as 2 gloo ranks under the DeepSpeed launcher, in one process group."""
+    return _popen(launcher("--no_local_rank", str(child), *args), **extra)
 
 
 def _finish(p: subprocess.Popen) -> dict:

@@ -6,22 +6,19 @@ up to DeepSpeed's alignment padding. Gradients are measured where they are held:
 backward starts (ZeRO-1: the full gradients) and after it (ZeRO-2/3: the rank's partition); parameters and optimizer
 state after the step.
 
-This file is also the worker script: `deepspeed --no_local_rank --num_gpus 2 tests/test_plan_zero.py OUT DATA TMP`.
+The engines are built and measured in part "plan_zero" of the shared launcher run (tests/two_ranks.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train import TINY, clean_env, make_shards
-from test_train_dist import DIST, _launcher
+from test_train import TINY, make_shards
+from test_train_dist import DIST
 
 STAGES = (1, 2, 3)
 
@@ -99,7 +96,7 @@ def _before_reduction(engine) -> dict:
     return before
 
 
-def _cfg(tmp: str, data: str, stage: int):
+def _cfg(tmp: str, stage: int):
     from pipeline.config import load_config
 
     return load_config(
@@ -107,8 +104,8 @@ def _cfg(tmp: str, data: str, stage: int):
         TINY
         + DIST
         + [
-            f"data.dir={data}",
-            f"checkpoint.dir={tmp}/z{stage}",
+            f"data.dir={tmp}/rep",
+            f"checkpoint.dir={tmp}/plan_z{stage}",
             f"train.zero_stage={stage}",
             "schedule.max_steps=1",
             "checkpoint.interval=0",
@@ -117,15 +114,13 @@ def _cfg(tmp: str, data: str, stage: int):
     )
 
 
-def worker(out: str, data: str, tmp: str) -> None:
-    import torch
-
-    from pipeline.train.cli import _exit
+def two_rank_part(tmp: str) -> dict:
+    """Each rank's part of the shared 2-rank run: an engine per ZeRO stage, one step each, its bytes by role."""
     from pipeline.train.trainer import Trainer
 
     res = {}
     for stage in STAGES:
-        tr = Trainer.build(_cfg(tmp, data, stage), callbacks=[])
+        tr = Trainer.build(_cfg(tmp, stage), callbacks=[])
         engine = tr.engine
         x, y = tr.loader.next()
         before = _before_reduction(engine)
@@ -148,30 +143,16 @@ def worker(out: str, data: str, tmp: str) -> None:
             sizes=sorted(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
         )
         res[stage] = r
-    both = [None, None]
-    torch.distributed.all_gather_object(both, res)
-    if int(os.environ["RANK"]) == 0:
-        Path(out).write_text(json.dumps(both))
-    _exit(0)
+    return res
 
 
-def test_planned_model_states_equal_what_deepspeed_holds_on_two_ranks(tmp_path):
+@pytest.mark.slow  # the shared 2-rank launcher run
+def test_planned_model_states_equal_what_deepspeed_holds_on_two_ranks(two_ranks):
     from pipeline.plan.core import Planner
     from pipeline.hardware import gpu
 
-    data = make_shards(tmp_path / "data", windows=4)
-    out = tmp_path / "out.json"
-    p = subprocess.run(
-        _launcher("--no_local_rank", __file__, str(out), str(data), str(tmp_path / "ck")),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=clean_env(),
-        cwd=tmp_path,
-    )
-    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
-    both = json.loads(out.read_text())
-    cfg = _cfg(str(tmp_path / "ck"), str(data), 1)
+    both = two_ranks.part("plan_zero")  # per rank, by stage (JSON: the keys are strings)
+    cfg = _cfg(str(two_ranks.tmp), 1)
     pl = Planner(cfg, gpu("cpu"))  # fp32, as the gloo ranks ran
     for stage in STAGES:
         plan = pl.memory(stage, "none", 2, 2)
@@ -265,8 +246,8 @@ def test_bf16_zero_buffers_and_optimizer_step_as_planned(stage, tmp_path):
     from pipeline.plan.core import Planner
     from pipeline.train.trainer import Trainer
 
-    data = make_shards(tmp_path / "data", windows=4)
-    cfg = _cfg(str(tmp_path / "ck"), str(data), stage)
+    make_shards(tmp_path / "rep", windows=4)
+    cfg = _cfg(str(tmp_path), stage)
     for k, v in {"precision": "bf16", "micro_batch_size": 2, "global_batch_size": 2, "grad_accum_steps": 1}.items():
         setattr(cfg.train, k, v)
     tr = Trainer.build(cfg, callbacks=[])
@@ -283,7 +264,3 @@ def test_bf16_zero_buffers_and_optimizer_step_as_planned(stage, tmp_path):
     assert plan["grads"] == 2 * P and 0 <= seen["grads"] - plan["grads"] <= pad  # one rank's partition: all, bf16
     measured = seen["grads"] + seen["step_peak"]
     assert 0 <= measured - plan["optimizer_step"] <= 3 * pad, (measured, plan["optimizer_step"])
-
-
-if __name__ == "__main__":
-    worker(*sys.argv[1:])

@@ -9,20 +9,22 @@ on one (the resumed run's grad-accum adapts). The models draw a random shortcut 
 ZeRO-0 <-> 3 pair, tiny/loopformer for 1 <-> 2): one per optimizer step keyed to (train.seed, step), so the runs
 differ only by the order of fp32 sums.
 
-This file is also the worker script: `deepspeed --no_local_rank --num_gpus 2 tests/test_reshard.py OUT DATA TMP`.
+The 2-rank runs are part "reshard" of the shared launcher run (tests/two_ranks.py), whose 1-rank sources
+(`one_rank_sources`) are made before it starts; their checkpoints also serve test_train_dist.py's bit-exact 2-rank
+resume.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train import TINY, clean_env, make_shards
-from test_train_dist import _launcher
+from test_train import TINY, make_shards
+
+pytestmark = pytest.mark.slow  # real multi-process runs (`-m 'not slow'` skips them)
 
 PAIRS = {0: 3, 1: 2}  # 1 rank ZeRO-s <-> 2 ranks ZeRO-PAIRS[s]: a world-size and a stage change in each resume
 STAGES = {"one": tuple(PAIRS), "two": tuple(PAIRS.values())}  # the uninterrupted runs' stages per world size
@@ -81,13 +83,17 @@ def _runs(tmp: str, data: str, world: str, fresh: int | None, resume: int | None
     return out
 
 
-def worker(out: str, data: str, tmp: str) -> None:
-    from pipeline.train.cli import _exit
+def one_rank_sources(tmp: Path) -> dict:
+    """Before the shared 2-rank run: its data (3 steps of 4 per epoch: step 4 is in the second epoch) and the
+    uninterrupted 1-rank runs, whose step-2 checkpoints it resumes on 2 ranks."""
+    data = make_shards(tmp / "data", windows=14)
+    return _runs(str(tmp), str(data), "one", 2, None)  # no 2-rank checkpoints yet
 
-    res = _runs(tmp, data, "two", 1, 2)  # resumes on the 1-rank command line (accum 2): it adapts to 1
-    if int(os.environ["RANK"]) == 0:
-        Path(out).write_text(json.dumps(res))
-    _exit(0)
+
+def two_rank_part(tmp: str) -> dict:
+    """Each rank's part of the shared 2-rank run: the uninterrupted 2-rank runs, and the resumes of the 1-rank
+    checkpoints on the 1-rank command line (accum 2): it adapts to 1."""
+    return _runs(tmp, f"{tmp}/data", "two", 1, 2)
 
 
 def _rel(got: list[float], want: list[float]) -> float:
@@ -108,24 +114,9 @@ def _check(res: dict) -> float:
     return worst
 
 
-def test_resume_one_rank_on_two_and_two_on_one_zero_0_1_2_3_with_stage_changes(tmp_path, monkeypatch):
-    import torch
-
-    torch.set_num_threads(1)
-    data = make_shards(tmp_path / "data", windows=14)  # 3 steps of 4 per epoch: step 4 is in the second epoch
-    tmp = str(tmp_path)
-    one = _runs(tmp, str(data), "one", 2, None)  # no 2-rank checkpoints yet
-    out = tmp_path / "two.json"
-    p = subprocess.run(
-        _launcher("--no_local_rank", __file__, str(out), str(data), tmp),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=clean_env(),
-        cwd=tmp_path,
-    )
-    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
-    two = json.loads(out.read_text())
+def test_resume_one_rank_on_two_and_two_on_one_zero_0_1_2_3_with_stage_changes(two_ranks, monkeypatch):
+    one, two = dict(two_ranks.sources()), two_ranks.part("reshard")[0]  # rank 0's
+    tmp, data = str(two_ranks.tmp), two_ranks.tmp / "data"
     back = _runs(tmp, str(data), "one", None, 1)  # on the 2-rank command line (accum 1): it adapts to 2
     one.update(back)
     assert sum(k.startswith("from_") for k in two) == sum(k.startswith("from_") for k in one) == 2
@@ -167,7 +158,3 @@ def test_resume_one_rank_on_two_and_two_on_one_zero_0_1_2_3_with_stage_changes(t
     print(
         f"max relative loss difference after a resume on another world size/stage: {worst:.2e}; 1 vs 2 ranks: {fresh:.2e}"
     )
-
-
-if __name__ == "__main__":
-    worker(*sys.argv[1:])

@@ -114,6 +114,7 @@ def data(tmp_path_factory):
     return make_shards(tmp_path_factory.mktemp("data"), 64)
 
 
+@pytest.mark.slow
 def test_kills_leave_one_value_per_step_and_no_run_running(tmp_path, data):
     """Kill 1 before the first checkpoint, kill 2 after one (with steps past it already in MLflow), then a
     rerun to the end: the first run ends KILLED, the resumed run holds every step's loss once, and twice the steps
@@ -173,6 +174,35 @@ def start_server(tmp: Path, port: int) -> Proc:
     return s
 
 
+class Server:
+    """One real MLflow server for this file's tests (each in its own experiment): started once; the outage test
+    kills it and starts it again on the same port and store, and `up()` starts it again if a failed test left it
+    down, so no test depends on another's success."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.port = tmp, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc = start_server(tmp, self.port)
+
+    def up(self) -> "Server":
+        if self.proc.p.poll() is not None:
+            self.proc = start_server(self.tmp, self.port)
+        return self
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def restart(self) -> None:
+        self.proc = start_server(self.tmp, self.port)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("mlflow_server"))
+    yield s
+    s.kill()
+
+
 def search_url(port: int) -> str:
     """A request the server answers from its store (an experiment search), not only from the web layer."""
     return f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1"
@@ -189,12 +219,11 @@ def _get(url: str, host: str | None = None) -> int:
         return 0
 
 
-def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data):
+@pytest.mark.slow
+def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data, server):
     from pipeline.tracking import client
 
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    server, t = start_server(tmp_path, port), None
+    port, uri, t = server.up().port, server.uri, None
     try:
         # the shared-server recipe answers a client that names this machine (not localhost) in its Host header
         name = subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
@@ -203,7 +232,9 @@ def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data):
         assert _get(api, host=f"{name}:{port}") == 200 and _get(api, host=f"elsewhere:{port}") == 403
 
         metrics = tmp_path / "ck" / "metrics.jsonl"
-        t = train(tmp_path, data, uri, "schedule.max_steps=100000", "checkpoint.interval=0")
+        t = train(
+            tmp_path, data, uri, "schedule.max_steps=100000", "checkpoint.interval=0", "logging.experiment=outage"
+        )
         run_id = wait_for(lambda: re.search(r"MLflow run (\w+)", t.text()), "the run", t.p).group(1)
         cl = client(uri)
         # polled once a second: the server has one worker, which the sender's batches also need
@@ -217,7 +248,7 @@ def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data):
         # it replays is the outage's steps so far, not as many as the machine's speed makes during a server start
         os.killpg(t.p.pid, signal.SIGSTOP)
         try:
-            server = start_server(tmp_path, port)
+            server.restart()
         finally:
             os.killpg(t.p.pid, signal.SIGCONT)
         wait_for(lambda: "MLflow is back" in t.text(), "the replay", t.p, log=t.text)
@@ -228,64 +259,50 @@ def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data):
         assert "Traceback" not in out, out[-3000:]
         steps = steps_in(metrics)
         assert steps == list(range(1, len(steps) + 1))
-        assert loss_steps(cl, run_id) == steps, out[-3000:] + "\nSERVER:\n" + server.text()[-3000:]
+        assert loss_steps(cl, run_id) == steps, out[-3000:] + "\nSERVER:\n" + server.proc.text()[-3000:]
         assert cl.get_run(run_id).info.status == "KILLED", out[-3000:]
     finally:
-        server.kill()
         if t is not None:
             t.kill()
 
 
-def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, data):
+def tlf_in_process(monkeypatch, *args: str, **env: str):
+    """`tlf ARGS` through its click entry point in this process, with env set (click's CliRunner)."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    with monkeypatch.context() as m:
+        for k, v in env.items():
+            m.setenv(k, v)
+        return CliRunner().invoke(main, list(args))
+
+
+def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, data, monkeypatch):
+    from pipeline.config import load_config
+    from pipeline.train.trainer import run
+
     dead = f"http://127.0.0.1:{free_port()}"
-    p = subprocess.run(
-        [str(BIN / "tlf"), "compare", "--tracking-uri", dead, "--out", str(tmp_path / "c")],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=clean_env(),
-        timeout=300,
-    )
-    assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert dead in p.stderr and "Traceback" not in p.stderr
+    monkeypatch.chdir(tmp_path)
+    r = tlf_in_process(monkeypatch, "compare", "--tracking-uri", dead, "--out", str(tmp_path / "c"))
+    assert r.exit_code != 0 and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert dead in r.stderr and "Traceback" not in r.output
     # the same from the environment variable, which a run with no tracking_uri honours too
-    p = subprocess.run(
-        [str(BIN / "tlf"), "compare", "--out", str(tmp_path / "c")],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=clean_env(MLFLOW_TRACKING_URI=dead),
-        timeout=300,
-    )
-    assert p.returncode != 0 and dead in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    r = tlf_in_process(monkeypatch, "compare", "--out", str(tmp_path / "c"), MLFLOW_TRACKING_URI=dead)
+    assert r.exit_code != 0 and dead in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
 
     # logging.mlflow=false: the metrics file alone, and tlf compare reads it
-    train(tmp_path, data, "", "schedule.max_steps=4", "checkpoint.interval=0", "logging.mlflow=false").finish()
+    over = [f"data.dir={data}", f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.interval=0", "logging.mlflow=false"]
+    run(load_config("tiny/t-loopformer", [*QUICK, *over, "schedule.max_steps=4"]))
     assert steps_in(tmp_path / "ck" / "metrics.jsonl") == [1, 2, 3, 4]
     assert not (tmp_path / "mlflow.db").exists()
     # tlf eval: the dead server (from MLFLOW_TRACKING_URI, the checkpoint's logging.tracking_uri being empty) is
     # one line before the evaluation starts
-    p = subprocess.run(
-        [
-            str(BIN / "tlf"),
-            "eval",
-            str(tmp_path / "ck"),
-            "--tasks",
-            "none",
-            "--no-ppl",
-            "--no-latency",
-            "--out",
-            str(tmp_path / "e"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=clean_env(MLFLOW_TRACKING_URI=dead),
-        timeout=300,
-    )
-    assert p.returncode == 1 and dead in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "Traceback" not in p.stderr
-    p = subprocess.run(
+    argv = ["eval", str(tmp_path / "ck"), "--tasks", "none", "--no-ppl", "--no-latency", "--out", str(tmp_path / "e")]
+    r = tlf_in_process(monkeypatch, *argv, MLFLOW_TRACKING_URI=dead)
+    assert r.exit_code == 1 and dead in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert "Traceback" not in r.output
+    p = subprocess.run(  # the real entry point
         [str(BIN / "tlf"), "compare", "--run-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "c")],
         capture_output=True,
         text=True,
@@ -298,7 +315,8 @@ def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, da
     assert (tmp_path / "c" / "loss_curves.png").is_file()
 
 
-def test_redone_steps_reach_mlflow_so_it_agrees_with_the_metrics_file(tmp_path, data):
+@pytest.mark.slow
+def test_redone_steps_reach_mlflow_so_it_agrees_with_the_metrics_file(tmp_path, data, server):
     """A resume that falls back to an earlier checkpoint (the newest one damaged) redoes steps the MLflow run already
     holds: they are sent again, so at every step the run's value (the newest, tracking.metric_history) is the one in
     metrics.jsonl, for every metric; the abandoned attempt's values stay in the history, older, and a run tag names
@@ -306,31 +324,26 @@ def test_redone_steps_reach_mlflow_so_it_agrees_with_the_metrics_file(tmp_path, 
     from the abandoned ones whatever the machine."""
     from pipeline.tracking import client, metric_history, read_metrics
 
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    server = start_server(tmp_path, port)
-    try:
-        ck, cl = tmp_path / "ck", client(uri)
-        base = ["schedule.max_steps=4", "checkpoint.interval=2", "checkpoint.keep_last=3"]
-        run_id = re.search(r"MLflow run (\w+)", train(tmp_path, data, uri, *base).finish()).group(1)
-        abandoned = dict(metric_history(cl, run_id, "loss"))
-        assert sorted(abandoned) == [1, 2, 3, 4]
-        f = ck / "global_step4" / "mp_rank_00_model_states.pt"
-        f.write_bytes(f.read_bytes()[:1000])
+    uri = server.up().uri
+    ck, cl = tmp_path / "ck", client(uri)
+    base = ["schedule.max_steps=4", "checkpoint.interval=2", "checkpoint.keep_last=3", "logging.experiment=redo"]
+    run_id = re.search(r"MLflow run (\w+)", train(tmp_path, data, uri, *base).finish()).group(1)
+    abandoned = dict(metric_history(cl, run_id, "loss"))
+    assert sorted(abandoned) == [1, 2, 3, 4]
+    f = ck / "global_step4" / "mp_rank_00_model_states.pt"
+    f.write_bytes(f.read_bytes()[:1000])
 
-        out = train(tmp_path, data, uri, *base, "objective.lambda_short=0.5").finish()
-        assert f"resumed from {ck / 'global_step2'}" in out and "steps 3-4 redone" in out, out[-3000:]
-        lines = read_metrics(ck / "metrics.jsonl")
-        assert [r["step"] for r in lines] == [1, 2, 3, 4]
-        for key in sorted({k for r in lines for k in r} - {"step", "time"}):
-            assert metric_history(cl, run_id, key) == [(r["step"], r[key]) for r in lines if key in r], key
-        loss = {r["step"]: r["loss"] for r in lines}
-        assert [loss[s] == abandoned[s] for s in (1, 2, 3, 4)] == [True, True, False, False]
-        kept = sorted((m.step, m.timestamp, m.value) for m in cl.get_metric_history(run_id, "loss"))
-        assert [s for s, _, _ in kept] == [1, 2, 3, 3, 4, 4]  # the abandoned attempt's values, older
-        assert [v for s, _, v in kept if s > 2] == [abandoned[3], loss[3], abandoned[4], loss[4]]
-        run = cl.get_run(run_id)
-        assert "steps 3-4 redone from the checkpoint of step 2" in run.data.tags["redo/1"]
-        assert run.info.status == "FINISHED" and run.data.metrics["loss"] == loss[4]
-    finally:
-        server.kill()
+    out = train(tmp_path, data, uri, *base, "objective.lambda_short=0.5").finish()
+    assert f"resumed from {ck / 'global_step2'}" in out and "steps 3-4 redone" in out, out[-3000:]
+    lines = read_metrics(ck / "metrics.jsonl")
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    for key in sorted({k for r in lines for k in r} - {"step", "time"}):
+        assert metric_history(cl, run_id, key) == [(r["step"], r[key]) for r in lines if key in r], key
+    loss = {r["step"]: r["loss"] for r in lines}
+    assert [loss[s] == abandoned[s] for s in (1, 2, 3, 4)] == [True, True, False, False]
+    kept = sorted((m.step, m.timestamp, m.value) for m in cl.get_metric_history(run_id, "loss"))
+    assert [s for s, _, _ in kept] == [1, 2, 3, 3, 4, 4]  # the abandoned attempt's values, older
+    assert [v for s, _, v in kept if s > 2] == [abandoned[3], loss[3], abandoned[4], loss[4]]
+    run = cl.get_run(run_id)
+    assert "steps 3-4 redone from the checkpoint of step 2" in run.data.tags["redo/1"]
+    assert run.info.status == "FINISHED" and run.data.metrics["loss"] == loss[4]

@@ -1,12 +1,12 @@
 """Two gloo ranks on CPU under the real DeepSpeed launcher: ZeRO 1/2/3 learn a repeated batch, resume is bit-exact
 with 2 ranks, and `tlf train` itself runs under the launcher (SIGTERM saves and exits; the module form resumes).
 
-This file is also the worker script: `deepspeed --no_local_rank --num_gpus 2 tests/test_train_dist.py OUT DATA TMP`.
+The first two are parts "zero" and "resume" of the shared launcher run (tests/two_ranks.py): `zero_part` and
+`resume_part` run on each rank there; the resume continues test_reshard.py's uninterrupted 2-rank runs.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -15,111 +15,90 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train import TINY, clean_env, make_shards
 
-from pipeline.train.ds import free_port
+pytestmark = pytest.mark.slow  # real multi-process runs (`-m 'not slow'` skips them)
 
-REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 DIST = ["train.micro_batch_size=2", "train.global_batch_size=4"]  # 2 ranks x 2 sequences
+RESUMED = (3, 2)  # the ZeRO stages of test_reshard.py's uninterrupted 2-rank runs, each resumed at step 2
 
 
-def _launcher(*args: str) -> list[str]:
-    return [PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()), *args]
-
-
-# ------------------------------------------------------------------------------------------ the worker
-def worker(out: str, data_rep: str, data_many: str, tmp: str) -> None:
-    import torch
-
+# ------------------------------------------------------------------------------ the parts of the 2-rank run
+def zero_part(tmp: str) -> dict:
+    """ZeRO 1/2/3 on a tiny repeated batch (the split holds exactly one global batch): each stage's losses."""
     from pipeline.config import load_config
-    from pipeline.train.cli import _exit
     from pipeline.train.trainer import run
 
-    rank = int(os.environ["RANK"])
-    result = {}
+    losses = {}
+    for stage in (1, 2, 3):
+        extra = [f"train.zero_stage={stage}", "schedule.max_steps=10", "checkpoint.interval=0", "train.eval_interval=0"]
+        over = TINY + DIST + [f"data.dir={tmp}/rep", f"checkpoint.dir={tmp}/z{stage}", *extra]
+        losses[stage] = run(load_config("tiny/t-loopformer", over)).losses
+    return losses
 
-    def cfg(d: str, data: str, *extra: str):
-        return load_config("tiny/t-loopformer", TINY + DIST + [f"data.dir={data}", f"checkpoint.dir={tmp}/{d}", *extra])
 
-    for stage in (1, 2, 3):  # a tiny repeated batch (the split holds exactly one global batch): loss must fall
+def resume_part(tmp: str) -> dict:
+    """test_reshard.py's uninterrupted 2-rank runs resumed from their step-2 checkpoints by the same command line:
+    each resumed run's start, losses and the rank's saved state at its end."""
+    import torch
+
+    from test_reshard import _cfg
+    from pipeline.train.trainer import run
+
+    out = {}
+    for stage in RESUMED:
+        ck = f"{tmp}/two{stage}/global_step2"
         res = run(
-            cfg(
-                f"z{stage}",
-                data_rep,
-                f"train.zero_stage={stage}",
-                "schedule.max_steps=10",
-                "checkpoint.interval=0",
-                "train.eval_interval=0",
-            )
+            _cfg(tmp, f"again{stage}", f"{tmp}/data", stage, "train.grad_accum_steps=1", f"checkpoint.resume={ck}")
         )
-        result[f"z{stage}"] = res.losses
-    for stage in (1, 3):  # bit-exact resume with 2 ranks
-        extra = [f"train.zero_stage={stage}", "schedule.max_steps=6", "checkpoint.interval=3", "train.eval_interval=3"]
-        full = run(cfg(f"full{stage}", data_many, *extra))
-        part = run(cfg(f"part{stage}", data_many, *extra, f"checkpoint.resume={tmp}/full{stage}/global_step3"))
-        result[f"resume{stage}"] = {
-            "full": full.losses,
-            "part": part.losses,
-            "full_val": full.val_losses[6],
-            "part_val": part.val_losses[6],
-            "start": part.start_step,
-        }
-    st = torch.load(f"{tmp}/full1/global_step6/rank{rank}_state.pt", weights_only=False)
-    result["rank_state"] = {"rank": st["rank"], "micro": st["loader"]["micro"]}
-    all_results = [None, None]
-    torch.distributed.all_gather_object(all_results, result)
-    if rank == 0:
-        Path(out).write_text(json.dumps(all_results))
-    _exit(0)
+        st = torch.load(f"{tmp}/again{stage}/global_step4/rank{os.environ['RANK']}_state.pt", weights_only=False)
+        out[stage] = {"start": res.start_step, "losses": res.losses, "rank": st["rank"], "micro": st["loader"]["micro"]}
+    return out
 
 
 # ------------------------------------------------------------------------------------------- the tests
-def shm_buffers() -> set[str]:
-    """DeepSpeed's CPU all-reduce buffers in /dev/shm (one per rank of a run on one machine)."""
-    return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
-
-
-def test_two_gloo_ranks_zero_1_2_3_learn_and_resume_bit_exact(tmp_path):
+def test_two_gloo_ranks_zero_1_2_3_learn(two_ranks):
     import torch
 
     from pipeline.model.io import load_model
 
-    rep = make_shards(tmp_path / "rep", windows=4)  # one global batch, repeated every step
-    many = make_shards(tmp_path / "many", windows=14, seed=1)
-    out = tmp_path / "out.json"
-    before = shm_buffers()
-    p = subprocess.run(
-        _launcher("--no_local_rank", __file__, str(out), str(rep), str(many), str(tmp_path / "ck")),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=clean_env(),
-        cwd=tmp_path,
-    )
-    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
-    assert shm_buffers() <= before  # DeepSpeed's shared-memory all-reduce buffers do not outlive the run
-    r0, r1 = json.loads(out.read_text())
-    for stage in (1, 2, 3):
-        losses = r0[f"z{stage}"]
-        assert len(losses) == 10 and losses == r1[f"z{stage}"]  # the logged loss is the mean over ranks
+    r0, r1 = two_ranks.part("zero")
+    for stage in ("1", "2", "3"):
+        losses = r0[stage]
+        assert len(losses) == 10 and losses == r1[stage]  # the logged loss is the mean over ranks
         assert losses[-1] < 0.7 * losses[0], (stage, losses)
     # ZeRO stages agree on the same data (fp32; docs/design.md §6 saw ~1e-6)
-    assert max(abs(a - b) for a, b in zip(r0["z1"], r0["z3"])) < 1e-4
-    for stage in (1, 3):
-        r = r0[f"resume{stage}"]
-        assert r["start"] == 3 and r["part"] == r["full"][3:] and r["part_val"] == r["full_val"]
-    assert r0["rank_state"] == {"rank": 0, "micro": 6} and r1["rank_state"] == {"rank": 1, "micro": 6}
-    ck = tmp_path / "ck" / "z3"
+    assert max(abs(a - b) for a, b in zip(r0["1"], r0["3"])) < 1e-4
+    assert not two_ranks.leftover_shm  # DeepSpeed's shared-memory all-reduce buffers do not outlive the run
+    ck = two_ranks.tmp / "z3"
     assert (ck / "latest").read_text() == "global_step10"
     assert {p.name for p in (ck / "global_step10").glob("rank*_state.pt")} == {"rank0_state.pt", "rank1_state.pt"}
     model, _ = load_model(ck)  # the ZeRO-3 export holds full (gathered) weights
     assert model.wte.weight.shape == (512, 32) and all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_two_gloo_ranks_resume_bit_exact(two_ranks):
+    """ZeRO-3 and ZeRO-2 on 2 ranks (train.deterministic): the resumed run's losses and final weights are the
+    uninterrupted run's, bit for bit, and each rank's saved state is its own."""
+    full = two_ranks.part("reshard")[0]  # the uninterrupted runs (rank 0's record)
+    r0, r1 = two_ranks.part("resume")
+    for stage in RESUMED:
+        r = r0[str(stage)]
+        assert r["start"] == 2 and r["losses"] == full[f"two{stage}"]["loss"][2:], (stage, r, full[f"two{stage}"])
+        assert (r["rank"], r["micro"]) == (0, 4) and (r1[str(stage)]["rank"], r1[str(stage)]["micro"]) == (1, 4)
+        export = "global_step4/model/model.safetensors"
+        again, ref = two_ranks.tmp / f"again{stage}" / export, two_ranks.tmp / f"two{stage}" / export
+        assert again.read_bytes() == ref.read_bytes(), stage
+
+
 def test_tlf_train_under_the_launcher_sigterm_then_module_resume(tmp_path):
     from mlflow.tracking import MlflowClient
+
+    from bench.faults import launcher
 
     data = make_shards(tmp_path / "data", windows=20)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -139,7 +118,7 @@ def test_tlf_train_under_the_launcher_sigterm_then_module_resume(tmp_path):
     )
     tlf = shutil.which("tlf", path=str(Path(PY).parent))
     proc = subprocess.Popen(
-        _launcher("--no_local_rank", tlf, "train", "tiny/t-loopformer", *common, "schedule.max_steps=100000"),
+        launcher("--no_local_rank", tlf, "train", "tiny/t-loopformer", *common, "schedule.max_steps=100000"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -184,7 +163,7 @@ def test_tlf_train_under_the_launcher_sigterm_then_module_resume(tmp_path):
 
     # the module form, resume auto, two more steps: exit 0 and the same MLflow run continues
     p = subprocess.run(
-        _launcher(
+        launcher(
             "--module",
             "pipeline.train",
             "tiny/t-loopformer",
@@ -205,7 +184,3 @@ def test_tlf_train_under_the_launcher_sigterm_then_module_resume(tmp_path):
     run = client.get_run(run.info.run_id)
     assert run.info.status == "FINISHED"
     assert max(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == stop + 2
-
-
-if __name__ == "__main__":
-    worker(*sys.argv[1:5])
