@@ -1,4 +1,4 @@
-"""Bad input, everywhere, named (issue 15 item 3): each case runs through the real `tlf` entry point (in process,
+"""Bad input, everywhere, named: each case runs through the real `tlf` entry point (in process,
 click's CliRunner) and must exit 2 (usage) or 1 (runtime) with a one-line message naming the file, line, row or key
 -- never a traceback. The README's "What happens when..." table lists the same cases."""
 
@@ -94,7 +94,7 @@ def w(tmp_path_factory) -> Path:
 
     tracking.client(f"sqlite:///{d / 'emptystore' / 'm.db'}").search_experiments()
 
-    # issue 23: inputs that gave tracebacks
+    # inputs of every command, each a one-line error
     (d / "vocabhigh").mkdir()  # a token id no tokenizer id can be (uint16 allows up to 65535)
     write_shard(d / "vocabhigh" / "t_train_000000.bin", np.array([50256, 60000, 1, 2] * 10))
     (d / "inherit5.yaml").write_text("inherit: 5\n")
@@ -144,7 +144,7 @@ def w(tmp_path_factory) -> Path:
         shutil.copytree(d / "model", d / name)
         (d / name / "run.json").write_text(json.dumps(rec))
 
-    # issue 52: run directories `tlf compare --run-dir` reads
+    # run directories `tlf compare --run-dir` reads
     step = lambda s, **kw: json.dumps({"step": s, "time": 1000 * s, "loss": 5.0 - s, **kw})
     for name, lines in (
         ("m_list", [step(1), "[1, 2, 3]", step(3)]),
@@ -321,7 +321,6 @@ CASES = {
         ["--loops", "loop budget 9"],
     ),
     "generate-loops-0": (lambda w: ["generate", str(w / "model"), "-p", "hi", "-M", "0", "-n", "2"], 2, ["--loops"]),
-    # issue 23: each gave a traceback before
     "inspect-token-above-vocab": (
         lambda w: ["data", "inspect", str(w / "vocabhigh")],
         1,
@@ -415,7 +414,7 @@ CASES = {
         2,
         ["emptystore", "tlf"],
     ),
-    # issue 52: tlf plan / compare / eval / ablate / sweep (a `plan-*` case must fail before planning starts)
+    # tlf plan / compare / eval / ablate / sweep (a `plan-*` case must fail before planning starts)
     "plan-json-under-a-file": (
         lambda w: plan("--json", str(w / "good.jsonl" / "sub" / "plan.json")),
         1,

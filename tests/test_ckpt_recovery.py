@@ -1,4 +1,4 @@
-"""Which checkpoint is used after a kill or damage (issue 23): a kill at the `latest` rename, a truncated or missing
+"""Which checkpoint is used after a kill or damage: a kill at the `latest` rename, a truncated or missing
 newest checkpoint file, and a full disk inside DeepSpeed's own save. Training runs as a real child process
 (bench/faults.py's CHILD, the trainer's real entry), reruns are compared with an uninterrupted run."""
 

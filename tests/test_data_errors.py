@@ -237,7 +237,7 @@ def test_one_prep_data_per_output_directory(tmp_path):
 
 
 def test_shard_checksum_is_verified_once_lazily_on_its_rank_and_old_manifests_still_load(tmp_path):
-    """data.verify (issue 23): a same-size byte flip is found at the shard's first read, on the rank that owns the
+    """data.verify: a same-size byte flip is found at the shard's first read, on the rank that owns the
     shard (k % world size); manifests listing names only, or entries without sha256, are read unchecked."""
     from data_prep.assets import sha256_file
 

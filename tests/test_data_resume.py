@@ -155,7 +155,7 @@ def test_sigkill_then_rerun_gives_identical_shards(tmp_path):
 
 
 def test_kill_after_the_complete_manifest_leaves_no_resume_buffers(tmp_path, monkeypatch, texts):
-    """A kill after the manifest is marked complete and before the resume buffers are unlinked (issue 23): the
+    """A kill after the manifest is marked complete and before the resume buffers are unlinked: the
     rerun through `tlf prep-data` ('nothing to do') removes the `.resume_*` files; the shards stay identical."""
     from click.testing import CliRunner
 

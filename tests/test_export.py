@@ -91,7 +91,7 @@ main()
 
 
 def test_export_is_atomic_and_replaces_an_earlier_export_whole(tmp_path):
-    """issue 23: a kill leaves no partial --out and the rerun removes its temp files; `--format hf` over an earlier
+    """A kill leaves no partial --out and the rerun removes its temp files; `--format hf` over an earlier
     tlf export leaves none of its files (model.pt, config.yaml) beside the new ones."""
     import signal
     import subprocess

@@ -1,4 +1,4 @@
-"""The small helpers that exist once (issue 13): config machinery, files, device, launcher argv, memory, Hub probe,
+"""The small helpers that exist once: config machinery, files, device, launcher argv, memory, Hub probe,
 router spreading. Each is checked where it lives (that nobody re-implements them is kept by review and `duplicates`;
 the layering test checks only the direction of imports)."""
 

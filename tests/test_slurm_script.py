@@ -1,4 +1,4 @@
-"""The README's SLURM batch script (issue 23): bash parses it, its #SBATCH lines are options, and its torchrun
+"""The README's SLURM batch script: bash parses it, its #SBATCH lines are options, and its torchrun
 lines (the script's and the several-nodes variant in the paragraph after it) are accepted by torchrun's own
 argument parser, with a `tlf train` command line whose preset and overrides load."""
 

@@ -1,5 +1,5 @@
 """`tlf plan CONFIG [OVERRIDES] --gpus N --gpu NAME`: the plan of a run before spending GPU time on it
-(pipeline/plan/core.py; README "Planning a run")."""
+(pipeline/plan/core.py; docs/planning.md)."""
 
 from __future__ import annotations
 
