@@ -1,4 +1,4 @@
-"""Dependencies run one way: data_prep <- pipeline <- evaluation <- bench (README "Layout").
+"""Dependencies run one way: data_prep <- pipeline <- evaluation <- bench (README "Layout"); no function over 60 lines.
 
 Every `import` / `from ... import` in the four packages (module level or inside a function) may name its own
 package or one to its left only. Bench scripts import each other by bare name (`from interleave import ...`,
@@ -291,4 +291,50 @@ def test_model_to_train_and_train_to_plan_are_found(tmp_path):
     assert never_violations(root) == [
         "pipeline/model/io.py:2: pipeline.model.io imports pipeline.train.checkpoint: " + NEVER[0][2],
         "pipeline/train/callbacks.py:1: pipeline.train.callbacks imports pipeline.plan.core: " + NEVER[1][2],
+    ]
+
+
+FUNCTION_LIMIT = 60  # lines from `def` to the last line of the body (decorators aside)
+LIMITS = {("pipeline/train/objective.py", "Objective.forward"): 40}  # the objective's one dispatch
+
+
+def long_functions(root: Path = ROOT) -> list[str]:
+    """'FILE:LINE Class.name N lines (limit M)' for each function in data_prep, pipeline and evaluation over its
+    limit (LIMITS, else FUNCTION_LIMIT)."""
+    out = []
+    for pkg in LAYERS[:3]:
+        for f in sorted((root / pkg).rglob("*.py")):
+            rel = f.relative_to(root).as_posix()
+            tree = ast.parse(f.read_text(), rel)
+            for owner in [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef))]:
+                prefix = f"{owner.name}." if isinstance(owner, ast.ClassDef) else ""
+                for n in ast.walk(owner) if owner is tree else owner.body:
+                    if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        continue
+                    name = prefix + n.name
+                    limit = LIMITS.get((rel, name), FUNCTION_LIMIT)
+                    if n.end_lineno - n.lineno + 1 > limit:
+                        out.append(f"{rel}:{n.lineno} {name} {n.end_lineno - n.lineno + 1} lines (limit {limit})")
+    return sorted(set(out))
+
+
+def test_no_function_over_its_line_limit():
+    bad = long_functions()
+    assert not bad, "\n".join(bad)
+
+
+def test_a_long_function_is_found(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(FUNCTION_LIMIT))
+    method = "".join(f"        x{i} = {i}\n" for i in range(40))
+    root = _tree(
+        tmp_path,
+        {
+            "data_prep/a.py": f"@staticmethod\ndef short():\n    pass\n\ndef long():\n{body}",
+            "pipeline/train/objective.py": f"class Objective:\n    def forward(self):\n{method}",
+            "evaluation/b.py": "",
+        },
+    )
+    assert long_functions(root) == [
+        f"data_prep/a.py:5 long {FUNCTION_LIMIT + 1} lines (limit {FUNCTION_LIMIT})",
+        "pipeline/train/objective.py:2 Objective.forward 41 lines (limit 40)",
     ]
