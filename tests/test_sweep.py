@@ -1,6 +1,9 @@
 """`tlf sweep`: the plan for all eight variants (seven trainings: naive-loop-ee reads the base-loop checkpoint),
 the orchestrator it shares with the demo, and a real (tiny) sweep end to end."""
 
+import os
+from pathlib import Path
+
 import numpy as np
 from click.testing import CliRunner
 
@@ -98,7 +101,10 @@ def test_sweep_rejects_bad_input_before_running():
 
 
 def test_tiny_sweep_runs_end_to_end(tmp_path, monkeypatch):
+    """Its stages run as `make demo` runs them: without the packages the demo's set-up leaves out."""
     monkeypatch.chdir(tmp_path)
+    blocker = Path(__file__).parent / "fixtures" / "demo_packages"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")])))
     rng = np.random.default_rng(0)
     (tmp_path / "shards").mkdir()
     write_shard(tmp_path / "shards" / "t_train_000000.bin", rng.integers(0, 512, 20000))
