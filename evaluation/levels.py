@@ -19,12 +19,18 @@ from data_prep.shards import ShardError, ShardSet
 from evaluation.forward import hidden_states, logits_at
 
 
-def spearman(a: np.ndarray, b: np.ndarray) -> float | None:
-    from scipy.stats import spearmanr
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks of x, tied values sharing their mean rank."""
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    ends = np.cumsum(counts)  # the last 1-based rank of each distinct value
+    return ((ends - counts + 1 + ends) / 2.0)[inverse]
 
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float | None:
+    """Spearman's rho (Pearson's r of the tie-averaged ranks); None when either side is constant."""
     if a.size < 2 or np.all(a == a[0]) or np.all(b == b[0]):
         return None
-    return float(spearmanr(a, b).statistic)
+    return float(np.corrcoef(_ranks(a), _ranks(b))[0, 1])
 
 
 def level_scores(

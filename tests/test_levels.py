@@ -2,6 +2,7 @@
 depths recomputed independently."""
 
 import numpy as np
+import pytest
 import torch
 from helpers import perturbed_tiny, spread_router
 
@@ -135,3 +136,12 @@ def test_compare_tables_accuracy_against_a_fixed_depth_curve_at_equal_work():
     from evaluation.compare import table1
 
     assert table1(sel).rows == []  # no perplexity or task accuracy in any of them: no blank rows
+
+
+def test_spearman_averages_tied_ranks():
+    from evaluation.levels import spearman
+
+    assert spearman(np.array([1.0, 2, 3, 4]), np.array([2.0, 4, 6, 8])) == pytest.approx(1.0)
+    assert spearman(np.array([1.0, 1, 2, 2]), np.array([1.0, 2, 3, 4])) == pytest.approx(2 / 5**0.5)  # ranks 1.5, 3.5
+    assert spearman(np.array([3.0, 1, 2]), np.array([1.0, 2, 3])) == pytest.approx(-0.5)
+    assert spearman(np.array([1.0, 1]), np.array([1.0, 2])) is None
