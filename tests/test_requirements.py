@@ -7,8 +7,7 @@ import ast
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-OWN = ("data_prep", "pipeline", "evaluation")
+from test_layering import CYCLE_FREE as OWN, ROOT, absolute_imports
 
 # module -> the distribution that provides it, by set-up
 DEMO = {
@@ -39,17 +38,10 @@ def third_party_imports(root: Path = ROOT) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for pkg in OWN:
         for f in sorted((root / pkg).rglob("*.py")):
-            for n in ast.walk(ast.parse(f.read_text(), str(f))):
-                if isinstance(n, ast.Import):
-                    names = [a.name for a in n.names]
-                elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
-                    names = [n.module]
-                else:
-                    continue
-                for m in names:
-                    top = m.split(".")[0]
-                    if top not in sys.stdlib_module_names and top not in (*OWN, "__future__"):
-                        out.setdefault(top, []).append(f"{f.relative_to(root)}:{n.lineno}")
+            for node, name in absolute_imports(f.read_text(), str(f)):
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in (*OWN, "__future__"):
+                    out.setdefault(top, []).append(f"{f.relative_to(root)}:{node.lineno}")
     return out
 
 
