@@ -50,7 +50,7 @@ def commands(dry: bool, work: Path, py: str, gpu: str) -> dict[str, list[str]]:
     vocab = "model.vocab_size=50304"
     variants = "loopformer,t-loopformer"
     demo = (GPU_DIR / "demo.jsonl") if (GPU_DIR / "demo.jsonl").is_file() else None
-    prep = [py, "-c", "import sys; from data_prep.cli import prep_data; prep_data(sys.argv[1:])", "--source", "files"]
+    prep = [py, "-m", "data_prep", "prep-data", "--source", "files"]
     prep += ["-i", str(demo or "DEMO"), "-o", str(work / "data"), "--val-every", "20", "-j", "0", "--no-progress"]
     prep += ["--max-tokens", "300000" if dry else "1000000"]
     decode = ["--d-model", "64", "--n-heads", "2", "--d-ff", "160", "--prompt-lens", "32,64", "--tpot-prompt", "32"]
@@ -181,15 +181,16 @@ def verdicts(s: dict) -> dict:
     def put(key, value, target, ok):
         v[key] = {"value": value, "target": target, "met": None if value is None else bool(ok(value))}
 
-    put("time_over_flops", s.get("time_over_flops"), TARGETS["time_over_flops"], lambda x: x <= 1.10)
-    put("mfu_loopformer", s.get("mfu_loopformer"), TARGETS["mfu_loopformer"], lambda x: x >= 0.50)
-    put("mfu_t_loopformer", s.get("mfu_t_loopformer"), TARGETS["mfu_t_loopformer"], lambda x: x >= 0.45)
+    for key, at_least in (("time_over_flops", False), ("mfu_loopformer", True), ("mfu_t_loopformer", True)):
+        t = TARGETS[key]
+        put(key, s.get(key), t, (lambda x, t=t: x >= t) if at_least else (lambda x, t=t: x <= t))
     for case, c in s.get("plan", {}).items():
         r = c.get("peak_ratio_max")
         put(f"plan {case}", r, f"within {TARGETS['plan_within']:.0%}", lambda x: abs(x - 1) <= TARGETS["plan_within"])
     b1 = s.get("tpot_b1") or {}
+    floor = TARGETS["tpot_over_floor_b1"]
     for var in ("tlf", "loopformer"):
-        put(f"tpot_b1 {var} / floor", (b1.get("over_floor") or {}).get(var), 1.5, lambda x: x <= 1.5)
+        put(f"tpot_b1 {var} / floor", (b1.get("over_floor") or {}).get(var), floor, lambda x: x <= floor)
     if b1.get("bytes_ratio_c") is not None:
         put(
             "tpot_b1 tlf/loopformer <= bytes ratio",
@@ -205,6 +206,7 @@ def environment(py: str, env: dict) -> dict:
         "import json, sys, torch\n"
         "d = {'python': sys.version.split()[0], 'torch': torch.__version__, 'cuda': torch.version.cuda}\n"
         "d['gpu'] = torch.cuda.get_device_name() if torch.cuda.is_available() else None\n"
+        "from pipeline.hardware import this_gpu; g = this_gpu(); d['gpu_row'] = g.name if g else None\n"
         "try:\n import deepspeed; d['deepspeed'] = deepspeed.__version__\n"
         "except Exception as e:\n d['deepspeed'] = f'import failed: {e}'\n"
         "print(json.dumps(d))"
@@ -217,14 +219,6 @@ def environment(py: str, env: dict) -> dict:
     rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
     info.update(host=platform.node(), cpus=os.cpu_count(), commit=rev.stdout.strip() or None)
     return info
-
-
-def _gpu_name(py: str, env: dict, dry: bool) -> str:
-    if dry:
-        return "cpu"
-    code = "from pipeline.hardware import this_gpu; g = this_gpu(); print(g.name if g else 'h200')"
-    p = subprocess.run([py, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
-    return (p.stdout.strip().splitlines() or ["h200"])[-1]
 
 
 def show(s: dict, v: dict, stages: dict) -> None:
@@ -268,7 +262,7 @@ def main(argv=None) -> int:
         env["DS_ACCELERATOR"] = "cpu"
     info = environment(a.python, env)
     print(f"environment {json.dumps(info)}", flush=True)
-    gpu = _gpu_name(a.python, env, a.dry_run)
+    gpu = "cpu" if a.dry_run else info.get("gpu_row") or "h200"  # tlf plan's --gpu row for this device
     cmds = commands(a.dry_run, work, a.python, gpu)
     if "DEMO" in cmds["setup"]:  # a dry run without .gpu/: the demo corpus of this machine's asset cache
         code = "from data_prep.assets import ensure_assets; print(ensure_assets()['demo'])"

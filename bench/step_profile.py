@@ -7,7 +7,7 @@ depths cover 1..L) for each variant, one after the other in this process.
     python bench/step_profile.py                       # CPU: op counts per step of the fixed small config
     python bench/step_profile.py --baseline tests/fixtures/op_counts.json   # rewrite the test's baseline
 
-Each loop application of each pass runs inside a `record_function` range `tlf.loop/full/i` or `tlf.loop/short/i`,
+Each loop application of each pass runs inside a `record_function` range `tlf/full/i` or `tlf/short/i`,
 applied from outside (`loop_ranges`: the network's `loop` and `_compacted_loop` wrapped on the instance for the
 profiled steps only, as activation checkpointing and compilation are applied; nothing in the model knows). A
 forward op belongs to the loop whose range holds it; a backward op to the loop whose forward op made its autograd
@@ -71,7 +71,7 @@ def kind(op: str) -> str:
 
 @contextlib.contextmanager
 def loop_ranges(net, tokens: dict | None = None):
-    """Every loop application of `net` (a LoopedLM) inside a profiler range `tlf.loop/PASS/i` (PASS full, then
+    """Every loop application of `net` (a LoopedLM) inside a profiler range `tlf/PASS/i` (PASS full, then
     short, counted from each forward), applied from outside on the instance and removed on exit. tokens, if
     given, gets per label [active tokens, padded slots] of the last application."""
     from torch.autograd.profiler import record_function
@@ -218,20 +218,12 @@ def _totals(per_label: dict) -> dict:
     return {**tot, "ms": dict(ms)}
 
 
-def host_reads(trainer) -> int:
-    """Host reads of tlf's own code in one optimizer step as `tlf train` makes it (the step and its log read)."""
-    from testkit import count_host_reads
-
-    with count_host_reads() as reads:
-        trainer.read(trainer.train_step())
-    return len(reads)
-
-
 def profile_variant(
     scale: str, variant: str, device: str, batch: int, overrides: list, warmup: int, steps: int, timed: int
 ) -> dict:
     """Builds the variant's trainer, runs warm-up, timed and profiled steps; returns its figures."""
     import torch
+    from testkit import count_host_reads
     from torch.profiler import ProfilerActivity, profile, schedule
 
     cuda = device.startswith("cuda")
@@ -255,7 +247,6 @@ def profile_variant(
 
     for i in range(warmup):
         step(i)
-    reads = host_reads(trainer)
     sync()
     phase("warmup")
     t0 = time.perf_counter()
@@ -269,7 +260,8 @@ def profile_variant(
         step_ranges(trainer, tokens),
         profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof,
     ):
-        step(-1)  # the profiler's warm-up step (discarded)
+        with count_host_reads() as reads:  # tlf's own host reads in one step as `tlf train` makes it
+            step(-1)  # the profiler's warm-up step (discarded)
         prof.step()
         sync()
         t0 = time.perf_counter()
@@ -294,7 +286,7 @@ def profile_variant(
         **{f"{k}_per_step": v for k, v in tot.items() if k != "ms"},
         "ms_per_step": tot["ms"],
         "loops_per_step": _totals(loops),
-        "host_reads_per_step": reads,
+        "host_reads_per_step": len(reads),
         "tokens": tokens,
         "loops": loops,
         "optimizer": per.get("optimizer"),
@@ -313,7 +305,7 @@ def show(r: dict) -> None:
         + ", ".join(f"{k} {v:.1f}" for k, v in sorted(tm.items()))
     )
     print(
-        f"  {'loop':<10} {'tokens':>7} {'slots':>7} {'dir':>4} {'ops':>6} {'k.ops':>6} {'kern':>6} {'small':>6} ms by kind"
+        f"  {'loop':<10} {'tokens':>7} {'slots':>7} {'dir':>4} {'ops':>6} {'k.ops':>6} {'kern':>6} {'small':>6} {'syncs':>5} ms by kind"
     )
     for label, dirs in [*r["loops"].items(), ("optimizer", r["optimizer"] or {}), ("rest", r["rest"] or {})]:
         tok, slots = r["tokens"].get(label, ["", ""])

@@ -235,7 +235,7 @@ def _fused(hf, W, targets, hs, lam_s, lam_a, chunk, cdt, needs, scored=False, we
         if w is not None:
             sums[2] += (ce * w[a:b]).sum()
             ce_rows[a:b] = ce
-        glf, gls = _backprop_chunk(glf, gls, xc, xsc if xs is not None else None, Wc, g_x, g_xs, g_W, a, b)
+        _backprop_chunk(glf, gls, xc, xsc if xs is not None else None, Wc, g_x, g_xs, g_W, a, b)
         del lf, glf, gls
     align = gap2 * inv.double() / V if scored else gap2 / (n * V)
     parts = torch.stack([sums[0] / count, sums[1] / count, align.float()])  # loss_L, loss_S, loss_align
@@ -263,10 +263,10 @@ def _align_grad_(gls, gap, vc, inv, lam_a, scored, n, gap2) -> None:
         gls.add_(gap, alpha=2.0 * lam_a / (n * V))
 
 
-def _backprop_chunk(glf, gls, xc, xsc, Wc, g_x, g_xs, g_W, a, b):
+def _backprop_chunk(glf, gls, xc, xsc, Wc, g_x, g_xs, g_W, a, b) -> None:
     """Rows a:b of grad_hf (grad_hs) = the chunk's logit gradient glf (gls, None without a shortcut pass) @ W, and
     grad_W += glf^T xc (+ gls^T xsc), each gradient buffer None when not needed. The products are in W's compute
-    dtype (Wc's): returns glf and gls in it, for the caller to free with the chunk's logits."""
+    dtype (Wc's); its copies of glf and gls go when this returns."""
     glf = glf.to(Wc.dtype)
     if g_x is not None:
         g_x[a:b] = glf @ Wc
@@ -278,4 +278,3 @@ def _backprop_chunk(glf, gls, xc, xsc, Wc, g_x, g_xs, g_W, a, b):
             g_xs[a:b] = gls @ Wc
         if g_W is not None:
             _acc_(g_W, gls.t(), xsc)
-    return glf, gls

@@ -70,9 +70,9 @@ def print_plan(p: dict) -> None:
     if per:
         click.echo(f"  per loop application: {per}")
     if m["optimizer_step"]:  # ZeRO-1/2: the gradient partition and the fp32 copy one group steps with
-        opt_peak = m["params"] + m["optimizer"] + m["optimizer_step"]
         click.echo(
-            f"  {'peak of backward / of the optimizer step':<40}{_gb(m['peak_backward'])} / {opt_peak / GiB:.2f}"
+            f"  {'peak of backward / of the optimizer step':<40}{_gb(m['peak_backward'])} / "
+            f"{m['peak_optimizer_step'] / GiB:.2f}"
         )
     verdict = "FITS" if m["fits"] else "DOES NOT FIT"
     click.echo(

@@ -171,12 +171,15 @@ class Planner:
         held_fp32_grads = st["grads"] - tr.grad_bytes * share  # fp32 gradients held all step (BF16_Optimizer, ZeRO-3)
         backward = st["params"] + st["optimizer"] + held_fp32_grads + ipg + step_peak
         opt_step = optimizer_step_bytes(zero, ranks, self.bf16, tr.group_sizes, tr.largest_param)
-        peak = max(backward, st["params"] + st["optimizer"] + opt_step)
+        peak_opt = st["params"] + st["optimizer"] + opt_step
+        peak = max(backward, peak_opt)
         saved = sum(tr.saved.values())
         loops = {k: v for k, v in tr.saved.items() if k.startswith(("full/", "short/"))}
         return {
             "peak": peak,
             "peak_backward": backward,
+            "peak_optimizer_step": peak_opt,
+            "step_peak": step_peak,  # forward + backward's own moment (activations, gradients), in peak_backward
             "optimizer_step": opt_step,
             "params": st["params"],
             "grads": st["grads"],
@@ -207,7 +210,7 @@ class Planner:
             return 0
         t1, t2 = self.trace(ac, 1), self.trace(ac, 2)
         a1, a2 = t1.live.peak(share), t2.live.peak(share)
-        other = m1["peak_backward"] - max(a1, t1.grad_bytes * share + self._zero0_bucket(zero, ranks, t1.params))
+        other = m1["peak_backward"] - m1["step_peak"]
         slope = max(a2 - a1, sum(t2.saved.values()) - sum(t1.saved.values()), 1.0)
         guess = min(limit, max(1, int(1 + (self.hw.memory - other - a1) // slope)))
         if fits(guess):
