@@ -14,6 +14,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["pipeline*", "data_prep*", "evaluation*"]),
+    package_data={"pipeline": ["removed.yaml"]},  # the table of keys configs no longer have (pipeline/config.py)
     data_files=configs + ds_configs,
     install_requires=[
         "torch>=2.3",

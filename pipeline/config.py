@@ -123,7 +123,7 @@ class ModelConfig:
     # network: its parameters and what a forward pass computes from them, so a resume refuses to change it. The
     # `objective` section may always change.
     RESUMABLE: ClassVar[tuple[str, ...]] = ("gate_init", "gather_scatter", "router_threshold")
-    # Keys that moved or are gone (configs/removed.yaml, `_gone`): naming one is an error that says where it went or
+    # Keys that moved or are gone (pipeline/removed.yaml, `_gone`): naming one is an error that says where it went or
     # why; configs tlf stored before (checkpoints, exports) are read through `upgrade`.
     MOVED: ClassVar[dict[str, str]]
     REMOVED: ClassVar[dict[str, str]]
@@ -191,7 +191,7 @@ class ObjectiveConfig:
         },
     )
 
-    MOVED: ClassVar[dict[str, str]]  # configs/removed.yaml, as ModelConfig's
+    MOVED: ClassVar[dict[str, str]]  # pipeline/removed.yaml, as ModelConfig's
     REMOVED: ClassVar[dict[str, str]]
 
     def validate(self, model: ModelConfig) -> None:
@@ -206,8 +206,9 @@ class ObjectiveConfig:
 
 
 def _gone() -> dict:
-    """configs/removed.yaml: {section: {"moved": {key: new dotted key}, "removed": {key: {"why", "value", ...}}}}."""
-    return read_yaml_mapping(CONFIG_DIR / "removed.yaml", "sections")
+    """pipeline/removed.yaml (the code's own table, beside it: not among the presets TLF_CONFIG_DIR may replace):
+    {section: {"moved": {key: new dotted key}, "removed": {key: {"why", "value", ...}}}}."""
+    return read_yaml_mapping(Path(__file__).with_name("removed.yaml"), "sections")
 
 
 GONE = _gone()
@@ -503,11 +504,13 @@ def upgrade(d: dict, source: str = "stored config") -> dict:
 def _upgrade_router(model: dict, obj: dict, source: str) -> None:
     """A stored config's router training from before `objective.router` (in place): the recipe (the expected recipe
     with the hard-token target is the kinds recipe), its keys, model.router_norm; every removed key dropped where it
-    holds the value today's code runs under that recipe (configs/removed.yaml; a key the config lacks had the value
+    holds the value today's code runs under that recipe (pipeline/removed.yaml; a key the config lacks had the value
     every config had then), else a ConfigError naming it."""
     recipe = model.pop("router_recipe", "paper")
     recipe = "kinds" if recipe == "expected" and obj.get("router_hard_weight", 0.0) else recipe
     settings = {"recipe": recipe, "target_depth": model.pop("router_target_depth", 0.0)}
+    if model.get("router_hidden") == model.get("d_model", 0) // 4:  # d_model // 4, which 0 meant: today's size
+        model["router_hidden"] = 0
     for sec, held in (("model", model), ("objective", obj)):
         for k, gone in GONE[sec]["removed"].items():
             got = held.pop(k, gone.get("value"))

@@ -42,8 +42,7 @@ def test_every_shipped_config_loads():
         )
         assert cfg.name == name
     for p in CONFIG_DIR.glob("**/*.yaml"):  # scale and variant fragments load as files too
-        if p.name != "removed.yaml":  # (the table of keys configs no longer have)
-            load_config(str(p))
+        load_config(str(p))
 
 
 def test_presets_name_their_recipe():
@@ -256,6 +255,12 @@ def test_a_stored_config_whose_router_training_is_gone_is_a_one_line_error():
         d[sec][key] = value
         with pytest.raises(ConfigError, match=r"^old checkpoint: " + msg):
             config_from_dict(d, "old checkpoint")
+    d = _stored("pre_recipes/budget_zero0")  # the router's hidden size, stored as d_model // 4: today's network
+    d["model"]["router_hidden"] = d["model"]["d_model"] // 4
+    config_from_dict(d, "old checkpoint")
+    d["model"]["router_hidden"] += 1
+    with pytest.raises(ConfigError, match=r"'model.router_hidden'=\d+: removed: the router's hidden size is d_model"):
+        config_from_dict(d, "old checkpoint")
 
 
 def test_yaml_errors_name_the_file(tmp_path):
