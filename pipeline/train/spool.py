@@ -40,7 +40,7 @@ class Sender(threading.Thread):
         if self.is_alive():  # stuck in a request: leave it (a daemon thread), the file keeps the rest
             return False
         try:
-            return self.down_since is None and not any(r["step"] > self.after for _, r in self._pending())
+            return self.down_since is None and not any(r["step"] > self.after for _, r in self._pending()[1])
         except (OSError, tracking.MetricsFileError):
             return False
 
@@ -69,29 +69,29 @@ class Sender(threading.Thread):
                 time.sleep(min(self.retry_s, max(deadline - time.monotonic(), 0.0)))
                 self._wake.set()
 
-    def _pending(self) -> list[tuple[int, dict]]:
-        """The complete lines after the offset as (end offset, record), checked by tracking.parse_metrics (the last
-        piece is empty or a line still being written)."""
+    def _pending(self) -> tuple[bytes, list[tuple[int, dict]]]:
+        """The bytes after the offset, and their complete lines as (end offset, record), checked by
+        tracking.parse_metrics (the last piece is empty or a line still being written)."""
         try:
             with open(self.path, "rb") as fh:
                 fh.seek(self.offset)
                 data = fh.read()
         except FileNotFoundError:
-            return []
+            return b"", []
         lines, _ = tracking.parse_metrics(data, self.path, self.line)
-        return [(self.offset + end, rec) for end, rec in lines]
+        return data, [(self.offset + end, rec) for end, rec in lines]
 
-    def _advance(self, end: int) -> None:
-        """Moves the offset (and the line number that messages name) to `end`."""
-        with open(self.path, "rb") as fh:
-            fh.seek(self.offset)
-            self.line += fh.read(end - self.offset).count(b"\n")
+    def _advance(self, data: bytes, start: int, end: int) -> None:
+        """Moves the offset (and the line number that messages name) to `end`; data: the bytes `_pending` read
+        from offset `start`."""
+        self.line += data[self.offset - start : end - start].count(b"\n")
         self.offset = end
 
     def _send_pending(self) -> bool:
         from mlflow.entities import Metric
 
-        lines = self._pending()
+        start = self.offset
+        data, lines = self._pending()
         batch, end = [], self.offset
         for i, (pos, rec) in enumerate(lines):
             step = rec["step"]
@@ -103,7 +103,7 @@ class Sender(threading.Thread):
             if last or len(batch) + len(lines[i + 1][1]) > tracking.BATCH:
                 if batch and not self._post(batch):
                     return False
-                self._advance(end)
+                self._advance(data, start, end)
                 batch = []
         if self.down_since is not None:
             self.say(
