@@ -258,16 +258,20 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 
 def apply_overrides(cfg: Any, overrides: list[str] | tuple, validate: bool = True) -> Any:
-    """Applies `key=value` strings in place (type-checked), then calls cfg.validate(). A key that chooses a
-    section's class (its `CHOICE`, e.g. objective.router.recipe) is applied before the others, wherever it stands
-    on the line, so the chosen class's keys are never set and then dropped by the choice."""
-    parsed = [(item, *parse_override(item)) for item in overrides]
-    parsed.sort(key=lambda t: not _is_choice(cfg, t[1]))  # stable: otherwise in the order given
-    for item, k, v in parsed:
-        set_key(cfg, k, v, f"command line ({item})")
+    """Applies `key=value` strings in place (type-checked, `set_keys`: a key that chooses a section's class, e.g.
+    objective.router.recipe, before the others wherever it stands on the line), then calls cfg.validate()."""
+    set_keys(cfg, [(*parse_override(item), f"command line ({item})") for item in overrides])
     if validate:
         cfg.validate()
     return cfg
+
+
+def set_keys(cfg: Any, items: list[tuple[str, Any, str]]) -> None:
+    """Sets (dotted key, value, source) items with `set_key`, a key that chooses a section's class (its `CHOICE`)
+    first and the rest in the order given, so the chosen class's keys are never set and then dropped by the
+    choice."""
+    for k, v, source in sorted(items, key=lambda t: not _is_choice(cfg, t[0])):  # stable
+        set_key(cfg, k, v, source)
 
 
 def _is_choice(cfg: Any, key: str) -> bool:

@@ -22,7 +22,7 @@ import yaml
 
 # The generic machinery lives in data_prep.configlib (the lowest layer; PrepConfig uses it too); ConfigError
 # and apply_overrides stay importable from here.
-from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_chain, read_yaml_mapping, set_key
+from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_chain, read_yaml_mapping, set_key, set_keys
 from data_prep.configlib import field_docs as _field_docs
 from pipeline.train.recipes import RouterSettings, default_settings
 
@@ -464,8 +464,7 @@ def load_config(name: Optional[str] = None, overrides: list[str] | tuple = ()) -
     if name:
         path = resolve_path(name)
         for source, data in read_yaml_chain(path, resolve=preset_file):
-            for k, v in data.items():
-                set_key(cfg, str(k), v, source)
+            set_keys(cfg, [(str(k), v, source) for k, v in data.items()])
         if not cfg.name:
             cfg.name = name if not Path(name).suffix else path.stem
     apply_overrides(cfg, overrides, validate=False)

@@ -343,3 +343,14 @@ def test_the_recipe_is_chosen_before_its_keys_wherever_it_stands_on_the_command_
         assert cfg.objective.router.target_depth == 3.0
     kept = load_config("small/t-loopformer-budget", ["objective.router.recipe=budget"])
     assert kept.objective.router.target_depth == 2.5  # naming the recipe already chosen keeps its keys
+
+
+def test_the_recipe_is_chosen_before_its_keys_in_a_yaml_file_of_dotted_keys(tmp_path):
+    """The same rule in a YAML file whose keys are dotted (the order of a mapping's keys as written)."""
+    p = tmp_path / "run.yaml"
+    p.write_text(
+        "inherit: small/t-loopformer-budget\nobjective.router.target_depth: 3\nobjective.router.recipe: expected\n"
+        "model.exit_schedule: prefix\n"
+    )
+    cfg = load_config(str(p))
+    assert cfg.objective.router.recipe == "expected" and cfg.objective.router.target_depth == 3.0
