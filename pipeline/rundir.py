@@ -138,7 +138,7 @@ def newest_intact(root: Path, warn=None) -> Path | None:
     for i in range(len(done) - 1, -1, -1):
         why = damage(done[i])
         if why is None:
-            if warn is not None and (note := lagging_latest(root, done[i], done[i + 1 :])):
+            if warn is not None and (note := lagging_latest(root, done, i)):
                 warn(note)
             return done[i]
         if warn is not None:
@@ -149,16 +149,20 @@ def newest_intact(root: Path, warn=None) -> Path | None:
     return None
 
 
-def lagging_latest(root: Path, chosen: Path, damaged: list[Path]) -> str | None:
-    """Why root/latest, a hint written after each save, is passed over for `chosen`, or None when it names chosen
-    (or is absent, or names a damaged checkpoint: that warning was given)."""
+def lagging_latest(root: Path, done: list[Path], i: int) -> str | None:
+    """Why root/latest, a hint written after each save, is passed over for done[i] (of root's complete checkpoints,
+    oldest first; those after it are damaged), or None when it names done[i] (or is absent, or names a damaged
+    checkpoint: that warning was given)."""
+    chosen = done[i]
     try:
         named = (root / "latest").read_text().strip()
     except (OSError, UnicodeDecodeError):
         return None
-    if named == chosen.name or root / named in damaged:
+    if named == chosen.name or root / named in done[i + 1 :]:
         return None
-    m, step = STEP_DIR.match(named), int(STEP_DIR.match(chosen.name).group(1))
-    older = m is not None and (root / named / "rank0_state.pt").is_file() and int(m.group(1)) < step
-    why = "a save was cut off before it updated latest" if older else "no complete checkpoint of that name"
+    why = (
+        "a save was cut off before it updated latest"
+        if root / named in done[:i]
+        else "no complete checkpoint of that name"
+    )
     return f"{root / 'latest'} names {named[:80]!r}; using {chosen}, the newest intact checkpoint ({why})"
