@@ -62,7 +62,7 @@ class Resume:
             return 0, None
         # another world size: every rank continues from rank 0's state (RNG states are the same on every rank)
         state = ckpt.read_state(self.path, rank, ws) if self.saved["world_size"] == ws else self.saved
-        if self._full is not None:
+        if self.reshard:  # the full state `load_weights` read
             reshard.load_optimizer(engine, model, self._full, rank)
         else:
             ckpt.load_engine(engine, self.path)
