@@ -100,6 +100,24 @@ def test_generate_and_eval_read_the_hf_export(first):
     assert res["budgets"][0]["tasks"]["copa"]["acc"] == want["tasks"]["copa"]["acc"]
 
 
+def test_a_diverged_hf_export_is_refused_as_a_checkpoint_is(first, tmp_path):
+    """Weights holding NaN are a one-line error through the HF export too (the one loader's check)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.config import ConfigError
+    from pipeline.hf.load import load_any
+
+    d = tmp_path / "hf"
+    shutil.copytree(first["w"] / "hf", d)
+    state = load_file(str(d / "model.safetensors"))
+    state["model.wte.weight"][0, 0] = float("nan")
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"model.safetensors: 1 of \d+ weight tensors hold NaN or inf"):
+        load_any(d)
+
+
 def test_export_model_card_holds_the_checkpoints_evaluation(first):
     """tlf eval wrote under out/eval/...; tlf export finds it by the export it read (results.json's `export`), or,
     for a copy of the run, by the training run and step (run.json)."""

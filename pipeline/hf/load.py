@@ -12,8 +12,8 @@ import json
 import os
 from pathlib import Path
 
-from pipeline.config import Config, ConfigError, apply_overrides, config_from_dict
-from pipeline.model.io import find_export, load_model, load_state
+from pipeline.config import Config, apply_overrides, config_from_dict
+from pipeline.model.io import find_export, load_model, load_state, model_from_state
 from pipeline.model.looped import LoopedLM
 
 MODEL_TYPE = "tlf_looped"  # config.json's model_type of tlf's transformers export
@@ -46,12 +46,4 @@ def load_any(path: str | os.PathLike, device="cpu", overrides: list[str] | tuple
     apply_overrides(cfg, list(overrides))
     f = d / "model.safetensors"
     state = {k.removeprefix("model."): v for k, v in load_state(f).items()}
-    model = LoopedLM(cfg.model)
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # a tensor of another shape than config.json gives
-        raise ConfigError(f"{f}: weights do not match its config.json ({str(e).splitlines()[-1].strip()})") from None
-    missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte
-    if missing or unexpected:
-        raise ConfigError(f"{f}: weights do not match config.json (missing {missing[:5]}, unexpected {unexpected[:5]})")
-    return model.to(device).eval(), cfg
+    return model_from_state(cfg, state, f, "config.json", device), cfg

@@ -109,14 +109,21 @@ def load_model(
     raw = read_yaml_mapping(d / "config.yaml")  # bad YAML or another shape: a ConfigError naming the file
     cfg = config_from_dict(raw, source=str(d / "config.yaml"))
     apply_overrides(cfg, overrides)
-    model = LoopedLM(cfg.model)
     f = weights_file(d)
-    state = load_state(f)
+    return model_from_state(cfg, load_state(f), f, "config.yaml", device), cfg
+
+
+def model_from_state(
+    cfg: Config, state: dict[str, torch.Tensor], f: Path, config_name: str, device: str | torch.device = "cpu"
+) -> LoopedLM:
+    """cfg's network holding `state` (read from weights file f, described by its `config_name`), in eval mode on
+    device; weights of another shape or names, or NaN/inf in them, are a ConfigError naming f."""
+    model = LoopedLM(cfg.model)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # a tensor of another shape than config.yaml gives
+    except RuntimeError as e:  # a tensor of another shape than the config gives
         why = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
-        raise ConfigError(f"{f}: weights do not match its config.yaml ({why.rstrip('.')})") from None
+        raise ConfigError(f"{f}: weights do not match its {config_name} ({why.rstrip('.')})") from None
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
         raise ConfigError(
@@ -126,6 +133,6 @@ def load_model(
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte
     if missing or unexpected:
         raise ConfigError(
-            f"{f}: weights do not match its config.yaml (missing {missing[:5]}, unexpected {unexpected[:5]})"
+            f"{f}: weights do not match its {config_name} (missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
-    return model.to(device).eval(), cfg
+    return model.to(device).eval()
