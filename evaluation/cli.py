@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 
 import click
-from data_prep.configlib import parse_override
-from data_prep.files import check_writable
 from pipeline.config import ConfigError
 from pipeline.device import DEVICE_HELP
 from pipeline.tracking import TrackingError
@@ -68,10 +66,8 @@ def eval_cmd(checkpoint, overrides, loops, config, config_alias, device, variant
         raise click.BadParameter(f"{loops!r} names no loop budget (expected e.g. 2,4,8)", param_hint="--loops")
     ov = list(overrides) + option_overrides(**opts)
     try:
-        outs = [str(v) for k, v in map(parse_override, ov) if k == "eval.out_dir" and v]
-        if outs:  # checked before the evaluation, not after it
-            check_writable(outs[-1], "--out" if opts["out_dir"] else "eval.out_dir")
-        run(checkpoint, ov, loops=loops, config=config, device=device, variant=variant, log=click.echo)
+        label = "--out" if opts["out_dir"] else "eval.out_dir"
+        run(checkpoint, ov, loops=loops, config=config, device=device, variant=variant, log=click.echo, out_label=label)
     except (TaskDataError, OSError, ValueError) as e:  # OSError: a missing file, an unwritable --out
         if isinstance(e, ConfigError):
             raise

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_prep.files import new_dirs_removed_on_error
+from data_prep.files import check_writable, new_dirs_removed_on_error
 from pipeline import tracking
 from data_prep.foldtask import task_of
 from data_prep.tokenizer import GPT2_VOCAB
@@ -382,14 +382,18 @@ def run(
     cfg: Config | None = None,
     variant: str | None = None,
     log=print,
+    out_label: str = "eval.out_dir",
 ) -> results.Results:
     """Evaluates `checkpoint` (export, checkpoint or run dir, or tlf's transformers export). `overrides` are
     `section.key=value` strings applied to the checkpoint's config (e.g. eval.tasks=[copa], eval.limit=20,
     eval.source=offline); `loops` '2,4,8' or a list; `variant` labels the results as another variant of the same
     trained model (`relabel`). Returns the results (evaluation/results.py's schema, also written to
-    <out_dir>/results.json); an evaluation that fails leaves no empty output directory behind."""
+    <out_dir>/results.json); an evaluation that fails leaves no empty output directory behind. An output directory
+    that cannot be written is an error before any work, naming it by `out_label` (the option that set it)."""
     t_start = time.time()
     export, model, cfg, dev, trained_as = _prepare(checkpoint, overrides, config, device, model, cfg, variant)
+    name = (cfg.name or export.name) + (f"-as-{cfg.model.variant}" if trained_as else "")
+    out_dir = check_writable(_out_dir(cfg, name), out_label if cfg.eval.out_dir else "eval.out_dir")
     budgets = resolve_budgets(cfg, parse_loops(loops))
     t0 = time.time()
     inp = load_inputs(cfg, log)
@@ -400,8 +404,6 @@ def run(
     estimate = estimate_line(model, cfg, inp, budgets, dev)  # before any work: what it costs, how to cut it
     if estimate:
         log(estimate)
-    name = (cfg.name or export.name) + (f"-as-{cfg.model.variant}" if trained_as else "")
-    out_dir = _out_dir(cfg, name)
     with new_dirs_removed_on_error(out_dir):
         out_dir.mkdir(parents=True, exist_ok=True)
         work = sum(len(td.examples) for td in inp.tasks.values()) + sum(inp.windows)  # per budget
