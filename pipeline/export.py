@@ -22,13 +22,13 @@ FORMATS = ("safetensors", "pt", "hf")
 
 
 def _check_out(out: Path) -> None:
-    """--out must be new, empty, or an earlier export (replaced whole); its parent must be creatable."""
+    """--out must be new, empty, or an earlier export (replaced whole); it and its parent must be creatable."""
     if out.is_dir() and any(out.iterdir()) and not ((out / "config.yaml").is_file() or (out / "config.json").is_file()):
         raise click.UsageError(
             f"--out {out}: exists and is not an export (no config.yaml or config.json); choose a new or empty directory"
         )
     check_writable(out, "--out")
-    check_writable(out.parent, "--out", make=True)  # the export is built beside out, then renamed into place
+    check_writable(out.parent, "--out")  # the export is built beside out, then renamed into place
 
 
 def _temp_dirs(out: Path) -> list[Path]:
@@ -64,6 +64,7 @@ def export(checkpoint: str, out: str, fmt: str = "safetensors", evals: tuple = (
     for stale in _temp_dirs(dest):  # left by a killed export
         shutil.rmtree(stale, ignore_errors=True)
     tmp = dest.with_name(f".{dest.name}.tmp-export{os.getpid()}")
+    dest.parent.mkdir(parents=True, exist_ok=True)  # once the checkpoint has loaded: a failed export leaves nothing
     try:
         if fmt == "hf":
             from pipeline.hf.export import export_hf

@@ -190,6 +190,8 @@ def test_failed_starts_leave_no_empty_directories(first):
     w = first["w"]
     p = tlf("train", *TRAIN, "data.dir=nodata", "checkpoint.dir=gone/ck", cwd=w, check=False)
     assert p.returncode == 1 and "nodata" in p.stderr and not (w / "gone").exists()
+    p = tlf("export", "data", "--out", "gone/a/b", cwd=w, check=False)  # not a model: nothing made for --out
+    assert p.returncode != 0 and "no model export" in p.stderr and not (w / "gone").exists()
     # an evaluation interrupted (Ctrl-C) once it has started scoring: its output directories are removed. The
     # SIGINT comes from inside, at an event of the run (copa scored, the perplexity about to start), so it lands
     # mid-run however fast the machine
