@@ -21,6 +21,7 @@ from data_prep.foldtask import task_of
 from data_prep.tokenizer import GPT2_VOCAB
 from pipeline.config import VARIANTS, Config, ConfigError, load_config, trained_variant
 from pipeline.device import resolve_device
+from pipeline.export import EVAL_ROOT
 from pipeline.hf.load import load_any, model_dir
 from pipeline.train.checkpoint import read_run_record
 
@@ -302,10 +303,10 @@ def _log_mlflow(result, r: _Run, files: list, export: Path, name: str, trained_a
 
 
 def _out_dir(cfg: Config, name: str) -> Path:
-    """eval.out_dir, else out/eval/<name, / as _>/<timestamp>."""
+    """eval.out_dir, else out/eval/<name, / as _>/<timestamp> (EVAL_ROOT: where `tlf export` looks)."""
     if cfg.eval.out_dir:
         return Path(cfg.eval.out_dir)
-    return Path("out") / "eval" / name.replace("/", "_") / time.strftime("%Y%m%d-%H%M%S")
+    return EVAL_ROOT / name.replace("/", "_") / time.strftime("%Y%m%d-%H%M%S")
 
 
 def _header(checkpoint, export: Path, cfg: Config, model, dev: str, inp: _Inputs, trained_as: str | None) -> dict:
