@@ -28,7 +28,7 @@ import numpy as np
 from data_prep import foldtask
 from data_prep.assets import ensure_assets
 from data_prep.config import FOLD, PrepConfig, changed_options
-from data_prep.files import check_writable, write_json
+from data_prep.files import check_writable, new_dirs_removed_on_error, write_json
 from data_prep.shards import ShardError, ShardReader, read_manifest
 from data_prep.hf import HubSource
 from data_prep.sources import FileSource, resolve_inputs
@@ -505,17 +505,15 @@ def prepare_status(cfg: PrepConfig, overwrite: bool = False, log=None) -> tuple[
     lock on OUT/.lock)."""
     log = log or (lambda m: print(m, file=sys.stderr))
     out = Path(cfg.out)
-    created, had_lock = not out.exists(), (out / ".lock").exists()
-    check_writable(out, "--out", make=True)
-    try:
-        m, wrote = _locked(cfg, out, overwrite, log)
-    except BaseException:
-        if not had_lock and {p.name for p in out.iterdir()} <= {".lock"}:  # failed before writing anything:
-            (out / ".lock").unlink(missing_ok=True)  # nothing left behind (nor the directory, if it made it)
-            if created:
-                with contextlib.suppress(OSError):
-                    out.rmdir()
-        raise
+    had_lock = (out / ".lock").exists()
+    with new_dirs_removed_on_error(out):  # failed before writing anything: nor the directories it made
+        check_writable(out, "--out", make=True)
+        try:
+            m, wrote = _locked(cfg, out, overwrite, log)
+        except BaseException:
+            if not had_lock and {p.name for p in out.iterdir()} <= {".lock"}:  # nothing left behind
+                (out / ".lock").unlink(missing_ok=True)
+            raise
     warn = tiny_val(m, cfg.resolved_val_every()) if wrote else None
     if warn:
         log(warn)
