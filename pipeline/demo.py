@@ -88,9 +88,10 @@ def plan(a: argparse.Namespace, work: Path, uri: str) -> list[orchestrate.Stage]
     return data + orchestrate.variant_stages("small", variants_of(a), str(work), train, ev, cmp, presets=PRESETS)
 
 
-def fold_plan(a: argparse.Namespace, work: Path, uri: str) -> list[orchestrate.Stage]:
+def fold_plan(a: argparse.Namespace, out: Path, uri: str) -> list[orchestrate.Stage]:
     """The fold part's stages: the task's shards, then the orchestrator's train -> eval -> compare for fold
-    loopformer and t-loopformer (its own MLflow experiment, so compare never mixes them with the text models)."""
+    loopformer and t-loopformer into `out` (its own MLflow experiment, so compare never mixes them with the text
+    models)."""
     from data_prep import foldtask
 
     L, data = FOLD_LEVELS, "data/demo-fold"
@@ -116,11 +117,9 @@ def fold_plan(a: argparse.Namespace, work: Path, uri: str) -> list[orchestrate.S
     ]
     budgets = ",".join(str(M) for M in range(1, L + 1))
     ev = ["--loops", budgets, "eval.tasks=[]", "eval.perplexity=false", "eval.latency=false", *common]
-    cmp = ["--tracking-uri", uri, "--experiment", "demo-fold", "--out", str(work / "fold" / "compare")]
+    cmp = ["--tracking-uri", uri, "--experiment", "demo-fold", "--out", str(out / "compare")]
     variants = ["loopformer", "t-loopformer"]
-    return [prep] + orchestrate.variant_stages(
-        "fold", variants, str(work / "fold"), train, ev, cmp, presets=FOLD_PRESETS
-    )
+    return [prep] + orchestrate.variant_stages("fold", variants, str(out), train, ev, cmp, presets=FOLD_PRESETS)
 
 
 def _announce(st: orchestrate.Stage) -> None:
@@ -156,7 +155,7 @@ def main(argv=None) -> None:
     from pipeline.train.ds import extensions_dir
 
     extensions_dir()  # the demo's ranks inherit it: DeepSpeed's shm op is built once per virtualenv
-    log = orchestrate.run((fold_plan if a.fold else plan)(a, work, uri), _announce, _fail)
+    log = orchestrate.run((fold_plan if a.fold else plan)(a, out, uri), _announce, _fail)
     wall = time.time() - t_start
     if not a.fold:
         for v in variants_of(a):
@@ -165,20 +164,18 @@ def main(argv=None) -> None:
             if summary:
                 print(summary)
     print("\n=== demo finished in " + f"{wall / 60:.1f} min: " + ", ".join(f"{t} {dt:.0f}s" for t, dt in log))
-    _where(a, work, uri)
+    _where(a, out, uri)
 
 
-def _where(a: argparse.Namespace, work: Path, uri: str) -> None:
-    """The closing lines: where the outputs are, and (text part) the fold task's command."""
+def _where(a: argparse.Namespace, out: Path, uri: str) -> None:
+    """The closing lines: where the outputs in `out` are, and (text part) the fold task's command."""
     if a.fold:
-        print(
-            f"fold task comparison (Table 4: accuracy at equal loop work; level x depth): {work / 'fold' / 'compare'}"
-        )
+        print(f"fold task comparison (Table 4: accuracy at equal loop work; level x depth): {out / 'compare'}")
     else:
-        print(f"comparison (markdown, CSV, PNG): {work / 'compare'}")
-        for p in sorted((work / "compare").glob("*.png")):
+        print(f"comparison (markdown, CSV, PNG): {out / 'compare'}")
+        for p in sorted((out / "compare").glob("*.png")):
             print(f"  plot: {p}")
-        print(f"evaluation outputs: {work / 'eval'}")
+        print(f"evaluation outputs: {out / 'eval'}")
     print(f"MLflow store: {uri}")
     ui = f".venv/bin/mlflow ui --backend-store-uri {uri} --port 5000"
     print(f"browse it:    make setup && {ui}  # make setup adds MLflow's UI to the demo's packages")
