@@ -217,6 +217,14 @@ for _cls, _sec in ((ModelConfig, "model"), (ObjectiveConfig, "objective")):
     _cls.REMOVED = {k: f"removed: {v['why']}" for k, v in GONE[_sec]["removed"].items()}
 
 
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as {dotted key: value} (a YAML file's keys, a config's `to_dict`)."""
+    out = {}
+    for k, v in d.items():
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def _yaml_scalar(x) -> str:
     return str(x).lower() if isinstance(x, bool) else str(x)
 
@@ -414,14 +422,7 @@ class Config:
     def flat(self) -> dict[str, Any]:
         """{'model.d_model': 2048, 'objective.router.recipe': 'paper', ...}: the resolved config as dotted keys
         (MLflow params)."""
-
-        def walk(d: dict, prefix: str) -> dict:
-            out = {}
-            for k, v in d.items():
-                out.update(walk(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-            return out
-
-        return walk(self.to_dict(), "")
+        return flatten(self.to_dict())
 
     def check_world_size(self, world_size: int) -> int:
         """Batch sizes live here only: returns grad_accum_steps, or raises naming both values."""

@@ -9,8 +9,7 @@ import dataclasses
 import pytest
 
 from data_prep.configlib import read_yaml_chain
-from pipeline.config import ModelConfig, ObjectiveConfig, load_config, resolve_path
-from pipeline.train.recipes import RECIPES
+from pipeline.config import Config, field_docs, flatten, load_config, preset_file, resolve_path
 
 MAX_SETTINGS = 30
 # setting -> (the preset that uses it, "sets" it in its YAML chain or runs its "default")
@@ -49,24 +48,13 @@ USERS = {
 
 
 def settings() -> set[str]:
-    """Every model and objective setting, each recipe key once as objective.router.<key>."""
-    keys = {f"model.{fl.name}" for fl in dataclasses.fields(ModelConfig)}
-    keys |= {f"objective.{fl.name}" for fl in dataclasses.fields(ObjectiveConfig) if fl.name != "router"}
-    for recipe in RECIPES.values():
-        keys |= {f"objective.router.{fl.name}" for fl in dataclasses.fields(recipe.Settings)}
-    return keys
+    """Every model and objective setting, each recipe key once as objective.router.<key> (the reference's rows)."""
+    return {k for k, *_ in field_docs(Config) if k.split(".")[0] in ("model", "objective")}
 
 
 def _yaml_keys(preset: str) -> set[str]:
-    """The dotted keys a preset's YAML chain sets."""
-
-    def walk(d: dict, prefix: str) -> set[str]:
-        out = set()
-        for k, v in d.items():
-            out |= walk(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
-        return out
-
-    return set().union(*(walk(data, "") for _, data in read_yaml_chain(resolve_path(preset))))
+    """The dotted keys a preset's YAML chain sets (its `inherit:` entries resolved as load_config resolves them)."""
+    return set().union(*(flatten(data) for _, data in read_yaml_chain(resolve_path(preset), resolve=preset_file)))
 
 
 def test_every_setting_has_a_user_and_there_are_at_most_30():
