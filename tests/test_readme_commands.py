@@ -305,16 +305,6 @@ def test_the_scale_and_variant_tables_are_the_configs():
     assert listed == {p for p in PRESETS if p.split("/")[1] not in VARIANTS}, "README's recipe presets vs the configs"
 
 
-def test_the_slurm_script_is_the_same_in_the_readme_and_the_training_page():
-    def script(path: Path) -> str:
-        blocks = re.findall(r"^```bash\n(.*?)^```", path.read_text(), flags=re.S | re.M)
-        found = [b for b in blocks if "#SBATCH" in b]
-        assert len(found) == 1, f"{len(found)} SLURM scripts in {rel(path)}"
-        return found[0]
-
-    assert script(README) == script(ROOT / "docs" / "training.md")
-
-
 # Words and forms that narrate the order in which work was done; documentation describes the software and its
 # measured behaviour (git log keeps the history).
 NARRATION = [

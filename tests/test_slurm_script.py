@@ -9,15 +9,20 @@ import shlex
 import subprocess
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 
 
-def script() -> str:
-    """The ```bash block of the README holding #SBATCH lines."""
-    blocks = re.findall(r"^```bash\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+def script(path: Path = README) -> str:
+    """The ```bash block of a markdown file (the README) holding #SBATCH lines."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", path.read_text(), flags=re.S | re.M)
     found = [b for b in blocks if "#SBATCH" in b]
-    assert len(found) == 1, f"{len(found)} SLURM scripts in README.md"
+    assert len(found) == 1, f"{len(found)} SLURM scripts in {path.relative_to(ROOT)}"
     return found[0]
+
+
+def test_the_slurm_script_is_the_same_in_the_readme_and_the_training_page():
+    assert script(README) == script(ROOT / "docs" / "training.md")
 
 
 def _torchrun(argv: list[str]):
