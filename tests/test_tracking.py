@@ -57,8 +57,12 @@ class Proc:
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw
         )
         self.out, self.err = [], []
-        for src, dst in ((self.p.stdout, self.out), (self.p.stderr, self.err)):
-            threading.Thread(target=lambda s=src, d=dst: d.extend(iter(s.readline, "")), daemon=True).start()
+        self.readers = [
+            threading.Thread(target=lambda s=src, d=dst: d.extend(iter(s.readline, "")), daemon=True)
+            for src, dst in ((self.p.stdout, self.out), (self.p.stderr, self.err))
+        ]
+        for t in self.readers:
+            t.start()
 
     def text(self) -> str:
         return "".join(self.out) + "".join(self.err)
@@ -70,7 +74,8 @@ class Proc:
 
     def finish(self) -> str:
         self.p.wait(timeout=600)
-        time.sleep(0.2)  # let the reader threads drain the pipes
+        for t in self.readers:  # the pipes' end: every line the process wrote has been read
+            t.join(timeout=60)
         assert self.p.returncode == 0, self.text()[-3000:]
         return self.text()
 
@@ -192,9 +197,6 @@ class Server:
     def kill(self) -> None:
         self.proc.kill()
 
-    def restart(self) -> None:
-        self.proc = start_server(self.tmp, self.port)
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -248,7 +250,7 @@ def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data, s
         # it replays is the outage's steps so far, not as many as the machine's speed makes during a server start
         os.killpg(t.p.pid, signal.SIGSTOP)
         try:
-            server.restart()
+            server.up()  # the same port and store
         finally:
             os.killpg(t.p.pid, signal.SIGCONT)
         wait_for(lambda: "MLflow is back" in t.text(), "the replay", t.p, log=t.text)
@@ -266,16 +268,13 @@ def test_server_outage_neither_stops_training_nor_loses_a_step(tmp_path, data, s
             t.kill()
 
 
-def tlf_in_process(monkeypatch, *args: str, **env: str):
-    """`tlf ARGS` through its click entry point in this process, with env set (click's CliRunner)."""
+def tlf_in_process(*args: str, **env: str):
+    """`tlf ARGS` through its click entry point in this process, with env set for the call (click's CliRunner)."""
     from click.testing import CliRunner
 
     from pipeline.cli import main
 
-    with monkeypatch.context() as m:
-        for k, v in env.items():
-            m.setenv(k, v)
-        return CliRunner().invoke(main, list(args))
+    return CliRunner().invoke(main, list(args), env=env)
 
 
 def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, data, monkeypatch):
@@ -284,11 +283,11 @@ def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, da
 
     dead = f"http://127.0.0.1:{free_port()}"
     monkeypatch.chdir(tmp_path)
-    r = tlf_in_process(monkeypatch, "compare", "--tracking-uri", dead, "--out", str(tmp_path / "c"))
+    r = tlf_in_process("compare", "--tracking-uri", dead, "--out", str(tmp_path / "c"))
     assert r.exit_code != 0 and len(r.stderr.strip().splitlines()) == 1, r.output
     assert dead in r.stderr and "Traceback" not in r.output
     # the same from the environment variable, which a run with no tracking_uri honours too
-    r = tlf_in_process(monkeypatch, "compare", "--out", str(tmp_path / "c"), MLFLOW_TRACKING_URI=dead)
+    r = tlf_in_process("compare", "--out", str(tmp_path / "c"), MLFLOW_TRACKING_URI=dead)
     assert r.exit_code != 0 and dead in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
 
     # logging.mlflow=false: the metrics file alone, and tlf compare reads it
@@ -299,7 +298,7 @@ def test_dead_server_is_one_line_and_compare_reads_the_metrics_file(tmp_path, da
     # tlf eval: the dead server (from MLFLOW_TRACKING_URI, the checkpoint's logging.tracking_uri being empty) is
     # one line before the evaluation starts
     argv = ["eval", str(tmp_path / "ck"), "--tasks", "none", "--no-ppl", "--no-latency", "--out", str(tmp_path / "e")]
-    r = tlf_in_process(monkeypatch, *argv, MLFLOW_TRACKING_URI=dead)
+    r = tlf_in_process(*argv, MLFLOW_TRACKING_URI=dead)
     assert r.exit_code == 1 and dead in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
     assert "Traceback" not in r.output
     p = subprocess.run(  # the real entry point
