@@ -64,14 +64,14 @@ def first(tmp_path_factory) -> dict:
 def mlflow_run(w: Path):
     from pipeline import tracking
 
-    return tracking.client(f"sqlite:///{w / 'mlflow.db'}"), json.loads((w / "ck" / "tracking.json").read_text())[
-        "run_id"
-    ]
+    return tracking.client(f"sqlite:///{w / 'mlflow.db'}"), tracking.read_run_file(w / "ck")["run_id"]
 
 
 def test_shortcut_pass_of_one_loop_logs_its_depth_share(first):
     """A shortcut pass of one loop has a depth histogram of one entry: logged as depth_share_1, not as a scalar."""
-    rows = [json.loads(line) for line in (first["w"] / "ck" / "metrics.jsonl").read_text().splitlines()]
+    from pipeline import tracking
+
+    rows = tracking.read_metrics(first["w"] / "ck" / "metrics.jsonl")
     one = [r for r in rows if r.get("router/short/loops") == 1.0]
     assert one, "no step drew a one-loop shortcut pass"
     assert all(r["router/short/depth_share_1"] == 1.0 for r in one)
