@@ -91,10 +91,10 @@ def nxt(self):
     return orig(self)
 TrainLoader.next = nxt
 real = checkpoint.export_model
-def export(engine, model, cfg, directory, rank):
+def export(engine, model, cfg, directory, rank, *rest):
     if kill and f"global_step{kill}" in str(directory):
         die()
-    return real(engine, model, cfg, directory, rank)
+    return real(engine, model, cfg, directory, rank, *rest)
 checkpoint.export_model = export
 real_save = checkpoint.save
 def save(*a, **kw):

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -56,13 +57,16 @@ def check_writable(path: str | os.PathLike, label: str, directory: bool = True, 
     return path
 
 
-def atomic_write_bytes(path: str | os.PathLike, chunks) -> None:
-    """Writes the byte chunks to path via a temp file, fsync and rename (complete or absent)."""
+def atomic_write_bytes(path: str | os.PathLike, chunks) -> str:
+    """Writes the byte chunks to path via a temp file, fsync and rename (complete or absent); returns their sha256
+    (hex), hashed as they are written."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    digest = hashlib.sha256()
     try:
         with open(tmp, "wb") as fh:
             for c in chunks:
+                digest.update(c)
                 fh.write(c)
             fh.flush()
             os.fsync(fh.fileno())
@@ -82,6 +86,7 @@ def atomic_write_bytes(path: str | os.PathLike, chunks) -> None:
             os.close(dfd)
     except OSError:
         pass
+    return digest.hexdigest()
 
 
 def _plain(o):

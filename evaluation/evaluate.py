@@ -166,7 +166,11 @@ def load_inputs(cfg: Config, log) -> _Inputs:
                 raise
             skipped[n] = str(e)
             log(f"eval: warning: skipping {n} (eval.strict=false): {e}")
-    streams = [TokenStream(d, cfg.data.val_split, ev.ppl_tokens) for d in ppl_dirs(cfg)] if ev.perplexity else []
+    streams = (
+        [TokenStream(d, cfg.data.val_split, ev.ppl_tokens, cfg.model.vocab_size) for d in ppl_dirs(cfg)]
+        if ev.perplexity
+        else []
+    )
     T = min(ev.ppl_context or cfg.model.block_size, cfg.model.block_size)
     windows = [len(make_windows(st.num_tokens, T, ev.ppl_stride).starts) for st in streams]
     return _Inputs(

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_prep.shards import ShardSet
+from data_prep.shards import ShardError, ShardSet
 from evaluation.forward import hidden_states, nll_at
 
 
@@ -74,7 +74,9 @@ class TokenStream:
     """The first `max_tokens + 1` tokens of a split (memory-mapped shards, read per window), opened once and
     reused for every budget."""
 
-    def __init__(self, directory: str | Path, split: str = "val", max_tokens: int = 0):
+    def __init__(self, directory: str | Path, split: str = "val", max_tokens: int = 0, vocab_size: int = 0):
+        """vocab_size: the model's; a token id at or past it (a text set given to a fold-task model) is a
+        ShardError naming the set, before any window is scored."""
         self.dir = Path(directory)
         self.split = split
         self.shards = ShardSet(directory, split)
@@ -83,6 +85,18 @@ class TokenStream:
             raise ValueError(f"{self.dir} '{split}': {self.shards.num_tokens} tokens; perplexity needs at least 2")
         self.num_tokens = n
         self.name = set_name(directory)
+        if vocab_size:
+            self._check_ids(vocab_size)
+
+    def _check_ids(self, vocab_size: int, chunk: int = 1 << 22) -> None:
+        top = max(
+            int(self.shards.read(s, min(chunk, self.num_tokens - s)).max()) for s in range(0, self.num_tokens, chunk)
+        )
+        if top >= vocab_size:
+            raise ShardError(
+                f"{self.dir} '{self.split}': token id {top} >= model.vocab_size ({vocab_size}): these shards were "
+                "not made for this model (a text set given to a fold-task model?)"
+            )
 
     def read(self, start: int, n: int) -> torch.Tensor:
         return torch.from_numpy(self.shards.read(start, n).astype(np.int64))
@@ -105,6 +119,8 @@ def perplexity(
     threshold: the ablations' switches, as `LoopedLM.forward` takes them; progress(n): called after each batch
     with its number of windows)."""
     T = min(context or model.cfg.block_size, model.cfg.block_size)
+    if T < 1 or stride < 0:
+        raise ValueError(f"perplexity windows need a context >= 1 and a stride >= 0, got {context} and {stride}")
     M = int(loops)
     win = make_windows(stream.num_tokens, T, stride)
     tally = DepthTally(M)

@@ -3,28 +3,38 @@ leaves it, read by the resume and by whatever loads a trained model (`tlf eval R
 checkpoints in it are complete, and which of those are intact.
 
     latest                      # names the newest complete checkpoint; a hint only
+    metrics.jsonl, tracking.json  # the run's metrics and its MLflow run (pipeline/tracking.py)
     global_step{N}/             # one checkpoint (pipeline/train/checkpoint.py writes it)
-        files.json              # every file's size, written before the checkpoint's rename
+        files.json              # every file's size and sha256 (hashed as it was written), written before the rename
         rank{r}_state.pt        # rank r's training state
         model/                  # the model export (pipeline/model/io.py)
 
 A checkpoint is complete once its dir bears its final name (`global_step{N}` holding rank0_state.pt), and intact
-when every file files.json lists has the size it was written with (`damage`; a checkpoint written before
-files.json existed: `legacy_damage`). `newest_intact` is what readers take, not what `latest` names: a kill
-between the two renames leaves `latest` one behind (said in a warning, `lagging_latest`), and a truncated or missing
-file makes them fall back to the previous checkpoint with a warning naming both.
+when every file files.json lists has the size and sha256 it was written with (`damage`; sizes only when `deep` is
+false; a checkpoint written before files.json held checksums: sizes; before files.json existed: `legacy_damage`).
+`newest_intact` is what readers take, not what `latest` names: a kill between the two renames leaves `latest` one
+behind (said in a warning, `lagging_latest`), and a truncated, altered or missing file makes them fall back to the
+previous checkpoint with a warning naming both.
+
+A start never overwrites another run: `lost_by_start` says what of a run directory a run starting from a given
+checkpoint would replace (another run's checkpoints, metrics or MLflow run; this run's checkpoints past the start),
+and `move_aside` moves a whole run directory to a sibling `<dir>.replaced-<UTC time>` (`tlf train --overwrite`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+import time
 from pathlib import Path
 
 import torch
 
 from data_prep.files import write_json
 from pipeline.config import Config
+from pipeline.tracking import METRICS_FILE, RUN_FILE
 
 STEP_DIR = re.compile(r"^global_step(\d+)$")
 
@@ -47,34 +57,51 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-FILES = (
-    "files.json"  # {relative path: size in bytes} of every file of a checkpoint, written by rank 0 before the rename
-)
+FILES = "files.json"  # {relative path: {"size": bytes, "sha256": hex}} of every file of a checkpoint (rank 0, before the rename)
+CHUNK = 1 << 22  # bytes read at a time when hashing
 
 
-def record_files(ck: Path) -> None:
-    """Writes ck/files.json listing every file of checkpoint dir ck (all ranks have written theirs)."""
-    sizes = {str(f.relative_to(ck)): f.stat().st_size for f in sorted(ck.rglob("*")) if f.is_file()}
-    write_json(ck / FILES, sizes, indent=0)
+def sha256_file(f: Path) -> str:
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
 
 
-def damage(ck: Path) -> str | None:
-    """Why checkpoint dir ck cannot be resumed from (a file it was written with is missing or has another size),
-    or None. A checkpoint written before files.json existed: `legacy_damage`."""
+def record_files(ck: Path, digests: dict[str, str]) -> None:
+    """Writes ck/files.json listing every file of checkpoint dir ck (all ranks have written theirs) with its size
+    and sha256: `digests` ({relative path: hex}) holds those hashed as they were written; a file missing from it (a
+    small one DeepSpeed copies in) is hashed here."""
+    rec = {}
+    for f in sorted(ck.rglob("*")):
+        if f.is_file():
+            rel = str(f.relative_to(ck))
+            rec[rel] = {"size": f.stat().st_size, "sha256": digests.get(rel) or sha256_file(f)}
+    write_json(ck / FILES, rec, indent=0)
+
+
+def damage(ck: Path, deep: bool = True, only: str = "") -> str | None:
+    """Why checkpoint dir ck cannot be used (a file it was written with is missing, has another size or, when
+    `deep`, another sha256), or None. `only`: hash just the files under that relative prefix (sizes are always
+    checked for all). A checkpoint written before files.json existed: `legacy_damage`."""
     try:
-        sizes = json.loads((ck / FILES).read_text())
+        rec = json.loads((ck / FILES).read_text())
     except FileNotFoundError:
         return legacy_damage(ck)
     except (OSError, ValueError) as e:
         return f"{FILES} unreadable: {e}"
-    if not isinstance(sizes, dict):
+    if not isinstance(rec, dict):
         return f"{FILES} is not an object"
-    for name, size in sizes.items():
+    for name, want in rec.items():
+        size, digest = (want, None) if isinstance(want, int) else (want.get("size"), want.get("sha256"))
         f = ck / name
         if not f.is_file():
             return f"{name} is missing"
         if f.stat().st_size != size:
             return f"{name} has {f.stat().st_size} bytes, {size} were written"
+        if deep and digest and name.startswith(only) and sha256_file(f) != digest:
+            return f"{name} differs from what was written (sha256 mismatch)"
     return None
 
 
@@ -130,13 +157,13 @@ def _cut_short(f: Path) -> str | None:
         return f"is cut short or unreadable ({type(e).__name__})"
 
 
-def newest_intact(root: Path, warn=None) -> Path | None:
-    """The newest complete checkpoint under root whose files are all there (`damage`), or None; each newer damaged
-    one is reported through warn (a callable taking one line) naming it and the one chosen instead, and so is a
-    `latest` that names another checkpoint (`lagging_latest`)."""
+def newest_intact(root: Path, warn=None, deep: bool = True, only: str = "") -> Path | None:
+    """The newest complete checkpoint under root whose files are all there as written (`damage`, with `deep` and
+    `only`), or None; each newer damaged one is reported through warn (a callable taking one line) naming it and the
+    one chosen instead, and so is a `latest` that names another checkpoint (`lagging_latest`)."""
     done = [p for _, p in complete_checkpoints(root)]
     for i in range(len(done) - 1, -1, -1):
-        why = damage(done[i])
+        why = damage(done[i], deep, only)
         if why is None:
             if warn is not None and (note := lagging_latest(root, done, i)):
                 warn(note)
@@ -166,3 +193,37 @@ def lagging_latest(root: Path, done: list[Path], i: int) -> str | None:
         else "no complete checkpoint of that name"
     )
     return f"{root / 'latest'} names {named[:80]!r}; using {chosen}, the newest intact checkpoint ({why})"
+
+
+def lost_by_start(root: Path, start: Path | None, fresh_ok: bool) -> str | None:
+    """What of run directory `root` a run starting from checkpoint dir `start` (None: from step 0) would replace,
+    as one phrase, or None when nothing: from one of root's own checkpoints, the intact checkpoints past it (their
+    steps would be written again); from anything else, every complete checkpoint, the metrics and the MLflow run of
+    the run that is there. `fresh_ok` (checkpoint.resume=auto): a root without a complete checkpoint is the same run
+    started again after a kill before its first save, and its metrics are redone."""
+    done = complete_checkpoints(root)
+    own = start is not None and start.parent.resolve() == Path(root).resolve()
+    if own:
+        at = int(STEP_DIR.match(start.name).group(1))
+        later = [p.name for s, p in done if s > at and damage(p) is None]
+        return f"checkpoints past {start.name} ({', '.join(later)})" if later else None
+    if fresh_ok and start is None and not done:
+        return None
+    held = [p.name for _, p in done]
+    metrics = root / METRICS_FILE
+    if metrics.is_file() and metrics.stat().st_size:
+        held.append(METRICS_FILE)
+    if (root / RUN_FILE).is_file():
+        held.append(f"{RUN_FILE} (its MLflow run)")
+    return f"another run ({', '.join(held)})" if held else None
+
+
+def move_aside(root: Path) -> Path:
+    """Moves run directory root to a new sibling `<name>.replaced-<UTC time>` (never over anything) and returns
+    it; root is then free for a new run."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside, n = root.with_name(f"{root.name}.replaced-{stamp}"), 1
+    while aside.exists():
+        aside, n = root.with_name(f"{root.name}.replaced-{stamp}-{n}"), n + 1
+    os.rename(root, aside)
+    return aside

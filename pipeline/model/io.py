@@ -40,8 +40,11 @@ def state_for_export(model: LoopedLM) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().cpu().contiguous().clone() for k, v in model.state_dict().items() if k not in skip}
 
 
-def save_model(directory: str | os.PathLike, model: LoopedLM, cfg: Config, fmt: str | None = None) -> Path:
-    """fmt: "safetensors" (the default when the package is installed) or "pt"."""
+def save_model(
+    directory: str | os.PathLike, model: LoopedLM, cfg: Config, fmt: str | None = None, digests: dict | None = None
+) -> Path:
+    """fmt: "safetensors" (the default when the package is installed) or "pt". digests: filled with {file name:
+    sha256} of the files written, hashed as they are written (a checkpoint's files.json)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     fmt = fmt or ("safetensors" if have_safetensors() else "pt")
@@ -49,15 +52,18 @@ def save_model(directory: str | os.PathLike, model: LoopedLM, cfg: Config, fmt: 
     if fmt == "safetensors":
         from safetensors.torch import save as st_save
 
-        atomic_write_bytes(d / "model.safetensors", [st_save(state, metadata={"format": "pt"})])
+        data = st_save(state, metadata={"format": "pt"})
     else:
         buf = io.BytesIO()
         torch.save(state, buf)
-        atomic_write_bytes(d / "model.pt", [buf.getvalue()])
+        data = buf.getvalue()
+    written = {f"model.{fmt}": atomic_write_bytes(d / f"model.{fmt}", [data])}
     for other in WEIGHT_FILES:  # a re-export in the other format must not leave stale weights preferred
         if other != f"model.{fmt}" and (d / other).exists():
             (d / other).unlink()
-    atomic_write_bytes(d / "config.yaml", [to_yaml(cfg).encode()])
+    written["config.yaml"] = atomic_write_bytes(d / "config.yaml", [to_yaml(cfg).encode()])
+    if digests is not None:
+        digests.update(written)
     return d
 
 
@@ -67,13 +73,15 @@ def weights_file(d: Path) -> Path | None:
 
 def find_export(path: str | os.PathLike) -> Path:
     """Accepts an export dir, a checkpoint dir containing `model/`, or a run dir: its newest intact checkpoint
-    (pipeline.rundir.newest_intact; a damaged newer one is passed over with a warning), which `latest` names unless a
+    (pipeline.rundir.newest_intact: every file's size, the export's checksums; a damaged newer one is passed over
+    with a warning), which `latest` names unless a
     kill hit between a checkpoint's rename and `latest`'s."""
     p = Path(path)
     for cand in (p, p / "model"):
         if weights_file(cand) and (cand / "config.yaml").is_file():
             return cand
-    ck = newest_intact(p, lambda m: print(f"[tlf] warning: {m}", file=sys.stderr, flush=True))
+    # sizes of every file, checksums of the export's (the files read here)
+    ck = newest_intact(p, lambda m: print(f"[tlf] warning: {m}", file=sys.stderr, flush=True), only="model/")
     if ck is not None and weights_file(ck / "model"):
         return ck / "model"
     latest = p / "latest"

@@ -4,7 +4,7 @@ One checkpoint is a directory `global_step{N}/` of the run directory (pipeline/r
 checkpoints in it are complete and intact):
 
     global_step{N}/             # DeepSpeed's model/optimizer/scheduler files (engine.save_checkpoint), and
-        files.json              # every file's size, written by rank 0 before the rename (`rundir.damage` checks it)
+        files.json              # every file's size and sha256, hashed as written; rank 0 writes it before the rename
         rank{r}_state.pt        # this rank's step, data position, RNG states (python, numpy, torch, cuda), config
         model/                  # pipeline.model.io export (model.safetensors + config.yaml): what generate/eval load
 
@@ -14,13 +14,16 @@ hidden temp dir (removed by the next save) and the previous checkpoint stays the
 save, the free space is checked against the size of the previous checkpoint (or an estimate from the parameter
 count); too little is an error before anything is written. Old checkpoints beyond `checkpoint.keep_last` are
 renamed to `.trash-*` and then removed; a `.latest.tmp*` left by a kill between the renames is removed by the next
-save. DeepSpeed's `client_state` comes back from rank 0's file only under ZeRO 0-2 (docs/design.md §6), which is
+save; a damaged checkpoint of the step being saved (one the resume passed over) is renamed
+`global_step{N}.damaged`, never overwritten. DeepSpeed's `client_state` comes back from rank 0's file only under ZeRO 0-2 (docs/design.md §6), which is
 why each rank's own state lives in its own file. Resuming from one: pipeline/train/resume.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import io
 import json
 import os
@@ -143,8 +146,9 @@ def read_run_record(export_dir: Path) -> RunRecord | None:
     return RunRecord(meta.get("mlflow_run_id") or None, meta.get("tracking_uri") or "", meta.get("step", 0))
 
 
-def export_model(engine, model, cfg: Config, directory: Path, rank: int) -> None:
-    """pipeline.model.io.save_model of the full weights (gathered first under ZeRO-3); every rank calls it."""
+def export_model(engine, model, cfg: Config, directory: Path, rank: int, digests: dict | None = None) -> None:
+    """pipeline.model.io.save_model of the full weights (gathered first under ZeRO-3); every rank calls it.
+    digests: filled (rank 0) with {file name: sha256} of the files written."""
     from pipeline.model.io import save_model
 
     if engine.zero_optimization_stage() == 3:
@@ -152,16 +156,54 @@ def export_model(engine, model, cfg: Config, directory: Path, rank: int) -> None
 
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
             if rank == 0:
-                save_model(directory, model, cfg)
+                save_model(directory, model, cfg, digests=digests)
     elif rank == 0:
-        save_model(directory, model, cfg)
+        save_model(directory, model, cfg, digests=digests)
+
+
+class _Hashing:
+    """A binary file that hashes what is written to it (torch.save writes its zip sequentially)."""
+
+    def __init__(self, fh) -> None:
+        self.fh, self.sha = fh, hashlib.sha256()
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        return self.fh.write(b)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+@contextlib.contextmanager
+def hashed_saves(engine, digests: dict[str, str]):
+    """While open, DeepSpeed's torch checkpoint engine writes each file through `_Hashing`, recording {path:
+    sha256} in digests, so files.json's checksums cost no second read. Another checkpoint engine (Nebula, the
+    decoupled one) writes as it does; `rundir.record_files` then hashes its files after the write."""
+    ce = getattr(engine, "checkpoint_engine", None)
+    if ce is None or type(ce).__name__ != "TorchCheckpointEngine":
+        yield
+        return
+    zipped = getattr(ce, "zipfile_serialization", True)
+
+    def save(state_dict, path):
+        with open(path, "wb") as fh:
+            w = _Hashing(fh)
+            torch.save(state_dict, w, _use_new_zipfile_serialization=zipped)
+        digests[str(path)] = w.sha.hexdigest()
+
+    ce.save = save  # an instance attribute over the class's method
+    try:
+        yield
+    finally:
+        del ce.save
 
 
 def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: int) -> Path:
     """Writes checkpoint global_step{step} (every rank calls this); returns its dir."""
     tag = f"global_step{step}"
     final, tmp = root / tag, root / f".tmp-{tag}"
-    prev = newest_intact(root)
+    prev = newest_intact(root, deep=False)  # for the messages below: sizes only
     prev_msg = f"previous checkpoint {prev} is intact" if prev else "no earlier checkpoint exists"
     if rank == 0:
         ensure_dir(root)
@@ -183,12 +225,16 @@ def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: i
             if rank == 0
             else f"not saving {final}: rank 0 found too little free disk space; {prev_msg}"
         )
+    written: dict[str, str] = {}  # {path: sha256} of the files this rank writes, hashed as they are written
     try:
-        engine.save_checkpoint(str(root), tag=tmp.name, client_state={"step": step}, save_latest=False)
+        with hashed_saves(engine, written):
+            engine.save_checkpoint(str(root), tag=tmp.name, client_state={"step": step}, save_latest=False)
         buf = io.BytesIO()
         torch.save(state, buf)
-        atomic_write_bytes(tmp / f"rank{rank}_state.pt", [buf.getvalue()])
-        export_model(engine, model, cfg, tmp / "model", rank)
+        written[str(tmp / f"rank{rank}_state.pt")] = atomic_write_bytes(tmp / f"rank{rank}_state.pt", [buf.getvalue()])
+        exported: dict[str, str] = {}
+        export_model(engine, model, cfg, tmp / "model", rank, exported)
+        written.update({str(tmp / "model" / k): v for k, v in exported.items()})
         if rank == 0:
             write_run_record(tmp / "model", cfg, state.get("mlflow_run_id"), step)
     except (OSError, RuntimeError) as e:  # torch.save inside DeepSpeed reports a full disk as a RuntimeError
@@ -197,11 +243,11 @@ def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: i
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"saving {final} failed on rank {rank}: {_one_line(e, root)}; {prev_msg}") from e
-    torch.distributed.barrier()
+    digests = _gather_digests(written, tmp)
     if rank == 0:
-        record_files(tmp)
-        if final.exists():  # a checkpoint of this step from an earlier branch of the run
-            _remove_tree(final)
+        record_files(tmp, digests)
+        if final.exists():  # a damaged checkpoint of this step that the resume passed over: kept, renamed
+            os.replace(final, _free_name(root / f"{tag}.damaged"))
         os.replace(tmp, final)
         _fsync_dir(root)
         atomic_write_bytes(root / "latest", [tag.encode()])
@@ -209,6 +255,22 @@ def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: i
             _remove_tree(old)
     torch.distributed.barrier()
     return final
+
+
+def _gather_digests(written: dict[str, str], tmp: Path) -> dict[str, str]:
+    """Every rank's {path: sha256} as {path relative to tmp: sha256} on rank 0 (a barrier: all have written)."""
+    mine = {str(Path(k).relative_to(tmp)): v for k, v in written.items() if Path(k).is_relative_to(tmp)}
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    return {k: v for d in every for k, v in d.items()}
+
+
+def _free_name(p: Path) -> Path:
+    """p, or p-1, p-2, ... : the first name not taken."""
+    out, n = p, 1
+    while out.exists():
+        out, n = p.with_name(f"{p.name}-{n}"), n + 1
+    return out
 
 
 # How a failed write shows up: OSError ENOSPC / EDQUOT (our writers, torch's legacy format), or a RuntimeError of

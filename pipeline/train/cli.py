@@ -102,7 +102,13 @@ def _exit(code: int) -> None:
     metavar="auto|none|PATH",
     help="Shorthand for checkpoint.resume=...: auto (newest complete checkpoint), none, or a path.",
 )
-def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="When checkpoint.dir holds another run (or checkpoints past the one resumed), move it aside to "
+    "<dir>.replaced-<time> and start there; without it such a start is refused. Nothing is deleted.",
+)
+def train(config: str, overrides: tuple[str, ...], resume: str | None, overwrite: bool) -> None:
     """Train CONFIG (a preset such as tiny/t-loopformer, or a YAML file) with OVERRIDES (section.key=value).
 
     \b
@@ -137,7 +143,7 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None) -> None:
         with new_dirs_removed_on_error(run_dir(cfg)):  # a failed start leaves no empty checkpoint.dir
             if rank0:  # every run saves at its end: a bad checkpoint.dir fails now
                 ensure_dir(run_dir(cfg))
-            res = run(cfg)
+            res = run(cfg, overwrite)
         if res.stopped_by and rank0:
             click.echo(f"[tlf] stopped by {res.stopped_by} at step {res.step}; checkpoint {res.checkpoint}")
     except ConfigError as e:

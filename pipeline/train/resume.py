@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import Config, ConfigError, ModelConfig, upgrade
-from pipeline.rundir import damage, newest_intact
+from pipeline.rundir import damage, lost_by_start, move_aside, newest_intact
 from pipeline.train import checkpoint as ckpt, reshard
 from pipeline.train.logger import log
 
@@ -37,10 +37,11 @@ class Resume:
     )  # resharding: the full per-parameter state (reshard.full_state)
 
     @classmethod
-    def find(cls, cfg: Config, root: Path, ws: int) -> Resume:
-        """The checkpoint to resume from under run directory `root` (`find_resume`), checked against cfg
-        (`check_compatible`); on another world size or ZeRO stage cfg's grad-accum is adapted (`adapt_to_layout`)."""
-        path = find_resume(cfg, root, log.warn)
+    def find(cls, cfg: Config, root: Path, ws: int, overwrite: bool = False) -> Resume:
+        """The checkpoint to resume from under run directory `root` (`claim`: rank 0 checks its files and that the
+        start overwrites nothing, for every rank), checked against cfg (`check_compatible`); on another world size
+        or ZeRO stage cfg's grad-accum is adapted (`adapt_to_layout`)."""
+        path = on_rank0(lambda: claim(cfg, root, overwrite))
         if path is None:
             return cls()
         saved = ckpt.read_state(path, 0, None)
@@ -76,6 +77,48 @@ class Resume:
         if engine.global_steps != step:
             raise ckpt.CheckpointError(f"{self.path}: DeepSpeed is at step {engine.global_steps}, our state at {step}")
         return step, state.get("mlflow_run_id")
+
+
+def on_rank0(fn):
+    """fn() run by rank 0 alone (it reads and hashes files, or moves a run directory), its value or its exception
+    given to every rank (a process group of one: just fn())."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn()
+    box: list = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = fn()
+        except (ConfigError, ckpt.CheckpointError, OSError) as e:
+            box[1] = e
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise box[1]
+    return box[0]
+
+
+def claim(cfg: Config, root: Path, overwrite: bool) -> Path | None:
+    """The checkpoint a run in `root` starts from (`find_resume`), once it is sure the start overwrites nothing
+    (`rundir.lost_by_start`): a start that would replace another run's checkpoints, metrics or MLflow run, or this
+    run's checkpoints past the start, is a CheckpointError naming them and the two ways on; with `overwrite`, root
+    is moved aside whole (`rundir.move_aside`; a start inside it follows it there) and the run starts in an empty
+    root."""
+    start = find_resume(cfg, root, log.warn)
+    lost = lost_by_start(root, start, cfg.checkpoint.resume == "auto")
+    if lost is None:
+        return start
+    where = f"from {start}" if start is not None else "at step 0"
+    if not overwrite:
+        raise ckpt.CheckpointError(
+            f"checkpoint.dir={root} holds {lost}; a run starting {where} would overwrite it. Choose another "
+            f"checkpoint.dir, or add --overwrite to move {root} aside to {root}.replaced-<time> (nothing is deleted)"
+        )
+    own = start is not None and start.parent.resolve() == root.resolve()
+    aside = move_aside(root)
+    root.mkdir(parents=True)
+    log.info(f"--overwrite: moved {root} ({lost}) aside to {aside}")
+    return aside / start.name if own else start
 
 
 def find_resume(cfg: Config, root: Path, warn=None) -> Path | None:

@@ -224,11 +224,14 @@ class Trainer:
             cb.trainer = self
 
     @classmethod
-    def build(cls, cfg: Config, callbacks: list | None = None, *, loader=None, model=None) -> "Trainer":
+    def build(
+        cls, cfg: Config, callbacks: list | None = None, *, loader=None, model=None, overwrite: bool = False
+    ) -> "Trainer":
         """Device, process group, determinism, resume, loaders, network, DeepSpeed engine, in that order. callbacks:
         None for `default_callbacks()`; loader: instead of the TrainLoader over data.dir (anything with next() ->
         (x, y), epoch, state_dict(), load_state_dict()); model: a fresh LoopedLM(cfg.model) to train instead of a new
-        one (e.g. with weights set by a benchmark before the engine is built)."""
+        one (e.g. with weights set by a benchmark before the engine is built); overwrite: a start that would overwrite
+        what the run directory holds moves it aside instead of refusing (pipeline/train/resume.py `claim`)."""
         from pipeline.train import determinism, ds
         from pipeline.train.callbacks import default_callbacks
         from pipeline.train.data import build_loaders
@@ -240,7 +243,7 @@ class Trainer:
         determinism.apply(cfg.train.deterministic, device_kind)
         root = run_dir(cfg)
         log.open(rank)  # so a damaged newest checkpoint is reported (once, by rank 0) as it is passed over
-        resume = Resume.find(cfg, root, ws)  # another world size or ZeRO stage: grad-accum adapts
+        resume = Resume.find(cfg, root, ws, overwrite)  # another world size or ZeRO stage: grad-accum adapts
         ds_config = ds.build_ds_config(cfg, ws, precision)  # checks the batch sizes against ws (check_world_size)
         loader, val = build_loaders(cfg, rank, ws, loader)
         model = _network(cfg, model)
@@ -418,9 +421,10 @@ OLD_SCHEDULE = (
 )
 
 
-def run(cfg: Config) -> TrainResult:
-    """Trains cfg (a resolved Config) from scratch or from a checkpoint with the default callbacks."""
-    return Trainer.build(cfg).fit()
+def run(cfg: Config, overwrite: bool = False) -> TrainResult:
+    """Trains cfg (a resolved Config) from scratch or from a checkpoint with the default callbacks; a start that
+    would overwrite what checkpoint.dir holds is refused, or with `overwrite` moves it aside first."""
+    return Trainer.build(cfg, overwrite=overwrite).fit()
 
 
 def _zero0_grad_norm(engine) -> torch.Tensor | None:
