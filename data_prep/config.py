@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data_prep import foldtask
-from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_mapping, set_key
+from data_prep.configlib import ConfigError, apply_overrides, check_once, f, read_yaml_mapping, set_key
 
 FOLD = "depth-fold"  # the synthetic task with a known depth need per answer (data_prep/foldtask.py)
 SOURCES = ("files", "demo", "demo-enwiki", "hf", "fineweb-edu", "openwebtext", FOLD)
@@ -23,7 +23,7 @@ HF_ALIASES = {
     "openwebtext": ("Skylion007/openwebtext", "", "train"),
 }
 DEMO_VAL_EVERY = 20
-DEFAULT_VAL_EVERY = 1000
+DEFAULT_VAL_EVERY = 0  # 0: val chosen by tokens (data_prep/valsplit.py)
 
 
 @dataclass
@@ -38,8 +38,11 @@ class PrepConfig:
         [],
         "Local inputs (source=files): files, globs or directories of .jsonl, .jsonl.zst, "
         ".parquet or .txt; directories are searched recursively; order is sorted by path.",
+        items=str,
     )
-    text_field: str = f("text", "Field (jsonl key / parquet column / Hub column) holding a document's text.")
+    text_field: str = f(
+        "text", "Field (jsonl key / parquet column / Hub column) holding a document's text.", nonempty=True
+    )
     txt_mode: str = f(
         "file", "How .txt files split into documents: file (one per file), line, or paragraph (blank-line separated)."
     )
@@ -50,32 +53,49 @@ class PrepConfig:
         [],
         "Data files for source=hf with a packaged builder (hf_dataset=parquet/json/text), "
         "e.g. a local mirror read through the streaming code path.",
+        items=str,
     )
-    hf_timeout: float = f(15.0, "Seconds allowed to reach the Hub before failing with a clear error.")
+    hf_timeout: float = f(15.0, "Seconds allowed to reach the Hub before failing with a clear error.", gt=0)
     out: str = f("", "Output directory (manifest.json and the shards).")
     name: str = f("", "Shard file prefix <name>_<split>_<index>.bin; empty: derived from the source.")
-    shard_tokens: int = f(100_000_000, "Tokens per shard (the last shard of a split may be shorter).")
+    shard_tokens: int = f(
+        100_000_000,
+        "Tokens per shard (the last shard of a split may be shorter; at most 2^31-1, the header's int32 count).",
+        ge=1,
+        le=2**31 - 1,
+    )
     val_every: int = f(
         0,
         "Validation rule: document number i (0-based, in input order, counting only documents "
         "kept) goes to the val split when i % val_every == 0; 0 picks 20 for demo, 1 (all "
-        "val) for demo-enwiki, 1000 otherwise; 1 puts everything in val; -1 writes no val split.",
+        "val) for demo-enwiki, otherwise val is chosen by tokens (10% of them until val holds 10,000, then 1%, "
+        "at most 10M: docs/data.md); 1 puts everything in val; -1 writes no val split.",
+        ge=-1,
     )
-    max_tokens: int = f(0, "Stop once this many tokens (all splits, EOTs included) are written; 0: whole input.")
+    max_tokens: int = f(0, "Stop once this many tokens (all splits, EOTs included) are written; 0: whole input.", ge=0)
     workers: int = f(
         -1,
         "Worker processes that tokenize (source=depth-fold: make documents); -1: all cores; 0: in the main process.",
+        ge=-1,
     )
-    batch_bytes: int = f(1 << 20, "Text per task sent to a worker (bytes, approximate).")
+    batch_bytes: int = f(1 << 20, "Text per task sent to a worker (bytes, approximate).", ge=1)
     skip_bad: bool = f(False, "Skip (count and report) malformed lines and records without text instead of failing.")
     progress: bool = f(True, "Show a tqdm progress bar (tokens, tokens/s, ETA) on stderr.")
-    seed: int = f(0, "source=depth-fold: seed of the generated documents (same seed and options: same bytes).")
+    seed: int = f(0, "source=depth-fold: seed of the generated documents (same seed and options: same bytes).", ge=0)
     depth_levels: int = f(
-        4, "source=depth-fold: levels 1..L (a level-k segment folds k + 1 cells; its answer needs k loops)."
+        4,
+        "source=depth-fold: levels 1..L (a level-k segment folds k + 1 cells; its answer needs k loops).",
+        ge=1,
+        le=foldtask.MAX_LEVELS,
     )
-    depth_docs: int = f(20000, "source=depth-fold: documents generated (max_tokens, if set, may cut it).")
-    fold_symbols: int = f(16, "source=depth-fold: symbols m of the folded operation g (an m x m Latin square).")
-    fold_rule_seed: int = f(0, "source=depth-fold: seed of the operation g (fixed for the whole stream).")
+    depth_docs: int = f(20000, "source=depth-fold: documents generated (max_tokens, if set, may cut it).", ge=1)
+    fold_symbols: int = f(
+        16,
+        "source=depth-fold: symbols m of the folded operation g (an m x m Latin square).",
+        ge=2,
+        le=foldtask.MAX_SYMBOLS,
+    )
+    fold_rule_seed: int = f(0, "source=depth-fold: seed of the operation g (fixed for the whole stream).", ge=0)
     fold_typed: bool = f(
         False,
         "source=depth-fold: the cells x_1..x_k are input tokens of their own, the first cell and the answer state "
@@ -116,12 +136,8 @@ class PrepConfig:
             raise ConfigError("hf_dataset: source=hf needs a dataset id")
         if self.hf_data_files and self.source != "hf":
             raise ConfigError("hf_data_files: only used with source=hf")
-        if self.hf_timeout <= 0:
-            raise ConfigError(f"hf_timeout: must be > 0, got {self.hf_timeout}")
         if self.txt_mode not in ("file", "line", "paragraph"):
             raise ConfigError(f"txt_mode: {self.txt_mode!r} is not one of file, line, paragraph")
-        if not self.text_field:
-            raise ConfigError("text_field: must not be empty")
 
     def _check_output(self) -> None:
         """What is written where, and by how many processes."""
@@ -131,31 +147,13 @@ class PrepConfig:
             raise ConfigError(
                 f"name: {self.name!r} must not contain '/' or '_' (shards are <name>_<split>_<index>.bin)"
             )
-        if self.shard_tokens < 1 or self.shard_tokens > 2**31 - 1:
-            raise ConfigError(
-                f"shard_tokens: must lie in 1..2^31-1 (the header's int32 count), got {self.shard_tokens}"
-            )
-        if self.val_every < -1:
-            raise ConfigError(f"val_every: must be -1, 0 or a positive integer, got {self.val_every}")
-        if self.max_tokens < 0:
-            raise ConfigError(f"max_tokens: must be >= 0, got {self.max_tokens}")
-        if self.workers < -1:
-            raise ConfigError(f"workers: must be -1 (all cores), 0 or positive, got {self.workers}")
-        if self.batch_bytes < 1:
-            raise ConfigError(f"batch_bytes: must be >= 1, got {self.batch_bytes}")
 
     def _check_fold(self) -> None:
-        """The fold task's size and layout (source=depth-fold)."""
-        if not 1 <= self.depth_levels <= foldtask.MAX_LEVELS:
-            raise ConfigError(f"depth_levels: must lie in 1..{foldtask.MAX_LEVELS}, got {self.depth_levels}")
-        if not 2 <= self.fold_symbols <= foldtask.MAX_SYMBOLS:
-            raise ConfigError(f"fold_symbols: must lie in 2..{foldtask.MAX_SYMBOLS}, got {self.fold_symbols}")
+        """The fold task's rule and layout (source=depth-fold; its sizes' ranges are checked as they are set)."""
         if self.fold_rule not in foldtask.RULES:
             raise ConfigError(f"fold_rule: {self.fold_rule!r} is not one of {', '.join(foldtask.RULES)}")
         if self.fold_layout not in foldtask.LAYOUTS:
             raise ConfigError(f"fold_layout: {self.fold_layout!r} is not one of {', '.join(foldtask.LAYOUTS)}")
-        if self.depth_docs < 1:
-            raise ConfigError(f"depth_docs: must be >= 1, got {self.depth_docs}")
 
     # Resolved values -------------------------------------------------------------------------------
     def resolved_val_every(self) -> int:
@@ -235,7 +233,9 @@ def changed_options(recorded: dict, wanted: dict) -> list[str]:
 def load_prep_config(
     yaml_file: str | None = None, values: dict | None = None, overrides: list[str] | tuple = ()
 ) -> PrepConfig:
-    """Defaults < YAML file < values (from CLI options; None entries ignored) < key=value overrides."""
+    """Defaults < YAML file < values (from CLI options; None entries ignored) < key=value overrides (a key given
+    twice among them is an error)."""
+    check_once(overrides)
     cfg = PrepConfig()
     if yaml_file:
         path = Path(yaml_file)

@@ -1,18 +1,21 @@
 """Dataclass configs read from YAML and `key=value` overrides: the machinery `tlf prep-data`'s `PrepConfig`
 (data_prep/config.py) and the training `Config` (pipeline/config.py) share.
 
-A config is a dataclass whose fields are made with `f(default, doc)`; nested dataclass fields are sections.
-`set_key` sets a dotted key with type checks; an unknown key or a wrong type raises `ConfigError` naming the
-key and its source (file, option or command line). It lives in data_prep, the lowest layer, so both layers
-use one copy (README "Layout").
+A config is a dataclass whose fields are made with `f(default, doc, **range)`; nested dataclass fields are sections.
+A field declares its type (the annotation) and its range (`f`'s keywords, a `Range` in its metadata). `set_key` sets
+a dotted key with type and range checks; an unknown key, a wrong type or a value out of range raises `ConfigError`
+naming the key, the value and its source (file, option, command line or stored config). YAML files are read with
+`read_yaml_mapping`, which refuses a key given twice. It lives in data_prep, the lowest layer, so both layers use
+one copy (README "Layout").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
-from dataclasses import field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,11 +26,128 @@ class ConfigError(ValueError):
     """A config problem, with the key and the source (file or command line) in its message."""
 
 
-def f(default: Any, doc: str, **kw):
-    """A dataclass field with a one-line doc (shown by `tlf config show --doc` and in docs/configuration.md)."""
+@dataclass(frozen=True)
+class Items:
+    """A list key's elements: their type and their `Range` (`each`)."""
+
+    type: type
+    range: "Range"
+
+
+def each(tp: type, **bounds) -> Items:
+    """The elements of a list key: `items=each(int, ge=1)` (bounds: `Range`'s keywords)."""
+    return Items(tp, Range(**bounds))
+
+
+@dataclass(frozen=True)
+class Range:
+    """What a key's value may be beyond its type, declared with the field (`f`'s keywords): bounds gt / ge / lt / le
+    (numbers), finite (floats: no nan or inf unless False), nonempty (a str or list with an element), unique (a list
+    without repeats), items (a list's elements, `each`). A number key declares a bound or says unbounded=True
+    (tests/test_config_bounds.py walks every key)."""
+
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    finite: bool = True
+    nonempty: bool = False
+    unique: bool = False
+    items: Items | None = None
+    unbounded: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.gt is not None and self.ge is not None) or (self.lt is not None and self.le is not None):
+            raise ValueError("a range has one lower bound (gt or ge) and one upper bound (lt or le)")
+        if self.unbounded and self.bounded:
+            raise ValueError("unbounded=True with a bound")
+
+    @property
+    def bounded(self) -> bool:
+        return any(b is not None for b in (self.gt, self.ge, self.lt, self.le))
+
+    def span(self) -> str:
+        """The bounds as messages and docs show them: '> 0', '>= 1', 'in [0, 1)' ('' when there are none)."""
+        lo, hi = _first(self.ge, self.gt), _first(self.le, self.lt)
+        if hi is None:
+            return "" if lo is None else f"{'>=' if self.ge is not None else '>'} {lo}"
+        if lo is None:
+            return f"{'<=' if self.le is not None else '<'} {hi}"
+        return f"in {'[' if self.ge is not None else '('}{lo}, {hi}{']' if self.le is not None else ')'}"
+
+    def text(self) -> str:
+        """The whole range, as `--doc` and docs/configuration.md show it beside the type ('' when there is none)."""
+        parts = [self.span(), "non-empty" if self.nonempty else "", "distinct" if self.unique else ""]
+        if self.items is not None and self.items.range.text():
+            parts.append(f"each {self.items.range.text()}")
+        return ", ".join(p for p in parts if p)
+
+    def problem(self, value: Any) -> str | None:
+        """Why value (of the key's type) is out of the range, as the end of a message ('must be > 0, got -1.0');
+        None when it is in it."""
+        if isinstance(value, float) and self.finite and not math.isfinite(value):
+            return f"must be a finite number{' ' + self.span() if self.span() else ''}, got {value!r}"
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not self._within(value):
+            return f"must be {self.span()}, got {value!r}"
+        if self.nonempty and isinstance(value, (str, list)) and not value:
+            return f"must not be empty, got {value!r}"
+        if isinstance(value, list):
+            return self._list_problem(value)
+        return None
+
+    def _within(self, x: float) -> bool:
+        return not (
+            (self.gt is not None and not x > self.gt)
+            or (self.ge is not None and not x >= self.ge)
+            or (self.lt is not None and not x < self.lt)
+            or (self.le is not None and not x <= self.le)
+        )
+
+    def _list_problem(self, value: list) -> str | None:
+        """A list's repeats (unique) and its elements out of their range (items)."""
+        if self.unique:
+            twice = next((x for i, x in enumerate(value) if x in value[:i]), None)
+            if twice is not None:
+                return f"must list each element once, got {twice!r} twice in {value!r}"
+        for x in value if self.items is not None else ():
+            why = self.items.range.problem(x)
+            if why:
+                return f"elements {why} in {value!r}"
+        return None
+
+
+def _first(*xs):
+    """The first of xs that is not None (None if all are), as a bound is shown."""
+    return next((x for x in xs if x is not None), None)
+
+
+def f(
+    default: Any,
+    doc: str,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    finite: bool = True,
+    nonempty: bool = False,
+    unique: bool = False,
+    items: type | Items | None = None,
+    unbounded: bool = False,
+    **kw,
+):
+    """A dataclass field with a one-line doc (shown by `tlf config show --doc` and in docs/configuration.md) and its
+    range (`Range`: gt/ge/lt/le bounds, finite, nonempty, unique; items, a list's element type or `each(...)`)."""
+    items = Items(items, Range()) if isinstance(items, type) else items
+    meta = {"doc": doc, "range": Range(gt, ge, lt, le, finite, nonempty, unique, items, unbounded)}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc}, **kw)
-    return field(default=default, metadata={"doc": doc}, **kw)
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+def range_of(fl: dataclasses.Field) -> Range:
+    """A field's declared `Range` (an empty one for a field not made with `f`, such as a section)."""
+    return fl.metadata.get("range", Range())
 
 
 def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
@@ -65,11 +185,29 @@ def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
     return True, value
 
 
-def describe(tp: Any) -> str:
-    """A field type as the error messages and `--doc` show it."""
+def describe(tp: Any, items: Items | None = None) -> str:
+    """A field type as the error messages and `--doc` show it (items: a list's elements, 'list of int')."""
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    return getattr(tp, "__name__", str(tp))
+    name = getattr(tp, "__name__", str(tp))
+    return f"{name} of {describe(items.type)}" if items is not None else name
+
+
+def _items_ok(value: list, items: Items | None) -> tuple[bool, Any]:
+    """Checks a list's elements against their declared type (`Items`); returns (ok, the list converted)."""
+    if items is None:
+        return True, value
+    got = [_type_ok(x, items.type) for x in value]
+    return all(ok for ok, _ in got), [v for _, v in got]
+
+
+def describe_range(tp: Any, rng: Range) -> str:
+    """A field's type and range as `--doc` and docs/configuration.md show them: 'float, > 0', 'list of int, distinct,
+    each >= 1', 'float, any finite' (a key declared unbounded)."""
+    number = tp in (int, float)
+    free = ("any finite" if tp is float and rng.finite else "any") if rng.unbounded else ""
+    loose = "nan and inf allowed" if tp is float and not rng.finite else ""
+    return ", ".join(s for s in (describe(tp, rng.items), rng.text(), free if number else "", loose) if s)
 
 
 # Spellings of other trainers (nanoGPT, litgpt, torchtitan, transformers) -> the key name here; `suggest` looks the
@@ -165,11 +303,22 @@ def set_key(obj: Any, key: str, value: Any, source: str, prefix: str = "", root:
         return
     if rest:
         raise ConfigError(f"{source}: '{full}' is not a section, so '{prefix}{key}' does not exist")
-    tp = typing.get_type_hints(type(obj))[head]
+    setattr(obj, head, _checked(obj, names[head], value, source, full))
+
+
+def _checked(obj: Any, fl: dataclasses.Field, value: Any, source: str, key: str) -> Any:
+    """value as field fl of obj holds it (a float from an int or "6e-4", a list's elements converted), or a
+    ConfigError naming the key, the value, the type or range it misses and the source."""
+    tp, rng = typing.get_type_hints(type(obj))[fl.name], range_of(fl)
     ok, v = _type_ok(value, tp)
+    if ok and isinstance(v, list):
+        ok, v = _items_ok(v, rng.items)
     if not ok:
-        raise ConfigError(f"{source}: '{full}' expects {describe(tp)}, got {value!r}")
-    setattr(obj, head, v)
+        raise ConfigError(f"{source}: '{key}' expects {describe(tp, rng.items)}, got {value!r}")
+    why = rng.problem(v) if v is not None else None
+    if why:
+        raise ConfigError(f"{source}: '{key}' {why}")
+    return v
 
 
 def _check_known(obj: Any, root: Any, head: str, rest: str, names: dict, source: str, prefix: str) -> None:
@@ -206,14 +355,51 @@ def _chosen(section: Any, name: Any, source: str, key: str) -> Any:
     return new
 
 
+class _Repeated(Exception):
+    """A key given twice in one YAML document (`_OnceLoader`)."""
+
+
+class _OnceLoader(yaml.SafeLoader):
+    """yaml.SafeLoader refusing a key given twice in one document, where PyYAML keeps the last silently: the same key
+    twice in a mapping (a second block of a section too), or one dotted key spelled twice (`optim.lr: 1` and
+    `optim: {lr: 2}`, which `set_key` would both set). Merge keys (`<<: *anchor`) are YAML's own override."""
+
+    def construct_document(self, node):
+        if isinstance(node, yaml.MappingNode):
+            _once(node, "", {}, (id(node),))
+        return super().construct_document(node)
+
+
+def _once(node: yaml.MappingNode, prefix: str, seen: dict[str, int], path: tuple) -> None:
+    """Raises _Repeated when a dotted key of node (its keys prefixed, a nested mapping's keys below its own)
+    is in seen ({dotted key: line}) already; records the others. path: the ids of the mappings above, node's too."""
+    for key, value in node.value:
+        if key.tag == "tag:yaml.org,2002:merge" or not isinstance(key, yaml.ScalarNode):
+            continue
+        name, line = f"{prefix}{key.value}", key.start_mark.line + 1
+        if name in seen:
+            raise _Repeated(f"'{name}' given twice (line {seen[name]} and line {line})")
+        seen[name] = line
+        if isinstance(value, yaml.MappingNode) and id(value) not in path:  # (an alias may hold its own anchor)
+            _once(value, f"{name}.", seen, (*path, id(value)))
+
+
 def read_yaml_mapping(path: Path, what: str = "sections") -> dict:
-    """A YAML file whose top level is a mapping; a missing file, bad YAML or another shape is a ConfigError."""
+    """A YAML file whose top level is a mapping; a missing or unreadable file, text that is not UTF-8, bad YAML, a
+    key given twice (`_OnceLoader`) or another shape is a ConfigError naming the file."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8-sig")
+        data = yaml.load(text, Loader=_OnceLoader) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    except _Repeated as e:
+        raise ConfigError(f"{path}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of {what}")
     return data
@@ -227,22 +413,31 @@ def read_yaml_chain(path: Path, seen: tuple = (), resolve=None) -> list[tuple[st
     if path in seen:
         raise ConfigError(f"{path}: inherit cycle ({' -> '.join(str(p) for p in seen)})")
     data = read_yaml_mapping(path)
-    parents = data.pop("inherit", []) or []
-    if isinstance(parents, str):
-        parents = [parents]
-    if not isinstance(parents, list):
-        raise ConfigError(f"{path}: inherit: must be a file name or a list of file names, not {parents!r}")
     out: list[tuple[str, dict]] = []
-    for p in parents:
-        found = path.parent / p if isinstance(p, str) and (path.parent / p).is_file() else None
-        if found is None and isinstance(p, str) and resolve is not None:
+    for p in _parents(path, data.pop("inherit")) if "inherit" in data else ():
+        found = path.parent / p if (path.parent / p).is_file() else None
+        if found is None and resolve is not None:
             found = resolve(p)
         if found is None:
             also = "; no preset has that name either" if resolve is not None else ""
-            raise ConfigError(f"{path}: inherit: {p!r} not found (looked for {path.parent / str(p)}{also})")
+            raise ConfigError(f"{path}: inherit: {p!r} not found (looked for {path.parent / p}{also})")
         out += read_yaml_chain(Path(found), seen + (path,), resolve)
     out.append((str(path), data))
     return out
+
+
+def _parents(path: Path, parents: Any) -> list[str]:
+    """The names of a file's `inherit:` (a name or a list of names); one that names nothing (empty, null, '', an
+    entry that is not a non-empty string) is a ConfigError naming the file."""
+    names = [parents] if isinstance(parents, str) else parents
+    if names is not None and not isinstance(names, list):
+        raise ConfigError(f"{path}: inherit: must be a file name or a list of file names, not {parents!r}")
+    if not names:
+        raise ConfigError(f"{path}: inherit: names nothing ({parents!r}); name a file or a preset, or remove it")
+    for p in names:
+        if not isinstance(p, str) or not p.strip():
+            raise ConfigError(f"{path}: inherit: {p!r} is not a file or preset name")
+    return names
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -266,6 +461,26 @@ def apply_overrides(cfg: Any, overrides: list[str] | tuple, validate: bool = Tru
     return cfg
 
 
+def check_once(overrides: list[str] | tuple, source: str = "command line") -> None:
+    """`key=value` strings that set one key twice (a mapping value counts as its keys: `optim={lr: 1}` sets
+    optim.lr) are a ConfigError naming both; a later value never silently replaces an earlier one on one line."""
+    seen: dict[str, str] = {}
+    for item in overrides:
+        if "=" not in item:
+            continue  # parse_override's error
+        for key in _leaf_keys(*parse_override(item)):
+            if key in seen:
+                raise ConfigError(f"{source}: '{key}' given twice ({seen[key]} and {item})")
+            seen[key] = item
+
+
+def _leaf_keys(key: str, value: Any) -> list[str]:
+    """The dotted keys `key=value` sets: key, or a mapping value's keys below it."""
+    if not isinstance(value, dict) or not value:
+        return [key]
+    return [k for sub, v in value.items() for k in _leaf_keys(f"{key}.{sub}", v)]
+
+
 def set_keys(cfg: Any, items: list[tuple[str, Any, str]]) -> None:
     """Sets (dotted key, value, source) items with `set_key`, a key that chooses a section's class (its `CHOICE`)
     first and the rest in the order given, so the chosen class's keys are never set and then dropped by the
@@ -286,7 +501,7 @@ def _is_choice(cfg: Any, key: str) -> bool:
 
 
 def field_docs(cls: Any, prefix: str = "") -> list[tuple[str, str, Any, str]]:
-    """[(dotted key, type, default, doc)] for every field of a config dataclass, sections flattened. Given a class,
+    """[(dotted key, type and range (`describe_range`), default, doc)] for every field of a config dataclass, sections flattened. Given a class,
     a choice section lists its choosing field, then every choice's own fields (their docs led by `[choice]`);
     given an instance, the fields its sections have (the chosen class's), with their current values."""
     rows = []
@@ -304,7 +519,7 @@ def field_docs(cls: Any, prefix: str = "") -> list[tuple[str, str, Any, str]]:
                 continue
         if fl.name == getattr(cls, "CHOICE", None):
             tp = Literal[tuple(type(cls).choices() if not isinstance(cls, type) else cls.choices())]
-        rows.append((f"{prefix}{fl.name}", describe(tp), default, fl.metadata.get("doc", "")))
+        rows.append((f"{prefix}{fl.name}", describe_range(tp, range_of(fl)), default, fl.metadata.get("doc", "")))
     return rows
 
 

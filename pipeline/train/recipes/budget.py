@@ -16,7 +16,7 @@ from pipeline.train.recipes.prior import PriorRecipe, PriorSettings
 
 @dataclass
 class BudgetSettings(PriorSettings):
-    entropy_weight: float = f(0.1, "Weight of the mean per-token entropy of the exit distribution.")
+    entropy_weight: float = f(0.1, "Weight of the mean per-token entropy of the exit distribution.", ge=0)
 
 
 class Budget(PriorRecipe):

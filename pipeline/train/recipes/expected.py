@@ -27,6 +27,7 @@ class ExpectedSettings(PriorSettings):
     prior_weight: float = f(
         0.1,
         "Weight of the mean per-token KL(exit distribution || q), which keeps each token's exit distribution from collapsing onto one exit before its answer counts.",
+        ge=0,
     )
 
 

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from data_prep.configlib import f
-from pipeline.train.recipes.base import Step, Terms, check_range
+from pipeline.train.recipes.base import Step, Terms
 from pipeline.train.recipes.expected import Expected, ExpectedSettings
 
 HARD_RATIO = 1.5  # a token is hard at an exit when its loss there exceeds this multiple of its answers' mean there
@@ -46,14 +46,18 @@ KIND_DECAY = 0.9  # a kind's rate moves to decay x rate + (1 - decay) x the batc
 
 @dataclass
 class KindsSettings(ExpectedSettings):
-    hard_weight: float = f(1.0, "Weight of the router's hard-token target (> 0).")
+    hard_weight: float = f(1.0, "Weight of the router's hard-token target.", gt=0)
     hard_gate: float = f(
         0.9,
         "tau in (0, 1): the hard-token target acts on a token only where the router's forecast that it is hard exceeds tau (or its kind's rate exceeds `withhold`).",
+        gt=0,
+        lt=1,
     )
     withhold: float = f(
         0.8,
         "g in (0, 1): an answer the router runs short of the last loop is withheld from the network while its kind's running hard rate at its routed exit exceeds g.",
+        gt=0,
+        lt=1,
     )
 
 
@@ -131,13 +135,6 @@ class Kinds(Expected):
     def __init__(self, settings: KindsSettings, model) -> None:
         super().__init__(settings, model)
         self.table = KindRates(KIND_BUCKETS, model.loops, model.vocab_size, KIND_DECAY)
-
-    @classmethod
-    def validate(cls, s: KindsSettings, model) -> None:
-        super().validate(s, model)
-        check_range("hard_weight", s.hard_weight, 0.0, closed=False)
-        for key in ("hard_gate", "withhold"):
-            check_range(key, getattr(s, key), 0.0, 1.0, closed=False)
 
     def exit_weights(self, step: Step) -> torch.Tensor:
         """1 at the exit of the routed depth, 0 elsewhere and for an answer that waits; gradient pi's. Reads the

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from data_prep.configlib import ConfigError, f
-from pipeline.train.recipes.base import Recipe, RouterSettings, check_range
+from pipeline.train.recipes.base import Recipe, RouterSettings
 
 INIT_STD = 2.0  # the spread of the router's logits across tokens at init (its fc2 weights' std x sqrt(hidden))
 
@@ -52,8 +52,9 @@ class PriorSettings(RouterSettings):
     target_depth: float = f(
         0.0,
         "Mean depth of the prior q in (1, model.loops) (loop work = it / loops); 0 means (loops + 1) / 2. Sets the router's init and the prior its loss pulls to.",
+        ge=0,
     )
-    balance_weight: float = f(1.0, "Weight of KL(q || the batch's mean exit distribution).")
+    balance_weight: float = f(1.0, "Weight of KL(q || the batch's mean exit distribution).", ge=0)
 
 
 def target_depth(s: RouterSettings, loops: int) -> float:
@@ -80,8 +81,6 @@ class PriorRecipe(Recipe):
                 f"objective.router.target_depth must be 0 (default) or lie strictly between 1 and model.loops "
                 f"({model.loops}), got {s.target_depth}"
             )
-        for key in ("balance_weight", cls.PER_TOKEN[0]):
-            check_range(key, getattr(s, key), 0.0)
 
     @classmethod
     def init_router(cls, router: nn.Module, s: RouterSettings, loops: int) -> None:
