@@ -10,6 +10,16 @@ import click
 
 from data_prep.config import SOURCES
 from data_prep.configlib import ConfigError
+from data_prep.foldtask import HOPS_REMOVED
+
+
+class _Source(click.Choice):
+    """A prep-data source; the removed depth-hops source says so, pointing at the fold task."""
+
+    def convert(self, value, param, ctx):
+        if value == "depth-hops":
+            self.fail(f"source: {HOPS_REMOVED}", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 def _fail(e: Exception) -> None:
@@ -20,7 +30,7 @@ def _fail(e: Exception) -> None:
 @click.command("prep-data", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("overrides", nargs=-1)
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of prep-data options.")
-@click.option("--source", metavar="SOURCE", help=" | ".join(SOURCES) + " (default files).")  # checked by validate
+@click.option("--source", type=_Source(SOURCES), help="Where documents come from (default files).")
 @click.option("--input", "-i", "inputs", multiple=True, help="Input file, glob or directory (repeatable).")
 @click.option("--out", "-o", help="Output directory.")
 @click.option("--text-field", help="JSON key / column holding the text (default text).")
@@ -29,13 +39,17 @@ def _fail(e: Exception) -> None:
 @click.option("--hf-config", help="Hub dataset config, e.g. sample-10BT.")
 @click.option("--hf-split", help="Hub split (default train).")
 @click.option("--name", help="Shard file prefix (default from the source).")
-@click.option("--shard-tokens", type=int, help="Tokens per shard (default 100000000).")
-@click.option("--val-every", type=int, help="Every N-th document to val (0 auto, -1 none).")
-@click.option("--max-tokens", type=int, help="Stop after this many tokens (0: all).")
+@click.option(
+    "--shard-tokens",
+    type=click.IntRange(1, 2**31 - 1),
+    help="Tokens per shard (default 100000000; the header's int32).",
+)
+@click.option("--val-every", type=click.IntRange(min=-1), help="Every N-th document to val (0 auto, -1 none).")
+@click.option("--max-tokens", type=click.IntRange(min=0), help="Stop after this many tokens (0: all).")
 @click.option(
     "--workers",
     "-j",
-    type=int,
+    type=click.IntRange(min=-1),
     help="Worker processes: tokenizers, or a synthetic source's document makers (-1 all cores, 0 in-process).",
 )
 @click.option("--skip-bad/--no-skip-bad", default=None, help="Skip malformed records (counted) instead of failing.")
@@ -90,8 +104,12 @@ def data() -> None:
 
 @data.command("inspect")
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--samples", "-n", default=3, show_default=True, help="Documents decoded per split.")
-@click.option("--chars", default=300, show_default=True, help="Characters shown per sample.")
+@click.option(
+    "--samples", "-n", type=click.IntRange(min=0), default=3, show_default=True, help="Documents decoded per split."
+)
+@click.option(
+    "--chars", type=click.IntRange(min=1), default=300, show_default=True, help="Characters shown per sample."
+)
 @click.option("--verify", is_flag=True, help="Also check every shard's sha256 against the manifest.")
 def inspect_cmd(directory, samples, chars, verify):
     """Print DIRECTORY's manifest summary, check every shard header, decode a few documents."""

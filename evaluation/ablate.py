@@ -27,8 +27,11 @@ from evaluation.figures import pyplot, save
 import torch
 
 from pipeline.inference import timing
+from data_prep.clitypes import CommaList, Device, Finite
 from data_prep.files import check_writable, write_json
 from data_prep.tokenizer import GPT2_VOCAB
+from evaluation.cli import PPL_TOKENS
+from pipeline.cliopts import check_loops, stored_config
 from pipeline.device import DEVICE_HELP, resolve_device
 from pipeline.memory import region_peak_mib, region_start
 from pipeline.model.io import find_export, load_model
@@ -267,28 +270,76 @@ def _plot(res: dict, out: Path) -> list[Path]:
 
 @click.command("ablate")
 @click.argument("checkpoint", type=click.Path(exists=True))
-@click.option("--out", default=None, help="Output directory (default out/ablate/<checkpoint name>).")
-@click.option("--loops", type=int, default=0, help="Loop budget M (default: the training L).")
-@click.option("--ppl-dir", default="", help="Validation shard directory (default: the checkpoint's data.dir).")
-@click.option("--ppl-tokens", type=int, default=8192, show_default=True, help="Validation tokens scored per setting.")
-@click.option("--thresholds", default=",".join(map(str, THRESHOLDS)), show_default=True, help="Router thresholds θ.")
-@click.option("--prompt-lens", default=",".join(map(str, PROMPT_LENS)), show_default=True, help="TTFT prompt lengths.")
-@click.option("--repeats", type=int, default=3, show_default=True, help="Timed repeats (median) after a warm-up.")
-@click.option("--tpot-steps", type=int, default=16, show_default=True, help="Decode steps timed per TPOT measurement.")
-@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Output directory (default out/ablate/<checkpoint name>).",
+)
+@click.option(
+    "--loops", type=click.IntRange(min=1), default=None, help="Loop budget M in 1..L (default: the training L)."
+)
+@click.option(
+    "--ppl-dir",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Validation shard directory (default: the checkpoint's data.dir).",
+)
+@click.option(
+    "--ppl-tokens",
+    type=PPL_TOKENS,
+    default=8192,
+    show_default=True,
+    help="Validation tokens scored per setting (0: all; else at least 2, so a perplexity averages over more than "
+    "one prediction).",
+)
+@click.option(
+    "--thresholds",
+    type=CommaList(Finite(0, 1, min_open=True, max_open=True), "threshold {}", "0.3,0.5"),
+    default=",".join(map(str, THRESHOLDS)),
+    show_default=True,
+    help="Router thresholds θ, each in (0, 1), distinct.",
+)
+@click.option(
+    "--prompt-lens",
+    type=CommaList(click.IntRange(min=1), "prompt length {}", "128,512"),
+    default=",".join(map(str, PROMPT_LENS)),
+    show_default=True,
+    help="TTFT prompt lengths, each >= 1, distinct (those longer than the context are left out).",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Timed repeats (median) after a warm-up.",
+)
+@click.option(
+    "--tpot-steps",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Decode steps timed per TPOT measurement.",
+)
+@click.option("--device", type=Device(), default="auto", show_default=True, help=DEVICE_HELP)
 def ablate(checkpoint, out, loops, ppl_dir, ppl_tokens, thresholds, prompt_lens, repeats, tpot_steps, device):
     """The paper's ablations (Figures 3 and 4) for CHECKPOINT: PNGs plus the numbers in ablate.json."""
     name = Path(checkpoint).resolve().name
     out = out or f"out/ablate/{name}"
     check_writable(out, "--out")  # before the model is loaded and measured
+    try:
+        export, cfg = stored_config(checkpoint)  # not the weights: a bad --loops is said first
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    check_loops([loops] if loops else [], cfg)
     run(
-        checkpoint,
+        str(export),
         out,
-        loops,
-        ppl_dir,
+        loops or 0,
+        ppl_dir or "",
         ppl_tokens,
-        tuple(float(x) for x in thresholds.split(",")),
-        tuple(int(x) for x in prompt_lens.split(",")),
+        thresholds,
+        prompt_lens,
         tpot_steps=tpot_steps,
         repeats=repeats,
         device=resolve_device(device, "--device", indexed=True),

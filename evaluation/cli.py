@@ -5,28 +5,56 @@ from __future__ import annotations
 import json
 
 import click
-from pipeline.config import ConfigError
+
+from data_prep.clitypes import CommaList, Device, IntOrZero
+from evaluation.tasks import TASK_ORDER
+from pipeline.cliopts import stored_config
+from pipeline.config import VARIANTS, ConfigError
 from pipeline.device import DEVICE_HELP
 from pipeline.tracking import TrackingError
+
+# --ppl-tokens (tlf eval, tlf ablate): 0 scores the whole set; else at least 2 predicted tokens
+PPL_TOKENS = IntOrZero(2)
 
 
 @click.command("eval")
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.argument("overrides", nargs=-1)
 @click.option(
-    "--loops", "loops", default=None, help="Loop budgets M, e.g. 2,4,8 (default: eval.loops, else the training L)."
+    "--loops",
+    type=CommaList(click.IntRange(min=1), "loop budget {}", "2,4,8"),
+    default=None,
+    help="Loop budgets M, each in 1..L, distinct (default: eval.loops, else the training L).",
 )
 @click.option(
-    "--tasks", default="", help="Comma-separated zero-shot tasks (default: eval.tasks, all ten); 'none' for none."
+    "--tasks",
+    type=CommaList(click.Choice(TASK_ORDER), "task {}", "copa,piqa", none="none"),
+    default=None,
+    help="Zero-shot tasks, distinct, of: "
+    + ", ".join(TASK_ORDER)
+    + "; 'none' for none (default: eval.tasks, all ten).",
 )
-@click.option("--limit", type=int, default=None, help="Examples per task (0: all).")
-@click.option("--batch-size", type=int, default=None, help="Sequences per forward.")
+@click.option("--limit", type=click.IntRange(min=0), default=None, help="Examples per task (0: all).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Sequences per forward.")
 @click.option(
     "--source", type=click.Choice(["auto", "hub", "offline"]), default=None, help="Where task data comes from."
 )
-@click.option("--race-file", default=None, help="Local RACE file (EleutherAI/race schema).")
-@click.option("--ppl-tokens", type=int, default=None, help="Tokens per validation set for perplexity (0: all).")
-@click.option("--stride", type=int, default=None, help="Sliding-window stride for perplexity (0: non-overlapping).")
+@click.option(
+    "--race-file", type=click.Path(dir_okay=False), default=None, help="Local RACE file (EleutherAI/race schema)."
+)
+@click.option(
+    "--ppl-tokens",
+    type=PPL_TOKENS,
+    default=None,
+    help="Tokens per validation set for perplexity: 0 (all) or at least 2, so a perplexity averages over "
+    "more than one prediction.",
+)
+@click.option(
+    "--stride",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Sliding-window stride for perplexity (0, or the context or more: non-overlapping windows).",
+)
 @click.option("--no-ppl", is_flag=True, help="Skip perplexity and the depth distribution.")
 @click.option("--no-latency", is_flag=True, help="Skip TTFT/TPOT.")
 @click.option("--no-mlflow", is_flag=True, help="Do not log to MLflow.")
@@ -37,7 +65,7 @@ from pipeline.tracking import TrackingError
     "with one warning line, and marked in results.json and table1.md).",
 )
 @click.option("--no-progress", is_flag=True, help="No progress bar (it is drawn on stderr only on a terminal).")
-@click.option("--out", "out_dir", default=None, help="Output directory.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Output directory.")
 @click.option(
     "--check-preset",
     "config",
@@ -46,9 +74,10 @@ from pipeline.tracking import TrackingError
     help="Refuse a checkpoint whose model section differs from this preset's.",
 )
 @click.option("--config", "config_alias", default=None, hidden=True)  # refused: eval reads the checkpoint's config
-@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@click.option("--device", type=Device(), default="auto", show_default=True, help=DEVICE_HELP)
 @click.option(
     "--variant",
+    type=click.Choice(VARIANTS),
     default=None,
     help="Label the results as this variant of the same trained model (naive-loop-ee: a base-loop checkpoint).",
 )
@@ -62,9 +91,14 @@ def eval_cmd(checkpoint, overrides, loops, config, config_alias, device, variant
             f"--config {config_alias}: tlf eval reads the checkpoint's own config; --check-preset PRESET refuses a "
             "checkpoint whose model section differs from a preset's, and section.key=value overrides change eval's keys"
         )
-    if loops is not None and not loops.strip():  # as `--loops ' '` is: no budget named
-        raise click.BadParameter(f"{loops!r} names no loop budget (expected e.g. 2,4,8)", param_hint="--loops")
     ov = list(overrides) + option_overrides(**opts)
+    if loops:  # held against the checkpoint's L before its weights load
+        try:
+            _, cfg = stored_config(checkpoint, ov, quiet=True)
+        except FileNotFoundError:
+            pass  # said by run, as every other path to the model is
+        else:
+            resolve_budgets_of(cfg, loops)
     try:
         label = "--out" if opts["out_dir"] else "eval.out_dir"
         run(checkpoint, ov, loops=loops, config=config, device=device, variant=variant, log=click.echo, out_label=label)
@@ -74,6 +108,17 @@ def eval_cmd(checkpoint, overrides, loops, config, config_alias, device, variant
         raise click.ClickException(str(e)) from None
     except TrackingError as e:
         raise click.ClickException(f"{e} (--no-mlflow evaluates without it)") from None
+
+
+def resolve_budgets_of(cfg, loops) -> None:
+    """--loops against the checkpoint's L (evaluation.evaluate.resolve_budgets: a base model, L = 1, runs any
+    budget as its single pass): a usage error naming --loops."""
+    from evaluation.evaluate import resolve_budgets
+
+    try:
+        resolve_budgets(cfg, list(loops))
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="'--loops'") from None
 
 
 def option_overrides(
@@ -93,9 +138,8 @@ def option_overrides(
 ) -> list[str]:
     """The eval.* overrides that eval_cmd's options stand for."""
     ov = []
-    if tasks:
-        names = [] if tasks.strip() == "none" else [t.strip() for t in tasks.split(",") if t.strip()]
-        ov.append(f"eval.tasks=[{','.join(names)}]")
+    if tasks is not None:
+        ov.append(f"eval.tasks=[{','.join(tasks)}]")
     for key, val in (
         ("limit", limit),
         ("batch_size", batch_size),

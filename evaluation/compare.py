@@ -26,6 +26,7 @@ from pathlib import Path
 
 import click
 
+from data_prep.clitypes import KeyValue
 from data_prep.files import check_writable
 from evaluation import results as R
 from evaluation.figures import pyplot, save
@@ -73,7 +74,8 @@ def open_store(tracking_uri: str):
 def local_runs(dirs: list[str]) -> list[Run]:
     """Runs read from directories instead of MLflow: a training run's metrics.jsonl (+ tracking.json's tags) and/or
     an evaluation's results.json (the same schema MLflow carries flattened). A malformed line or tracking.json is a
-    tracking.MetricsFileError; an incomplete last line (a killed run's) is skipped with a warning."""
+    tracking.MetricsFileError, a results.json that is not one a one-line click error; an incomplete last line
+    (a killed run's) is skipped with a warning."""
     runs = []
     warn = lambda msg: click.echo(f"Warning: {msg}", err=True)
     for d in map(Path, dirs):
@@ -86,10 +88,7 @@ def local_runs(dirs: list[str]) -> list[Run]:
         metrics: dict = {}
         for r in rows:
             metrics.update({k: v for k, v in r.items() if k not in ("step", "time")})
-        results = R.read(res_file) if res_file.is_file() else None
-        if results is not None:
-            metrics.update(R.flatten(results))
-            tags.setdefault("variant", str((results.get("model") or {}).get("variant", "?")))
+        results = _read_results(res_file, metrics, tags) if res_file.is_file() else None
         newest = max((f.stat().st_mtime for f in (d / tracking.METRICS_FILE, res_file) if f.is_file()), default=0)
         runs.append(
             Run(
@@ -104,6 +103,21 @@ def local_runs(dirs: list[str]) -> list[Run]:
             )
         )
     return sorted(runs, key=lambda r: -r.start_time)
+
+
+def _read_results(f: Path, metrics: dict, tags: dict) -> R.Results:
+    """The evaluation in results.json f, its metrics added to `metrics` and its variant to `tags` (unless tagged);
+    a file that is not a tlf results file is a one-line error (exit 1)."""
+    try:
+        res = R.read(f)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        metrics.update(R.flatten(res))
+        tags.setdefault("variant", str((res.get("model") or {}).get("variant", "?")))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise click.ClickException(f"{f}: not a tlf results file ({type(e).__name__}: {e})") from None
+    return res
 
 
 def history(client, r: Run, key: str) -> list[tuple[int, float]]:
@@ -558,15 +572,24 @@ def run(
     show_default=True,
     help="Experiment name(s) to read.",
 )
-@click.option("--tag", "tag_items", multiple=True, help="Only runs with this tag, KEY=VALUE (repeatable).")
+@click.option(
+    "--tag", "tag_items", type=KeyValue(), multiple=True, help="Only runs with this tag, KEY=VALUE (repeatable)."
+)
 @click.option("--run-id", "run_ids", multiple=True, help="Exactly these runs (repeatable); overrides --experiment.")
 @click.option(
     "--run-dir",
     "run_dirs",
+    type=click.Path(exists=True, file_okay=False),
     multiple=True,
     help="Read this run directory's metrics.jsonl (or an eval output's results.json) instead of MLflow (repeatable).",
 )
-@click.option("--out", default="compare", show_default=True, help="Output directory for markdown, CSV and PNG.")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default="compare",
+    show_default=True,
+    help="Output directory for markdown, CSV and PNG.",
+)
 @click.option(
     "--metric",
     type=click.Choice(["acc", "acc_norm"]),
@@ -576,14 +599,8 @@ def run(
 )
 def compare(tracking_uri, experiments, tag_items, run_ids, run_dirs, out, metric):
     """Side-by-side tables (the paper's Tables 1-3) and plots from MLflow runs of the variants."""
-    tags = {}
-    for t in tag_items:
-        if "=" not in t:
-            raise click.BadParameter(f"{t!r} must look like KEY=VALUE", param_hint="--tag")
-        k, _, v = t.partition("=")
-        tags[k] = v
     try:
-        res = run(tracking_uri, experiments, tags, run_ids, out, metric, run_dirs)
+        res = run(tracking_uri, experiments, dict(tag_items), run_ids, out, metric, run_dirs)
     except tracking.MetricsFileError as e:
         raise click.ClickException(str(e)) from None
     click.echo(res.text or "no runs with training or evaluation metrics matched")

@@ -13,11 +13,11 @@ checkpoint under its own name (`tlf eval ... --variant naive-loop-ee`). The stag
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 
 import click
 
+from data_prep.clitypes import CommaList, ShellWords
 from data_prep.files import check_writable
 from pipeline import orchestrate
 from pipeline.config import SCALES, VARIANTS, load_config
@@ -28,7 +28,7 @@ def plan(
     variants: list[str],
     out: str,
     experiment: str,
-    launcher: str,
+    launcher: list[str],
     overrides: list[str],
     eval_args: list[str],
     tracking_uri: str = "",
@@ -46,7 +46,7 @@ def plan(
         [*eval_args, *log],
         ["--experiment", experiment, "--out", f"{out}/compare"]
         + (["--tracking-uri", tracking_uri] if tracking_uri else []),
-        shlex.split(launcher),
+        launcher,
     )
 
 
@@ -59,19 +59,26 @@ def _fail(stage: orchestrate.Stage, code: int) -> None:
 @click.command("sweep")
 @click.argument("scale", type=click.Choice(SCALES))
 @click.argument("overrides", nargs=-1)
-@click.option("--variants", default="all", show_default=True, help="Comma-separated variants, or all eight.")
-@click.option("--out", default=None, help="Output root (default runs/sweep-<scale>).")
+@click.option(
+    "--variants",
+    type=CommaList(click.Choice(VARIANTS), "variant {}", "base,t-loopformer", none="all"),
+    default="all",
+    show_default=True,
+    help="Variants, distinct, or all eight: " + ", ".join(VARIANTS) + ".",
+)
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="Output root (default runs/sweep-<scale>).")
 @click.option("--experiment", default=None, help="MLflow experiment (default sweep-<scale>).")
 @click.option("--tracking-uri", default="", help="MLflow tracking URI (default sqlite:///<cwd>/mlflow.db).")
-@click.option("--launcher", default="", help='Training launcher prefix, e.g. "deepspeed --num_gpus 8".')
-@click.option("--eval-args", default="", help='Extra `tlf eval` arguments, e.g. "--loops 2,4,8 --limit 500".')
+@click.option(
+    "--launcher", type=ShellWords(), default="", help='Training launcher prefix, e.g. "deepspeed --num_gpus 8".'
+)
+@click.option(
+    "--eval-args", type=ShellWords(), default="", help='Extra `tlf eval` arguments, e.g. "--loops 2,4,8 --limit 500".'
+)
 @click.option("--print", "print_only", is_flag=True, help="Print the commands (one per line) instead of running them.")
 def sweep(scale, overrides, variants, out, experiment, tracking_uri, launcher, eval_args, print_only):
     """Train and evaluate every variant at SCALE (tiny, small, paper, depth), then compare them."""
-    names = list(VARIANTS) if variants == "all" else [v.strip() for v in variants.split(",") if v.strip()]
-    for v in names:
-        if v not in VARIANTS:
-            raise click.BadParameter(f"{v!r} is not one of {', '.join(VARIANTS)}", param_hint="--variants")
+    names = list(variants or VARIANTS)  # (none="all": the empty tuple)
     out = out or f"runs/sweep-{scale}"
     if not print_only:
         check_writable(out, "--out")  # before hours of training
@@ -82,7 +89,7 @@ def sweep(scale, overrides, variants, out, experiment, tracking_uri, launcher, e
         experiment or f"sweep-{scale}",
         launcher,
         list(overrides),
-        shlex.split(eval_args),
+        eval_args,
         tracking_uri,
     )
     if print_only:

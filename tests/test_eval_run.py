@@ -273,7 +273,7 @@ def test_cli(env, tmp_path):
     assert r.exit_code == 0, r.output
     assert "copa (validation): acc=" in r.output and (tmp_path / "o" / "results.json").is_file()
     r = CliRunner().invoke(main, ["eval", str(env / "base"), "--tasks", "copa,nope", "--no-mlflow"])
-    assert r.exit_code != 0 and "unknown task 'nope'" in r.output
+    assert r.exit_code == 2 and "task 'nope' is not one of copa, hellaswag" in r.output
     r = CliRunner().invoke(main, ["eval", str(env / "base"), "--variant", "naive-loop-ee", "--no-mlflow"])
     assert r.exit_code != 0 and "evaluates a base-loop checkpoint, this one is base" in r.output
 

@@ -189,7 +189,7 @@ def test_plan_command_json_and_sweep(tmp_path):
 @pytest.mark.parametrize(
     "args, msg",
     [
-        (["tiny/t-loopformer", "--gpu", "v100"], "unknown GPU 'v100'"),
+        (["tiny/t-loopformer", "--gpu", "v100"], "'--gpu': 'v100' is not one of"),
         (["tiny/t-loopformer", "--gpus", "3", "--gpu", "cpu"], "not a multiple of train.micro_batch_size=4 x 3 GPUs"),
         (["tiny/t-loopformer", "--sweep", "zero=5"], "zero=5 is not one of"),
         (["tiny/t-loopformer", "train.nope=1"], "train.nope"),

@@ -7,7 +7,9 @@ import sys
 
 import click
 
+from data_prep.clitypes import Device, Finite, IntOrZero
 from data_prep.tokenizer import EOT
+from pipeline.cliopts import check_loops, stored_config
 from pipeline.config import ConfigError
 from pipeline.device import DEVICE_HELP, resolve_device
 from pipeline.inference.decode import Decoder
@@ -47,6 +49,22 @@ class _Stream:
         sys.stdout.flush()
 
 
+def _write(model, enc, prompts, ids, show_depth: bool, kw: dict):
+    """Generates and writes the text: one prompt streamed as it is produced, a batch prompt by prompt."""
+    if len(prompts) == 1:
+        click.echo(prompts[0], nl=False)
+        out = generate_tokens(model, ids, callback=_Stream(enc, show_depth), **kw)
+        click.echo()
+        sys.stdout.flush()
+        return out
+    out = generate_tokens(model, ids, **kw)
+    for b, p in enumerate(prompts):
+        toks, deps = out.tokens[b], out.depths[b]
+        text = "".join(f"{enc.decode([t])}[{d}]" for t, d in zip(toks, deps)) if show_depth else enc.decode(toks)
+        click.echo(f"--- [{b}] ---\n{p}{text}")
+    return out
+
+
 @click.command("generate")
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--prompt", "-p", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
@@ -58,17 +76,41 @@ class _Stream:
     type=click.IntRange(min=1),
     help="Tokens to generate per prompt.",
 )
-@click.option("--temperature", "-t", default=1.0, show_default=True, help="Softmax temperature (0: greedy).")
-@click.option("--top-k", default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
-@click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass (1: off).")
 @click.option(
-    "--loops", "-M", type=click.IntRange(min=1), default=None, help="Loop budget M <= L (default: the training L)."
+    "--temperature",
+    "-t",
+    type=Finite(min=0),
+    default=1.0,
+    show_default=True,
+    help="Softmax temperature (0: greedy, the most likely token).",
 )
-@click.option("--threshold", type=float, default=None, help="Router threshold theta (default: the config's).")
-@click.option("--seed", type=int, default=None, help="Sampling seed (reproducible output).")
+@click.option(
+    "--top-k",
+    type=IntOrZero(1, ("off",)),
+    default="off",
+    show_default=True,
+    help="Keep the k most likely tokens (off, or 0: no top-k filter).",
+)
+@click.option(
+    "--top-p",
+    type=Finite(0, 1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Nucleus sampling: keep the most likely tokens holding this much mass (1: off).",
+)
+@click.option(
+    "--loops", "-M", type=click.IntRange(min=1), default=None, help="Loop budget M in 1..L (default: the training L)."
+)
+@click.option(
+    "--threshold",
+    type=Finite(0, 1, min_open=True, max_open=True),
+    default=None,
+    help="Router threshold theta (default: the config's model.router_threshold).",
+)
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="Sampling seed (reproducible output).")
 @click.option("--show-depth", is_flag=True, help="Print every generated token with its loop count, as text[m].")
 @click.option("--stop/--no-stop", default=True, show_default=True, help="Stop a prompt at <|endoftext|>.")
-@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@click.option("--device", type=Device(), default="auto", show_default=True, help=DEVICE_HELP)
 def generate(
     checkpoint, prompts, max_new_tokens, temperature, top_k, top_p, loops, threshold, seed, show_depth, stop, device
 ):
@@ -80,16 +122,15 @@ def generate(
         dev = resolve_device(device, "--device", indexed=True)
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
-    enc = _load_tokenizer()
     try:
-        model, _ = load_any(checkpoint, dev)
+        export, cfg = stored_config(checkpoint)  # not the weights: a bad --loops is said first
     except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
+    check_loops([loops] if loops else [], cfg)
+    enc = _load_tokenizer()
+    model, _ = load_any(export, dev)
     ids = [enc.encode_ordinary(p) or [EOT] for p in prompts]  # an empty prompt starts from <|endoftext|>
-    try:  # checked before any output, so the error is the only line printed
-        decoder = Decoder(model, loops=loops, threshold=threshold)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="'--loops'") from None
+    decoder = Decoder(model, loops=loops, threshold=threshold)  # (its budget checked above)
     try:
         check_lengths([len(i) for i in ids], max_new_tokens, model.cfg.block_size)
     except ValueError as e:
@@ -105,19 +146,7 @@ def generate(
         decoder=decoder,
     )  # budget: the decoder's
     try:
-        if len(prompts) == 1:  # one prompt: stream as it is produced
-            click.echo(prompts[0], nl=False)
-            out = generate_tokens(model, ids, callback=_Stream(enc, show_depth), **kw)
-            click.echo()
-            sys.stdout.flush()
-        else:
-            out = generate_tokens(model, ids, **kw)
-            for b, p in enumerate(prompts):
-                toks, deps = out.tokens[b], out.depths[b]
-                text = (
-                    ("".join(f"{enc.decode([t])}[{d}]" for t, d in zip(toks, deps))) if show_depth else enc.decode(toks)
-                )
-                click.echo(f"--- [{b}] ---\n{p}{text}")
+        out = _write(model, enc, prompts, ids, show_depth, kw)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     if show_depth:

@@ -7,40 +7,22 @@ import json
 
 import click
 
+from data_prep.clitypes import CommaList, Finite, KeyedList
 from data_prep.files import check_writable, write_json
 from pipeline.cli import config_arguments
 from pipeline.config import ConfigError, load_config
+from pipeline.hardware import GPUS, gpu
+from pipeline.train.ac import MODES
 from pipeline.train.logger import fmt_duration
 
 GiB = 2**30
-SWEEP_KEYS = {"zero": int, "ac": str, "mb": int}
-
-
-def parse_sweep(items: tuple[str, ...]) -> dict[str, list]:
-    """zero=1,2,3 ac=none,loop,layer mb=1,2 -> {key: values}; a bad item is a one-line error."""
-    grid = {}
-    for item in items:
-        key, _, vals = item.partition("=")
-        if key not in SWEEP_KEYS or not vals:
-            raise click.BadParameter(
-                f"{item!r}: expected KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}", param_hint="--sweep"
-            )
-        try:
-            grid[key] = [SWEEP_KEYS[key](v) for v in vals.split(",")]
-        except ValueError:
-            raise click.BadParameter(f"{item!r}: {key} takes integers", param_hint="--sweep") from None
-    for mb in grid.get("mb", []):
-        if mb < 1:
-            raise click.BadParameter(f"mb={mb}: a micro-batch must be >= 1", param_hint="--sweep")
-    from pipeline.train.ac import MODES
-
-    for ac in grid.get("ac", []):
-        if ac not in MODES:
-            raise click.BadParameter(f"ac={ac!r} is not one of {', '.join(MODES)}", param_hint="--sweep")
-    for z in grid.get("zero", []):
-        if z not in (0, 1, 2, 3):
-            raise click.BadParameter(f"zero={z} is not one of 0, 1, 2, 3", param_hint="--sweep")
-    return grid
+SWEEP = KeyedList(
+    {
+        "zero": CommaList(click.Choice([0, 1, 2, 3]), "zero={}", "1,2,3"),
+        "ac": CommaList(click.Choice(MODES), "ac={}", "none,loop"),
+        "mb": CommaList(click.IntRange(min=1), "mb={}", "1,2"),
+    }
+)
 
 
 def _gb(x: float) -> str:
@@ -108,29 +90,31 @@ def print_plan(p: dict) -> None:
 @click.option(
     "--gpu",
     "gpu_name",
+    type=click.Choice(list(GPUS)),
     default="a100-80gb",
     show_default=True,
-    help="Device of pipeline/hardware.py: a100-40gb, a100-80gb, h100-80gb, h200, cpu.",
+    help="Device of pipeline/hardware.py.",
 )
 @click.option(
     "--mfu",
-    type=click.FloatRange(0, 1, min_open=True),
+    type=Finite(0, 1, min_open=True),
     default=0.4,
     show_default=True,
     help="Model FLOPs utilisation assumed for the step time.",
 )
 @click.option(
     "--mean-depth",
-    type=float,
+    type=Finite(1, min_open=True),
     default=None,
-    help="Router mean depth (default: the router's prior mean, objective.router.target_depth or (L+1)/2).",
+    help="Router mean depth, in (1, L) (default: the router's prior mean, objective.router.target_depth or (L+1)/2).",
 )
 @click.option(
     "--sweep",
     "sweep_items",
+    type=SWEEP,
     multiple=True,
-    metavar="KEY=V1,V2",
-    help="A table over zero=..., ac=..., mb=... (repeatable) instead of the single plan.",
+    help="A table over zero=0..3, ac=none,loop,layer, mb=N>=1 (repeatable; values distinct) instead of the "
+    "single plan.",
 )
 @click.option(
     "--json", "json_out", default=None, metavar="PATH", help="Also write the plan as JSON (- for stdout only)."
@@ -143,18 +127,14 @@ def plan_cmd(config, overrides, gpus, gpu_name, mfu, mean_depth, sweep_items, js
     tlf plan paper/t-loopformer --gpus 8 --gpu a100-80gb
     tlf plan paper/loopformer --gpus 8 --gpu a100-40gb --sweep zero=1,2,3 --sweep ac=none,loop,layer
     """
-    from pipeline.plan.core import PlanError, plan, sweep
-    from pipeline.hardware import gpu
+    from pipeline.plan.core import PlanError, plan, prior_counts, sweep
 
-    try:
-        hw = gpu(gpu_name)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--gpu") from None
-    grid = parse_sweep(sweep_items)
+    hw, grid = gpu(gpu_name), dict(sweep_items)  # (a key given twice: its last values)
     if json_out and json_out != "-":  # before the minutes of planning, not after them
         check_writable(json_out, "--json", directory=False)
     try:
         cfg = load_config(config, overrides)
+        prior_counts(cfg, mean_depth)  # --mean-depth against L, before the tracing
         click.echo(f"[tlf] planning {cfg.name} on {gpus} x {hw.name}: tracing the training step", err=True)
         if grid:
             out = {"config": cfg.name, "gpu": hw.name, "gpus": gpus, "rows": sweep(cfg, gpus, hw, grid, mean_depth)}
