@@ -1,8 +1,11 @@
 """Files written whole or not at all: `atomic_write_bytes` (temp name, fsync, rename), the one JSON writer,
 `write_json`, used by every layer (shards, manifests, checkpoints, exports, evaluation and benchmark results),
-`read_json` for JSON a user may have broken (manifests, DeepSpeed templates): an error naming the file, and
-`check_writable`, which every command that writes after a long computation calls first on its output paths, and
-`new_dirs_removed_on_error`, so a command that fails leaves no empty directory it made.
+the one text reader, `read_text` / `read_json`, for every file a user may have broken or swapped (manifests, export
+and checkpoint configs, results.json, tracking.json, DeepSpeed templates, task files): a missing file, a directory,
+bytes that are not UTF-8, invalid JSON or JSON of another shape is one `FileFormatError` line naming the file (and
+the byte offset, or line and column), `check_writable`, which every command that writes after a long computation
+calls first on its output paths, and `new_dirs_removed_on_error`, so a command that fails leaves no empty directory
+it made.
 """
 
 from __future__ import annotations
@@ -12,6 +15,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
+
+from data_prep.configlib import ConfigError
+
+
+class FileFormatError(ConfigError):
+    """A file tlf reads that is missing, a directory, not UTF-8 text, not JSON, or JSON of another shape; the message
+    names the file and what is wrong on one line. A ConfigError, so the `tlf` group reports one that reaches it as a
+    usage error; readers whose callers expect another error class pass `error=` to read_text / read_json."""
 
 
 class UnwritableError(OSError):
@@ -104,13 +115,55 @@ def write_json(path: str | os.PathLike, obj, indent: int = 2, sort_keys: bool = 
     return path
 
 
-def read_json(path: str | os.PathLike, error: type[Exception] = ValueError):
-    """The JSON value in path; invalid JSON raises `error` with a one-line message naming the file."""
+def decode_text(data: bytes, path: str | os.PathLike, *, error: type[Exception] = FileFormatError) -> str:
+    """`data` (the bytes of `path`, or of one of its lines) as text: UTF-8, a leading byte-order mark dropped,
+    newlines as `Path.read_text` gives them; bytes that are not UTF-8 raise `error` naming `path` and the offset of
+    the first bad byte in `data`."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:  # e.object: data without its byte-order mark
+        raise error(
+            f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start + len(data) - len(e.object)}); "
+            "a binary or damaged file, or text in another encoding"
+        ) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+
+
+def read_text(path: str | os.PathLike, *, error: type[Exception] = FileFormatError) -> str:
+    """The text of a UTF-8 file (decode_text); a missing file, a directory, an unreadable file or bytes that are not
+    UTF-8 raise `error` with one line naming the file (and the offset of the first bad byte)."""
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory, not a file") from None
+    except OSError as e:
+        raise error(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    return decode_text(data, path, error=error)
+
+
+JSON_KINDS = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+
+
+def json_kind(value) -> str:
+    """The JSON name of a decoded value's type: object, array, string, number, boolean, null."""
+    return JSON_KINDS.get(type(value), "number")
+
+
+def read_json(path: str | os.PathLike, expect: type | None = None, *, error: type[Exception] = FileFormatError):
+    """The JSON value in a UTF-8 file (read_text's errors); invalid JSON raises `error` naming the file, line and
+    column; with `expect` (dict or list) a value of another kind is `… must be a JSON object, not array`."""
+    path = Path(path)
+    text = read_text(path, error=error)
+    try:
+        value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise error(f"{path}: invalid JSON ({e})") from None
+        raise error(f"{path}: invalid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if expect is not None and not isinstance(value, expect):
+        raise error(f"{path}: must be a JSON {JSON_KINDS[expect]}, not {json_kind(value)}")
+    return value
 
 
 @contextlib.contextmanager

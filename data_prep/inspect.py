@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.shards import EOT, ShardError, ShardReader, manifest_shards, read_manifest
+from data_prep.shards import EOT, ShardError, ShardReader, open_split, read_manifest
 from data_prep.writer import MANIFEST
 
 
@@ -16,13 +16,34 @@ def _obj(x) -> dict:
     return x if isinstance(x, dict) else {}
 
 
-def _shard_paths(d: Path, meta: dict | None) -> dict[str, list[Path]]:
+def _split_readers(d: Path, meta: dict | None) -> dict[str, list[ShardReader]]:
+    """Each split's shard readers: headers and sizes checked, against the manifest's token counts when it has one."""
     if meta is not None:
-        return {s: [d / n for n in manifest_shards(meta, s)] for s in meta.get("splits", {})}
-    out: dict[str, list[Path]] = {}
+        return {s: open_split(d, s, meta) for s in meta.get("splits", {})}
+    out: dict[str, list[ShardReader]] = {}
     for p in sorted(d.glob("*_*_[0-9][0-9][0-9][0-9][0-9][0-9].bin")):
-        out.setdefault(p.stem.split("_")[-2], []).append(p)
+        out.setdefault(p.stem.split("_")[-2], []).append(ShardReader(p))
     return out
+
+
+def _verify(split: str, meta: dict, readers: list[ShardReader]) -> str:
+    """The --verify line of a split: every shard's sha256 against the manifest's (a mismatch is a ShardError);
+    shards the manifest records no sha256 for are counted, not checked."""
+    from data_prep.assets import sha256_file
+
+    unrecorded = 0
+    for sh, r in zip(meta["splits"][split]["shards"], readers):
+        want = _obj(sh).get("sha256")
+        if want is None:
+            unrecorded += 1
+            continue
+        got = sha256_file(r.path)
+        if got != want:
+            raise ShardError(f"{r.path}: sha256 {got} does not match the manifest's {want}")
+    line = f"  sha256 verified for {len(readers) - unrecorded} shards"
+    if unrecorded:
+        line += f"; warning: {unrecorded} shards have no sha256 in the manifest (not verified)"
+    return line
 
 
 def inspect(directory: str | Path, samples: int = 3, chars: int = 300, verify: bool = False) -> str:
@@ -49,24 +70,16 @@ def inspect(directory: str | Path, samples: int = 3, chars: int = 300, verify: b
         ]
     else:
         lines.append("manifest: none (shards found by name)")
-    paths = _shard_paths(d, meta)
-    if not any(paths.values()):
+    splits = _split_readers(d, meta)  # checks magic, version, size, and each count against the manifest's
+    if not any(splits.values()):
         raise ShardError(f"{d}: no shards")
     enc = None
-    for split, ps in paths.items():
-        readers = [ShardReader(p) for p in ps]  # checks magic, version, size
+    for split, readers in splits.items():
         n = sum(len(r) for r in readers)
         docs = sum(int(np.count_nonzero(r.tokens == EOT)) for r in readers)
-        lines.append(f"split {split}: {len(ps)} shards, {n:,} tokens, {docs:,} documents")
+        lines.append(f"split {split}: {len(readers)} shards, {n:,} tokens, {docs:,} documents")
         if verify and meta is not None:
-            from data_prep.assets import sha256_file
-
-            for sh, p in zip(meta["splits"][split]["shards"], ps):
-                got = sha256_file(p)
-                want = _obj(sh).get("sha256")
-                if got != want:
-                    raise ShardError(f"{p}: sha256 {got} does not match the manifest's {want}")
-            lines.append(f"  sha256 verified for {len(ps)} shards")
+            lines.append(_verify(split, meta, readers))
         if samples and readers:
             if enc is None:
                 from data_prep.tokenizer import get_encoding

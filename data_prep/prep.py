@@ -247,9 +247,11 @@ class _Run:
         splits = m.get("splits", {})
         for s in SPLITS:
             shards = splits.get(s, {}).get("shards", [])
-            for sh in shards:
+            for i, sh in enumerate(shards):
                 try:
-                    ShardReader(self.out / sh["name"])
+                    ShardReader(
+                        self.out / sh["name"], (self.out / MANIFEST, f"splits.{s}.shards[{i}].tokens", sh["tokens"])
+                    )
                 except ShardError as e:
                     raise PrepError(f"cannot resume: {e}; pass --overwrite to start again") from None
             self.writers[s].shards = shards

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.files import atomic_write_bytes, read_json
+from data_prep.files import atomic_write_bytes, json_kind, read_json
 from data_prep.tokenizer import EOT  # noqa: F401  (the document separator of every shard)
 
 MAGIC = 20240520
 VERSION = 1
+DTYPE = "uint16"  # the tokens of a shard of MAGIC and VERSION
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
+FORMAT = "tlf-token-shards"  # manifest.json's `format`: a manifest prep-data wrote, every field of it checked
 
 
 class ShardError(ValueError):
@@ -41,12 +43,14 @@ def write_shard(path: str | os.PathLike, tokens) -> None:
 
 
 class ShardReader:
-    """One shard as a read-only memmap; checks magic, version and that the count matches the file size."""
+    """One shard as a read-only memmap; checks magic, version and that the count matches the file size (the header
+    and a stat: no read of the tokens). `expect` = (manifest, field, tokens): the manifest's count of this shard,
+    which the header must repeat; a disagreement is a ShardError naming the manifest, the field and both values."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, expect: tuple[Path, str, int] | None = None):
         self.path = Path(path)
         if not self.path.is_file():
-            raise ShardError(f"{self.path}: shard not found")
+            raise ShardError(f"{self.path}: shard not found" + (f" (listed in {expect[0]})" if expect else ""))
         size = self.path.stat().st_size
         if size < HEADER_BYTES:
             raise ShardError(f"{self.path}: truncated header ({size} bytes < {HEADER_BYTES})")
@@ -56,11 +60,21 @@ class ShardReader:
         if header[1] != VERSION:
             raise ShardError(f"{self.path}: unsupported shard version {header[1]} (expected {VERSION})")
         n = int(header[2])
+        if expect is not None and expect[2] != n:
+            raise ShardError(
+                f"{expect[0]}: {expect[1]} is {expect[2]} but {self.path.name}'s header says {n} tokens "
+                f"(file of {size} bytes); the manifest or the shard was changed after prep-data"
+            )
         expected = HEADER_BYTES + 2 * n
         if size != expected:
             raise ShardError(
                 f"{self.path}: header says {n} tokens ({expected} bytes) but the file has {size} bytes "
-                "(truncated or corrupt)"
+                + (
+                    f"(the size of {n} 4-byte tokens: written as another dtype than {DTYPE})"
+                    if size == expected + 2 * n
+                    else "(truncated or corrupt)"
+                )
+                + (f"; {expect[0]}'s {expect[1]} is {expect[2]}" if expect is not None else "")
             )
         self.num_tokens = n
         self.tokens = (
@@ -73,30 +87,124 @@ class ShardReader:
         return self.num_tokens
 
 
+FIELD_KINDS = {
+    int: "an integer >= 0",
+    str: "a string",
+    bool: "true or false",
+    dict: "a JSON object",
+    list: "a JSON array",
+}
+
+
+class _Fields:
+    """The fields of one manifest, read with their types checked. A manifest prep-data wrote (its `format` is
+    FORMAT) must hold every field; one written by hand (no `format`) may leave any out. A missing field, a wrong
+    type or a disagreement is a one-line ShardError naming the manifest, the field and both values."""
+
+    def __init__(self, path: Path, meta: dict):
+        self.path, self.strict = path, "format" in meta
+        if self.strict and meta["format"] != FORMAT:
+            raise ShardError(f"{path}: format is {meta['format']!r}, not {FORMAT!r}: not a tlf token-shard manifest")
+
+    def get(self, obj: dict, key: str, name: str, kind: type, required: bool | None = None):
+        """obj[key] (None when absent and not required: by default, required in a manifest prep-data wrote)."""
+        if key not in obj:
+            if self.strict if required is None else required:
+                raise ShardError(
+                    f"{self.path}: {name} is missing (prep-data writes it: the manifest was edited or damaged; "
+                    "rerun prep-data)"
+                )
+            return None
+        v = obj[key]
+        if not isinstance(v, kind) or (kind is int and (isinstance(v, bool) or v < 0)):
+            shown = repr(v) if len(repr(v)) <= 80 else repr(v)[:77] + "..."
+            raise ShardError(f"{self.path}: {name} must be {FIELD_KINDS[kind]}, not {json_kind(v)} {shown}")
+        return v
+
+    def agree(self, name: str, have, want, what: str) -> None:
+        """have (a field's value; None: absent) must equal want, which `what` describes."""
+        if have is not None and have != want:
+            raise ShardError(f"{self.path}: {name} is {have!r} but {what} {want!r}")
+
+
+def _check_split(f: _Fields, split: str, info) -> int | None:
+    """A split's entry checked (each shard's name, tokens, docs, sha256; the split's totals against the sums of
+    its shards); returns its token count (None when a hand-written manifest leaves it unknown)."""
+    if isinstance(info, dict) and f.strict:
+        f.get(info, "shards", f"splits.{split}.shards", list)
+    shards = info.get("shards", []) if isinstance(info, dict) else None
+    if not isinstance(shards, list) or not all(
+        isinstance(s, str) or (isinstance(s, dict) and isinstance(s.get("name"), str)) for s in shards
+    ):
+        raise ShardError(
+            f"{f.path}: key 'splits.{split}.shards' must be a list of shard names or {{\"name\": ...}} objects"
+        )
+    counts: dict[str, list] = {"tokens": [], "docs": []}
+    for i, s in enumerate(shards):
+        where = f"splits.{split}.shards[{i}]"
+        if isinstance(s, str) and f.strict:
+            raise ShardError(f"{f.path}: {where} is the bare name {s!r}, not an object of name, tokens, docs, sha256")
+        for key, got in counts.items():
+            got.append(f.get(s, key, f"{where}.{key}", int) if isinstance(s, dict) else None)
+        if isinstance(s, dict):
+            f.get(s, "sha256", f"{where}.sha256", str, required=False)  # missing: not verified (older manifests)
+    totals = {}
+    for key, got in counts.items():
+        totals[key] = f.get(info, key, f"splits.{split}.{key}", int)
+        if None not in got:
+            f.agree(f"splits.{split}.{key}", totals[key], sum(got), f"splits.{split}.shards[*].{key} add up to")
+            totals[key] = sum(got)
+    return totals["tokens"]
+
+
 def read_manifest(path: str | os.PathLike) -> dict:
     """A manifest.json as a dict, checked for the shape every reader relies on (a mapping whose `splits` maps a
-    split to {"shards": [{"name": ...} or name, ...]}); anything else is a ShardError naming the file and key."""
+    split to {"shards": [{"name": ...} or name, ...]}) and, without reading a shard, for its fields' types and
+    sums: each split's tokens and docs are its shards', total_tokens the splits', shard_format the one this
+    reader reads. Anything else is a one-line ShardError naming the file, the field and both values."""
     path = Path(path)
-    meta = read_json(path, ShardError)
-    if not isinstance(meta, dict):
-        raise ShardError(f"{path}: top level must be a JSON object, not {type(meta).__name__}")
-    splits = meta.get("splits", {})
-    if not isinstance(splits, dict):
-        raise ShardError(f"{path}: key 'splits' must be an object of splits, not {type(splits).__name__}")
-    for split, info in splits.items():
-        shards = info.get("shards", []) if isinstance(info, dict) else None
-        if not isinstance(shards, list) or not all(
-            isinstance(s, str) or (isinstance(s, dict) and isinstance(s.get("name"), str)) for s in shards
-        ):
-            raise ShardError(
-                f"{path}: key 'splits.{split}.shards' must be a list of shard names or {{\"name\": ...}} objects"
-            )
+    meta = read_json(path, dict, error=ShardError)
+    f = _Fields(path, meta)
+    f.get(meta, "complete", "complete", bool)
+    splits = f.get(meta, "splits", "splits", dict) or {}
+    sizes = [_check_split(f, split, info) for split, info in splits.items()]
+    if None not in sizes:
+        f.agree(
+            "total_tokens", f.get(meta, "total_tokens", "total_tokens", int), sum(sizes), "splits.*.tokens add up to"
+        )
+    sf = f.get(meta, "shard_format", "shard_format", dict) or {}
+    for key, want in (("magic", MAGIC), ("version", VERSION)):
+        f.agree(f"shard_format.{key}", f.get(sf, key, f"shard_format.{key}", int), want, "this reader reads")
+    f.agree(
+        "shard_format.dtype",
+        f.get(sf, "dtype", "shard_format.dtype", str),
+        DTYPE,
+        f"shards of magic {MAGIC} version {VERSION} hold tokens of",
+    )
     return meta
 
 
 def manifest_shards(meta: dict, split: str) -> list[str]:
     """The shard file names of `split` in a manifest checked by read_manifest."""
     return [s["name"] if isinstance(s, dict) else s for s in meta.get("splits", {}).get(split, {}).get("shards", [])]
+
+
+def open_split(directory: Path, split: str, meta: dict | None) -> list[ShardReader]:
+    """The readers of a split's shards: those DIRECTORY's manifest (`meta`, from read_manifest) lists, each header
+    checked against the manifest's token count, or (meta None) the `*_<split>_*.bin` files."""
+    if meta is None:
+        return [ShardReader(p) for p in sorted(directory.glob(f"*_{split}_*.bin"))]
+    entries = meta.get("splits", {}).get(split, {}).get("shards", [])
+    mpath = directory / "manifest.json"
+    return [
+        ShardReader(
+            directory / (e["name"] if isinstance(e, dict) else e),
+            (mpath, f"splits.{split}.shards[{i}].tokens", e["tokens"])
+            if isinstance(e, dict) and "tokens" in e
+            else None,
+        )
+        for i, e in enumerate(entries)
+    ]
 
 
 class ShardSet:
@@ -122,14 +230,13 @@ class ShardSet:
                     f"{manifest}: incomplete (prep-data is still running or was interrupted; "
                     "rerun the same `tlf prep-data` command to finish it)"
                 )
-            paths = [self.dir / n for n in manifest_shards(meta, split)]
             entries = meta.get("splits", {}).get(split, {}).get("shards", [])
             sums = [s.get("sha256") if isinstance(s, dict) else None for s in entries]
         else:
-            paths = sorted(self.dir.glob(f"*_{split}_*.bin"))
-        if not paths:
+            meta = None
+        self.shards = open_split(self.dir, split, meta)  # headers and sizes against the manifest's counts
+        if not self.shards:
             raise ShardError(f"{self.dir}: no '{split}' shards (run `tlf prep-data` first)")
-        self.shards = [ShardReader(p) for p in paths]
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
         self.num_tokens = int(self.offsets[-1])
         r, ws = verify or (0, 1)

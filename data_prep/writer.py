@@ -13,11 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.files import atomic_write_bytes
-from data_prep.shards import HEADER_INTS, MAGIC, VERSION, shard_name
+from data_prep.shards import DTYPE, FORMAT, HEADER_INTS, MAGIC, VERSION, shard_name
 from data_prep.tokenizer import EOT
 
 MANIFEST = "manifest.json"
-FORMAT = "tlf-token-shards"
 
 
 def write_tokens(path: Path, tokens: np.ndarray) -> str:
@@ -111,7 +110,7 @@ def manifest(
             "header": "256 x int32: [0] magic, [1] version, [2] token count",
             "magic": MAGIC,
             "version": VERSION,
-            "dtype": "uint16",
+            "dtype": DTYPE,
             "eot": EOT,
             "eot_rule": "EOT before every document; a document may span shards",
             "shard_tokens": shard_tokens,

@@ -50,7 +50,7 @@ def test_read_json_error_names_the_file(tmp_path):
     bad = tmp_path / "m.json"
     bad.write_text("{not json")
     with pytest.raises(configlib.ConfigError, match=rf"^{bad}: invalid JSON \("):
-        read_json(bad, configlib.ConfigError)
+        read_json(bad, error=configlib.ConfigError)
 
 
 def test_resolve_device(monkeypatch):

@@ -53,7 +53,7 @@ def build_ds_config(cfg: Config, world_size: int, precision: str) -> dict:
     path = Path(cfg.train.ds_config) if cfg.train.ds_config else ds_config_dir() / f"zero{cfg.train.zero_stage}.json"
     if not path.is_file():
         raise ConfigError(f"train.ds_config: DeepSpeed template {path} not found")
-    ds = read_json(path, ConfigError)
+    ds = read_json(path, dict)  # a FileFormatError (a ConfigError) naming the template
     t = cfg.train
     for key, ours in BATCH_KEYS.items():
         want = getattr(t, ours)
