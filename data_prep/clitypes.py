@@ -74,7 +74,7 @@ class CommaList(click.ParamType):
         self.item, self.label, self.example, self.distinct, self.none = item, label, example, distinct, none
 
     def get_metavar(self, param, ctx) -> str:
-        return f"{self.example}" + (f"|{self.none}" if self.none else "")
+        return "V1,V2,..." + (f"|{self.none}" if self.none else "")
 
     def convert(self, value, param, ctx):
         if isinstance(value, (tuple, list)):

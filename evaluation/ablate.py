@@ -296,6 +296,7 @@ def _plot(res: dict, out: Path) -> list[Path]:
 @click.option(
     "--thresholds",
     type=CommaList(Finite(0, 1, min_open=True, max_open=True), "threshold {}", "0.3,0.5"),
+    metavar="θ1,θ2,...",
     default=",".join(map(str, THRESHOLDS)),
     show_default=True,
     help="Router thresholds θ, each in (0, 1), distinct.",
@@ -303,6 +304,7 @@ def _plot(res: dict, out: Path) -> list[Path]:
 @click.option(
     "--prompt-lens",
     type=CommaList(click.IntRange(min=1), "prompt length {}", "128,512"),
+    metavar="P1,P2,...",
     default=",".join(map(str, PROMPT_LENS)),
     show_default=True,
     help="TTFT prompt lengths, each >= 1, distinct (those longer than the context are left out).",

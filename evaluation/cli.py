@@ -23,12 +23,14 @@ PPL_TOKENS = IntOrZero(2)
 @click.option(
     "--loops",
     type=CommaList(click.IntRange(min=1), "loop budget {}", "2,4,8"),
+    metavar="M1,M2,...",
     default=None,
     help="Loop budgets M, each in 1..L, distinct (default: eval.loops, else the training L).",
 )
 @click.option(
     "--tasks",
     type=CommaList(click.Choice(TASK_ORDER), "task {}", "copa,piqa", none="none"),
+    metavar="TASK1,TASK2,...|none",
     default=None,
     help="Zero-shot tasks, distinct, of: "
     + ", ".join(TASK_ORDER)

@@ -62,9 +62,10 @@ def _fail(stage: orchestrate.Stage, code: int) -> None:
 @click.option(
     "--variants",
     type=CommaList(click.Choice(VARIANTS), "variant {}", "base,t-loopformer", none="all"),
+    metavar="VARIANT1,VARIANT2,...|all",
     default="all",
     show_default=True,
-    help="Variants, distinct, or all eight: " + ", ".join(VARIANTS) + ".",
+    help="Variants, distinct, or all: " + ", ".join(VARIANTS) + ".",
 )
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Output root (default runs/sweep-<scale>).")
 @click.option("--experiment", default=None, help="MLflow experiment (default sweep-<scale>).")
