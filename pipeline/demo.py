@@ -186,9 +186,9 @@ def _where(a: argparse.Namespace, out: Path, uri: str) -> None:
 def depth_summary(results: Path) -> str | None:
     """The depth distribution at the largest evaluated budget of a router variant and the loop work it cost
     (sum_i |A_i| / (M * tokens) = mean depth / M), from `tlf eval`'s results.json; None without a router."""
-    import json
+    from data_prep.files import read_json
 
-    res = json.loads(results.read_text())
+    res = read_json(results, dict)
     if not res["model"]["router"]:
         return None
     b = max((b for b in res["budgets"] if b.get("depth")), key=lambda b: b["effective_loops"], default=None)

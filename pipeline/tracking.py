@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+from data_prep.files import decode_text, read_json
+
 BATCH = 1000  # MLflow's log_batch limit on metrics per call
 METRICS_FILE = "metrics.jsonl"  # one line per step: {"step": S, "time": MS, "<metric>": value, ...}
 RUN_FILE = "tracking.json"  # {"run_id", "tracking_uri", "name", "tags"}: the MLflow run of the run directory
@@ -108,9 +110,10 @@ def parse_metrics(data: bytes, path, first_line: int = 1) -> tuple[list[tuple[in
 
 
 def _record(raw: bytes, where: str) -> dict:
+    text = decode_text(raw, where, error=MetricsFileError)  # bytes that are not UTF-8: the offset in the line
     try:
-        rec = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+        rec = json.loads(text)
+    except ValueError as e:
         raise MetricsFileError(f"{where}: not a JSON line ({e})") from None
     if not isinstance(rec, dict):
         raise MetricsFileError(f"{where}: a JSON object of one step's metrics expected, not {type(rec).__name__}")
@@ -131,6 +134,8 @@ def read_metrics(path: Path, warn=None) -> list[dict]:
         data = Path(path).read_bytes()
     except FileNotFoundError:
         return []
+    except OSError as e:  # a directory, no permission
+        raise MetricsFileError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
     lines, tail = parse_metrics(data, path)
     if tail.strip() and warn is not None:
         n = data.count(b"\n") + 1
@@ -145,14 +150,9 @@ def read_run_file(directory: Path) -> dict:
     """tracking.json of a run directory ({} when there is none); anything but what the trainer writes is a
     MetricsFileError naming the file (and key)."""
     f = Path(directory) / RUN_FILE
-    try:
-        d = json.loads(f.read_text())
-    except FileNotFoundError:
+    if not f.exists():
         return {}
-    except (OSError, ValueError) as e:
-        raise MetricsFileError(f"{f}: not readable JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise MetricsFileError(f"{f}: a JSON object expected, not {type(d).__name__}")
+    d = read_json(f, dict, error=MetricsFileError)  # not UTF-8, not JSON, not an object: the file named
     for k, kinds in RUN_FILE_TYPES.items():
         if k in d and not isinstance(d[k], kinds):
             raise MetricsFileError(f"{f}: key {k!r} has the wrong type ({d[k]!r})"[:300])

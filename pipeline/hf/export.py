@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import shutil
 from pathlib import Path
 
-from data_prep.files import atomic_write_bytes, write_json
+from data_prep.files import atomic_write_bytes, read_json, read_text, write_json
 from data_prep.tokenizer import EOT
 from pipeline.config import Config, ConfigError
 from pipeline.model.io import state_for_export
@@ -115,9 +114,9 @@ def find_evaluation(source: Path, roots: list[Path]) -> Path | None:
     for root in [*roots, *in_run]:
         for f in Path(root).glob("**/results.json"):
             try:
-                r = json.loads(f.read_text())
+                r = read_json(f, dict)  # a FileFormatError (a ValueError) when damaged
                 same = Path(r["export"]).resolve() == source.resolve() or (r.get("train_run_id"), r.get("step")) == run
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):  # not a tlf eval result
+            except (OSError, ValueError, KeyError, TypeError):  # not a tlf eval result
                 continue
             if same:
                 found.add((f.stat().st_mtime, f))
@@ -148,7 +147,7 @@ def model_card(cfg: Config, source: Path, roots: list[Path]) -> str:
     found = find_evaluation(source, roots)
     table = found.with_name("table1.md") if found is not None else None
     if table is not None and table.is_file():
-        lines += [f"`tlf eval` of this checkpoint ({found}):", "", table.read_text()]
+        lines += [f"`tlf eval` of this checkpoint ({found}):", "", read_text(table)]
     else:
         where = ", ".join(str(r) for r in roots) or "no directory"
         lines.append(f"No `tlf eval` results of this checkpoint under {where} nor its run dir.")

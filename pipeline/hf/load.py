@@ -8,10 +8,10 @@ config (`tlf_config`: data.dir, eval settings, the preset name); model.safetenso
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+from data_prep.files import FileFormatError, read_json
 from pipeline.config import Config, apply_overrides, config_from_dict
 from pipeline.model.io import find_export, load_model, load_state, model_from_state
 from pipeline.model.looped import LoopedLM
@@ -20,12 +20,24 @@ MODEL_TYPE = "tlf_looped"  # config.json's model_type of tlf's transformers expo
 
 
 def is_hf_export(path: str | os.PathLike) -> bool:
-    """Whether path is a directory written by `tlf export --format hf` (config.json naming MODEL_TYPE)."""
-    try:
-        conf = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
+    """Whether path is a directory written by `tlf export --format hf` (config.json naming MODEL_TYPE). A config.json
+    that is there but not UTF-8 or not JSON is a FileFormatError naming it (it cannot tell what the directory is)."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
         return False
+    conf = read_json(f)
     return isinstance(conf, dict) and conf.get("model_type") == MODEL_TYPE
+
+
+def hf_stored_config(d: Path) -> dict:
+    """The config an export of `tlf export --format hf` carries in its config.json: the whole resolved config
+    (`tlf_config`) or, from exports without it, the network (`tlf_model`); another shape is a FileFormatError."""
+    f = Path(d) / "config.json"
+    conf = read_json(f, dict)
+    stored = conf.get("tlf_config") or {"model": conf.get("tlf_model", {})}
+    if not isinstance(stored, dict) or not isinstance(stored.get("model", {}), dict):
+        raise FileFormatError(f"{f}: tlf_config and tlf_model must be JSON objects")
+    return stored
 
 
 def model_dir(path: str | os.PathLike) -> Path:
@@ -39,9 +51,7 @@ def load_any(path: str | os.PathLike, device="cpu", overrides: list[str] | tuple
     if not is_hf_export(path):
         return load_model(path, device, list(overrides))
     d = Path(path)
-    conf = json.loads((d / "config.json").read_text())
-    stored = conf.get("tlf_config") or {"model": conf.get("tlf_model", {})}
-    cfg = config_from_dict(stored, source=str(d / "config.json"))
+    cfg = config_from_dict(hf_stored_config(d), source=str(d / "config.json"))
     cfg.name = cfg.name or d.name
     apply_overrides(cfg, list(overrides))
     f = d / "model.safetensors"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from data_prep.configlib import read_yaml_mapping
-from data_prep.files import atomic_write_bytes
+from data_prep.files import atomic_write_bytes, read_text
 from pipeline.config import Config, ConfigError, apply_overrides, config_from_dict, to_yaml
 from pipeline.model.looped import LoopedLM
 from pipeline.rundir import newest_intact
@@ -86,7 +86,7 @@ def find_export(path: str | os.PathLike) -> Path:
         return ck / "model"
     latest = p / "latest"
     if latest.is_file():
-        return find_export(p / latest.read_text().strip())
+        return find_export(p / read_text(latest).strip())  # not UTF-8: a FileFormatError naming it
     raise FileNotFoundError(
         f"{p}: no model export (expected model.safetensors or model.pt, and config.yaml, "
         f"or a checkpoint dir with model/)"
