@@ -2,15 +2,9 @@
 
 Training runs (`tlf train`) log `loss`, `val/loss`, `tokens_per_s`, `mfu`, `mem/*` and `router/*`; evaluation
 runs (`tlf eval`, or eval metrics logged into the training run) log `eval/M{M}/...` and the `eval/results.json`
-artifact. Runs are grouped by their `variant` tag; for each variant the newest run that has training metrics is
-used, and every evaluation of the variant is read (each run's `eval/history/*/results.json`, else its
-`eval/results.json`, else its metrics; budgets the metrics hold that no results file does are an earlier
-evaluation's): each budget M's row is the newest evaluation that measured M, so a quick evaluation at one budget
-never hides the others. Where the rows differ in what they were evaluated with (limit, tasks, budgets), columns
-say so, and the notes under Table 1 list which evaluation gave which rows and how many tokens each perplexity
-rests on. Table 3's tokens/s is the run's average, `train_tokens` / `train_time_s` (the optimizer steps alone:
-validation and checkpoints excluded), or the last step's rate for a run that did not log them. An evaluation is
-read through `evaluation/results.py`, never by parsing key names here. Without MLflow (off,
+artifact. Runs are grouped by their `variant` tag; for each variant the newest run that has training metrics
+and the newest that has evaluation metrics are used (one run may be both). An evaluation is read through
+`evaluation/results.py` (the artifact, else the metrics), never by parsing key names here. Without MLflow (off,
 or its server unreachable), `--run-dir` reads the same metric names from a training run's `metrics.jsonl` and an
 evaluation's `results.json` (`local_runs`). naive-loop-ee has
 no training run of its own: `tlf sweep` evaluates the base-loop checkpoint under its name. A metric a run
@@ -32,12 +26,10 @@ from pathlib import Path
 
 import click
 
-from data_prep import valsplit
 from data_prep.clitypes import KeyValue
 from data_prep.files import FileFormatError, check_writable
 from evaluation import results as R
 from evaluation.figures import pyplot, save
-from evaluation.report import HISTORY_DIR
 
 from pipeline import tracking
 from pipeline.config import VARIANTS
@@ -163,146 +155,27 @@ def collect_runs(client, uri: str, experiments: list[str], tags: dict[str, str],
 
 
 @dataclass
-class Evaluation:
-    """One `tlf eval` of a variant: its results, where they were read, when (seconds since the epoch; 0: unknown,
-    older than any) and its label in the tables (E1, E2, ...)."""
-
-    variant: str
-    results: R.Results
-    where: str
-    when: float
-    label: str = ""
-
-    def what(self) -> dict[str, str]:
-        """What it was evaluated with: limit, tasks, budgets ("?" where its record does not say)."""
-        res, budgets = self.results, self.results.get("budgets", [])
-        tasks = sorted({t for b in budgets for t in b.get("tasks", {})})
-        limit = res.get("limit")
-        return {
-            "limit": "?" if limit is None else str(limit or "all"),
-            "tasks": ", ".join(tasks) if len(tasks) <= 3 else f"{len(tasks)} tasks",
-            "budgets": ",".join(str(b["loops"]) for b in sorted(budgets, key=lambda b: b["loops"])),
-        }
-
-
-@dataclass
 class Selection:
     train: dict[str, Run] = field(default_factory=dict)  # variant -> newest run with training metrics
-    eval: dict[str, Run] = field(default_factory=dict)  # variant -> its budgets, each the newest evaluation's
-    origin: dict[tuple[str, int], Evaluation] = field(default_factory=dict)  # (variant, M) -> where its row is from
-    evaluations: list[Evaluation] = field(default_factory=list)  # those rows come from, labelled E1, E2, ...
+    eval: dict[str, Run] = field(default_factory=dict)  # variant -> newest run with evaluation metrics
 
     def variants(self) -> list[str]:
         seen = set(self.train) | set(self.eval)
         return [v for v in VARIANTS if v in seen] + sorted(seen - set(VARIANTS))
 
 
-def _when(res: R.Results, fallback: float) -> float:
-    """When an evaluation ran: its `evaluated_at`, else `fallback`."""
-    import calendar
-    import time
-
-    try:
-        return float(calendar.timegm(time.strptime(res["evaluated_at"], "%Y-%m-%dT%H:%M:%SZ")))
-    except (KeyError, TypeError, ValueError):
-        return fallback
-
-
-def _history(client, r: Run) -> list[Evaluation]:
-    """Every evaluation a run kept under eval/history/<time>/results.json (tlf eval logs each one there)."""
-    import tempfile
-
-    from mlflow.exceptions import MlflowException
-
-    out = []
-    try:
-        dirs = [a.path for a in client.list_artifacts(r.run_id, HISTORY_DIR) if a.is_dir]
-        with tempfile.TemporaryDirectory() as tmp:
-            for i, d in enumerate(dirs):
-                res = R.read(Path(client.download_artifacts(r.run_id, f"{d}/{R.RESULTS_FILE}", f"{tmp}/{i}")))
-                where = f"MLflow run {r.run_id[:8]} {d}"
-                out.append(Evaluation(r.variant, res, where, _when(res, r.start_time / 1000)))
-    except (MlflowException, OSError, ValueError):  # not readable: the run's newest results or metrics instead
-        return []
-    return out
-
-
-def evaluations_of(r: Run, client) -> list[Evaluation]:
-    """The evaluations a run holds: a --run-dir's results.json; an MLflow run's history, else its newest results
-    (artifact or metrics); and the budgets its metrics hold that none of those has (an earlier evaluation whose
-    results file was replaced by a later one's)."""
-    if r.history is not None or client is None:
-        return [Evaluation(r.variant, r.results, f"{r.run_id}", r.start_time / 1000)] if r.results else []
-    evs = _history(client, r)
-    if not evs:
-        res = R.load_run(client, r.run_id, r.tags, r.metrics)
-        evs = [Evaluation(r.variant, res, f"MLflow run {r.run_id[:8]}", _when(res, r.start_time / 1000))]
-    have = {b["loops"] for e in evs for b in e.results.get("budgets", [])}
-    rest = [b for b in R.from_metrics(r.metrics, r.variant)["budgets"] if b["loops"] not in have]
-    if rest:
-        res = {"model": {"variant": r.variant}, "table_metric": evs[0].results.get("table_metric"), "budgets": rest}
-        evs.append(Evaluation(r.variant, res, f"MLflow run {r.run_id[:8]}, metrics of an earlier evaluation", 0.0))
-    return evs
-
-
-def _merge(v: str, evs: list[Evaluation], sel: Selection) -> None:
-    """Variant v's rows: each budget from the newest evaluation that measured it (evs newest first)."""
-    chosen: dict[int, tuple[dict, Evaluation]] = {}
-    for e in evs:
-        for b in e.results.get("budgets", []):
-            chosen.setdefault(b["loops"], (b, e))
-    newest = evs[0].results
-    metric = newest.get("table_metric") or "acc"
-    budgets = []
-    for M in sorted(chosen):
-        b, e = chosen[M]
-        if (e.results.get("table_metric") or "acc") != metric:  # its stored average is of another metric
-            b = {k: x for k, x in b.items() if k != "avg_acc"}
-        budgets.append(b)
-        sel.origin[(v, M)] = e
-        if e not in sel.evaluations:
-            sel.evaluations.append(e)
-    res = {**newest, "table_metric": metric, "budgets": budgets}
-    sel.eval[v] = Run(evs[0].where, v, v, int(evs[0].when * 1000), {}, {}, res)
-
-
 def select(runs: list[Run], client) -> Selection:
-    """The newest training run per variant, and per variant and budget the newest evaluation that measured it."""
+    """The newest training and evaluation run per variant, with the evaluations' results loaded."""
     sel = Selection()
-    evs: dict[str, list[Evaluation]] = {}
     for r in runs:  # newest first
         if r.has_train:
             sel.train.setdefault(r.variant, r)
         if r.has_eval:
-            evs.setdefault(r.variant, []).extend(evaluations_of(r, client))
-    for v in [v for v in sel_order(evs)]:
-        _merge(v, sorted(evs[v], key=lambda e: -e.when), sel)
-    for i, e in enumerate(sel.evaluations, start=1):
-        e.label = f"E{i}"
+            sel.eval.setdefault(r.variant, r)
+    for r in sel.eval.values():
+        if r.results is None:
+            r.results = R.load_run(client, r.run_id, r.tags, r.metrics)
     return sel
-
-
-def sel_order(evs: dict) -> list[str]:
-    """Variants in the paper's order, then the others by name."""
-    return [v for v in VARIANTS if v in evs] + sorted(set(evs) - set(VARIANTS))
-
-
-def _with(sel: Selection, keys: list[tuple[str, int]]) -> tuple[list[str], list[list[str]]]:
-    """The columns that say what each row (variant, M) was evaluated with, where the rows differ: the evaluation's
-    label when a variant's rows come from several, and its limit, tasks or budgets where those differ; (column
-    names, one list of cells per row)."""
-    origin = [sel.origin.get(k) for k in keys]
-    if not keys or any(o is None for o in origin):
-        return [], [[] for _ in keys]
-    cols, what = [], [o.what() for o in origin]
-    per_variant: dict[str, set] = {}
-    for (v, _), o in zip(keys, origin):
-        per_variant.setdefault(v, set()).add(o.label)
-    if any(len(x) > 1 for x in per_variant.values()):
-        cols.append("evaluation")
-    cols += [k for k in ("limit", "tasks", "budgets") if len({w[k] for w in what}) > 1]
-    cells = [[o.label if c == "evaluation" else w[c] for c in cols] for o, w in zip(origin, what)]
-    return cols, cells
 
 
 # ------------------------------------------------------------------------------------------ tables
