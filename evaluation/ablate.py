@@ -330,7 +330,7 @@ def ablate(checkpoint, out, loops, ppl_dir, ppl_tokens, thresholds, prompt_lens,
     out = out or f"out/ablate/{name}"
     check_writable(out, "--out")  # before the model is loaded and measured
     try:
-        export, cfg = stored_config(checkpoint)  # not the weights: a bad --loops is said first
+        export, cfg = stored_config(find_export(checkpoint))  # not the weights: a bad --loops is said first
     except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
     check_loops([loops] if loops else [], cfg)
