@@ -128,8 +128,14 @@ def generate(
         raise click.ClickException(str(e)) from None
     check_loops([loops] if loops else [], cfg)
     enc = _load_tokenizer()
-    model, _ = load_any(export, dev)
     ids = [enc.encode_ordinary(p) or [EOT] for p in prompts]  # an empty prompt starts from <|endoftext|>
+    top = max(max(i) for i in ids)
+    if top >= cfg.model.vocab_size:  # a model of another vocabulary (the fold task's): it cannot read GPT-2 text
+        raise click.UsageError(
+            f"--prompt: {checkpoint} reads token ids below model.vocab_size={cfg.model.vocab_size}, and the "
+            f"prompt's GPT-2 tokens reach {top}: this is not a text model (a fold-task checkpoint?)"
+        )
+    model, _ = load_any(export, dev)
     decoder = Decoder(model, loops=loops, threshold=threshold)  # (its budget checked above)
     try:
         check_lengths([len(i) for i in ids], max_new_tokens, model.cfg.block_size)
