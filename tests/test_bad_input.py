@@ -520,17 +520,16 @@ def prep_locked(w, monkeypatch):
 
 
 def save_full_disk(w, monkeypatch):
-    import torch
+    from pipeline.train import checkpoint
 
-    real = torch.save
+    real = checkpoint._Hashing.write
 
-    def full(obj, f, *a, **k):  # DeepSpeed writes through torch.save; the disk fills during step 2's save
-        if "global_step2" in str(f):
-            Path(f).write_bytes(b"\0" * 100)
+    def full(self, b):  # DeepSpeed's files are written through the hashing writer; the disk fills in step 2's save
+        if "global_step2" in self.fh.name:
             raise OSError(28, "No space left on device")
-        return real(obj, f, *a, **k)
+        return real(self, b)
 
-    monkeypatch.setattr(torch, "save", full)
+    monkeypatch.setattr(checkpoint._Hashing, "write", full)
 
     def after(w):
         from pipeline.model.io import load_model
@@ -544,21 +543,22 @@ def save_full_disk(w, monkeypatch):
 
 
 def ds_save_full_disk(w, monkeypatch):
-    """DeepSpeed's own torch.save of step 2's model states goes to /dev/full, a device whose every write fails
-    with ENOSPC: torch's real zip writer reports it as it does on a full disk ("unexpected pos ...")."""
-    import torch
+    """DeepSpeed's own save of step 2's model states goes to /dev/full, a device whose every write fails with
+    ENOSPC: torch's real zip writer reports it as it does on a full disk ("unexpected pos ...")."""
 
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full on this system")
-    real = torch.save
+    from pipeline.train import checkpoint
 
-    def full(obj, f, *a, **k):
-        if "global_step2" in str(f) and "mp_rank_00_model_states" in str(f):
-            Path(f).write_bytes(b"\0" * 100)  # what the disk took before it filled
-            return real(obj, "/dev/full", *a, **k)
-        return real(obj, f, *a, **k)
+    real = checkpoint._Hashing.__init__
 
-    monkeypatch.setattr(torch, "save", full)
+    def full(self, fh):
+        if "global_step2" in fh.name and "mp_rank_00_model_states" in fh.name:
+            fh.write(b"\0" * 100)  # what the disk took before it filled
+            fh = open("/dev/full", "wb")  # noqa: SIM115 - torch's zip writer writes into it and fails
+        real(self, fh)
+
+    monkeypatch.setattr(checkpoint._Hashing, "__init__", full)
 
     def after(w):
         ck = w / "ck" / "dsfull"
