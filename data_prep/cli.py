@@ -29,7 +29,9 @@ def _fail(e: Exception) -> None:
 
 @click.command("prep-data", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("overrides", nargs=-1)
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of prep-data options.")
+@click.option(
+    "--config", "config_files", multiple=True, type=click.Path(dir_okay=False), help="YAML file of prep-data options."
+)
 @click.option("--source", type=_Source(SOURCES), help="Where documents come from (default files).")
 @click.option("--input", "-i", "inputs", multiple=True, help="Input file, glob or directory (repeatable).")
 @click.option("--out", "-o", help="Output directory.")
@@ -55,7 +57,7 @@ def _fail(e: Exception) -> None:
 @click.option("--skip-bad/--no-skip-bad", default=None, help="Skip malformed records (counted) instead of failing.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr.")
 @click.option("--overwrite", is_flag=True, help="Delete this directory's existing shards and start again.")
-def prep_data(overrides, config_file, overwrite, inputs, **opts):
+def prep_data(overrides, config_files, overwrite, inputs, **opts):
     """Tokenize documents into llm.c-format GPT-2 shards (train/val) in --out, resumably.
 
     OVERRIDES are key=value pairs of the same options (e.g. batch_bytes=2097152), applied last.
@@ -65,6 +67,9 @@ def prep_data(overrides, config_file, overwrite, inputs, **opts):
     from data_prep.worker import PrepInputError
     from data_prep.assets import AssetError
 
+    if len(config_files) > 1:
+        raise click.UsageError(f"--config given {len(config_files)} times ({', '.join(config_files)}); give one")
+    config_file = config_files[0] if config_files else None
     values = dict(opts)
     values["inputs"] = list(inputs) if inputs else None
     try:

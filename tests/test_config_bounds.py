@@ -294,6 +294,11 @@ def test_a_key_given_twice_on_one_command_line_is_an_error(tmp_path):
     assert not (tmp_path / "o").exists()
     r = CliRunner().invoke(main, ["config", "show", "--config", BASE, "--config", "tiny/base"])
     assert r.exit_code == 2 and f"--config given 2 times ({BASE}, tiny/base); give one" in r.output, r.output
+    r = CliRunner().invoke(
+        main, ["prep-data", "--config", "a.yaml", "--config", "b.yaml", "--out", str(tmp_path / "o")]
+    )
+    assert r.exit_code == 2 and "--config given 2 times (a.yaml, b.yaml); give one" in r.output, r.output
+    assert not (tmp_path / "o").exists()
 
 
 # ---------------------------------------------------------------------------------------- inherit, empty, UTF-8
