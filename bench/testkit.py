@@ -107,7 +107,8 @@ def train_case(spec: dict) -> dict:
     seconds and final training loss, and, once the run has reached its last step (not stopped by a signal), writes
     them with the spec to `STUDY_CASE` in the checkpoint dir. With
     `spec["reuse"]` a run whose checkpoint dir holds that file for the same preset and overrides is not trained
-    again: its result comes back with `"reused": True`."""
+    again: its result comes back with `"reused": True`; otherwise an earlier run there is moved aside, not
+    overwritten."""
     import json
     import os
     import time
@@ -125,7 +126,7 @@ def train_case(spec: dict) -> dict:
         if saved.get("spec") == key:
             return {**saved["result"], "reused": True}
     t0, c0 = time.time(), time.process_time()
-    res = run(cfg)
+    res = run(cfg, overwrite=True)  # a case trained again moves its dir's earlier run aside (tlf train --overwrite)
     out = {
         "run_id": res.run_id,
         "dir": cfg.checkpoint.dir,

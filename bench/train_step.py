@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,6 +80,7 @@ def fixed_batch_trainer(scale: str, variant: str, device: str, batch: int, overr
             f"train.device={device}",
             "checkpoint.resume=none",
             "checkpoint.interval=0",
+            f"checkpoint.dir={tempfile.mkdtemp(prefix='train_step_')}",  # nothing is saved; no run dir is read
             "train.eval_interval=0",
             "logging.mlflow=false",
         ],

@@ -271,8 +271,27 @@ class OptimConfig:
 class ScheduleConfig:
     warmup_steps: int = f(4000, "Linear warm-up steps from 0 to optim.lr.", ge=0)
     max_steps: int = f(250000, "Total optimizer steps.", ge=1)
-    min_lr: float = f(6e-5, "Final learning rate of the cosine decay.", ge=0)
-    decay: Literal["cosine", "constant"] = f("cosine", "Decay after warm-up.")
+    min_lr: float = f(6e-5, "Final learning rate of the decay (cosine, wsd).", ge=0)
+    decay: Literal["cosine", "constant", "wsd"] = f(
+        "cosine",
+        "Decay after warm-up: cosine to min_lr at max_steps; constant; wsd (warm-up, stable at optim.lr, then decay to min_lr over the last decay_steps: a run in its stable phase may be extended by raising max_steps, or cooled down from any stable checkpoint; docs/training.md 'Schedules').",
+    )
+    decay_steps: int = f(0, "schedule.decay=wsd: length of the final decay (>= 1 there; 0 otherwise).", ge=0)
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = f(
+        "linear", "schedule.decay=wsd: shape of the final decay from optim.lr to min_lr."
+    )
+
+    def validate(self) -> None:
+        if (self.decay == "wsd") != (self.decay_steps > 0):
+            raise ConfigError(
+                f"schedule.decay_steps={self.decay_steps} with schedule.decay={self.decay}: wsd needs decay_steps >= "
+                "1, the other decays take 0"
+            )
+        if self.decay == "wsd" and self.warmup_steps + self.decay_steps > self.max_steps:
+            raise ConfigError(
+                f"schedule.warmup_steps={self.warmup_steps} + schedule.decay_steps={self.decay_steps} exceed "
+                f"schedule.max_steps={self.max_steps}"
+            )
 
 
 @dataclass
@@ -297,6 +316,12 @@ class TrainConfig:
     )
     eval_interval: int = f(1000, "Steps between validation-loss evaluations (0 disables).", ge=0)
     eval_batches: int = f(20, "Micro-batches per validation-loss evaluation.", ge=1)
+    eval_loops: list = f(
+        [],
+        "Loop budgets M validated at each evaluation, logged as val/M{M}/loss (and, routed, val/M{M}/mean_depth, val/M{M}/loop_work); empty: 1, 2, 4, ... below model.loops, and model.loops (docs/training.md 'Validation').",
+        unique=True,
+        items=each(int, ge=1),
+    )
     nan_policy: Literal["stop", "skip"] = f("stop", "On a NaN/inf loss: stop (keep last good checkpoint) or skip.")
     device: str = f("auto", "auto, cpu or cuda.")
     ds_config: str = f(
@@ -415,9 +440,11 @@ class Config:
                 f"data.curriculum={self.data.curriculum} needs validations to raise its level: set "
                 "train.eval_interval >= 1"
             )
-        for m in self.eval.loops:
-            if m > self.model.loops:
-                raise ConfigError(f"eval.loops: budget {m!r} must be an integer in 1..model.loops ({self.model.loops})")
+        for key, budgets in (("eval.loops", self.eval.loops), ("train.eval_loops", self.train.eval_loops)):
+            for m in budgets:
+                if m > self.model.loops:
+                    raise ConfigError(f"{key}: budget {m!r} must be an integer in 1..model.loops ({self.model.loops})")
+        self.schedule.validate()
         if self.eval.ppl_context > self.model.block_size:
             raise ConfigError(
                 f"eval.ppl_context={self.eval.ppl_context} exceeds model.block_size={self.model.block_size}: a "

@@ -492,16 +492,17 @@ def test_full_disk_during_save_leaves_previous_checkpoint(tmp_path, data, monkey
     from pipeline.train.checkpoint import CheckpointError
     from pipeline.train.trainer import run
 
+    from pipeline.train import checkpoint
+
     root = tmp_path / "ck"
-    real_save = torch.save
+    real_write = checkpoint._Hashing.write
 
-    def full_disk(obj, f, *a, **k):  # DeepSpeed's files go through torch.save: the disk fills up mid-file
-        if "global_step4" in str(f):
-            Path(f).write_bytes(b"\0" * 100)
+    def full_disk(self, b):  # DeepSpeed's files go through the checkpoint's hashing writer: the disk fills mid-file
+        if "global_step4" in self.fh.name:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(obj, f, *a, **k)
+        return real_write(self, b)
 
-    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(checkpoint._Hashing, "write", full_disk)
     with pytest.raises(CheckpointError, match=r"global_step4 failed.*No space left.*global_step2 is intact"):
         run(tiny_cfg(root, data, "checkpoint.interval=2"))
     monkeypatch.undo()
@@ -610,8 +611,8 @@ def test_a_study_does_not_reuse_a_run_a_signal_stopped(tmp_path, data, monkeypat
 
     real = trainer.run
 
-    def stopped(cfg):  # the real run, then the result a SIGTERM after step 1 gives
-        return dataclasses.replace(real(cfg), step=1, stopped_by="SIGTERM")
+    def stopped(cfg, overwrite=False):  # the real run, then the result a SIGTERM after step 1 gives
+        return dataclasses.replace(real(cfg, overwrite), step=1, stopped_by="SIGTERM")
 
     monkeypatch.setattr(trainer, "run", stopped)
     train_case({"preset": "tiny/base-loop", "overrides": _study_overrides(tmp_path, data), "reuse": True})

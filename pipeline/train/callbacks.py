@@ -15,7 +15,7 @@ import time
 from pipeline.memory import memory_metrics
 from pipeline.hardware import GPU, gpu, this_gpu  # logging.peak_flops=0 on CUDA: the GPU table's peak
 from pipeline.train.logger import fmt_duration, log
-from pipeline.train.validation import evaluate
+from pipeline.train.validation import default_budgets, evaluate
 
 
 class Callback:
@@ -51,6 +51,7 @@ def run_tags(t) -> dict:
         "zero_stage": c.train.zero_stage,
         "activation_checkpointing": c.train.activation_checkpointing,
         "compile": c.train.compile,
+        **t.branch,
     }
 
 
@@ -104,16 +105,21 @@ class Memory(Callback):
 
 
 class Validation(Callback):
-    """Validation loss every train.eval_interval steps and at the last (val/loss, val/<extra dir>)."""
+    """Validation every train.eval_interval steps and at the last: val/loss (and val/<extra dir>) at M = L, and
+    the loss of each budget of train.eval_loops (default_budgets), val/M{M}/loss, with a routed pass's depth and
+    loop work (pipeline/train/validation.py)."""
 
     def post_step(self, step: int, metrics: dict) -> None:
         t = self.trainer
         n = t.cfg.train.eval_interval
         if n > 0 and (step % n == 0 or step == t.max_steps):
-            vl = evaluate(t.engine, t.val, t.cfg.train.eval_batches, t.device)
+            L = t.cfg.model.loops
+            budgets = t.cfg.train.eval_loops or default_budgets(L)
+            vl = evaluate(t.engine, t.val, t.cfg.train.eval_batches, t.device, budgets, L)
             metrics.update(vl)
             t.result.val_losses[step] = vl["val/loss"]
-            log.info(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in vl.items()))
+            shown = {k: v for k, v in vl.items() if not k.endswith(("/mean_depth", "/loop_work"))}
+            log.info(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
 
 
 class Curriculum(Callback):

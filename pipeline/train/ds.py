@@ -85,7 +85,10 @@ def build_ds_config(cfg: Config, world_size: int, precision: str) -> dict:
 
 def lr_multiplier(cfg: Config):
     """f(step) = lr(step) / optim.lr for update number step (0-based): linear warm-up to optim.lr over
-    schedule.warmup_steps updates, then cosine to schedule.min_lr at schedule.max_steps (or constant)."""
+    schedule.warmup_steps updates, then cosine to schedule.min_lr at schedule.max_steps, constant, or wsd: stable
+    at optim.lr until the last schedule.decay_steps updates, which decay in schedule.decay_shape to min_lr at the
+    last update. Under wsd f(step) before the decay does not depend on max_steps, so a stable run extended by a
+    larger max_steps continues as a run that had it from the start."""
     s, peak = cfg.schedule, cfg.optim.lr
     floor = s.min_lr / peak if peak > 0 else 0.0
 
@@ -94,11 +97,22 @@ def lr_multiplier(cfg: Config):
             return (step + 1) / s.warmup_steps
         if s.decay == "constant":
             return 1.0
+        if s.decay == "wsd":
+            progress = min(max((step + 1 - (s.max_steps - s.decay_steps)) / s.decay_steps, 0.0), 1.0)
+            return floor + (1.0 - floor) * DECAY_SHAPES[s.decay_shape](progress)
         span = max(s.max_steps - s.warmup_steps, 1)
         progress = min((step - s.warmup_steps) / span, 1.0)
         return floor + 0.5 * (1.0 - floor) * (1.0 + math.cos(math.pi * progress))
 
     return f
+
+
+# schedule.decay_shape: the share of (peak - floor) left at progress p in [0, 1] of the final decay
+DECAY_SHAPES = {
+    "linear": lambda p: 1.0 - p,
+    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
+    "1-sqrt": lambda p: 1.0 - math.sqrt(p),
+}
 
 
 def build_optimizer(cfg: Config, model) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:

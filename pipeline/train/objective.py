@@ -150,6 +150,7 @@ class Objective(nn.Module):
         shortcut: torch.Tensor | None = None,
         *,
         full_only: bool = False,
+        loops: int | None = None,
         router: bool = True,
         threshold: float | None = None,
         gather_scatter: bool | None = None,
@@ -157,11 +158,12 @@ class Objective(nn.Module):
     ) -> ObjectiveOutput:
         """idx, targets (B, T) (targets -1: ignored). shortcut: (S,) positive ints summing to L (default: drawn
         from torch's global RNG). full_only: the full pass's cross-entropy alone (validation: no shortcut pass or
-        recipe). router, threshold, gather_scatter: as `LoopedLM.forward` takes them; fused_loss=False: the losses
-        from materialised logits (the reference of the fused heads)."""
+        recipe; loops: its budget M, default L). router, threshold, gather_scatter: as `LoopedLM.forward` takes
+        them; fused_loss=False: the losses from materialised logits (the reference of the fused heads)."""
         rec = self.recipe if (router and not full_only and self.net.router is not None) else None
         out = self.net(
             idx,
+            loops=loops,
             shortcut=self._schedule(shortcut) if (self.cfg.shortcut and not full_only) else None,
             logits=not fused_loss,
             router=router,

@@ -56,6 +56,19 @@ class Resume:
             self._full = reshard.full_state(self.path)
             reshard.load_weights(model, self._full)
 
+    def branch(self, root: Path, run_id: str | None) -> dict:
+        """Where a run that starts from a checkpoint outside its run directory `root` branched from (a cooldown
+        from another run's stable checkpoint, or a run moved aside by --overwrite): {"branched_from": the checkpoint,
+        "branched_from_step", "branched_from_run": its MLflow run id or ""}; {} for a fresh run or a resume of root's
+        own checkpoint. Such a run logs to a new MLflow run with these tags, never to the source's."""
+        if self.path is None or self.path.parent.resolve() == Path(root).resolve():
+            return {}
+        return {
+            "branched_from": str(self.path),
+            "branched_from_step": int(self.saved["step"]),
+            "branched_from_run": run_id or "",
+        }
+
     def restore(self, engine, model, loader, rank: int, ws: int) -> tuple[int, str | None]:
         """Optimizer, LR schedule and step counters, data position, the Objective's own state and the RNG states
         (last, so nothing after it draws); returns (step, MLflow run id), (0, None) for a fresh run."""
@@ -72,11 +85,23 @@ class Resume:
             engine.module.load_state(state.get("objective", {}), str(self.path))
         except ValueError as e:
             raise ckpt.CheckpointError(str(e)) from e
+        _schedule_from_config(engine)
         ckpt.set_rng_state(state["rng"])
         step = int(state["step"])
         if engine.global_steps != step:
             raise ckpt.CheckpointError(f"{self.path}: DeepSpeed is at step {engine.global_steps}, our state at {step}")
         return step, state.get("mlflow_run_id")
+
+
+def _schedule_from_config(engine) -> None:
+    """The learning rate of the next update from this run's schedule (its LambdaLR's lambda, built from the config)
+    at the restored step, not the one the checkpoint's optimizer holds, which its own schedule computed: a run
+    resumed with another schedule.max_steps (a wsd run extended, or cooled down) continues on the new curve. The
+    same schedule gives the same float."""
+    sched = engine.lr_scheduler
+    for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * fn(sched.last_epoch)
+    sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
 
 
 def on_rank0(fn):

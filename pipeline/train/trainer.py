@@ -217,6 +217,7 @@ class Trainer:
         self.consecutive_bad = 0  # nan_policy=skip: non-finite micro-batches in a row
         self._signals: _Signals | None = None
         self.resume_note = ""  # how a resume on another world size or ZeRO stage adapted (logged by fit)
+        self.branch: dict = {}  # a start from another run's checkpoint: where it branched from (MLflow tags)
         self.schedule = STEP_KEYED  # how shortcut schedules are drawn (build: the resumed checkpoint's rule)
         self.work = StepWork(float(cfg.model.loops), 1)  # the last step's work per token (Speed's MFU)
         self.callbacks = list(callbacks)
@@ -251,6 +252,8 @@ class Trainer:
         optimizer, scheduler = ds.build_optimizer(cfg, model)
         engine = ds.initialize(Objective(model, cfg.objective), optimizer, scheduler, ds_config)
         step, run_id = resume.restore(engine, model, loader, rank, ws)
+        branch = resume.branch(root, run_id)  # from another run's checkpoint: a new MLflow run, tagged
+        run_id = None if branch else run_id
         trainer = cls(
             cfg,
             rank=rank,
@@ -267,7 +270,7 @@ class Trainer:
             resume_from=resume.path,
             callbacks=default_callbacks() if callbacks is None else callbacks,
         )
-        trainer.resume_note = resume.note
+        trainer.resume_note, trainer.branch = resume.note, branch
         trainer.schedule = resume.saved.get("schedule", GLOBAL_RNG) if resume.saved is not None else STEP_KEYED
         return trainer
 

@@ -14,35 +14,65 @@ def sum_over_ranks(t: torch.Tensor) -> list[float]:
     return t.tolist()
 
 
-def evaluate(engine, loaders, n_batches: int, device) -> dict[str, float]:
-    """Mean validation loss (the cross-entropy of the full pass at M = L, from materialised logits) over n_batches
-    micro-batches per rank, for each loader; engine: DeepSpeed's engine over the `Objective`. On a depth-task
-    split (a loader with a `task`) also the answers' accuracy (argmax) by level, `<name>/acc_L<k>` (`val/acc_L<k>`
-    for the first loader, whose name is val/loss), in the same all-reduce."""
+def default_budgets(loops: int) -> list[int]:
+    """`train.eval_loops` when empty: 1, 2, 4, ... below L, and L (L = 8: 1, 2, 4, 8; L = 3: 1, 2, 3); [1] for the
+    dense baseline."""
+    return sorted({*(2**k for k in range(loops.bit_length()) if 2**k < loops), loops})
+
+
+def evaluate(engine, loaders, n_batches: int, device, budgets: list[int], loops: int) -> dict[str, float]:
+    """Validation over n_batches micro-batches per rank of each loader (engine: DeepSpeed's engine over the
+    `Objective`), at each loop budget M of `budgets`, the same batches at every budget: the cross-entropy of the
+    pass at M from materialised logits, `<prefix>/M{M}/loss` (prefix `val` for the first loader, else its name), and
+    for a routed model the pass's mean depth `<prefix>/M{M}/mean_depth` and loop work (mean depth / L, the share of
+    the full pass's loops) `<prefix>/M{M}/loop_work`. The pass at M = L (run whether or not it is listed) is also
+    the loader's own name (val/loss, val/<extra dir>); on a depth-task split (a loader with a `task`) that pass
+    also gives the answers' accuracy (argmax) by level, `<prefix>/acc_L<k>`. One all-reduce per loader."""
     out = {}
+    run = sorted({*budgets, loops})
     engine.eval()
     with torch.no_grad():
         for name, loader in loaders:
-            task = getattr(loader, "task", None)
-            L = 0 if task is None else int(task["levels"])
-            tot = torch.zeros(2 + 2 * L, dtype=torch.float64, device=device)  # loss, batches, (right, n) by level
-            for x, y in loader.batches(n_batches):
-                yd = y.to(device)
-                o = engine(x.to(device), yd, full_only=True, fused_loss=False)
-                tot[0] += o.loss.detach().double()
-                tot[1] += 1
-                if L:
-                    lev = torch.from_numpy(levels_at(x.numpy(), task)).to(device)  # (B, T) 0: no answer
-                    right = o.logits.argmax(-1) == yd
-                    k = torch.arange(1, L + 1, device=device)[:, None, None]  # (L, 1, 1)
-                    at = lev[None] == k  # (L, B, T)
-                    tot[2::2] += (at & right[None]).sum((1, 2)).double()
-                    tot[3::2] += at.sum((1, 2)).double()
-            s = sum_over_ranks(tot)
-            out[name] = s[0] / s[1]
             prefix = "val" if name == "val/loss" else name
-            for i in range(L):
-                if s[3 + 2 * i]:
-                    out[f"{prefix}/acc_L{i + 1}"] = s[2 + 2 * i] / s[3 + 2 * i]
+            s, levels = _sums(engine, loader, n_batches, device, run, loops)
+            for i, M in enumerate(run):
+                loss, batches, depth, tokens = s[4 * i : 4 * i + 4]
+                if M == loops:
+                    out[name] = loss / batches
+                if M not in budgets:
+                    continue
+                out[f"{prefix}/M{M}/loss"] = loss / batches
+                if tokens:
+                    out[f"{prefix}/M{M}/mean_depth"] = depth / tokens
+                    out[f"{prefix}/M{M}/loop_work"] = depth / tokens / loops
+            acc = s[4 * len(run) :]
+            for k in range(levels):
+                if acc[2 * k + 1]:
+                    out[f"{prefix}/acc_L{k + 1}"] = acc[2 * k] / acc[2 * k + 1]
     engine.train()
     return out
+
+
+def _sums(engine, loader, n_batches: int, device, run: list[int], loops: int) -> tuple[list[float], int]:
+    """[loss sum, batches, depth sum, tokens] at each budget of `run` (depth: a routed pass's; 0 otherwise), then
+    (right, count) of each answer level at M = L on a depth-task split, summed over the ranks; and the levels."""
+    task = getattr(loader, "task", None)
+    levels = 0 if task is None else int(task["levels"])
+    tot = torch.zeros(4 * len(run) + 2 * levels, dtype=torch.float64, device=device)
+    for x, y in loader.batches(n_batches):
+        xd, yd = x.to(device), y.to(device)
+        for i, M in enumerate(run):
+            o = engine(xd, yd, full_only=True, loops=None if M == loops else M, fused_loss=False)
+            tot[4 * i] += o.loss.detach().double()
+            tot[4 * i + 1] += 1
+            if engine.module.net.router is not None:
+                tot[4 * i + 2] += o.depth.sum().double()
+                tot[4 * i + 3] += o.depth.numel()
+            if M == loops and levels:
+                lev = torch.from_numpy(levels_at(x.numpy(), task)).to(device)  # (B, T) 0: no answer
+                right = o.logits.argmax(-1) == yd
+                k = torch.arange(1, levels + 1, device=device)[:, None, None]  # (levels, 1, 1)
+                at = lev[None] == k  # (levels, B, T)
+                tot[4 * len(run) :: 2] += (at & right[None]).sum((1, 2)).double()
+                tot[4 * len(run) + 1 :: 2] += at.sum((1, 2)).double()
+    return sum_over_ranks(tot), levels
