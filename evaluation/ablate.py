@@ -119,7 +119,7 @@ def run(
     model, cfg = load_model(export, device)
     outd = Path(out)
     outd.mkdir(parents=True, exist_ok=True)
-    stream = TokenStream(ppl_dir or cfg.data.dir, cfg.data.val_split, ppl_tokens, cfg.model.vocab_size)
+    stream = TokenStream(ppl_dir or cfg.data.sources()[0], cfg.data.val_split, ppl_tokens, cfg.model.vocab_size)
     vocab = min(cfg.model.vocab_size, GPT2_VOCAB)
     a = _Ablation(
         model, export, loops or cfg.model.loops, stream, torch.Generator().manual_seed(0), vocab, repeats, log

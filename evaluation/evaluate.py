@@ -110,7 +110,7 @@ def pick_device(cfg: Config, device: str | None) -> str:
 
 
 def ppl_dirs(cfg: Config) -> list[str]:
-    return list(cfg.eval.ppl_dirs) or ([cfg.data.dir] + list(cfg.data.extra_val_dirs))
+    return list(cfg.eval.ppl_dirs) or (cfg.data.sources() + list(cfg.data.extra_val_dirs))
 
 
 @dataclass

@@ -246,12 +246,37 @@ class DataConfig:
         "Check each shard's sha256 (recorded by prep-data) once per run, at its first read in "
         "training, split over the ranks; a corrupt shard stops the run naming the file.",
     )
+    dirs: list = f(
+        [],
+        "A mixture: shard directories trained on together, in the proportions data.weights (each global batch draws its sources from (train.seed, step)); each one's val split is val/<dir name>, and val/loss their weighted mean; empty: data.dir alone (docs/training.md 'Data mixtures').",
+        unique=True,
+        items=str,
+    )
+    weights: list = f([], "data.dirs' proportions, one per directory, summing to 1.", items=each(float, gt=0, le=1))
     curriculum: float = f(
         0.0,
         "Fold-task data (prep-data source depth-fold): train on the answers of levels 1..c only, c starting at 1 and raised by one at each validation where every level up to c reaches this accuracy (val/acc_L<k>); 0: off, every level trained (docs/data.md 'The fold task').",
         ge=0,
         le=1,
     )
+
+
+    def validate(self) -> None:
+        if len(self.dirs) != len(self.weights):
+            raise ConfigError(
+                f"data.dirs has {len(self.dirs)} directories and data.weights {len(self.weights)} weights: give one "
+                "weight per directory"
+            )
+        if self.dirs and abs(sum(self.weights) - 1.0) > 1e-6:
+            raise ConfigError(f"data.weights {self.weights} sum to {sum(self.weights):.6g}, not 1")
+        if len(self.dirs) == 1:
+            raise ConfigError("data.dirs names one directory: a single source is data.dir")
+        if self.dirs and self.curriculum > 0:
+            raise ConfigError("data.curriculum is for one fold-task data.dir, not a mixture (data.dirs)")
+
+    def sources(self) -> list[str]:
+        """The training directories: data.dirs, or data.dir alone."""
+        return list(self.dirs) or [self.dir]
 
 
 @dataclass
@@ -435,6 +460,7 @@ class Config:
         """The rules across keys (each key's own range is checked as it is set: `f`'s keywords)."""
         self.model.validate()
         self.objective.validate(self.model)
+        self.data.validate()
         if self.data.curriculum > 0 and self.train.eval_interval < 1:
             raise ConfigError(
                 f"data.curriculum={self.data.curriculum} needs validations to raise its level: set "

@@ -11,11 +11,12 @@ The router statistics are not a callback: they travel in the step's one all-redu
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from pipeline.memory import memory_metrics
 from pipeline.hardware import GPU, gpu, this_gpu  # logging.peak_flops=0 on CUDA: the GPU table's peak
 from pipeline.train.logger import fmt_duration, log
-from pipeline.train.validation import default_budgets, evaluate
+from pipeline.train.validation import default_budgets, evaluate, mix
 
 
 class Callback:
@@ -116,10 +117,20 @@ class Validation(Callback):
             L = t.cfg.model.loops
             budgets = t.cfg.train.eval_loops or default_budgets(L)
             vl = evaluate(t.engine, t.val, t.cfg.train.eval_batches, t.device, budgets, L)
+            if t.cfg.data.dirs:  # a mixture: val/loss is its sources' weighted mean
+                vl = mix(vl, [Path(d).name or d for d in t.cfg.data.dirs], t.cfg.data.weights)
             metrics.update(vl)
             t.result.val_losses[step] = vl["val/loss"]
             shown = {k: v for k, v in vl.items() if not k.endswith(("/mean_depth", "/loop_work"))}
             log.info(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
+
+
+class DataMix(Callback):
+    """data.dirs: the tokens each source has given the run, data/tokens/<dir name>, every step."""
+
+    def post_step(self, step: int, metrics: dict) -> None:
+        for name, n in getattr(self.trainer.loader, "tokens", {}).items():
+            metrics[f"data/tokens/{name}"] = float(n)
 
 
 class Curriculum(Callback):
@@ -208,4 +219,4 @@ class Console(Callback):
 def default_callbacks() -> list[Callback]:
     """What `tlf train` runs with. Order matters within a hook: MLflow opens its run before the console's first
     line; the metric callbacks fill `metrics` before validation prints."""
-    return [MLflowLogger(), Console(), Speed(), Memory(), Validation(), Curriculum(), Checkpointer()]
+    return [MLflowLogger(), Console(), Speed(), Memory(), DataMix(), Validation(), Curriculum(), Checkpointer()]

@@ -19,26 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_prep.foldtask import check_window, levels_at, task_of
+from data_prep.foldtask import check_window, task_of
 from data_prep.shards import ShardError, ShardSet
-
-
-def _to_batch(
-    rows: list[np.ndarray], vocab_size: int, where: str, task: dict | None = None, level_cap: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets), each (mb, T) int64. For a depth-task directory (`task`, from its manifest) only the
-    answers are scored: a target whose position predicts no answer becomes the ignore index -1, and with
-    level_cap > 0 (data.curriculum) so does an answer of a level above it."""
-    arr = np.stack(rows).astype(np.int64)
-    top = int(arr.max())
-    if top >= vocab_size:
-        raise ShardError(f"{where}: token id {top} >= model.vocab_size ({vocab_size})")
-    t = torch.from_numpy(arr)
-    x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
-    if task is not None:
-        lev = levels_at(arr[:, :-1], task)
-        y[torch.from_numpy((lev == 0) | ((lev > level_cap) if level_cap else False))] = -1
-    return x, y
+from pipeline.train.batch import to_batch
 
 
 class TrainLoader:
@@ -103,7 +86,7 @@ class TrainLoader:
         self.micro += 1
         self.offset += self.per_micro
         rows = [self.shards.read(int(w) * self.T, self.T + 1) for w in ids]
-        return _to_batch(rows, self.vocab_size, f"{self.shards.dir} '{self.shards.split}'", self.task, self.level_cap)
+        return to_batch(rows, self.vocab_size, f"{self.shards.dir} '{self.shards.split}'", self.task, self.level_cap)
 
     @property
     def levels(self) -> int:
@@ -184,14 +167,20 @@ class ValLoader:
         for b in range(n):
             first = (b * self.ws + self.rank) * self.mb
             rows = [self.shards.read(((first + i) % self.windows) * self.T, self.T + 1) for i in range(self.mb)]
-            yield _to_batch(rows, self.vocab_size, f"{self.shards.dir} '{self.shards.split}'", self.task)
+            yield to_batch(rows, self.vocab_size, f"{self.shards.dir} '{self.shards.split}'", self.task)
 
 
 def build_loaders(cfg, rank: int, ws: int, loader=None) -> tuple:
     """(train loader, [(metric name, ValLoader)]) of a run: `loader` when given (anything with next() -> (x, y),
-    epoch, state_dict(), load_state_dict()), else the TrainLoader over data.dir; a ValLoader per validation dir
-    (data.dir's named val/loss, each of data.extra_val_dirs val/<its name>), none when train.eval_interval is 0."""
+    epoch, state_dict(), load_state_dict()), else the TrainLoader over data.dir or the MixtureLoader over data.dirs;
+    a ValLoader per validation dir (data.dir's named val/loss, each of data.dirs and data.extra_val_dirs
+    val/<its name>), none when train.eval_interval is 0."""
     T, mb = cfg.model.block_size, cfg.train.micro_batch_size
+    if loader is None and cfg.data.dirs:
+        from pipeline.train.mixture import MixtureLoader, check_sources
+
+        check_sources(cfg)
+        loader = MixtureLoader(cfg, rank, ws, (rank, ws) if cfg.data.verify else None)
     if loader is None:
         loader = TrainLoader(
             cfg.data.dir,
@@ -213,7 +202,8 @@ def build_loaders(cfg, rank: int, ws: int, loader=None) -> tuple:
                 f"val/{Path(d).name or d}",
                 ValLoader(d, cfg.data.val_split, T, mb, rank, ws, cfg.model.vocab_size, cfg.data.verify),
             )
-            for d in [cfg.data.dir] + list(cfg.data.extra_val_dirs)
+            for d in cfg.data.sources() + list(cfg.data.extra_val_dirs)
         ]
-        val[0] = ("val/loss", val[0][1])
+        if not cfg.data.dirs:  # a mixture's val/loss is its sources' weighted mean (validation.mix)
+            val[0] = ("val/loss", val[0][1])
     return loader, val

@@ -76,3 +76,15 @@ def _sums(engine, loader, n_batches: int, device, run: list[int], loops: int) ->
                 tot[4 * len(run) :: 2] += (at & right[None]).sum((1, 2)).double()
                 tot[4 * len(run) + 1 :: 2] += at.sum((1, 2)).double()
     return sum_over_ranks(tot), levels
+
+
+def mix(out: dict[str, float], names: list[str], weights: list[float]) -> dict[str, float]:
+    """A mixture's validation (data.dirs): val/loss and each val/M{M}/<metric> as the weighted mean, by data.weights,
+    of the sources' val/<name> and val/<name>/M{M}/<metric> (`evaluate`'s keys of each source); `out` plus those."""
+    mixed = {"val/loss": sum(w * out[f"val/{n}"] for n, w in zip(names, weights))}
+    first = f"val/{names[0]}/"
+    for key in [k for k in out if k.startswith(first + "M")]:
+        rest = key[len(first) :]
+        if all(f"val/{n}/{rest}" in out for n in names):
+            mixed[f"val/{rest}"] = sum(w * out[f"val/{n}/{rest}"] for n, w in zip(names, weights))
+    return {**out, **mixed}
