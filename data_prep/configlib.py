@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import math
 import typing
 from dataclasses import dataclass, field, fields
@@ -359,7 +360,31 @@ class _Repeated(Exception):
     """A key given twice in one YAML document (`_OnceLoader`)."""
 
 
-class _OnceLoader(yaml.SafeLoader):
+class _Loader(yaml.SafeLoader):
+    """yaml.SafeLoader without YAML 1.1's base-60 numbers (dropped in YAML 1.2): `2:3` is the string it reads as
+    (train.profile_steps=2:3), not the integer 123; `1:30` not 90."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if not tag.endswith((":int", ":float"))]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(  # SafeLoader's int and float patterns less their base-60 forms
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+
+
+class _OnceLoader(_Loader):
     """yaml.SafeLoader refusing a key given twice in one document, where PyYAML keeps the last silently: the same key
     twice in a mapping (a second block of a section too), or one dotted key spelled twice (`optim.lr: 1` and
     `optim: {lr: 2}`, which `set_key` would both set). Merge keys (`<<: *anchor`) are YAML's own override."""
@@ -446,7 +471,7 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"command line: override {item!r} must look like section.key=value")
     key, _, raw = item.partition("=")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = yaml.load(raw, Loader=_Loader) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
     return key.strip(), value

@@ -354,12 +354,29 @@ class TrainConfig:
         'DeepSpeed template JSON; empty means ds_configs/zero{zero_stage}.json ("auto" fields filled from train/optim).',
     )
     nan_skip_limit: int = f(10, "nan_policy=skip: stop after this many non-finite batches in a row.", ge=1)
+    profile_steps: str = f(
+        "",
+        "A:B: a torch.profiler trace of steps A..B (Chrome trace, profile_steps_A-B_rank<r>.json in the run dir, and an MLflow artifact); empty: none.",
+    )
     deterministic: bool = f(
         False,
         "Bit-identical losses across reruns and kill+resume on the same machine: "
         "deterministic kernels, CUBLAS_WORKSPACE_CONFIG on CUDA, 1 CPU thread per rank "
         "(costs step time, see bench/README.md).",
     )
+
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """train.profile_steps as (A, B), None when empty; a ConfigError naming the key when it is not A:B with
+        1 <= A <= B."""
+        if not self.profile_steps:
+            return None
+        a, sep, b = self.profile_steps.partition(":")
+        if not (sep and a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)):
+            raise ConfigError(
+                f"train.profile_steps={self.profile_steps!r}: give A:B, the first and last step profiled (1 <= A <= B)"
+            )
+        return int(a), int(b)
 
 
 @dataclass
@@ -383,6 +400,10 @@ class LoggingConfig:
     )
     mlflow: bool = f(
         True, "Log to MLflow (rank 0, off the training thread); false keeps the console and metrics.jsonl."
+    )
+    system_metrics: bool = f(
+        True,
+        "With logging.mlflow: MLflow's system metrics (system/cpu_utilization_percentage, memory, disk, network; GPU utilisation and memory where NVML is installed: pip install nvidia-ml-py) every 10 s (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL), and one sample at the end.",
     )
     mlflow_drain_s: float = f(
         60.0,
@@ -461,6 +482,7 @@ class Config:
         self.model.validate()
         self.objective.validate(self.model)
         self.data.validate()
+        self.train.profile_range()
         if self.data.curriculum > 0 and self.train.eval_interval < 1:
             raise ConfigError(
                 f"data.curriculum={self.data.curriculum} needs validations to raise its level: set "

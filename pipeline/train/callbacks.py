@@ -133,6 +133,44 @@ class DataMix(Callback):
             metrics[f"data/tokens/{name}"] = float(n)
 
 
+class Profiler(Callback):
+    """train.profile_steps=A:B: torch.profiler over steps A..B (CPU, and CUDA on a GPU), exported as a Chrome trace
+    `profile_steps_A-B_rank<r>.json` in the run dir by every rank (stopped early by the run's end) and logged to the
+    MLflow run as an artifact by rank 0, off the training thread."""
+
+    def __init__(self) -> None:
+        self.prof = None
+
+    def pre_step(self, step: int) -> None:
+        span = self.trainer.cfg.train.profile_range()
+        if span is not None and step == span[0]:
+            import torch
+
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.trainer.device_kind == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+
+    def end_step(self, step: int) -> None:
+        span = self.trainer.cfg.train.profile_range()
+        if self.prof is not None and step == span[1]:
+            self._export(span)
+
+    def post_train(self) -> None:
+        if self.prof is not None:
+            self._export(self.trainer.cfg.train.profile_range())
+
+    def _export(self, span: tuple[int, int]) -> None:
+        t, prof, self.prof = self.trainer, self.prof, None
+        prof.__exit__(None, None, None)
+        path = t.root / f"profile_steps_{span[0]}-{span[1]}_rank{t.rank}.json"
+        prof.export_chrome_trace(str(path))
+        log.info(f"profile of steps {span[0]}..{span[1]}: {path}")
+        if t.rank == 0:
+            log.artifact(path, "profiles")
+
+
 class Curriculum(Callback):
     """data.curriculum: after each validation, raise the trained level (the loader's level_cap) by one when every
     level up to it reaches the threshold on the val split (val/acc_L<k>); `data/level_cap` logged every step."""
@@ -219,4 +257,4 @@ class Console(Callback):
 def default_callbacks() -> list[Callback]:
     """What `tlf train` runs with. Order matters within a hook: MLflow opens its run before the console's first
     line; the metric callbacks fill `metrics` before validation prints."""
-    return [MLflowLogger(), Console(), Speed(), Memory(), DataMix(), Validation(), Curriculum(), Checkpointer()]
+    return [MLflowLogger(), Console(), Speed(), Memory(), DataMix(), Validation(), Curriculum(), Profiler(), Checkpointer()]

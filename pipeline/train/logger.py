@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,11 +31,14 @@ class RunLogger:
         self._file = None  # metrics.jsonl, appended by the training thread
         self._sender: Sender | None = None
         self.drain_s = 60.0  # logging.mlflow_drain_s, set by start
+        self._system = None  # MLflow's system-metrics monitor (logging.system_metrics)
+        self._pending: list[threading.Thread] = []  # artifacts being sent
 
     # ------------------------------------------------------------------------------------- life cycle
     def open(self, rank: int) -> None:
         """Console output on (rank 0 only); no MLflow run yet."""
         self.active, self.client, self.run_id, self._file, self._sender = rank == 0, None, None, None, None
+        self._system, self._pending = None, []
 
     def close(self) -> None:
         """Turns the console off; an MLflow run nobody ended (a callback failed before it) ends FAILED."""
@@ -83,6 +87,8 @@ class RunLogger:
         if self._file is not None:
             self._sender = Sender(Path(self._file.name), self.client, self.run_id, after, self._say)
             self._sender.start()
+        if cfg.logging.system_metrics:
+            self._system = _system_monitor(self.run_id, uri, bool(resume_run_id), self.warn)
         return self.run_id
 
     def _name(self, cfg) -> str:
@@ -151,6 +157,13 @@ class RunLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._system is not None:
+            _stop_system(self._system, self.drain_s)
+            self._system = None
+        deadline = time.monotonic() + self.drain_s
+        for th in self._pending:
+            th.join(max(deadline - time.monotonic(), 0.0))
+        self._pending = []
         if self._sender is not None:
             sender, self._sender = self._sender, None
             if not sender.stop(self.drain_s):
@@ -165,6 +178,23 @@ class RunLogger:
             except Exception as e:  # noqa: BLE001 - a server down at the end: warn, the run is ended next start
                 self.warn(f"could not mark MLflow run {self.run_id} {status}: {tracking.one_line(e)}")
         self.client = None
+
+    def artifact(self, path: Path, folder: str) -> None:
+        """Logs a file to the MLflow run under `folder`, from a daemon thread (a server that is down or slow never
+        holds training; a failure is one warning)."""
+        client, run_id = self.client, self.run_id
+        if client is None or not run_id:
+            return
+
+        def send():
+            try:
+                client.log_artifact(run_id, str(path), folder)
+            except Exception as e:  # noqa: BLE001 - the outside service failing never stops training
+                self.warn(f"MLflow artifact {path.name} not sent: {tracking.one_line(e)}")
+
+        th = threading.Thread(target=send, daemon=True, name="tlf-artifact")
+        th.start()
+        self._pending.append(th)  # waited for by `end`, up to logging.mlflow_drain_s
 
     # ------------------------------------------------------------------------------------------ output
     def info(self, msg: str) -> None:
@@ -201,6 +231,41 @@ class RunLogger:
 
 
 log = RunLogger()
+
+
+def _system_monitor(run_id: str, uri: str, resumed: bool, warn):
+    """MLflow's system-metrics monitor of run_id, started (its own daemon thread samples and sends), or None with a
+    warning when it cannot start (training goes on either way)."""
+    try:
+        import logging
+
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop lines: noise
+        monitor = SystemMetricsMonitor(run_id, tracking_uri=uri, resume_logging=resumed)
+        monitor.start()
+        return monitor
+    except Exception as e:  # noqa: BLE001 - a monitor that cannot start never stops training
+        warn(f"MLflow system metrics off: {tracking.one_line(e)}")
+        return None
+
+
+def _stop_system(monitor, wait_s: float) -> None:
+    """Stops the monitor and sends one last sample, from a daemon thread waited on at most wait_s: a server that is
+    down never holds the end of the run longer than logging.mlflow_drain_s."""
+
+    def stop():
+        try:
+            monitor.finish()
+            monitor.collect_metrics()
+            monitor.publish_metrics(monitor.aggregate_metrics())
+            monitor.mlflow_logger.flush()
+        except Exception:  # noqa: BLE001 - a server gone at the end: the samples sent so far stay
+            pass
+
+    th = threading.Thread(target=stop, daemon=True, name="tlf-system-metrics-stop")
+    th.start()
+    th.join(wait_s)
 
 
 def fmt_duration(seconds: float) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -218,6 +219,7 @@ class Trainer:
         self._signals: _Signals | None = None
         self.resume_note = ""  # how a resume on another world size or ZeRO stage adapted (logged by fit)
         self.branch: dict = {}  # a start from another run's checkpoint: where it branched from (MLflow tags)
+        self.data_wait_s = 0.0  # seconds this step's micro-batches waited for the loader (perf/data_wait_ms)
         self.schedule = STEP_KEYED  # how shortcut schedules are drawn (build: the resumed checkpoint's rule)
         self.work = StepWork(float(cfg.model.loops), 1)  # the last step's work per token (Speed's MFU)
         self.callbacks = list(callbacks)
@@ -284,7 +286,9 @@ class Trainer:
         done, zero0_norm = 0, None
         shortcut = self.shortcut(self.step + 1)  # (S,) on the CPU, or None
         while done < self.accum:
+            t0 = time.perf_counter()
             x, y = self.loader.next()  # (B, T) each
+            self.data_wait_s += time.perf_counter() - t0
             out = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True), shortcut=shortcut)
             if self.cfg.train.nan_policy == "skip" and self._skip(out.loss, done):
                 del out
@@ -406,6 +410,7 @@ class Trainer:
     def _metrics(self, r: dict) -> dict:
         """The step's own metrics from its readout: loss and parts, lr, epoch, grad norm, router statistics."""
         out = {"loss": r["loss"], "lr": _lr_of_step(self.engine), "epoch": self.loader.epoch}
+        out["perf/data_wait_ms"], self.data_wait_s = 1e3 * self.data_wait_s, 0.0
         out.update({p: r[p] for p in r["parts"]})
         if r["grad_norm"] is not None:
             out["grad_norm"] = r["grad_norm"]
