@@ -67,10 +67,42 @@ def checked_client(uri: str = ""):
     return cl
 
 
+# MLflow 3's UI opens an experiment by its kind: tlf's are model training (the runs, their charts), not a GenAI
+# app (its traces page)
+KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def experiment_id(cl, name: str) -> str:
-    """The id of experiment `name`, created if it does not exist."""
+    """The id of experiment `name`, created as a model-training experiment (`KIND`) if it does not exist; one that
+    exists without a kind gets it (a kind set by its owner stays)."""
     exp = cl.get_experiment_by_name(name)
-    return exp.experiment_id if exp is not None else cl.create_experiment(name)
+    if exp is None:
+        return cl.create_experiment(name, tags=KIND)
+    if "mlflow.experimentKind" not in exp.tags:
+        cl.set_experiment_tag(exp.experiment_id, *next(iter(KIND.items())))
+    return exp.experiment_id
+
+
+def source_tags(command: str) -> dict[str, str]:
+    """The run's Source as MLflow shows it: the command, LOCAL, and the git commit of tlf's checkout when it is
+    one (an installed package: its version)."""
+    tags = {"mlflow.source.name": command, "mlflow.source.type": "LOCAL"}
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        import subprocess
+
+        out = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+        )
+        tags["mlflow.source.git.commit"] = out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            tags["tlf_version"] = version("tlf")
+        except PackageNotFoundError:
+            pass
+    return tags
 
 
 def log_metrics(cl, run_id: str, metrics: list) -> None:

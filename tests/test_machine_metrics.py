@@ -64,3 +64,19 @@ def test_the_profiled_steps_are_a_chrome_trace_in_the_run_dir_and_mlflow(run_of)
 def test_a_bad_profile_range_is_named(tmp_path, value):
     with pytest.raises(ConfigError, match=r"train\.profile_steps="):
         tiny_cfg(tmp_path, tmp_path, f"train.profile_steps={value}")
+
+
+def test_mlflow_shows_a_model_training_run_with_its_source_and_dataset(run_of):
+    """MLflow 3's UI opens the experiment on its runs (kind custom_model_development), the run table's Source is
+    `tlf train` at the checkout's commit, and its Dataset is the data.dir trained on (context training)."""
+    from mlflow.tracking import MlflowClient
+
+    _, uri, run_id = run_of
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert run.data.tags["mlflow.source.name"] == "tlf train" and run.data.tags["mlflow.source.type"] == "LOCAL"
+    assert "mlflow.source.git.commit" in run.data.tags or "tlf_version" in run.data.tags
+    (inp,) = run.inputs.dataset_inputs
+    assert inp.dataset.name == "data" and inp.dataset.source_type == "local"
+    assert [(t.key, t.value) for t in inp.tags] == [("mlflow.data.context", "training")]

@@ -109,8 +109,13 @@ class RunLogger:
         from mlflow.entities import Param, RunTag
 
         exp_id = tracking.experiment_id(self.client, cfg.logging.experiment)
-        run = self.client.create_run(exp_id, run_name=self._name(cfg), tags={k: str(v) for k, v in tags.items()})
+        tags = {**tracking.source_tags("tlf train"), **{k: str(v) for k, v in tags.items()}}
+        run = self.client.create_run(exp_id, run_name=self._name(cfg), tags=tags)
         self.run_id = run.info.run_id
+        try:  # the run table's Dataset column: the shards trained and validated on
+            self.client.log_inputs(self.run_id, datasets=dataset_inputs(cfg))
+        except Exception as e:  # noqa: BLE001 - an older server without inputs: the run goes on without them
+            self.warn(f"MLflow dataset inputs not logged: {tracking.one_line(e)}")
         params = [Param(k, str(v)[:6000]) for k, v in cfg.flat().items()]
         for i in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[i : i + 100])
@@ -231,6 +236,31 @@ class RunLogger:
 
 
 log = RunLogger()
+
+
+def dataset_inputs(cfg) -> list:
+    """MLflow dataset inputs of a run: each training directory (data.dir, or each of data.dirs) and each
+    data.extra_val_dirs entry, named by its directory, with its manifest's digest (sha256 of manifest.json, 12 hex
+    digits), the tokenizer as schema, the token counts of its splits as profile, and its context (training or
+    validation)."""
+    import hashlib
+
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    from data_prep.shards import read_manifest
+
+    out = []
+    dirs = [(d, "training") for d in cfg.data.sources()] + [(d, "validation") for d in cfg.data.extra_val_dirs]
+    for d, context in dirs:
+        m = Path(d) / "manifest.json"
+        meta = read_manifest(m) if m.is_file() else {}
+        splits = meta.get("splits", {})
+        profile = {"tokens": {k: v.get("tokens") for k, v in splits.items()}, "total_tokens": meta.get("total_tokens")}
+        schema = {"tokenizer": meta.get("tokenizer", {}).get("name"), "block_size": cfg.model.block_size}
+        digest = hashlib.sha256(m.read_bytes()).hexdigest()[:12] if m.is_file() else "no-manifest"
+        ds = Dataset(Path(d).name or str(d), digest, "local", str(d), json.dumps(schema), json.dumps(profile))
+        out.append(DatasetInput(ds, tags=[InputTag("mlflow.data.context", context)]))
+    return out
 
 
 def _system_monitor(run_id: str, uri: str, resumed: bool, warn):
