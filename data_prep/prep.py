@@ -3,13 +3,14 @@
 Flow: the source yields tasks (batches of raw records) in input order; a pool of tokenizer processes
 works on a bounded number of them at once and results are consumed in submission order, so the token
 stream is fixed by the input alone. Document number i (counting kept documents) goes to val when
-i % val_every == 0, else to train; each split fills its own shard buffer.
+i % val_every == 0, or with val_every=0 by the token rule of data_prep/valsplit.py (val_tokens: the tokens
+routed to val so far), else to train; each split fills its own shard buffer.
 
 Resume: after every shard, the manifest records a checkpoint at the document d in which that shard
-ended: the source cursor of d, how many of d's tokens were already written, the counters at d's start,
-and the other splits' unwritten tokens (saved atomically as `.resume_<split>_<n>.bin`). A rerun with
-the same options seeks to d, drops the written tokens, restores the buffers, and continues; the shards
-come out byte-identical to an uninterrupted run. Write order: shard, resume buffers, manifest.
+ended: the source cursor of d, how many of d's tokens were already written, the counters (and val's
+tokens) at d's start, and the other splits' unwritten tokens (saved atomically as
+`.resume_<split>_<n>.bin`). A rerun with the same options seeks to d, drops the written tokens, restores
+the buffers, and continues; the shards come out byte-identical to an uninterrupted run. Write order: shard, resume buffers, manifest.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep import foldtask
+from data_prep import foldtask, valsplit
 from data_prep.assets import ensure_assets
 from data_prep.config import FOLD, PrepConfig, changed_options
 from data_prep.files import check_writable, new_dirs_removed_on_error, write_json
@@ -187,6 +188,8 @@ class _Run:
         self.val_rule = (
             "no val split"
             if self.val_every < 0
+            else valsplit.RULE
+            if self.val_every == 0
             else f"document i (0-based, kept documents in input order) goes to val when i % {self.val_every} == 0"
         )
         self.partials: dict[str, str] = {}
@@ -198,6 +201,7 @@ class _Run:
         self.writers = {s: SplitWriter(self.out, self.name, s, self.cfg.shard_tokens) for s in SPLITS}
         self.doc = 0  # index of the next kept document
         self.produced = 0  # tokens in all splits so far (written or buffered)
+        self.val_tokens = 0  # of which in val (the token rule's state)
         self.counters = {"records": 0, "kept": 0, "skipped_bad": 0, "skipped_empty": 0}
         self.bad_examples: list = []
         self.cursor = None
@@ -260,7 +264,7 @@ class _Run:
             self._clean_stale({sh["name"] for w in self.writers.values() for sh in w.shards})
             return
         r = m.get("resume") or {}
-        self.doc, self.produced = r.get("doc", 0), r.get("produced", 0)
+        self.doc, self.produced, self.val_tokens = r.get("doc", 0), r.get("produced", 0), r.get("val_tokens", 0)
         self.counters.update(r.get("counters", {}))
         self.bad_examples = r.get("bad_examples", [])
         self.cursor, self.drop = r.get("cursor"), r.get("drop", 0)
@@ -295,8 +299,9 @@ class _Run:
             shard_tokens=self.cfg.shard_tokens,
         )
 
-    def _checkpoint(self, split: str, doc: int, cursor: dict, used: int, produced: int, counters: dict) -> None:
-        """After a shard of `split` ended `used` tokens into document `doc`: save what resume needs."""
+    def _checkpoint(self, split: str, doc: int, cursor: dict, used: int, start: tuple, counters: dict) -> None:
+        """After a shard of `split` ended `used` tokens into document `doc`, which started at `start` = (tokens
+        produced, of which in val): save what resume needs."""
         partials = {}
         old = dict(self.partials)
         for s, w in self.writers.items():
@@ -309,7 +314,8 @@ class _Run:
             "doc": doc,
             "cursor": cursor,
             "drop": used,
-            "produced": produced,
+            "produced": start[0],
+            "val_tokens": start[1],
             "counters": counters,
             "bad_examples": self.bad_examples[:],
             "partials": partials,
@@ -321,8 +327,37 @@ class _Run:
                 (self.out / f).unlink(missing_ok=True)
 
     # -- main loop ----------------------------------------------------------------------------------
-    def split_of(self, d: int) -> str:
-        return "val" if self.val_every > 0 and d % self.val_every == 0 else "train"
+    def split_of(self, d: int, n: int) -> str:
+        """The split of document d, of n tokens, read after self.produced tokens; counts val's tokens."""
+        if self.val_every == 0:
+            val = valsplit.to_val(self.val_tokens, self.produced, n)
+        else:
+            val = self.val_every > 0 and d % self.val_every == 0
+        self.val_tokens += n if val else 0
+        return "val" if val else "train"
+
+    def _runs(self, toks_kept: int, lens: np.ndarray) -> list[tuple[str, int, int]]:
+        """The documents of a task (their token counts `lens`, all kept), as runs of consecutive documents of one
+        split: (split, first token, end token) slices of the task's tokens (no per-token masks: memcpy only)."""
+        k = lens.size
+        if k == 0:
+            return []
+        if self.val_every in (-1, 1):
+            return [("val" if self.val_every == 1 else "train", 0, toks_kept)]
+        if self.val_every > 0:
+            is_val = (self.doc + np.arange(k)) % self.val_every == 0
+        else:  # the token rule: each document's split depends on the ones before it
+            is_val, produced, val = np.zeros(k, dtype=bool), self.produced, self.val_tokens
+            for i, n in enumerate(lens.tolist()):
+                is_val[i] = valsplit.to_val(val, produced, n)
+                produced, val = produced + n, val + (n if is_val[i] else 0)
+        ends = np.cumsum(lens)
+        cut = np.flatnonzero(is_val[1:] != is_val[:-1]) + 1  # first document of each new run
+        firsts, lasts = np.r_[0, cut], np.r_[cut, k] - 1
+        return [
+            ("val" if is_val[a] else "train", int(ends[a] - lens[a]), int(ends[b]))
+            for a, b in zip(firsts.tolist(), lasts.tolist())
+        ]
 
     def run(self, progress: bool) -> tuple[dict, bool]:
         """(the final manifest, whether this run wrote it: False for an output already complete)."""
@@ -410,20 +445,7 @@ class _Run:
         cap = self.cfg.max_tokens
         fast = not self.first and not (cap and self.produced + total >= cap)
         if fast:
-            # Runs of consecutive documents of one split, as token slices (no per-token masks: memcpy only).
-            if k == 0:
-                runs = []
-            elif self.val_every in (-1, 1):
-                runs = [("val" if self.val_every == 1 else "train", 0, total)]
-            else:
-                is_val = (self.doc + np.arange(k)) % self.val_every == 0
-                ends = np.cumsum(lens[kept])
-                cut = np.flatnonzero(is_val[1:] != is_val[:-1]) + 1  # first document of each new run
-                firsts, lasts = np.r_[0, cut], np.r_[cut, k] - 1
-                runs = [
-                    ("val" if is_val[a] else "train", int(ends[a] - lens[kept][a]), int(ends[b]))
-                    for a, b in zip(firsts.tolist(), lasts.tolist())
-                ]
+            runs = self._runs(total, lens[kept])
             need = {"train": 0, "val": 0}
             for s, a, b in runs:
                 need[s] += b - a
@@ -431,6 +453,7 @@ class _Run:
         if fast:  # no shard ends inside this task: no checkpoint needed
             for s, a, b in runs:
                 self.writers[s].append(toks[a:b])
+            self.val_tokens += need["val"]
             self.doc += k
             self.produced += total
             self.counters["records"] += lens.size
@@ -453,23 +476,23 @@ class _Run:
                 continue
             doc_toks = toks[pos : pos + n]
             pos += n
-            d, start_produced, start_counters = self.doc, self.produced, dict(self.counters)
+            d, start, start_counters = self.doc, (self.produced, self.val_tokens), dict(self.counters)
             cap = self.cfg.max_tokens
             if cap:
                 doc_toks = doc_toks[: max(0, cap - self.produced)]
+            split = self.split_of(d, doc_toks.size)
             self.produced += doc_toks.size
             self.counters["records"] += 1
             self.counters["kept"] += 1
             self.doc += 1
             drop = self.drop if self.first else 0
             self.first = False
-            split = self.split_of(d)
             cursor = None
 
-            def on_commit(used, split=split, d=d, i=i, drop=drop, sp=start_produced, sc=start_counters):
+            def on_commit(used, split=split, d=d, i=i, drop=drop, st=start, sc=start_counters):
                 nonlocal cursor
                 cursor = cursor or task.cursor(i)
-                self._checkpoint(split, d, cursor, drop + used, sp, sc)
+                self._checkpoint(split, d, cursor, drop + used, st, sc)
 
             self.writers[split].add(doc_toks[drop:], on_commit)
             if cap and self.produced >= cap:
@@ -483,28 +506,27 @@ def prepare(cfg: PrepConfig, overwrite: bool = False, log=None) -> dict:
     return prepare_status(cfg, overwrite, log)[0]
 
 
-# A val split of fewer documents than this gets a warning: its loss is that of a handful of texts
-MIN_VAL_DOCS = 10
-
-
 def tiny_val(m: dict, val_every: int) -> str | None:
-    """The warning for a manifest whose val split holds fewer than MIN_VAL_DOCS documents while train holds more
-    (a small corpus under a val_every meant for a large one), or None."""
+    """The warning for a manifest whose val split is too small to trust (`valsplit.short_note`: too few tokens or
+    documents), naming the rule that made it; None when it is large enough or there is none by choice."""
     val, train = m["splits"].get("val"), m["splits"].get("train")
-    if val is None or train is None or val["docs"] >= MIN_VAL_DOCS or train["docs"] <= val["docs"]:
+    if val_every < 0:
         return None
-    docs = f"{val['docs']} document" + ("s" if val["docs"] != 1 else "")
+    note = valsplit.short_note(val["tokens"], val["docs"]) if val else "is empty"
+    if note is None:
+        return None
+    rule = "by tokens (docs/data.md)" if val_every == 0 else f"every {val_every}-th document (--val-every)"
+    held = f"; train holds {train['tokens']:,} tokens of {train['docs']:,} documents" if train else ""
     return (
-        f"warning: the val split is tiny: {docs} ({val['tokens']:,} tokens) against "
-        f"{train['docs']:,} ({train['tokens']:,} tokens) in train; val_every={val_every} (--val-every N) sends "
-        f"every N-th document to val: a smaller N gives val more"
+        f"warning: the val split {note}; val chosen {rule}{held}. The validation loss, tlf eval's perplexity, "
+        "tlf compare and the model card repeat this"
     )
 
 
 def prepare_status(cfg: PrepConfig, overwrite: bool = False, log=None) -> tuple[dict, bool]:
     """`prepare`, also saying whether it wrote the manifest (False: the output was already complete); warns
-    (`tiny_val`) when the val split it wrote is tiny. One prep-data at a time per output directory (an exclusive
-    lock on OUT/.lock)."""
+    (`tiny_val`) when the val split of text it wrote is too small to trust (the fold task's short documents are
+    not judged by it). One prep-data at a time per output directory (an exclusive lock on OUT/.lock)."""
     log = log or (lambda m: print(m, file=sys.stderr))
     out = Path(cfg.out)
     had_lock = (out / ".lock").exists()
@@ -516,7 +538,7 @@ def prepare_status(cfg: PrepConfig, overwrite: bool = False, log=None) -> tuple[
             if not had_lock and {p.name for p in out.iterdir()} <= {".lock"}:  # nothing left behind
                 (out / ".lock").unlink(missing_ok=True)
             raise
-    warn = tiny_val(m, cfg.resolved_val_every()) if wrote else None
+    warn = tiny_val(m, cfg.resolved_val_every()) if wrote and cfg.source != FOLD else None
     if warn:
         log(warn)
     return m, wrote

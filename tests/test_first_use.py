@@ -166,10 +166,11 @@ def test_rerun_of_a_complete_prep_data_says_so(first):
 
 def test_a_tiny_val_split_gets_a_warning(first):
     assert (
-        "warning: the val split is tiny: 1 document (" in first["prep"].stderr
-        and "val_every=1000" in first["prep"].stderr
+        "warning: the val split rests on " in first["prep"].stderr
+        and " tokens of 1 document, fewer than 10,000" in first["prep"].stderr
+        and "val chosen by tokens" in first["prep"].stderr
     )
-    assert "tiny" not in first["prep_again"].stderr  # said once, when written
+    assert "warning" not in first["prep_again"].stderr  # said once, when written
 
 
 def test_table1_flops_are_the_executed_ones(first):
