@@ -5,8 +5,10 @@ The sample is the scorer's own path at the largest budget on the first eval.batc
 the most tokens to read (one forward's worth of rows, after one request alone to warm up); without tasks, one
 forward of min(block_size, 256) tokens (a perplexity window's work). The time per budget M is the tokens the
 evaluation reads (every request's context and continuation, the perplexity windows) at the sample's rate, scaled
-by M / the sampled budget: loops dominate a forward's work. Tasks whose requests share context differently take
-another time per token, and latency (eval.latency) is not counted: a rough figure, not a promise.
+by M / the sampled budget: loops dominate a forward's work. With eval.latency the latency protocol's own time is
+added, from a sample of its work at the largest budget (`latency.latency_seconds`: each prefill once and two decode
+steps per batch size), scaled the same way. Tasks whose requests share context differently take another time per
+token: a rough figure, not a promise.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 
 import torch
 
+from evaluation.latency import latency_seconds
 from evaluation.scorer import Scorer
 from pipeline.train.logger import fmt_duration
 
@@ -69,10 +72,12 @@ def estimate_line(model, cfg, inp, budgets: list[tuple[int, int]], device: str) 
     top = effective[-1]
     rate = tokens_per_second(model, inp, top, device, cfg.eval.batch_size)
     seconds = sum(tokens * m / top for m in effective) / rate
+    latency = sum(m / top for m in effective) * latency_seconds(model, top, device) if cfg.eval.latency else 0.0
     return (
         f"eval: {examples:,} examples ({len(inp.tasks)} tasks) + {sum(inp.windows):,} perplexity windows x "
-        f"{len(effective)} budgets {[m for m, _ in budgets]} on {device}: about {fmt_duration(seconds)} "
+        f"{len(effective)} budgets {[m for m, _ in budgets]} on {device}: about {fmt_duration(seconds + latency)} "
         f"({tokens:,} tokens per budget at {rate:,.0f} tokens/s, measured at M={top}"
-        f"{'; latency not counted' if cfg.eval.latency else ''}). To cut it: --limit N (eval.limit: examples per "
-        "task), --tasks a,b, --loops M, --no-ppl"
+        + (f"; latency {fmt_duration(latency)} of it" if cfg.eval.latency else "")
+        + "). To cut it: --limit N (eval.limit: examples per task), --tasks a,b, --loops M, --no-ppl"
+        + (", --no-latency" if cfg.eval.latency else "")
     )

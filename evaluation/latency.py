@@ -9,6 +9,7 @@ then the median of `repeats`, random prompts (seeded) of lengths that fit the mo
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -22,6 +23,21 @@ def prompt_lengths(block_size: int, steps: int) -> list[int]:
     return fit or [max(1, (block_size - steps) // 2)]
 
 
+def _inputs(model, device, steps: int, batches: tuple[int, ...], seed: int) -> tuple[int, int, dict, dict]:
+    """(decode steps, TPOT prompt length, TTFT prompts by length P, (prompts, feed) by batch size B): the random
+    inputs of the protocol, fitted to the model's context."""
+    dev = torch.device(device)
+    T = model.cfg.block_size
+    steps = max(1, min(steps, T // 4))
+    tpot_prompt = min(128, T - steps - 1)
+    vocab = min(model.cfg.vocab_size, GPT2_VOCAB)
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randint(0, vocab, s, generator=g).to(dev)
+    ttft_in = {P: rand(1, P) for P in prompt_lengths(T, steps)}
+    tpot_in = {B: (rand(B, tpot_prompt), rand(B, steps)) for B in batches}
+    return steps, tpot_prompt, ttft_in, tpot_in
+
+
 @torch.no_grad()
 def measure_latency(
     model,
@@ -33,22 +49,13 @@ def measure_latency(
     seed: int = 1,
 ) -> dict:
     """{"ttft_ms": {P: ms}, "tpot_ms": {B: ms}, ...} at budget `loops` (medians over `repeats`)."""
-    dev = torch.device(device)
-    T = model.cfg.block_size
-    steps = max(1, min(steps, T // 4))
-    lens = prompt_lengths(T, steps)
-    tpot_prompt = min(128, T - steps - 1)
-    vocab = min(model.cfg.vocab_size, GPT2_VOCAB)
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda *s: torch.randint(0, vocab, s, generator=g).to(dev)
-    ttft_in = {P: rand(1, P) for P in lens}
-    tpot_in = {B: (rand(B, tpot_prompt), rand(B, steps)) for B in batches}
-    tt = {P: [] for P in lens}
+    steps, tpot_prompt, ttft_in, tpot_in = _inputs(model, device, steps, batches, seed)
+    tt = {P: [] for P in ttft_in}
     tp = {B: [] for B in batches}
     depth_sum, depth_n = 0.0, 0
     for r in range(repeats + 1):  # round 0 warms up
-        for P in lens:
-            sec, _ = timing.ttft(model, loops, ttft_in[P])
+        for P, prompt in ttft_in.items():
+            sec, _ = timing.ttft(model, loops, prompt)
             if r:
                 tt[P].append(sec)
         for B in batches:
@@ -64,3 +71,28 @@ def measure_latency(
         "protocol": f"pipeline.inference.timing ttft()/tpot() (bench/decode.py's code): median of {repeats} after 1 warm-up; TPOT after a "
         f"{tpot_prompt}-token prefill, {steps} decode steps; random prompts (seed {seed})",
     }
+
+
+@torch.no_grad()
+def latency_seconds(
+    model,
+    loops: int,
+    device: str | torch.device = "cpu",
+    repeats: int = 3,
+    steps: int = 16,
+    batches: tuple[int, ...] = (1, 32),
+    seed: int = 1,
+    sampled: int = 2,
+) -> float:
+    """About how long `measure_latency` takes at budget `loops`, from a sample of its own work: each TTFT prompt
+    once, and for each batch size its prefill and `sampled` decode steps (the other steps at the sampled steps'
+    rate), times the repeats + 1 rounds it runs."""
+    steps, _, ttft_in, tpot_in = _inputs(model, device, steps, batches, seed)
+    one = sum(timing.ttft(model, loops, prompt)[0] for prompt in ttft_in.values())
+    n = min(sampled, steps)
+    for prompts, feed in tpot_in.values():
+        t0 = time.perf_counter()
+        per_step, _, _ = timing.tpot(model, loops, prompts, feed[:, :n])
+        whole = time.perf_counter() - t0
+        one += max(whole - n * per_step, 0.0) + steps * per_step  # the untimed prefill, then every step
+    return (repeats + 1) * one
