@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data_prep import valsplit
 from data_prep.files import check_writable, new_dirs_removed_on_error
 from pipeline import tracking
 from data_prep.foldtask import task_of
@@ -138,6 +139,7 @@ class _Run:
     say: object
     out_dir: Path
     files: list = field(default_factory=list)
+    warned: set = field(default_factory=set)  # perplexity sets already said to be too small
 
 
 def load_inputs(cfg: Config, log) -> _Inputs:
@@ -220,7 +222,10 @@ def _measure_perplexity(r: _Run, b: dict, m_req: int, m_eff: int) -> None:
         b["timing_s"][f"ppl:{st.name}"] = round(time.time() - t0, 3)
         depth = p.pop("depth")
         b["perplexity"].append(p)
-        r.say(f"  M={m_req} ppl {st.name}: {p['ppl']:.3f} ({p['tokens']} tokens)")
+        r.say(f"  M={m_req} ppl {st.name}: {p['ppl']:.3f} ({p['tokens']:,} tokens of {st.dir} {st.split})")
+        if i not in r.warned and not r.inp.level_dir and (note := valsplit.short_note(p["tokens"])):
+            r.warned.add(i)
+            r.say(f"  eval: warning: the perplexity on {st.name} {note}")
         if i == 0 and ev.depth:
             depth = dict(depth, set=st.name, variant=cfg.model.variant, router=cfg.model.router)
             b["depth"] = depth
@@ -322,6 +327,7 @@ def _header(checkpoint, export: Path, cfg: Config, model, dev: str, inp: _Inputs
         **({"train_run_id": rec.mlflow_run_id} if rec and rec.mlflow_run_id else {}),
         **({"step": rec.step} if rec else {}),
         "config_name": cfg.name,
+        "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),  # tlf compare: the newest of a budget
         "model": {
             "variant": cfg.model.variant,
             "n_layers": cfg.model.n_layers,

@@ -7,8 +7,10 @@ import math
 import time
 from pathlib import Path
 
+from data_prep import valsplit
 from evaluation.results import (
     ARTIFACT_DIR,
+    RESULTS_FILE,
     TASK_LABELS,
     Results,
     average_accuracy,
@@ -17,6 +19,10 @@ from evaluation.results import (
     flatten,
 )
 from pipeline import tracking
+
+# every evaluation logged to a run also keeps its results.json under eval/history/<time>/ (eval/results.json is the
+# newest one), so that `tlf compare` finds each budget of every evaluation of a checkpoint
+HISTORY_DIR = f"{ARTIFACT_DIR}/history"
 
 
 def _fmt(x, pct: bool = True) -> str:
@@ -74,10 +80,12 @@ def table1_markdown(result: Results) -> str:
             )
         elif t in skipped:
             notes.append(f"{label}: {t} skipped (unavailable; eval.strict=false) — {skipped[t]}")
+    text_task = not first.get("levels")  # (the fold task's short documents are not judged by their tokens)
     for p in first.get("perplexity", []):
+        note = valsplit.short_note(p["tokens"]) if text_task else None
         notes.append(
-            f"PPL {p['set']}: {p['dir']} ({p['split']}), {p['tokens']} tokens, context {p['context']}, "
-            f"{p['protocol']} (stride {p['stride']})"
+            f"PPL {p['set']}: {p['dir']} ({p['split']}), {p['tokens']:,} tokens, context {p['context']}, "
+            f"{p['protocol']} (stride {p['stride']})" + (f" — **warning**: it {note}" if note else "")
         )
     text = "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     return text + latency_markdown(result) + depth_markdown(result)
@@ -142,7 +150,8 @@ def log_mlflow(
     tags: dict[str, str],
     step: int = 0,
 ) -> str:
-    """Logs every metric in batches (1000 per call) and the files as artifacts; returns the run id."""
+    """Logs every metric in batches (1000 per call) and the files as artifacts (results.json also under
+    HISTORY_DIR/<time>/, one per evaluation); returns the run id."""
     from mlflow.entities import Metric
     from mlflow.exceptions import MlflowException
 
@@ -171,6 +180,9 @@ def log_mlflow(
     tracking.log_metrics(client, run_id, [Metric(k, v, now, step) for k, v in flatten(result).items()])
     for f in files:
         client.log_artifact(run_id, str(f), artifact_path=ARTIFACT_DIR)
+        if Path(f).name == RESULTS_FILE:
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-{time.time_ns() % 10**9:09d}"
+            client.log_artifact(run_id, str(f), artifact_path=f"{HISTORY_DIR}/{stamp}")
     if created:
         client.set_terminated(run_id)
     return run_id
