@@ -179,8 +179,23 @@ def _where(a: argparse.Namespace, out: Path, uri: str) -> None:
     print(f"MLflow store: {uri}")
     ui = f".venv/bin/mlflow ui --backend-store-uri {uri} --port 5000"
     print(f"browse it:    make setup && {ui}  # make setup adds MLflow's UI to the demo's packages")
+    page = _experiment_page(uri, "demo-fold" if a.fold else "demo")
+    if page:
+        print(f"then open:    {page}")
     if not a.fold:
         print("the same plan on the fold task, where an answer of level k needs k loops: make demo-fold")
+
+
+def _experiment_page(uri: str, experiment: str) -> str | None:
+    """The demo's experiment in `mlflow ui` on port 5000, opened on its runs (`tracking.ui_link`); None when the
+    store cannot be read."""
+    from pipeline import tracking
+
+    try:
+        exp = tracking.checked_client(uri).get_experiment_by_name(experiment)
+    except Exception:  # noqa: BLE001 - a closing line only
+        return None
+    return tracking.ui_link("http://127.0.0.1:5000", exp.experiment_id) if exp is not None else None
 
 
 def depth_summary(results: Path) -> str | None:

@@ -83,6 +83,15 @@ def experiment_id(cl, name: str) -> str:
     return exp.experiment_id
 
 
+def ui_link(uri: str, experiment_id: str, run_id: str | None = None) -> str | None:
+    """The MLflow UI's page of an experiment (or one of its runs) on a tracking server, opened as model training
+    (MLflow 3's `workflowType`, which a new browser otherwise takes to be a GenAI app's); None for a local store."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    page = f"{uri.rstrip('/')}/#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+    return page + "?workflowType=machine_learning"
+
+
 def source_tags(command: str) -> dict[str, str]:
     """The run's Source as MLflow shows it: the command, LOCAL, and the git commit of tlf's checkout when it is
     one (an installed package: its version)."""

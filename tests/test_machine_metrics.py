@@ -80,3 +80,13 @@ def test_mlflow_shows_a_model_training_run_with_its_source_and_dataset(run_of):
     (inp,) = run.inputs.dataset_inputs
     assert inp.dataset.name == "data" and inp.dataset.source_type == "local"
     assert [(t.key, t.value) for t in inp.tags] == [("mlflow.data.context", "training")]
+
+
+def test_the_ui_link_opens_a_server_experiment_as_model_training():
+    from pipeline.tracking import ui_link
+
+    assert ui_link("http://host:5000/", "3", "abc") == (
+        "http://host:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
+    )
+    assert ui_link("https://h", "3") == "https://h/#/experiments/3?workflowType=machine_learning"
+    assert ui_link("sqlite:///mlflow.db", "3") is None

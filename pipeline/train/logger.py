@@ -28,6 +28,7 @@ class RunLogger:
         self.active = False
         self.client = None
         self.run_id: str | None = None
+        self.experiment_id: str | None = None  # the MLflow experiment of the run (`start`)
         self._file = None  # metrics.jsonl, appended by the training thread
         self._sender: Sender | None = None
         self.drain_s = 60.0  # logging.mlflow_drain_s, set by start
@@ -84,6 +85,9 @@ class RunLogger:
         if self.client is None:
             return self.run_id
         self.info(f"MLflow run {self.run_id} in experiment '{cfg.logging.experiment}' at {uri}")
+        link = tracking.ui_link(uri, self.experiment_id, self.run_id)
+        if link:
+            self.info(f"MLflow UI: {link}")
         if self._file is not None:
             self._sender = Sender(Path(self._file.name), self.client, self.run_id, after, self._say)
             self._sender.start()
@@ -100,7 +104,7 @@ class RunLogger:
             try:
                 run = self.client.get_run(resume_run_id)
                 if run.info.lifecycle_stage == "active":
-                    self.run_id = resume_run_id
+                    self.run_id, self.experiment_id = resume_run_id, run.info.experiment_id
                     self.client.update_run(self.run_id, status="RUNNING")
                     self.client.set_tag(self.run_id, "resumed", "true")
                     return max((m.step for m in self.client.get_metric_history(self.run_id, "loss")), default=0)
@@ -108,7 +112,7 @@ class RunLogger:
                 self.run_id = None
         from mlflow.entities import Param, RunTag
 
-        exp_id = tracking.experiment_id(self.client, cfg.logging.experiment)
+        exp_id = self.experiment_id = tracking.experiment_id(self.client, cfg.logging.experiment)
         tags = {**tracking.source_tags("tlf train"), **{k: str(v) for k, v in tags.items()}}
         run = self.client.create_run(exp_id, run_name=self._name(cfg), tags=tags)
         self.run_id = run.info.run_id
