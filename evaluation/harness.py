@@ -6,6 +6,12 @@
 `python -m evaluation.harness` is lm-eval's own CLI (`lm_eval ...`, same flags) with the `tlf` model
 registered first: the harness discovers models only in its own package or in modules imported before it runs.
 
+The harness's own tasks read their data from the Hugging Face hub (or the datasets cache). The hub is probed
+first (a 3 s connect, `evaluation.tasks.hub_problem`); when it cannot be reached the run goes on in offline mode
+(HF_HUB_OFFLINE, HF_DATASETS_OFFLINE: cached data and local task files still work, nothing is retried), and a
+task whose data is then out of reach ends the run with one line naming the ways without the hub (`--include_path`
+to task YAMLs whose data files are local, or `tlf eval --source offline` and its offline copies), exit 1.
+
 loglikelihood uses our scorer (`evaluation.scorer.Scorer`, as `tlf eval` does: the harness's pair encoding;
 the choices of a question share one run of their context by tree packing; batched, padded);
 loglikelihood_rolling scores the harness's disjoint rolling windows (context 1, max length = block_size);
@@ -14,6 +20,8 @@ asks for sampling, and cuts the text at the first `until` string.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from lm_eval.api.model import LM
@@ -139,10 +147,38 @@ class TLFLM(LM):
         return [u] if isinstance(u, str) else list(u)
 
 
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def offline_line(error: BaseException, why: str) -> str:
+    """The one line for task data out of reach with the hub unreachable."""
+    from data_prep.hf import short_error
+
+    return (
+        f"harness: task data unreachable ({short_error(error)}): the Hugging Face hub cannot be reached ({why}), "
+        "and lm-evaluation-harness's tasks load their data from it or from the datasets cache. Without the hub: "
+        "--include_path DIR with task YAMLs whose dataset_path/data_files are local files, or `tlf eval "
+        "CHECKPOINT --source offline` (tlf's offline copies of its ten tasks)"
+    )
+
+
 def main() -> int:
+    import os
+
+    from evaluation.tasks import hub_problem
     from lm_eval.__main__ import cli_evaluate
 
-    return cli_evaluate() or 0
+    why = hub_problem()
+    if why:  # fail at once instead of retrying for the hub: cached data and local files still load
+        for var in OFFLINE_VARS:
+            os.environ.setdefault(var, "1")
+    try:
+        return cli_evaluate() or 0
+    except (ConnectionError, FileNotFoundError) as e:  # (datasets: ConnectionError, DatasetNotFoundError)
+        if not why:
+            raise
+        print(offline_line(e, why), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
