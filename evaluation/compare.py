@@ -2,9 +2,15 @@
 
 Training runs (`tlf train`) log `loss`, `val/loss`, `tokens_per_s`, `mfu`, `mem/*` and `router/*`; evaluation
 runs (`tlf eval`, or eval metrics logged into the training run) log `eval/M{M}/...` and the `eval/results.json`
-artifact. Runs are grouped by their `variant` tag; for each variant the newest run that has training metrics
-and the newest that has evaluation metrics are used (one run may be both). An evaluation is read through
-`evaluation/results.py` (the artifact, else the metrics), never by parsing key names here. Without MLflow (off,
+artifact. Runs are grouped by their `variant` tag; for each variant the newest run that has training metrics is
+used, and every evaluation of the variant is read (each run's `eval/history/*/results.json`, else its
+`eval/results.json`, else its metrics; budgets the metrics hold that no results file does are an earlier
+evaluation's): each budget M's row is the newest evaluation that measured M, so a quick evaluation at one budget
+never hides the others. Where the rows differ in what they were evaluated with (limit, tasks, budgets), columns
+say so, and the notes under Table 1 list which evaluation gave which rows and how many tokens each perplexity
+rests on. Table 3's tokens/s is the run's average, `train_tokens` / `train_time_s` (the optimizer steps alone:
+validation and checkpoints excluded), or the last step's rate for a run that did not log them. An evaluation is
+read through `evaluation/results.py`, never by parsing key names here. Without MLflow (off,
 or its server unreachable), `--run-dir` reads the same metric names from a training run's `metrics.jsonl` and an
 evaluation's `results.json` (`local_runs`). naive-loop-ee has
 no training run of its own: `tlf sweep` evaluates the base-loop checkpoint under its name. A metric a run
@@ -21,15 +27,18 @@ from __future__ import annotations
 import csv
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
 
+from data_prep import valsplit
 from data_prep.clitypes import KeyValue
 from data_prep.files import FileFormatError, check_writable
 from evaluation import results as R
 from evaluation.figures import pyplot, save
+from evaluation.report import HISTORY_DIR
 
 from pipeline import tracking
 from pipeline.config import VARIANTS
@@ -155,27 +164,149 @@ def collect_runs(client, uri: str, experiments: list[str], tags: dict[str, str],
 
 
 @dataclass
+class Evaluation:
+    """One `tlf eval` of a variant: its results, where they were read, when (seconds since the epoch; 0: unknown,
+    older than any) and its label in the tables (E1, E2, ...)."""
+
+    variant: str
+    results: R.Results
+    where: str
+    when: float
+    label: str = ""
+
+    def what(self) -> dict[str, str]:
+        """What it was evaluated with: limit, tasks, budgets ("?" where its record does not say)."""
+        res, budgets = self.results, self.results.get("budgets", [])
+        tasks = sorted({t for b in budgets for t in b.get("tasks", {})})
+        limit = res.get("limit")
+        return {
+            "limit": "?" if limit is None else str(limit or "all"),
+            "tasks": ", ".join(tasks) if len(tasks) <= 3 else f"{len(tasks)} tasks",
+            "budgets": ",".join(str(b["loops"]) for b in sorted(budgets, key=lambda b: b["loops"])),
+        }
+
+
+@dataclass
 class Selection:
     train: dict[str, Run] = field(default_factory=dict)  # variant -> newest run with training metrics
-    eval: dict[str, Run] = field(default_factory=dict)  # variant -> newest run with evaluation metrics
+    eval: dict[str, Run] = field(default_factory=dict)  # variant -> its budgets, each the newest evaluation's
+    origin: dict[tuple[str, int], Evaluation] = field(default_factory=dict)  # (variant, M) -> where its row is from
+    evaluations: list[Evaluation] = field(default_factory=list)  # those rows come from, labelled E1, E2, ...
+    several: set[str] = field(default_factory=set)  # variants evaluated more than once
 
     def variants(self) -> list[str]:
         seen = set(self.train) | set(self.eval)
         return [v for v in VARIANTS if v in seen] + sorted(seen - set(VARIANTS))
 
 
+def _when(res: R.Results, fallback: float) -> float:
+    """When an evaluation ran: its `evaluated_at`, else `fallback`."""
+    import calendar
+    import time
+
+    try:
+        return float(calendar.timegm(time.strptime(res["evaluated_at"], "%Y-%m-%dT%H:%M:%SZ")))
+    except (KeyError, TypeError, ValueError):
+        return fallback
+
+
+def _history(client, r: Run) -> list[Evaluation]:
+    """Every evaluation a run kept under eval/history/<time>/results.json (tlf eval logs each one there)."""
+    import tempfile
+
+    from mlflow.exceptions import MlflowException
+
+    out = []
+    try:
+        dirs = [a.path for a in client.list_artifacts(r.run_id, HISTORY_DIR) if a.is_dir]
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, d in enumerate(dirs):
+                res = R.read(Path(client.download_artifacts(r.run_id, f"{d}/{R.RESULTS_FILE}", f"{tmp}/{i}")))
+                where = f"MLflow run {r.run_id[:8]} {d}"
+                out.append(Evaluation(r.variant, res, where, _when(res, r.start_time / 1000)))
+    except (MlflowException, OSError, ValueError):  # not readable: the run's newest results or metrics instead
+        return []
+    return out
+
+
+def evaluations_of(r: Run, client) -> list[Evaluation]:
+    """The evaluations a run holds: a --run-dir's results.json; an MLflow run's history, else its newest results
+    (artifact or metrics); and the budgets its metrics hold that none of those has (an earlier evaluation whose
+    results file was replaced by a later one's)."""
+    if r.history is not None or client is None:
+        return [Evaluation(r.variant, r.results, f"{r.run_id}", r.start_time / 1000)] if r.results else []
+    evs = _history(client, r)
+    if not evs:
+        res = R.load_run(client, r.run_id, r.tags, r.metrics)
+        evs = [Evaluation(r.variant, res, f"MLflow run {r.run_id[:8]}", _when(res, r.start_time / 1000))]
+    have = {b["loops"] for e in evs for b in e.results.get("budgets", [])}
+    rest = [b for b in R.from_metrics(r.metrics, r.variant)["budgets"] if b["loops"] not in have]
+    if rest:
+        res = {"model": {"variant": r.variant}, "table_metric": evs[0].results.get("table_metric"), "budgets": rest}
+        evs.append(Evaluation(r.variant, res, f"MLflow run {r.run_id[:8]}, metrics of an earlier evaluation", 0.0))
+    return evs
+
+
+def _merge(v: str, evs: list[Evaluation], sel: Selection) -> None:
+    """Variant v's rows: each budget from the newest evaluation that measured it (evs newest first)."""
+    chosen: dict[int, tuple[dict, Evaluation]] = {}
+    for e in evs:
+        for b in e.results.get("budgets", []):
+            chosen.setdefault(b["loops"], (b, e))
+    newest = evs[0].results
+    metric = newest.get("table_metric") or "acc"
+    if len(evs) > 1:
+        sel.several.add(v)
+    budgets = []
+    for M in sorted(chosen):
+        b, e = chosen[M]
+        if (e.results.get("table_metric") or "acc") != metric:  # its stored average is of another metric
+            b = {k: x for k, x in b.items() if k != "avg_acc"}
+        budgets.append(b)
+        sel.origin[(v, M)] = e
+        if not any(x is e for x in sel.evaluations):
+            sel.evaluations.append(e)
+    res = {**newest, "table_metric": metric, "budgets": budgets}
+    sel.eval[v] = Run(evs[0].where, v, v, int(evs[0].when * 1000), {}, {}, res)
+
+
 def select(runs: list[Run], client) -> Selection:
-    """The newest training and evaluation run per variant, with the evaluations' results loaded."""
+    """The newest training run per variant, and per variant and budget the newest evaluation that measured it."""
     sel = Selection()
+    evs: dict[str, list[Evaluation]] = {}
     for r in runs:  # newest first
         if r.has_train:
             sel.train.setdefault(r.variant, r)
         if r.has_eval:
-            sel.eval.setdefault(r.variant, r)
-    for r in sel.eval.values():
-        if r.results is None:
-            r.results = R.load_run(client, r.run_id, r.tags, r.metrics)
+            evs.setdefault(r.variant, []).extend(evaluations_of(r, client))
+    for v in sel_order(evs):
+        _merge(v, sorted(evs[v], key=lambda e: -e.when), sel)
+    for i, e in enumerate(sel.evaluations, start=1):
+        e.label = f"E{i}"
     return sel
+
+
+def sel_order(evs: dict) -> list[str]:
+    """Variants in the paper's order, then the others by name."""
+    return [v for v in VARIANTS if v in evs] + sorted(set(evs) - set(VARIANTS))
+
+
+def _with(sel: Selection, keys: list[tuple[str, int]]) -> tuple[list[str], list[list[str]]]:
+    """The columns that say what each row (variant, M) was evaluated with, where the rows differ: the evaluation's
+    label when a variant's rows come from several, and its limit, tasks or budgets where those differ; (column
+    names, one list of cells per row)."""
+    origin = [sel.origin.get(k) for k in keys]
+    if not keys or any(o is None for o in origin):
+        return [], [[] for _ in keys]
+    cols, what = [], [o.what() for o in origin]
+    per_variant: dict[str, set] = {}
+    for (v, _), o in zip(keys, origin):
+        per_variant.setdefault(v, set()).add(o.label)
+    if any(len(x) > 1 for x in per_variant.values()):
+        cols.append("evaluation")
+    cols += [k for k in ("limit", "tasks", "budgets") if len({w[k] for w in what} - {"?"}) > 1]  # ?: unknown
+    cells = [[o.label if c == "evaluation" else w[c] for c in cols] for o, w in zip(origin, what)]
+    return cols, cells
 
 
 # ------------------------------------------------------------------------------------------ tables
@@ -186,6 +317,7 @@ class Table:
     rows: list[list]  # first cell is the row label; other cells float or None
     better: list[str]  # per value column: "low", "high" or "" (not compared)
     fmt: list[str]  # per value column: format spec
+    notes: list[str] = field(default_factory=list)  # printed under the table
 
     def best(self) -> list[float | None]:
         out = []
@@ -217,6 +349,7 @@ class Table:
             "|" + "|".join(["---"] * len(self.columns)) + "|",
         ]
         lines += ["| " + " | ".join(r) + " |" for r in self.cells(("**", "**"))]
+        lines += [""] + [f"- {n}" for n in self.notes] if self.notes else []
         return "\n".join(lines) + "\n"
 
     def text(self) -> str:
@@ -225,6 +358,7 @@ class Table:
         out = [self.title, "  ".join(c.ljust(w[j]) for j, c in enumerate(rows[0]))]
         out.append("  ".join("-" * x for x in w))
         out += ["  ".join(c.rjust(w[j]) if j else c.ljust(w[j]) for j, c in enumerate(r)) for r in rows[1:]]
+        out += [f"  {n}" for n in self.notes]
         return "\n".join(out) + "\n"
 
     def write_csv(self, path: Path) -> None:
@@ -244,11 +378,12 @@ def _ppl_sets(runs: list[Run]) -> list[str]:
 
 
 def table1(sel: Selection, metric: str = "acc") -> Table:
-    """Perplexities, ten accuracies (x100) and their average, one row per variant and loop budget."""
+    """Perplexities, ten accuracies (x100) and their average, one row per variant and loop budget, with what each
+    row was evaluated with where the rows differ (`_with`) and, as notes, the evaluations and the tokens behind
+    each perplexity."""
     runs = [sel.eval[v] for v in sel.variants() if v in sel.eval]
     sets = _ppl_sets(runs)
-    cols = ["Model (M)"] + [f"PPL {s}" for s in sets] + list(R.TASK_LABELS.values()) + ["Avg"]
-    rows = []
+    rows, keys = [], []
     for r in runs:
         for b in r.budgets():
             accs = R.budget_accuracies(b, metric)
@@ -260,13 +395,58 @@ def table1(sel: Selection, metric: str = "acc") -> Table:
             )
             if any(v is not None for v in row):  # (an evaluation of a depth task alone has none: Table 4's)
                 rows.append([f"{r.variant} (M={b['loops']})"] + row)
+                keys.append((r.variant, b["loops"]))
+    extra, cells = _with(sel, keys)
+    rows = [[row[0], *c, *row[1:]] for row, c in zip(rows, cells)]
+    cols = ["Model (M)", *extra] + [f"PPL {s}" for s in sets] + list(R.TASK_LABELS.values()) + ["Avg"]
     return Table(
         "Table 1: perplexity and zero-shot accuracy",
         cols,
         rows,
-        ["low"] * len(sets) + ["high"] * (len(R.TASK_LABELS) + 1),
-        [".2f"] * (len(cols) - 1),
+        [""] * len(extra) + ["low"] * len(sets) + ["high"] * (len(R.TASK_LABELS) + 1),
+        [""] * len(extra) + [".2f"] * (len(cols) - 1 - len(extra)),
+        evaluation_notes(sel, keys) + ppl_notes(runs),
     )
+
+
+def evaluation_notes(sel: Selection, keys: list[tuple[str, int]]) -> list[str]:
+    """Which evaluation each row comes from, with what it was evaluated, when several exist."""
+    rows: dict[str, list[str]] = {}
+    for v, M in keys:
+        if (v, M) in sel.origin:
+            rows.setdefault(sel.origin[(v, M)].label, []).append(f"M={M}")
+    used = [e for e in sel.evaluations if e.label in rows]
+    known = [{k: x for k, x in e.what().items() if x != "?"} for e in used]
+    differ = any(len({w[k] for w in known if k in w}) > 1 for k in ("limit", "tasks", "budgets"))
+    if not differ and not sel.several & {v for v, _ in keys}:
+        return []  # one evaluation per variant, all evaluated alike: nothing to tell apart
+    out = []
+    for e in used:
+        w = e.what()
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(e.when)) if e.when else "time unknown"
+        out.append(
+            f"{e.label}: {e.variant}, {e.where}, evaluated {when}: limit {w['limit']}, tasks {w['tasks']}, "
+            f"budgets {w['budgets']}; rows {', '.join(rows[e.label])}"
+        )
+    return out + ["Each budget's row is the newest evaluation that measured it."]
+
+
+def ppl_notes(runs: list[Run]) -> list[str]:
+    """The tokens each perplexity column rests on (per set: the distinct counts over the rows), and a warning
+    where they are too few to trust (`valsplit.short_note`)."""
+    seen: dict[str, dict[int, set]] = {}
+    for r in runs:
+        for b in r.budgets():
+            for p in b.get("perplexity", []) if not b.get("levels") else []:  # (not the fold task's)
+                if "tokens" in p:
+                    where = f"{p['dir']} ({p.get('split', 'val')})" if p.get("dir") else "its validation split"
+                    seen.setdefault(R.ppl_key(p["set"]), {}).setdefault(int(p["tokens"]), set()).add(where)
+    out = []
+    for name, counts in seen.items():
+        text = "; ".join(f"{n:,} tokens of {', '.join(sorted(w))}" for n, w in sorted(counts.items()))
+        note = valsplit.short_note(min(counts))
+        out.append(f"PPL {name}: {text}" + (f" — warning: the smallest {note}" if note else ""))
+    return out
 
 
 def table2(sel: Selection) -> Table:
@@ -278,15 +458,24 @@ def table2(sel: Selection) -> Table:
             lat = b.get("latency") or {}
             keys += [(k, n) for k in ("tpot_ms", "ttft_ms") for n in lat.get(k) or {} if (k, n) not in keys]
     keys.sort(key=lambda kn: (kn[0] == "ttft_ms", int(kn[1])))
-    cols = ["Model (M)"] + [f"{k[:4].upper()} ms {R.LATENCY_SIZE[k]}{n}" for k, n in keys] + ["decode depth"]
-    rows = []
+    rows, at = [], []
     for r in runs:
         for b in r.budgets():
             lat = b.get("latency") or {}
             vals = [(lat.get(k) or {}).get(n) for k, n in keys]
             if any(v is not None for v in vals):
                 rows.append([f"{r.variant} (M={b['loops']})"] + vals + [lat.get("decode_mean_depth")])
-    return Table("Table 2: decoding latency", cols, rows, ["low"] * len(keys) + [""], [".3f"] * len(keys) + [".2f"])
+                at.append((r.variant, b["loops"]))
+    extra, cells = _with(sel, at)
+    rows = [[row[0], *c, *row[1:]] for row, c in zip(rows, cells)]
+    cols = ["Model (M)", *extra] + [f"{k[:4].upper()} ms {R.LATENCY_SIZE[k]}{n}" for k, n in keys] + ["decode depth"]
+    return Table(
+        "Table 2: decoding latency",
+        cols,
+        rows,
+        [""] * len(extra) + ["low"] * len(keys) + [""],
+        [""] * len(extra) + [".3f"] * len(keys) + [".2f"],
+    )
 
 
 def _train_loss_key(r: Run) -> str:
@@ -294,10 +483,19 @@ def _train_loss_key(r: Run) -> str:
     return "loss_L" if "loss_L" in r.metrics else "loss"
 
 
+def tokens_per_s(m: dict) -> tuple[float | None, bool]:
+    """A training run's tokens/s: its average, train_tokens / train_time_s (the optimizer steps alone), and True;
+    else (a run that did not log them) the last logged step's rate and False."""
+    if m.get("train_time_s") and m.get("train_tokens"):
+        return m["train_tokens"] / m["train_time_s"], True
+    return m.get("tokens_per_s"), False
+
+
 def table3(sel: Selection) -> Table:
-    """Training: peak memory, throughput, MFU, final training and validation loss, mean router depth."""
-    cols = ["Model", "peak mem GB", "tokens/s", "MFU %", "train loss (L_L)", "val loss", "mean depth"]
-    rows = []
+    """Training: peak memory, throughput (the run's average), MFU, final training and validation loss and the
+    tokens that validation loss rests on, mean router depth."""
+    cols = ["Model", "peak mem GB", "tokens/s", "MFU %", "train loss (L_L)", "val loss", "val tokens", "mean depth"]
+    rows, last, notes = [], [], []
     for v in sel.variants():
         r = sel.train.get(v)
         if r is None:
@@ -305,23 +503,38 @@ def table3(sel: Selection) -> Table:
         m = r.metrics
         mem = m.get("mem/cuda_max_allocated_gb", m.get("mem/peak_rss_gb"))
         mfu = m.get("mfu")
+        tps, average = tokens_per_s(m)
+        if tps is not None and not average:
+            last.append(v)
+        val_tokens = r.tags.get("val_tokens")
         rows.append(
             [
                 v,
                 mem,
-                m.get("tokens_per_s"),
+                tps,
                 None if mfu is None else 100 * mfu,
                 m.get(_train_loss_key(r)),
                 m.get("val/loss"),
+                None if val_tokens is None else float(val_tokens),
                 m.get("router/full/mean_depth"),
             ]
         )
+        split = r.tags.get("val_split_tokens")
+        if split is not None and (note := valsplit.short_note(int(float(split)))):
+            notes.append(f"{v}: its data's val split {note}")
+    notes.insert(
+        0,
+        "tokens/s: the run's average, tokens trained / seconds in optimizer steps (validation, checkpoints and "
+        "logging excluded)"
+        + (f"; the last logged step's rate for {', '.join(last)} (no train_time_s logged)" if last else ""),
+    )
     return Table(
         "Table 3: training memory and speed",
         cols,
         rows,
-        ["low", "high", "high", "low", "low", ""],
-        [".3f", ",.0f", ".2f", ".3f", ".3f", ".2f"],
+        ["low", "high", "high", "low", "low", "", ""],
+        [".3f", ",.0f", ".2f", ".3f", ".3f", ",.0f", ".2f"],
+        notes,
     )
 
 
@@ -354,9 +567,10 @@ def table4(sel: Selection) -> Table:
         "rho(depth, level)",
     ]
     cols += ["depth >= level"] + ([f"{ref} at that work", "difference"] if ref else [])
-    rows = []
+    rows, keys = [], []
     for v, budgets in lv.items():
         for M, sc in budgets:
+            keys.append((v, M))
             by = {int(k): a for k, a in (sc.get("accuracy_by_level") or {}).items()}
             ge = share_at_depth_ge_level(sc["level_depth"]) if sc.get("level_depth") else None
             row = [
@@ -371,12 +585,13 @@ def table4(sel: Selection) -> Table:
                 at = None if v == ref else accuracy_at_work(curve, sc["work"])
                 row += [at, None if at is None else sc["accuracy"] - at]
             rows.append(row)
+    extra, cells = _with(sel, keys)
     return Table(
         "Table 4: depth task, accuracy against executed loop work",
-        cols,
-        rows,
-        ["high"] * (L + 1) + ["low", "high", "high"] + (["", "high"] if ref else []),
-        [".3f"] * (L + 1) + [".2f", ".2f", ".2f"] + ([".3f", "+.3f"] if ref else []),
+        [cols[0], *extra, *cols[1:]],
+        [[row[0], *c, *row[1:]] for row, c in zip(rows, cells)],
+        [""] * len(extra) + ["high"] * (L + 1) + ["low", "high", "high"] + (["", "high"] if ref else []),
+        [""] * len(extra) + [".3f"] * (L + 1) + [".2f", ".2f", ".2f"] + ([".3f", "+.3f"] if ref else []),
     )
 
 
@@ -500,7 +715,7 @@ def _plot_work(plt, runs: dict[str, Run]):
 
 def _plot_throughput(plt, sel: Selection):
     """Training tokens/s per variant."""
-    thr = [(v, sel.train[v].metrics.get("tokens_per_s")) for v in sel.variants() if v in sel.train]
+    thr = [(v, tokens_per_s(sel.train[v].metrics)[0]) for v in sel.variants() if v in sel.train]
     thr = [(v, t) for v, t in thr if t is not None]
     if not thr:
         return None
