@@ -1,19 +1,23 @@
 """`tlf export --format hf`: a directory `transformers` loads with trust_remote_code=True and no tlf installed.
 
 modeling_tlf.py is generated: tlf's model source (schedule, router, layers, looped: the one source of truth)
-with its tlf imports removed, followed by the transformers wrapper in pipeline/hf/remote.py.
+with its tlf imports removed, followed by the transformers wrapper in pipeline/hf/remote.py. The directory is
+meant for sharing: the model card and config.json hold no absolute local path (`portable`).
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import os
+import re
 import shutil
 from pathlib import Path
 
 from data_prep.files import atomic_write_bytes, read_json, read_text, write_json
 from data_prep.tokenizer import EOT
 from pipeline.config import Config, ConfigError
+from pipeline.inference import SAMPLING
 from pipeline.model.io import state_for_export
 
 MODULES = ["schedule", "router", "layers", "head_loss", "looped"]  # pipeline/model/*.py in dependency order
@@ -53,6 +57,40 @@ def modeling_source() -> str:
     return "".join(parts)
 
 
+# a POSIX absolute path in text (not a URL's /path; sqlite:////abs/db's is one)
+ABSOLUTE = re.compile(r"(?:(?<=sqlite:///)|(?<![\w.~:/]))/(?:[\w.+@%=,-]+/)*[\w.+@%=,-]+/?")
+
+
+def portable(text: str) -> str:
+    """text with every absolute local path made shareable: relative to the working directory when under it, the
+    tlf cache as <tlf cache>, the home directory as ~, anything else as …/ and its last two components."""
+    from data_prep.assets import cache_dir
+
+    roots = sorted(
+        [(str(Path.cwd()), ""), (str(cache_dir()), "<tlf cache>/"), (str(Path.home()), "~/")],
+        key=lambda r: -len(r[0]),
+    )
+
+    def one(m: re.Match) -> str:
+        path = m.group(0)
+        for root, name in roots:
+            if root != "/" and (path == root or path.startswith(root.rstrip("/") + "/")):
+                return (name + os.path.relpath(path, root)).rstrip("/") if path != root else (name or ".")
+        parts = [x for x in path.split("/") if x]
+        return "…/" + "/".join(parts[-2:])
+
+    return ABSOLUTE.sub(one, text)
+
+
+def _portable_values(obj):
+    """A JSON-like value with `portable` applied to every string in it."""
+    if isinstance(obj, dict):
+        return {k: _portable_values(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_portable_values(v) for v in obj]
+    return portable(obj) if isinstance(obj, str) else obj
+
+
 def hf_config(cfg: Config) -> dict:
     m = cfg.model
     return {
@@ -60,7 +98,8 @@ def hf_config(cfg: Config) -> dict:
         "architectures": ["TLFForCausalLM"],
         "auto_map": {"AutoConfig": "modeling_tlf.TLFConfig", "AutoModelForCausalLM": "modeling_tlf.TLFForCausalLM"},
         "tlf_model": dataclasses.asdict(m),
-        "tlf_config": cfg.to_dict(),  # the whole resolved config: `tlf generate/eval DIR` read it (pipeline/hf/load.py)
+        # the whole resolved config, `tlf generate/eval DIR` read it (pipeline/hf/load.py); no absolute local path
+        "tlf_config": _portable_values(cfg.to_dict()),
         "loops_budget": m.loops,
         "loops": m.loops,
         "router_threshold": m.router_threshold,
@@ -123,7 +162,27 @@ def find_evaluation(source: Path, roots: list[Path]) -> Path | None:
     return max(found)[1] if found else None
 
 
+def val_split_line(data_dir: str) -> str:
+    """The card's row on the validation split of the training data: its tokens (the manifest's), and a warning
+    when they are too few to trust (data_prep.valsplit); 'unknown' without a readable manifest."""
+    from data_prep import valsplit
+    from data_prep.shards import ShardError, read_manifest
+
+    try:
+        val = read_manifest(Path(data_dir) / "manifest.json")["splits"].get("val")
+    except (OSError, ShardError):
+        return "| validation split | unknown (no readable manifest.json at the training data.dir here) |"
+    if not val:
+        return "| validation split | none |"
+    note = valsplit.short_note(val["tokens"], val.get("docs"))
+    return f"| validation split | {val['tokens']:,} tokens, {val.get('docs', '?')} documents" + (
+        f"; **warning**: it {note} |" if note else " |"
+    )
+
+
 def model_card(cfg: Config, source: Path, roots: list[Path]) -> str:
+    """The README.md of the export: what was trained on what, the validation split's size and the checkpoint's
+    `tlf eval` table (when found), with no absolute local path (`portable`)."""
     t, s = cfg.train, cfg.schedule
     tokens = s.max_steps * t.global_batch_size * cfg.model.block_size
     lines = [
@@ -136,6 +195,7 @@ def model_card(cfg: Config, source: Path, roots: list[Path]) -> str:
         "|---|---|",
         f"| variant | {cfg.model.variant} |",
         f"| data | {cfg.data.dir} |",
+        val_split_line(cfg.data.dir),
         f"| steps (configured) | {s.max_steps} |",
         f"| tokens (steps x batch x context) | {tokens:,} |",
         f"| loops L / layers J / d_model | {cfg.model.loops} / {cfg.model.n_layers} / {cfg.model.d_model} |",
@@ -151,7 +211,7 @@ def model_card(cfg: Config, source: Path, roots: list[Path]) -> str:
     else:
         where = ", ".join(str(r) for r in roots) or "no directory"
         lines.append(f"No `tlf eval` results of this checkpoint under {where} nor its run dir.")
-    return "\n".join(lines) + "\n"
+    return portable("\n".join(lines) + "\n")
 
 
 def export_hf(model, cfg: Config, out: Path, source: Path, evals: list[Path] | tuple = ()) -> Path:
@@ -165,9 +225,10 @@ def export_hf(model, cfg: Config, out: Path, source: Path, evals: list[Path] | t
     atomic_write_bytes(out / "model.safetensors", [st_save(state, metadata={"format": "pt"})])
     (out / "modeling_tlf.py").write_text(modeling_source())
     write_json(out / "config.json", hf_config(cfg))
-    write_json(
+    write_json(  # generate() samples as `tlf generate` does by default (do_sample=False: greedy)
         out / "generation_config.json",
-        {"bos_token_id": EOT, "eos_token_id": EOT, "pad_token_id": EOT, "use_cache": False},
+        {"bos_token_id": EOT, "eos_token_id": EOT, "pad_token_id": EOT, "use_cache": False, "do_sample": True}
+        | SAMPLING,
     )
     write_tokenizer(out)
     (out / "README.md").write_text(model_card(cfg, source, evals))

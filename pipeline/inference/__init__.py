@@ -2,6 +2,6 @@
 
 from pipeline.inference.cache import RecursionKVCache
 from pipeline.inference.decode import Decoder
-from pipeline.inference.generate import Generation, generate, sample
+from pipeline.inference.generate import SAMPLING, Generation, generate, sample
 
-__all__ = ["RecursionKVCache", "Decoder", "Generation", "generate", "sample"]
+__all__ = ["RecursionKVCache", "Decoder", "Generation", "SAMPLING", "generate", "sample"]

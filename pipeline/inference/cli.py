@@ -82,14 +82,14 @@ def _write(model, enc, prompts, ids, show_depth: bool, kw: dict):
     type=Finite(min=0),
     default=1.0,
     show_default=True,
-    help="Softmax temperature (0: greedy, the most likely token).",
+    help="Softmax temperature (0: greedy, the most likely token; 1: the model's own distribution).",
 )
 @click.option(
     "--top-k",
     type=IntOrZero(1, ("off",)),
-    default="off",
+    default=50,
     show_default=True,
-    help="Keep the k most likely tokens (off, or 0: no top-k filter).",
+    help="Keep the k most likely tokens (off, or 0: sample the whole vocabulary).",
 )
 @click.option(
     "--top-p",

@@ -14,6 +14,10 @@ import torch
 
 from pipeline.inference.decode import Decoder
 
+# What `tlf generate` and an HF export's generation_config.json sample with unless told otherwise: a small model's
+# whole-vocabulary sample reads as word salad, its 50 most likely tokens' like its corpus (docs/inference.md)
+SAMPLING = {"temperature": 1.0, "top_k": 50}
+
 
 @dataclass
 class Generation:
