@@ -161,7 +161,7 @@ def readme_server_command() -> str:
     cmds = [
         ln
         for ln in (REPO / "README.md").read_text().splitlines()
-        if ln.startswith("mlflow server ") and "--allowed-hosts" in ln
+        if "mlflow server " in ln and "--allowed-hosts" in ln and not ln.startswith("#")
     ]
     assert len(cmds) == 1, cmds
     return cmds[0].split("  #")[0].strip()
@@ -170,9 +170,10 @@ def readme_server_command() -> str:
 def start_server(tmp: Path, port: int) -> Proc:
     """The README's shared-server command, on this test's store and port."""
     cmd = readme_server_command().replace("sqlite:///mlflow.db", f"sqlite:///{tmp / 'server.db'}")
-    cmd = cmd.replace("--port 5000", f"--port {port}") + " --workers 1"  # one worker: a 2-core test machine
-    assert f"--port {port}" in cmd
-    s = Proc(["bash", "-c", f"exec {cmd}"], cwd=tmp, env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"})
+    cmd = cmd.replace("--port 5000", f"--port {port}") + ("" if "--workers" in cmd else " --workers 1")
+    assert f"--port {port}" in cmd  # (one worker: a 2-core test machine)
+    # (env: the line may start with VAR=value assignments, which exec cannot take)
+    s = Proc(["bash", "-c", f"exec env {cmd}"], cwd=tmp, env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"})
     # ready when its store answers, not only /health: a worker's first store request (the store built, the
     # database checked) can outlast the client's timeout on a loaded machine
     wait_for(lambda: _get(search_url(port)) == 200, "the MLflow server", s.p, log=s.text)
