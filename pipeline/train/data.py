@@ -163,6 +163,10 @@ class ValLoader:
                 f"{directory} '{split}': {self.shards.num_tokens} tokens, fewer than one sequence of {seq_len}+1 tokens"
             )
 
+    def distinct_windows(self, n: int) -> int:
+        """How many different windows `batches(n)` reads on all ranks together (a small split wraps around)."""
+        return min(self.windows, n * self.ws * self.mb)
+
     def batches(self, n: int):
         for b in range(n):
             first = (b * self.ws + self.rank) * self.mb
