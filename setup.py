@@ -50,5 +50,7 @@ setup(
             "ablate=evaluation.ablate:ablate",
             "plan=pipeline.plan.cli:plan_cmd",
         ],
+        # training callbacks of the packages above pipeline, read by pipeline/train/callbacks.py default_callbacks()
+        "tlf.callbacks": ["zeroshot=evaluation.in_training:ZeroShot"],
     },
 )

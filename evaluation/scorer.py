@@ -244,31 +244,46 @@ def task_requests(td: TaskData) -> tuple[list[tuple[list[int], list[int]]], list
     return reqs, spans
 
 
-def task_metrics(
-    td: TaskData, kind: str, metrics: tuple[str, ...], scored: list[Scored], spans: list[tuple[int, int]]
-) -> dict:
-    """acc / acc_norm (+ stderr) for multiple choice; acc (greedy) and perplexity for LAMBADA."""
+def example_outcomes(td: TaskData, kind: str, scored: list[Scored], spans: list[tuple[int, int]]) -> np.ndarray:
+    """(2, n) float64, one column per example: [acc hit, acc_norm hit] (0/1) for multiple choice, [log-likelihood,
+    greedy (0/1)] for LAMBADA. What `outcome_metrics` summarises; the zero-shot tasks during training
+    (evaluation/in_training.py) sum each rank's columns over the ranks, zeros elsewhere."""
+    out = np.zeros((2, len(td.examples)), dtype=np.float64)
+    for i, (ex, (s, e)) in enumerate(zip(td.examples, spans)):
+        if kind == "lambada":
+            out[0, i], out[1, i] = scored[s].logprob, float(scored[s].greedy)
+            continue
+        lls = np.array([scored[j].logprob for j in range(s, e)])
+        lens = np.array([float(len(c)) for c in ex.choices])
+        out[0, i] = float(int(np.argmax(lls)) == ex.gold)
+        out[1, i] = float(int(np.argmax(lls / lens)) == ex.gold)
+    return out
+
+
+def outcome_metrics(td: TaskData, kind: str, metrics: tuple[str, ...], outcomes: np.ndarray) -> dict:
+    """acc / acc_norm (+ stderr) for multiple choice; acc (greedy) and perplexity for LAMBADA, from the (2, n)
+    `example_outcomes` of td's examples."""
     res: dict = {"n": len(td.examples), "split": td.split, "source": td.source}
     if td.note:
         res["note"] = td.note
     if not td.examples:
         return res
+    first, second = np.ascontiguousarray(outcomes[0]), np.ascontiguousarray(outcomes[1])
     if kind == "lambada":
-        ll = np.array([scored[s].logprob for s, _ in spans])
-        acc = np.array([float(scored[s].greedy) for s, _ in spans])
+        ll, acc = first, second
         res["acc"], res["acc_stderr"] = float(acc.mean()), mean_stderr(acc)
         ppl = float(np.exp(-ll.mean()))
         res["perplexity"] = ppl
         res["perplexity_stderr"] = ppl * mean_stderr(-ll)  # delta method on exp(mean NLL)
         return res
-    accs, norms = [], []
-    for ex, (s, e) in zip(td.examples, spans):
-        lls = np.array([scored[i].logprob for i in range(s, e)])
-        lens = np.array([float(len(c)) for c in ex.choices])
-        pred = int(np.argmax(lls))
-        accs.append(float(pred == ex.gold))
-        norms.append(float(int(np.argmax(lls / lens)) == ex.gold))
-    res["acc"], res["acc_stderr"] = float(np.mean(accs)), mean_stderr(accs)
+    res["acc"], res["acc_stderr"] = float(np.mean(first)), mean_stderr(first)
     if "acc_norm" in metrics:
-        res["acc_norm"], res["acc_norm_stderr"] = float(np.mean(norms)), mean_stderr(norms)
+        res["acc_norm"], res["acc_norm_stderr"] = float(np.mean(second)), mean_stderr(second)
     return res
+
+
+def task_metrics(
+    td: TaskData, kind: str, metrics: tuple[str, ...], scored: list[Scored], spans: list[tuple[int, int]]
+) -> dict:
+    """acc / acc_norm (+ stderr) for multiple choice; acc (greedy) and perplexity for LAMBADA."""
+    return outcome_metrics(td, kind, metrics, example_outcomes(td, kind, scored, spans))

@@ -347,6 +347,13 @@ class TrainConfig:
         unique=True,
         items=each(int, ge=1),
     )
+    zeroshot_interval: int = f(
+        0,
+        "Steps between runs of the zero-shot tasks of the eval section (eval.tasks, eval.limit, eval.loops) during "
+        "training, logged as tlf eval logs them, eval/M{M}/<task>/... (0 disables; docs/training.md 'Zero-shot "
+        "tasks during training').",
+        ge=0,
+    )
     nan_policy: Literal["stop", "skip"] = f("stop", "On a NaN/inf loss: stop (keep last good checkpoint) or skip.")
     device: str = f("auto", "auto, cpu or cuda.")
     ds_config: str = f(

@@ -254,7 +254,26 @@ class Console(Callback):
         log.info(f"checkpoint {path}")
 
 
+# Callbacks of the packages above pipeline (evaluation's zero-shot tasks during training) register themselves as
+# entry points of this group (setup.py), as `tlf`'s subcommands do in `tlf.commands`: pipeline names none of them
+CALLBACK_GROUP = "tlf.callbacks"
+
+
+def registered_callbacks() -> list[Callback]:
+    """One of each `tlf.callbacks` entry point (a Callback class, or a function of no argument returning one), in
+    name order. Each decides from the config whether it does anything (train.zeroshot_interval=0: nothing)."""
+    from importlib.metadata import entry_points
+
+    return [ep.load()() for ep in sorted(entry_points(group=CALLBACK_GROUP), key=lambda ep: ep.name)]
+
+
 def default_callbacks() -> list[Callback]:
-    """What `tlf train` runs with. Order matters within a hook: MLflow opens its run before the console's first
+    """What `tlf train` runs with: pipeline's own, then the registered ones (their post_step sees the metrics of
+    pipeline's)."""
+    return pipeline_callbacks() + registered_callbacks()
+
+
+def pipeline_callbacks() -> list[Callback]:
+    """Pipeline's own callbacks. Order matters within a hook: MLflow opens its run before the console's first
     line; the metric callbacks fill `metrics` before validation prints."""
     return [MLflowLogger(), Console(), Speed(), Memory(), DataMix(), Validation(), Curriculum(), Profiler(), Checkpointer()]
