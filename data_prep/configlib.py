@@ -155,6 +155,9 @@ def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
     """Checks value against a field type; returns (ok, converted value)."""
     origin = typing.get_origin(tp)
     if origin is Literal:
+        word = {False: "off", True: "on"}.get(value) if isinstance(value, bool) else None
+        if word in typing.get_args(tp):  # YAML 1.1 reads off/on (and no/yes) as booleans: the choice meant
+            return True, word
         return value in typing.get_args(tp), value
     if origin is typing.Union:
         args = typing.get_args(tp)

@@ -361,6 +361,19 @@ class TrainConfig:
         'DeepSpeed template JSON; empty means ds_configs/zero{zero_stage}.json ("auto" fields filled from train/optim).',
     )
     nan_skip_limit: int = f(10, "nan_policy=skip: stop after this many non-finite batches in a row.", ge=1)
+    spike_policy: Literal["off", "warn", "skip"] = f(
+        "warn",
+        "A loss spike (the step's loss more than spike_sigma rolling standard deviations above the rolling mean of the last spike_window non-spike steps): warn (log train/spike and a warning line), skip (also discard that update: no optimizer or LR step; the data moves on) or off (docs/training.md 'Loss spikes').",
+    )
+    spike_sigma: float = f(6.0, "How many rolling standard deviations above the rolling mean make a spike.", gt=0)
+    spike_window: int = f(
+        100, "Non-spike steps in the rolling window; steps are judged once it holds min(20, spike_window).", ge=2
+    )
+    spike_skip_limit: int = f(10, "spike_policy=skip: stop after this many skipped updates in a row.", ge=1)
+    grad_stats: bool = f(
+        True,
+        "At log steps, log grad_norm/<group> and update_ratio (the norm of the step's update over that of the weights, whole model and per group) of embeddings, each shared layer, modulators, router (docs/training.md 'Gradient statistics').",
+    )
     profile_steps: str = f(
         "",
         "A:B: a torch.profiler trace of steps A..B (Chrome trace, profile_steps_A-B_rank<r>.json in the run dir, and an MLflow artifact); empty: none.",

@@ -1,9 +1,10 @@
 """One real 2-rank run under the DeepSpeed launcher (gloo ranks on CPU), shared by the tests that read it: its parts
 are the resumes on another world size and ZeRO stage (test_reshard.py), ZeRO 1/2/3 learning and the bit-exact 2-rank
-resume (test_train_dist.py), the uninterrupted run that torchrun's restarted job must equal (test_restart.py), the
-zero-shot tasks during training (test_zeroshot_in_training.py) and the per-rank model states against the planner
-(test_plan_zero.py). Each part is a function of its test file; a part that raises is recorded with its traceback
-and the others still run, so every test reports its own failure (`TwoRanks.part`).
+resume (test_train_dist.py), the uninterrupted run that torchrun's restarted job must equal (test_restart.py), a
+skipped loss spike and the gradient statistics (test_spikes.py), the zero-shot tasks during training
+(test_zeroshot_in_training.py) and the per-rank model states against the planner (test_plan_zero.py). Each part
+is a function of its test file; a part that raises is recorded with its traceback and the others still run, so
+every test reports its own failure (`TwoRanks.part`).
 
 This file is also the worker script: `deepspeed --no_local_rank --num_gpus 2 tests/two_ranks.py OUT TMP`.
 """
@@ -30,6 +31,7 @@ PARTS = {
     "resume": ("test_train_dist", "resume_part"),
     "zero": ("test_train_dist", "zero_part"),
     "restart": ("test_restart", "two_rank_part"),
+    "spikes": ("test_spikes", "two_rank_part"),
     "zeroshot": ("test_zeroshot_in_training", "two_rank_part"),
     "plan_zero": ("test_plan_zero", "two_rank_part"),
 }

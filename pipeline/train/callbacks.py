@@ -1,10 +1,12 @@
 """Callbacks of `pipeline.train.trainer.Trainer`: everything a run does around its steps. `default_callbacks()`
 is what `tlf train` uses; a bench or a test builds the Trainer with its own list.
 
-Hooks (all optional; `self.trainer` is set by the Trainer, see its class doc for when each is called):
-pre_train(), pre_step(step), post_step(step, metrics), log_metrics(step, metrics), end_step(step), post_train(),
-post_checkpoint_saved(step, path), on_error(exc), close(status). `metrics` holds host floats only (the step's
-one device read is done before post_step): a callback that reads a device tensor adds a host sync per step.
+Hooks (all optional; `self.trainer` is set by the Trainer, see its class doc for when each is called; the base
+class, pipeline/train/hooks.py): pre_train(), pre_step(step), pre_update(step, meter), post_update(step, meter),
+post_step(step, metrics), log_metrics(step, metrics), end_step(step), post_train(), post_checkpoint_saved(step,
+path), on_error(exc), close(status), and state_dict() / load_state_dict(state) for what a resume needs. `metrics`
+holds host floats only (the step's one device read is done before post_step): a callback that reads a device
+tensor adds a host sync per step.
 The router statistics are not a callback: they travel in the step's one all-reduce (StepMeter).
 """
 
@@ -16,21 +18,10 @@ from pathlib import Path
 from pipeline.memory import memory_metrics
 from pipeline.hardware import GPU, gpu, this_gpu  # logging.peak_flops=0 on CUDA: the GPU table's peak
 from pipeline.train.logger import fmt_duration, log
+from pipeline.train.gradstats import GradStats
+from pipeline.train.hooks import Callback  # the base class, in its own module (spikes.py, gradstats.py subclass it)
+from pipeline.train.spikes import Spikes
 from pipeline.train.validation import default_budgets, evaluate, mix
-
-
-class Callback:
-    trainer = None  # the Trainer, set when it is built
-
-    def pre_train(self) -> None: ...
-    def pre_step(self, step: int) -> None: ...  # step: the 1-based number of the step about to run
-    def post_step(self, step: int, metrics: dict) -> None: ...  # add metrics of the step just run
-    def log_metrics(self, step: int, metrics: dict) -> None: ...  # emit them
-    def end_step(self, step: int) -> None: ...
-    def post_train(self) -> None: ...
-    def post_checkpoint_saved(self, step: int, path) -> None: ...
-    def on_error(self, exc: BaseException) -> None: ...
-    def close(self, status: str) -> None: ...
 
 
 def scale_tag(cfg) -> str:
@@ -276,4 +267,16 @@ def default_callbacks() -> list[Callback]:
 def pipeline_callbacks() -> list[Callback]:
     """Pipeline's own callbacks. Order matters within a hook: MLflow opens its run before the console's first
     line; the metric callbacks fill `metrics` before validation prints."""
-    return [MLflowLogger(), Console(), Speed(), Memory(), DataMix(), Validation(), Curriculum(), Profiler(), Checkpointer()]
+    return [
+        MLflowLogger(),
+        Console(),
+        Speed(),
+        Memory(),
+        DataMix(),
+        Spikes(),
+        GradStats(),
+        Validation(),
+        Curriculum(),
+        Profiler(),
+        Checkpointer(),
+    ]

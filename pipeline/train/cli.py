@@ -136,6 +136,7 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None, overwrite
     from pipeline.rundir import run_dir
     from pipeline.tracking import MetricsFileError
     from pipeline.train.checkpoint import CheckpointError, ensure_dir
+    from pipeline.train.spikes import SpikeError
     from pipeline.train.trainer import NonFiniteError, run
 
     code = 0
@@ -149,7 +150,7 @@ def train(config: str, overrides: tuple[str, ...], resume: str | None, overwrite
     except ConfigError as e:
         click.echo(f"Error: config error: {e}", err=True)
         code = 2
-    except (ShardError, CheckpointError, NonFiniteError, MetricsFileError, OSError) as e:
+    except (ShardError, CheckpointError, NonFiniteError, SpikeError, MetricsFileError, OSError) as e:
         click.echo(f"Error: {e}", err=True)
         code = 1
     except KeyboardInterrupt:

@@ -11,6 +11,7 @@ from ours is an error naming both values.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -290,3 +291,74 @@ def initialize(model, optimizer, scheduler, ds_config: dict):
     if engine.dp_world_size == 1 and engine.zero_optimization_stage() == 0:
         engine.enable_backward_allreduce = False
     return engine
+
+
+def discard_update(engine) -> None:
+    """engine.step() at the accumulation boundary with the update discarded (train.spike_policy=skip): the step's
+    gradients are dropped and neither the optimizer (weights, AdamW moments and step count) nor the LR schedule
+    steps, while DeepSpeed's counters move on as for a step whose fp16 gradients overflowed (global_steps and
+    global_samples, skipped_steps + 1). It is that overflow branch of the optimizer that runs, its detection
+    forced for this one call (`forced_overflow`): each ZeRO stage drops its own partitioned gradient buffers."""
+    if not engine.is_gradient_accumulation_boundary():
+        raise RuntimeError("discard_update: not at a gradient accumulation boundary")
+    with forced_overflow(engine.optimizer):
+        engine.step()
+
+
+def discard_kind(optimizer) -> str:
+    """Which of DeepSpeed's optimizers `optimizer` is, for `forced_overflow`: zero3, zero12 (ZeRO 1 and 2), fp16
+    (ZeRO 0 in bf16: DeepSpeed's FP16 optimizers hold the fp32 master weights), bf16 (its BF16_Optimizer, another
+    configuration's) or torch (ZeRO 0 in fp32: the AdamW itself); "" for another (an update cannot be discarded)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    kinds = (
+        (DeepSpeedZeroOptimizer_Stage3, "zero3"),
+        (DeepSpeedZeroOptimizer, "zero12"),
+        ((FP16_Optimizer, FP16_UnfusedOptimizer), "fp16"),
+        (BF16_Optimizer, "bf16"),
+        (torch.optim.Optimizer, "torch"),
+    )
+    return next((name for cls, name in kinds if isinstance(optimizer, cls)), "")
+
+
+@contextlib.contextmanager
+def forced_overflow(opt):
+    """Inside it, opt.step() takes its overflow branch (drop the gradients, set opt.overflow, update nothing), by
+    instance attributes that shadow the methods deciding it; the loss scale is left alone (no overflow happened)."""
+
+    def overflow(*args, **kwargs) -> bool:
+        opt.overflow = True
+        return True
+
+    def drop(closure=None) -> None:  # BF16_Optimizer.step's branch for a non-finite norm; a torch optimizer: none
+        overflow()  # (the engine then clears the torch optimizer's gradients itself: engine.zero_grad)
+        if kind == "bf16":
+            opt.clear_hp_grads()
+            opt.clear_lp_grads()
+
+    kind = discard_kind(opt)
+    keep_scale = {"_update_scale": lambda *a, **k: None}
+    patches = {
+        "zero3": {"_overflow_check_and_loss_scale_update": overflow, **keep_scale},
+        "zero12": {"check_grad_overflow": True, "check_overflow": overflow, **keep_scale},
+        "fp16": {"step": lambda closure=None: opt._skip_invalid_grad_norm(), **keep_scale},
+        "bf16": {"step": drop},
+        "torch": {"step": drop, "overflow": True},
+    }.get(kind)
+    if patches is None:
+        raise RuntimeError(f"cannot discard an update of {type(opt).__name__}: not one of DeepSpeed's optimizers")
+    saved = {k: vars(opt)[k] for k in patches if k in vars(opt)}
+    try:
+        for k, v in patches.items():
+            setattr(opt, k, v)
+        yield
+    finally:
+        for k in patches:
+            if k in saved:
+                setattr(opt, k, saved[k])
+            elif k in vars(opt):
+                delattr(opt, k)

@@ -32,6 +32,7 @@ class Resume:
     saved: dict | None = None
     note: str = ""
     reshard: bool = False
+    state: dict | None = None  # this rank's training state, once `restore` has read it (callbacks' states)
     _full: dict | None = field(
         default=None, repr=False
     )  # resharding: the full per-parameter state (reshard.full_state)
@@ -76,6 +77,7 @@ class Resume:
             return 0, None
         # another world size: every rank continues from rank 0's state (RNG states are the same on every rank)
         state = ckpt.read_state(self.path, rank, ws) if self.saved["world_size"] == ws else self.saved
+        self.state = state
         if self.reshard:  # the full state `load_weights` read
             reshard.load_optimizer(engine, model, self._full, rank)
         else:

@@ -18,6 +18,10 @@ stops the run naming the step and micro-batch (train.nan_policy=stop; the step's
 good checkpoint stays the newest). nan_policy=skip must decide before each backward, so it reads one flag per
 micro-batch (all-reduced) and drops a bad micro-batch, drawing the next one (at most train.nan_skip_limit in a
 row). SIGTERM/SIGINT end the run after the current step with a checkpoint. A non-finite gradient norm always stops.
+At the accumulation boundary the callbacks see the gradients (`pre_update`) and may discard the update
+(`ds.discard_update`: no optimizer or LR step): train.spike_policy=skip does so at a loss spike, reading the step's
+loss once more there (pipeline/train/spikes.py); the gradient statistics of log steps (gradstats.py) add their sums
+to the step's one read (`StepMeter.add_sum`).
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ class TrainResult:
     run_id: str | None = None  # MLflow run
     stopped_by: str | None = None  # "SIGTERM"/"SIGINT" when a signal ended the run early
     skipped: int = 0  # micro-batches dropped under nan_policy=skip
+    spikes: list[int] = field(default_factory=list)  # steps of this invocation whose loss was a spike
+    skipped_updates: int = 0  # updates discarded under spike_policy=skip, the run's resumes included
 
 
 class _Signals:
@@ -112,6 +118,14 @@ class StepMeter:
         self.parts: list[str] = []  # the parts the objective has, in PARTS order
         self.loops = torch.zeros(1, dtype=torch.float64, device=device)  # sum of ObjectiveOutput.loops_executed
         self.lm_heads = 1
+        self.discarded = False  # the step's update was discarded (a callback's pre_update said so)
+        self.sums: dict[str, torch.Tensor] = {}  # callbacks' device values (`add_sum`), summed over ranks in `read`
+        self.summed: dict[str, list[float]] = {}  # ... and read: host values, after `read`
+
+    def add_sum(self, key: str, value: torch.Tensor) -> None:
+        """A callback's device value (any shape), summed over ranks in the step's one all-reduce and read with it:
+        `summed[key]` (a list of floats) after `read`. Every rank adds the same keys in the same order."""
+        self.sums[key] = value.detach().to(self.device, torch.float64).reshape(-1)
 
     def add(self, out: ObjectiveOutput, k: int) -> None:
         loss = out.loss.detach().double()
@@ -146,7 +160,10 @@ class StepMeter:
         gn = grad_norm.detach().double().reshape(1).to(self.device) if isinstance(grad_norm, torch.Tensor) else None
         keys = list(self.stats)
         vec = torch.cat(
-            [self.losses, self.bad, sig, self.loops] + ([gn] if gn is not None else []) + [self.stats[k] for k in keys]
+            [self.losses, self.bad, sig, self.loops]
+            + ([gn] if gn is not None else [])
+            + [self.stats[k] for k in keys]
+            + list(self.sums.values())
         )
         v = sum_over_ranks(vec)  # the optimizer step's one device -> host sync
         a = len(self.bad)
@@ -175,6 +192,8 @@ class StepMeter:
                 for i, x in enumerate(vals, 1):
                     metrics[f"router/{key.replace('depth_hist', 'depth_share')}_{i}"] = x / ws / n
         out["router"] = metrics
+        for key, v in self.sums.items():
+            self.summed[key], rest = rest[: v.numel()], rest[v.numel() :]
         return out
 
 
@@ -182,10 +201,13 @@ class Trainer:
     """One training run, built once from the config (`build`); `fit()` trains it, `train_step()` is one step.
 
     Callbacks (pipeline.train.callbacks.Callback) get `trainer` set to this object and their hooks called in
-    list order: pre_train, then per step pre_step(step), post_step(step, metrics) (add to the host-side metrics),
-    log_metrics(step, metrics) (emit them), end_step(step) (not after a stop signal); post_train (the loop is
-    over, also after a stop signal); post_checkpoint_saved(step, path) from `save_checkpoint`; on_error(exc) when
-    anything raises; close(status) always, last (status FINISHED, KILLED after a signal, FAILED)."""
+    list order: pre_train, then per step pre_step(step), pre_update(step, meter) and post_update(step, meter) around
+    the optimizer step at the accumulation boundary (a pre_update returning False discards the update),
+    post_step(step, metrics) (add to the host-side metrics), log_metrics(step, metrics) (emit them), end_step(step)
+    (not after a stop signal); post_train (the loop is over, also after a stop signal); post_checkpoint_saved(step,
+    path) from `save_checkpoint`; on_error(exc) when anything raises; close(status) always, last (status FINISHED,
+    KILLED after a signal, FAILED). Each callback's state_dict() goes into every checkpoint's training state and
+    comes back through load_state_dict when a run resumes from it (in `build`)."""
 
     def __init__(
         self,
@@ -273,6 +295,10 @@ class Trainer:
             callbacks=default_callbacks() if callbacks is None else callbacks,
         )
         trainer.resume_note, trainer.branch = resume.note, branch
+        saved = (resume.state or {}).get("callbacks", {})  # each callback's own state, from this rank's file
+        for cb in trainer.callbacks:
+            if type(cb).__name__ in saved:
+                cb.load_state_dict(saved[type(cb).__name__])
         trainer.schedule = resume.saved.get("schedule", GLOBAL_RNG) if resume.saved is not None else STEP_KEYED
         return trainer
 
@@ -294,14 +320,31 @@ class Trainer:
                 del out
                 continue
             engine.backward(out.loss)
+            meter.add(out, done)
             if done == self.accum - 1:
                 zero0_norm = _zero0_grad_norm(engine)
-            engine.step()
-            meter.add(out, done)
+                self._update(meter)  # the boundary: engine.step(), or the update discarded
+            else:
+                engine.step()
             done += 1
-        gn = engine.get_global_grad_norm()
+        gn = None if meter.discarded else engine.get_global_grad_norm()  # (discarded: DeepSpeed's says inf)
         meter.grad_norm = zero0_norm if gn is None else gn
         return meter
+
+    def _update(self, meter: StepMeter) -> None:
+        """The accumulation boundary of step self.step + 1: the callbacks see the gradients (pre_update; a False
+        from any discards the update), then engine.step() or `ds.discard_update` (the gradients dropped, no
+        optimizer or LR step), then post_update."""
+        from pipeline.train.ds import discard_update
+
+        step = self.step + 1
+        keep = [cb.pre_update(step, meter) for cb in self.callbacks]  # every callback sees it
+        meter.discarded = any(k is False for k in keep)
+        if meter.discarded:
+            discard_update(self.engine)
+        else:
+            self.engine.step()
+        self._call("post_update", step, meter)
 
     def shortcut(self, step: int) -> torch.Tensor | None:
         """The shortcut schedule of optimizer step `step` (1-based), the same on every rank and micro-batch; None
@@ -348,6 +391,7 @@ class Trainer:
             "rng": ckpt.rng_state(),
             "objective": self.engine.module.state(),
             "schedule": self.schedule,
+            "callbacks": {type(cb).__name__: st for cb in self.callbacks if (st := cb.state_dict()) is not None},
             "config": self.cfg.to_dict(),
             "mlflow_run_id": self.run_id,
         }
@@ -447,10 +491,11 @@ def _zero0_grad_norm(engine) -> torch.Tensor | None:
 
 
 def _lr_of_step(engine) -> float:
-    """The learning rate used by the update just taken (LambdaLR has already advanced to the next one)."""
+    """The learning rate of the step's update: of the update just taken (LambdaLR has already advanced to the next
+    one), or of the one discarded (train.spike_policy=skip: LambdaLR did not advance)."""
     sched = engine.lr_scheduler
     f = sched.lr_lambdas[0]
-    return sched.base_lrs[0] * f(engine.global_steps - 1)
+    return sched.base_lrs[0] * f(sched.last_epoch - (1 if engine.was_step_applied() else 0))
 
 
 def _network(cfg: Config, model=None):
