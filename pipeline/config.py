@@ -260,7 +260,6 @@ class DataConfig:
         le=1,
     )
 
-
     def validate(self) -> None:
         if len(self.dirs) != len(self.weights):
             raise ConfigError(
@@ -384,7 +383,6 @@ class TrainConfig:
         "deterministic kernels, CUBLAS_WORKSPACE_CONFIG on CUDA, 1 CPU thread per rank "
         "(costs step time, see bench/README.md).",
     )
-
 
     def profile_range(self) -> tuple[int, int] | None:
         """train.profile_steps as (A, B), None when empty; a ConfigError naming the key when it is not A:B with
