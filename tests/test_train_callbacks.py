@@ -51,6 +51,8 @@ METRICS = {
     "router/soft_depth",
     "step_time_s",
     "tokens_per_s",
+    "train_time_s",
+    "train_tokens",
     "train/spike",
     "update_ratio",
     "update_ratio/embeddings",
@@ -73,6 +75,8 @@ TAGS = {
     "activation_checkpointing": "none",
     "compile": "False",
     "final_step": "2",
+    "val_tokens": "128",  # 4 windows of 32 (train.eval_batches=2 x micro-batch 2) of a 257-token split
+    "val_split_tokens": "257",
 }
 
 
@@ -223,6 +227,12 @@ def test_mlflow_keys_tags_and_console_lines_are_unchanged(tmp_path, data, capsys
         rf"\[tlf\] checkpoint {re.escape(str(tmp_path / 'ck' / 'global_step2'))}",
     ]
     want.insert(3, rf"\[tlf\] step 2: val/loss {num}, val/x {num}")
+    for k, (name, d) in enumerate((("val/loss", data), ("val/x", extra))):  # what each validation loss rests on
+        want.insert(
+            2 + k,
+            rf"\[tlf\] {name} rests on [\d,]+ tokens \(\d+ windows of 32; train.eval_batches=\d+\) of "
+            rf"{re.escape(str(d))}'s val split \([\d,]+ tokens\)",
+        )
     assert len(lines) == len(want), lines
     for pat, line in zip(want, lines):
         assert re.fullmatch(pat, line), (pat, line)

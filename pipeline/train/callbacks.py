@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from data_prep import valsplit
 from pipeline.memory import memory_metrics
 from pipeline.hardware import GPU, gpu, this_gpu  # logging.peak_flops=0 on CUDA: the GPU table's peak
 from pipeline.train.logger import fmt_duration, log
@@ -30,10 +31,20 @@ def scale_tag(cfg) -> str:
     return cfg.name.split("/")[0] if "/" in cfg.name else ""
 
 
+def val_basis(t) -> list[tuple[str, int, object]]:
+    """(metric name, tokens its validation loss is computed on, the ValLoader) of each validation set: the
+    distinct windows train.eval_batches micro-batches read on all ranks, times the context."""
+    n = t.cfg.train.eval_batches
+    return [(name, v.distinct_windows(n) * v.T, v) for name, v in t.val if hasattr(v, "distinct_windows")]
+
+
 def run_tags(t) -> dict:
-    """The tags of a training run (how `tlf compare` finds runs)."""
+    """The tags of a training run (how `tlf compare` finds runs; `val_tokens`: the tokens val/loss rests on,
+    `val_split_tokens`: those of the split they are drawn from)."""
     c = t.cfg
+    basis = val_basis(t)
     return {
+        **({"val_tokens": basis[0][1], "val_split_tokens": basis[0][2].shards.num_tokens} if basis else {}),
         "variant": c.model.variant,
         "preset": c.name,
         "scale": scale_tag(c),
@@ -224,6 +235,15 @@ class Console(Callback):
             f"{c.train.global_batch_size} x {c.model.block_size} tokens, checkpoints in {t.root}"
             + (f", resumed from {t.resume_from}" if t.resume_from else "")
         )
+        for name, tokens, v in val_basis(t):
+            split = v.shards.num_tokens
+            log.info(
+                f"{name} rests on {tokens:,} tokens ({tokens // v.T} windows of {v.T}; train.eval_batches="
+                f"{c.train.eval_batches}) of {v.shards.dir}'s {v.shards.split} split ({split:,} tokens)"
+            )
+            note = valsplit.short_note(split)
+            if note:
+                log.warn(f"{name}: {v.shards.dir}'s {v.shards.split} split {note}")
 
     def log_metrics(self, step: int, m: dict) -> None:
         t, c = self.trainer, self.trainer.cfg

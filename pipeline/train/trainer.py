@@ -244,6 +244,9 @@ class Trainer:
         self.data_wait_s = 0.0  # seconds this step's micro-batches waited for the loader (perf/data_wait_ms)
         self.schedule = STEP_KEYED  # how shortcut schedules are drawn (build: the resumed checkpoint's rule)
         self.work = StepWork(float(cfg.model.loops), 1)  # the last step's work per token (Speed's MFU)
+        # seconds spent in optimizer steps (validation, checkpoints and logging excluded) and the tokens they
+        # trained, summed over the run and its resumes: train_time_s, train_tokens (tlf compare's tokens/s)
+        self.train_time_s, self.train_tokens = 0.0, 0
         self.callbacks = list(callbacks)
         for cb in self.callbacks:
             cb.trainer = self
@@ -299,6 +302,9 @@ class Trainer:
         for cb in trainer.callbacks:
             if type(cb).__name__ in saved:
                 cb.load_state_dict(saved[type(cb).__name__])
+        if resume.saved is not None:  # a checkpoint written before they were kept: counted from this resume on
+            trainer.train_time_s = float(resume.saved.get("train_time_s", 0.0))
+            trainer.train_tokens = int(resume.saved.get("train_tokens", 0))
         trainer.schedule = resume.saved.get("schedule", GLOBAL_RNG) if resume.saved is not None else STEP_KEYED
         return trainer
 
@@ -392,6 +398,8 @@ class Trainer:
             "objective": self.engine.module.state(),
             "schedule": self.schedule,
             "callbacks": {type(cb).__name__: st for cb in self.callbacks if (st := cb.state_dict()) is not None},
+            "train_time_s": self.train_time_s,
+            "train_tokens": self.train_tokens,
             "config": self.cfg.to_dict(),
             "mlflow_run_id": self.run_id,
         }
@@ -414,7 +422,10 @@ class Trainer:
                 self._call("pre_train")
                 while self.step < self.max_steps:
                     self._call("pre_step", self.step + 1)
+                    t0 = time.perf_counter()
                     r = self.read(self.train_step())
+                    self.train_time_s += time.perf_counter() - t0
+                    self.train_tokens += self.tokens_per_step
                     if r["bad_micro_batch"]:
                         raise NonFiniteError(
                             f"non-finite loss at step {self.step + 1} (micro-batch "
@@ -455,6 +466,7 @@ class Trainer:
         """The step's own metrics from its readout: loss and parts, lr, epoch, grad norm, router statistics."""
         out = {"loss": r["loss"], "lr": _lr_of_step(self.engine), "epoch": self.loader.epoch}
         out["perf/data_wait_ms"], self.data_wait_s = 1e3 * self.data_wait_s, 0.0
+        out.update(train_time_s=self.train_time_s, train_tokens=self.train_tokens)
         out.update({p: r[p] for p in r["parts"]})
         if r["grad_norm"] is not None:
             out["grad_norm"] = r["grad_norm"]
