@@ -27,6 +27,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -629,6 +630,7 @@ def plot_all(sel: Selection, client, out: Path) -> list[Path]:
         (_plot_depth, runs),
         (_plot_work, runs),
         (_plot_throughput, sel),
+        (_plot_elastic_training, sel, client),
     )
     paths = []
     for fn, *args in plots:
@@ -711,6 +713,50 @@ def _plot_work(plt, runs: dict[str, Run]):
     ax.set_xlabel("executed loop work (mean loops per token)"), ax.set_ylabel("answer accuracy")
     ax.set_title("depth task: accuracy vs loop work"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
     return fig, "accuracy_vs_work.png"
+
+
+def elastic_points(sel: Selection, client) -> dict[str, dict[int, list[tuple[float, float]]]]:
+    """{variant: {step: [(loop work, validation loss), ...] by budget}} of each training run that logged several
+    budgets (train.eval_loops: val/M{M}/loss): loop work is a routed pass's val/M{M}/loop_work (mean depth / L),
+    else M / L, L the largest budget logged."""
+    out: dict[str, dict[int, list[tuple[float, float]]]] = {}
+    for v in sel.variants():
+        r = sel.train.get(v)
+        budgets = sorted(int(m[1]) for k in (r.metrics if r else {}) if (m := re.fullmatch(r"val/M(\d+)/loss", k)))
+        if len(budgets) < 2:
+            continue
+        per: dict[int, dict[int, list[float]]] = {}
+        for M in budgets:
+            work = dict(history(client, r, f"val/M{M}/loop_work"))
+            for step, loss in history(client, r, f"val/M{M}/loss"):
+                per.setdefault(step, {})[M] = [work.get(step, M / budgets[-1]), loss]
+        out[v] = {st: [tuple(per[st][M]) for M in sorted(per[st])] for st in sorted(per)}
+    return out
+
+
+def _plot_elastic_training(plt, sel: Selection, client):
+    """The elastic curve over training: validation loss against loop work at each logged step (one line per step,
+    darker later), a routed variant's passes dashed, with its routed point at M = L marked."""
+    pts = elastic_points(sel, client)
+    if not pts:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    cmaps = ["Blues", "Oranges", "Greens", "Purples", "Reds"]
+    for i, (v, steps) in enumerate(pts.items()):
+        routed = any(k.endswith("/loop_work") for k in sel.train[v].metrics)  # logged by a routed pass only
+        cmap = plt.get_cmap(cmaps[i % len(cmaps)])
+        for j, (st, line) in enumerate(steps.items()):
+            color = cmap(0.35 + 0.65 * (j + 1) / len(steps))
+            last = j == len(steps) - 1
+            ax.plot(
+                *zip(*line), linestyle="--" if routed else "-", color=color, label=f"{v} step {st}" if last else None
+            )
+            if routed:
+                ax.plot(*line[-1], marker="*", markersize=10, color=color)
+    ax.set_xlabel("loop work (share of the full pass's loops)"), ax.set_ylabel("validation loss")
+    ax.set_title("elastic curve over training (darker: later; *: routed point at M = L)")
+    ax.grid(alpha=0.3), ax.legend(fontsize=7)
+    return fig, "elastic_over_training.png"
 
 
 def _plot_throughput(plt, sel: Selection):

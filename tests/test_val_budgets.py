@@ -82,3 +82,29 @@ def test_training_logs_every_budget_and_each_extra_split(tmp_path, data):
         for M in (1, 2, 3):
             assert {f"val/M{M}/loss", f"val/M{M}/mean_depth", f"val/M{M}/loop_work", f"val/other/M{M}/loss"} <= set(r)
         assert r["val/loss"] == r["val/M3/loss"] and r["val/M1/mean_depth"] == 1.0
+
+
+def test_compare_draws_the_elastic_curve_over_training(tmp_path, data):
+    """`tlf compare --run-dir` of a t-loopformer and a loopformer run: each logged validation step is one line of
+    (loop work, loss) over the budgets 1..3, the routed run's work its logged mean depth / L, the other's M / L;
+    the plot is written."""
+    from click.testing import CliRunner
+
+    from evaluation.compare import elastic_points, local_runs, select
+    from pipeline.cli import main
+    from pipeline.tracking import read_metrics
+    from pipeline.train.trainer import run
+
+    dirs = []
+    for preset in ("tiny/t-loopformer", "tiny/loopformer"):
+        d = tmp_path / preset.split("/")[1]
+        run(tiny_cfg(d, data, "schedule.max_steps=4", "train.eval_interval=2", preset=preset))
+        dirs.append(d)
+    pts = elastic_points(select(local_runs([str(d) for d in dirs]), None), None)
+    assert set(pts) == {"t-loopformer", "loopformer"} and all(list(p) == [2, 4] for p in pts.values())
+    assert [w for w, _ in pts["loopformer"][4]] == [1 / 3, 2 / 3, 1.0]
+    last = read_metrics(dirs[0] / "metrics.jsonl")[-1]
+    assert pts["t-loopformer"][4] == [(last[f"val/M{m}/loop_work"], last[f"val/M{m}/loss"]) for m in (1, 2, 3)]
+    r = CliRunner().invoke(main, ["compare", *(f"--run-dir={d}" for d in dirs), "--out", str(tmp_path / "cmp")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "cmp" / "elastic_over_training.png").is_file()
