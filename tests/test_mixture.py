@@ -132,3 +132,39 @@ def test_sources_of_another_tokenizer_are_named(tmp_path, dirs):
             build_loaders(cfg_of(tmp_path, [dirs[0], other]), 0, 1)
     finally:
         (dirs[0].parent / "a" / "manifest.json").unlink()
+
+
+def two_rank_part(tmp: str) -> dict:
+    """On each rank of the shared 2-rank run (tests/two_ranks.py): a 4-step mixture run of global batch 2 (one
+    sequence per rank), its losses and the tokens each source gave, for the test to hold against one rank."""
+    import torch.distributed as dist
+
+    from pipeline.tracking import read_metrics
+    from pipeline.train.ds import init_distributed
+    from pipeline.train.trainer import run
+
+    rank, _, _ = init_distributed("cpu")  # (the launcher's process group, made by the parts before)
+    root = Path(tmp) / "mix_data"
+    if rank == 0:
+        make_shards(root / "a", windows=40, seed=1), make_shards(root / "b", windows=7, seed=2)
+    dist.barrier()
+    over = ("schedule.max_steps=4", "train.eval_interval=0", "train.micro_batch_size=1", "train.global_batch_size=2")
+    res = run(cfg_of(Path(tmp) / "mix_run", [root / "a", root / "b"], *over))
+    last = read_metrics(Path(tmp) / "mix_run" / "metrics.jsonl")[-1] if rank == 0 else {}
+    return {"losses": res.losses, "tokens": {k: v for k, v in last.items() if k.startswith("data/tokens/")}}
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_train_the_mixture_one_rank_does(two_ranks, tmp_path):
+    """The same mixture on 2 gloo ranks (micro-batch 1 each) and on 1 rank (micro-batch 2): the same sequences
+    per step, so the losses agree within fp32 rounding of the gradient all-reduce, and so do the sources' tokens."""
+    from pipeline.tracking import read_metrics
+    from pipeline.train.trainer import run
+
+    r0, r1 = two_ranks.part("mixture")
+    root = two_ranks.tmp / "mix_data"
+    over = ("schedule.max_steps=4", "train.eval_interval=0", "train.micro_batch_size=2", "train.global_batch_size=2")
+    one = run(cfg_of(tmp_path / "one", [root / "a", root / "b"], *over))
+    assert r0["losses"] == r1["losses"] and r0["losses"] == pytest.approx(one.losses, rel=1e-5)
+    last = read_metrics(tmp_path / "one" / "metrics.jsonl")[-1]
+    assert r0["tokens"] == {k: v for k, v in last.items() if k.startswith("data/tokens/")} != {}

@@ -2,7 +2,7 @@
 are the resumes on another world size and ZeRO stage (test_reshard.py), ZeRO 1/2/3 learning and the bit-exact 2-rank
 resume (test_train_dist.py), the uninterrupted run that torchrun's restarted job must equal (test_restart.py), a
 skipped loss spike and the gradient statistics (test_spikes.py), the zero-shot tasks during training
-(test_zeroshot_in_training.py) and the per-rank model states against the planner (test_plan_zero.py). Each part
+(test_zeroshot_in_training.py), a data mixture (test_mixture.py) and the per-rank model states against the planner (test_plan_zero.py). Each part
 is a function of its test file; a part that raises is recorded with its traceback and the others still run, so
 every test reports its own failure (`TwoRanks.part`).
 
@@ -33,6 +33,7 @@ PARTS = {
     "restart": ("test_restart", "two_rank_part"),
     "spikes": ("test_spikes", "two_rank_part"),
     "zeroshot": ("test_zeroshot_in_training", "two_rank_part"),
+    "mixture": ("test_mixture", "two_rank_part"),
     "plan_zero": ("test_plan_zero", "two_rank_part"),
 }
 
