@@ -347,3 +347,23 @@ def test_redone_steps_reach_mlflow_so_it_agrees_with_the_metrics_file(tmp_path, 
     run = cl.get_run(run_id)
     assert "steps 3-4 redone from the checkpoint of step 2" in run.data.tags["redo/1"]
     assert run.info.status == "FINISHED" and run.data.metrics["loss"] == loss[4]
+
+
+def test_a_run_on_a_real_server_as_its_users_browse_it(tmp_path, data, server):
+    """`tlf train` against the real server: the experiment is a model-training one, the run has its Source and
+    Dataset, the budgets' validation, the data wait and MLflow's system metrics, and tlf prints the UI link that
+    opens the run as model training."""
+    from pipeline.tracking import client
+
+    uri = server.up().uri
+    out = train(tmp_path, data, uri, "schedule.max_steps=2", "train.eval_interval=2", "logging.experiment=ui").finish()
+    run_id = re.search(r"MLflow run (\w+)", out).group(1)
+    cl = client(uri)
+    run = cl.get_run(run_id)
+    assert cl.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert f"MLflow UI: {uri}/#/experiments/{run.info.experiment_id}/runs/{run_id}?workflowType=machine_learning" in out
+    assert run.data.tags["mlflow.source.name"] == "tlf train"
+    assert [i.dataset.name for i in run.inputs.dataset_inputs] == [data.name]
+    metrics = set(run.data.metrics)
+    assert {"val/M1/loss", "val/M2/loss", "val/M3/loss", "val/M3/loop_work", "perf/data_wait_ms"} <= metrics
+    assert any(k.startswith("system/") for k in metrics)
