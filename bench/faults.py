@@ -504,12 +504,12 @@ def prep_trials(n: int, seed: int, work: Path, docs: int = 2000, shard_tokens: i
 
 # ------------------------------------------------------------------------------------------------ tlf eval
 def _stable(path: Path) -> dict:
-    """A results.json without what legitimately differs between two runs: timings, and its own directory's name in
-    the output file paths."""
+    """A results.json without what legitimately differs between two runs: timings, when it was written, and its own
+    directory's name in the output file paths."""
 
     def drop(x):
         if isinstance(x, dict):
-            return {k: drop(v) for k, v in x.items() if k not in ("timing_s", "wall_s", "load_s")}
+            return {k: drop(v) for k, v in x.items() if k not in ("timing_s", "wall_s", "load_s", "evaluated_at")}
         return [drop(v) for v in x] if isinstance(x, list) else x
 
     return drop(json.loads(path.read_text().replace(json.dumps(str(path.parent))[1:-1], "<out>")))
