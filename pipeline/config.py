@@ -277,6 +277,11 @@ class DataConfig:
         """The training directories: data.dirs, or data.dir alone."""
         return list(self.dirs) or [self.dir]
 
+    @staticmethod
+    def source_name(directory: str) -> str:
+        """The name a shard directory's metrics go by (val/<name>, data/tokens/<name>): its last path part."""
+        return Path(directory).name or directory
+
 
 @dataclass
 class OptimConfig:

@@ -195,19 +195,26 @@ def lagging_latest(root: Path, done: list[Path], i: int) -> str | None:
     return f"{root / 'latest'} names {named[:80]!r}; using {chosen}, the newest intact checkpoint ({why})"
 
 
-def lost_by_start(root: Path, start: Path | None, fresh_ok: bool) -> str | None:
+def own_checkpoint(root: Path, ck: Path | None) -> bool:
+    """Whether checkpoint dir ck is one of run directory root's own."""
+    return ck is not None and ck.parent.resolve() == Path(root).resolve()
+
+
+def lost_by_start(root: Path, start: Path | None, auto: bool) -> str | None:
     """What of run directory `root` a run starting from checkpoint dir `start` (None: from step 0) would replace,
     as one phrase, or None when nothing: from one of root's own checkpoints, the intact checkpoints past it (their
-    steps would be written again); from anything else, every complete checkpoint, the metrics and the MLflow run of
-    the run that is there. `fresh_ok` (checkpoint.resume=auto): a root without a complete checkpoint is the same run
-    started again after a kill before its first save, and its metrics are redone."""
+    steps would be written again; under checkpoint.resume=`auto` there are none, `start` being the newest intact);
+    from anything else, every complete checkpoint, the metrics and the MLflow run of the run that is there. Under
+    `auto` a root without a complete checkpoint is the same run started again after a kill before its first save,
+    and its metrics are redone."""
     done = complete_checkpoints(root)
-    own = start is not None and start.parent.resolve() == Path(root).resolve()
-    if own:
+    if own_checkpoint(root, start):
+        if auto:  # (the checkpoints past it were found damaged as it was chosen: not hashed again)
+            return None
         at = int(STEP_DIR.match(start.name).group(1))
         later = [p.name for s, p in done if s > at and damage(p) is None]
         return f"checkpoints past {start.name} ({', '.join(later)})" if later else None
-    if fresh_ok and start is None and not done:
+    if auto and start is None and not done:
         return None
     held = [p.name for _, p in done]
     metrics = root / METRICS_FILE
@@ -218,12 +225,17 @@ def lost_by_start(root: Path, start: Path | None, fresh_ok: bool) -> str | None:
     return f"another run ({', '.join(held)})" if held else None
 
 
+def free_name(p: Path) -> Path:
+    """p, or p-1, p-2, ...: the first of them nothing has taken."""
+    out, n = p, 1
+    while out.exists():
+        out, n = p.with_name(f"{p.name}-{n}"), n + 1
+    return out
+
+
 def move_aside(root: Path) -> Path:
     """Moves run directory root to a new sibling `<name>.replaced-<UTC time>` (never over anything) and returns
     it; root is then free for a new run."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    aside, n = root.with_name(f"{root.name}.replaced-{stamp}"), 1
-    while aside.exists():
-        aside, n = root.with_name(f"{root.name}.replaced-{stamp}-{n}"), n + 1
+    aside = free_name(root.with_name(f"{root.name}.replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"))
     os.rename(root, aside)
     return aside

@@ -13,7 +13,6 @@ The router statistics are not a callback: they travel in the step's one all-redu
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from data_prep import valsplit
 from pipeline.memory import memory_metrics
@@ -120,7 +119,7 @@ class Validation(Callback):
             budgets = t.cfg.train.eval_loops or default_budgets(L)
             vl = evaluate(t.engine, t.val, t.cfg.train.eval_batches, t.device, budgets, L)
             if t.cfg.data.dirs:  # a mixture: val/loss is its sources' weighted mean
-                vl = mix(vl, [Path(d).name or d for d in t.cfg.data.dirs], t.cfg.data.weights)
+                vl = mix(vl, [t.cfg.data.source_name(d) for d in t.cfg.data.dirs], t.cfg.data.weights)
             metrics.update(vl)
             t.result.val_losses[step] = vl["val/loss"]
             shown = {k: v for k, v in vl.items() if not k.endswith(("/mean_depth", "/loop_work"))}
@@ -141,11 +140,13 @@ class Profiler(Callback):
     MLflow run as an artifact by rank 0, off the training thread."""
 
     def __init__(self) -> None:
-        self.prof = None
+        self.prof, self.span = None, None
+
+    def pre_train(self) -> None:
+        self.span = self.trainer.cfg.train.profile_range()  # (A, B) or None, read once
 
     def pre_step(self, step: int) -> None:
-        span = self.trainer.cfg.train.profile_range()
-        if span is not None and step == span[0]:
+        if self.span is not None and step == self.span[0]:
             import torch
 
             acts = [torch.profiler.ProfilerActivity.CPU]
@@ -155,16 +156,15 @@ class Profiler(Callback):
             self.prof.__enter__()
 
     def end_step(self, step: int) -> None:
-        span = self.trainer.cfg.train.profile_range()
-        if self.prof is not None and step == span[1]:
-            self._export(span)
+        if self.prof is not None and step == self.span[1]:
+            self._export()
 
     def post_train(self) -> None:
         if self.prof is not None:
-            self._export(self.trainer.cfg.train.profile_range())
+            self._export()
 
-    def _export(self, span: tuple[int, int]) -> None:
-        t, prof, self.prof = self.trainer, self.prof, None
+    def _export(self) -> None:
+        t, prof, span, self.prof = self.trainer, self.prof, self.span, None
         prof.__exit__(None, None, None)
         path = t.root / f"profile_steps_{span[0]}-{span[1]}_rank{t.rank}.json"
         prof.export_chrome_trace(str(path))

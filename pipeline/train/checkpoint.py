@@ -37,7 +37,7 @@ import torch
 
 from data_prep.files import UnwritableError, atomic_write_bytes, check_writable, write_json
 from pipeline.config import Config, ConfigError
-from pipeline.rundir import complete_checkpoints, newest_intact, record_files
+from pipeline.rundir import complete_checkpoints, free_name, newest_intact, record_files
 
 
 class CheckpointError(RuntimeError):
@@ -247,7 +247,7 @@ def save(engine, model, cfg: Config, root: Path, step: int, state: dict, rank: i
     if rank == 0:
         record_files(tmp, digests)
         if final.exists():  # a damaged checkpoint of this step that the resume passed over: kept, renamed
-            os.replace(final, _free_name(root / f"{tag}.damaged"))
+            os.replace(final, free_name(root / f"{tag}.damaged"))
         os.replace(tmp, final)
         _fsync_dir(root)
         atomic_write_bytes(root / "latest", [tag.encode()])
@@ -263,14 +263,6 @@ def _gather_digests(written: dict[str, str], tmp: Path) -> dict[str, str]:
     every: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, mine)
     return {k: v for d in every for k, v in d.items()}
-
-
-def _free_name(p: Path) -> Path:
-    """p, or p-1, p-2, ... : the first name not taken."""
-    out, n = p, 1
-    while out.exists():
-        out, n = p.with_name(f"{p.name}-{n}"), n + 1
-    return out
 
 
 # How a failed write shows up: OSError ENOSPC / EDQUOT (our writers, torch's legacy format), or a RuntimeError of

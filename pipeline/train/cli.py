@@ -26,22 +26,29 @@ def _check_batch(cfg, ws: int) -> None:
 
 def _finished(cfg) -> str | None:
     """The line saying the run is already complete, when checkpoint.resume finds a checkpoint at or past
-    schedule.max_steps (None otherwise, also when the checkpoint cannot be read: the trainer then says why)."""
+    schedule.max_steps (None otherwise, also when the checkpoint cannot be read: the trainer then says why). The
+    search goes by the files' sizes, and only a checkpoint that would end the run is hashed, so a run that goes on
+    hashes its checkpoint once, in the trainer."""
     if cfg.checkpoint.resume == "none":
         return None
-    from pipeline.rundir import STEP_DIR, run_dir
+    from pipeline.rundir import STEP_DIR, damage, run_dir
     from pipeline.train.checkpoint import CheckpointError
     from pipeline.train.resume import find_resume
 
+    def at(ck) -> int:  # the step of checkpoint dir ck, -1 for none
+        m = STEP_DIR.match(ck.name) if ck is not None else None
+        return int(m.group(1)) if m else -1
+
     try:
-        ck = find_resume(cfg, run_dir(cfg))
+        ck = find_resume(cfg, run_dir(cfg), deep=False)
+        if at(ck) >= cfg.schedule.max_steps and damage(ck) is not None:
+            ck = find_resume(cfg, run_dir(cfg))  # an altered file: the checkpoint the trainer would take instead
     except CheckpointError:
         return None
-    m = STEP_DIR.match(ck.name) if ck is not None else None
-    if m is None or int(m.group(1)) < cfg.schedule.max_steps:
+    if at(ck) < cfg.schedule.max_steps:
         return None
     return (
-        f"[tlf] run already complete: checkpoint {ck} is at step {m.group(1)} of schedule.max_steps="
+        f"[tlf] run already complete: checkpoint {ck} is at step {at(ck)} of schedule.max_steps="
         f"{cfg.schedule.max_steps}; nothing to train. To train further, raise schedule.max_steps (the run resumes "
         "from this checkpoint); to train anew, checkpoint.resume=none or another checkpoint.dir"
     )

@@ -14,7 +14,6 @@ skipped or repeated. `micro` counts the draws of this loader (this run's units, 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -203,7 +202,7 @@ def build_loaders(cfg, rank: int, ws: int, loader=None) -> tuple:
     if cfg.train.eval_interval > 0:
         val = [
             (
-                f"val/{Path(d).name or d}",
+                f"val/{cfg.data.source_name(d)}",
                 ValLoader(d, cfg.data.val_split, T, mb, rank, ws, cfg.model.vocab_size, cfg.data.verify),
             )
             for d in cfg.data.sources() + list(cfg.data.extra_val_dirs)

@@ -20,6 +20,7 @@ import torch
 
 from data_prep.foldtask import task_of
 from data_prep.shards import ShardError, ShardSet, read_manifest
+from pipeline.config import DataConfig
 from pipeline.train.batch import to_batch
 from pipeline.train.logger import log
 
@@ -30,7 +31,7 @@ class _Source:
     """One directory's training windows, read in its own seeded epochs; `take(n)` returns the next n window ids."""
 
     def __init__(self, index: int, directory: str, split: str, seq_len: int, seed: int, verify) -> None:
-        self.index, self.name, self.T, self.seed = index, Path(directory).name or directory, seq_len, seed
+        self.index, self.name, self.T, self.seed = index, DataConfig.source_name(directory), seq_len, seed
         self.shards = ShardSet(directory, split, verify)
         self.windows = (self.shards.num_tokens - 1) // seq_len
         if self.windows < 1:

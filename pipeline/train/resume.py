@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import Config, ConfigError, ModelConfig, upgrade
-from pipeline.rundir import damage, lost_by_start, move_aside, newest_intact
+from pipeline.rundir import damage, lost_by_start, move_aside, newest_intact, own_checkpoint
 from pipeline.train import checkpoint as ckpt, reshard
 from pipeline.train.logger import log
 
@@ -62,7 +62,7 @@ class Resume:
         from another run's stable checkpoint, or a run moved aside by --overwrite): {"branched_from": the checkpoint,
         "branched_from_step", "branched_from_run": its MLflow run id or ""}; {} for a fresh run or a resume of root's
         own checkpoint. Such a run logs to a new MLflow run with these tags, never to the source's."""
-        if self.path is None or self.path.parent.resolve() == Path(root).resolve():
+        if self.path is None or own_checkpoint(root, self.path):
             return {}
         return {
             "branched_from": str(self.path),
@@ -141,29 +141,30 @@ def claim(cfg: Config, root: Path, overwrite: bool) -> Path | None:
             f"checkpoint.dir={root} holds {lost}; a run starting {where} would overwrite it. Choose another "
             f"checkpoint.dir, or add --overwrite to move {root} aside to {root}.replaced-<time> (nothing is deleted)"
         )
-    own = start is not None and start.parent.resolve() == root.resolve()
+    own = own_checkpoint(root, start)
     aside = move_aside(root)
     root.mkdir(parents=True)
     log.info(f"--overwrite: moved {root} ({lost}) aside to {aside}")
     return aside / start.name if own else start
 
 
-def find_resume(cfg: Config, root: Path, warn=None) -> Path | None:
+def find_resume(cfg: Config, root: Path, warn=None, deep: bool = True) -> Path | None:
     """The checkpoint dir to resume from: checkpoint.resume = auto (newest intact under root, if any), none, a
     checkpoint dir, or a run dir (its newest intact checkpoint; `latest` is only a hint for other tools). A damaged
-    newest checkpoint is passed over with `warn(one line naming it and the one used instead)`."""
+    newest checkpoint is passed over with `warn(one line naming it and the one used instead)`. deep=False: intact
+    by the files' sizes alone (`rundir.damage`), no file read."""
     r = cfg.checkpoint.resume
     if r == "none":
         return None
     if r == "auto":
-        return newest_intact(root, warn)
+        return newest_intact(root, warn, deep)
     p = Path(r)
     if (p / "rank0_state.pt").is_file():
-        why = damage(p)
+        why = damage(p, deep)
         if why:
             raise ckpt.CheckpointError(f"checkpoint.resume={r}: damaged checkpoint ({why}); resume from another one")
         return p
-    found = newest_intact(p, warn)
+    found = newest_intact(p, warn, deep)
     if found is not None:
         return found
     raise ckpt.CheckpointError(
