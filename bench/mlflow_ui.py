@@ -1,8 +1,9 @@
 """MLflow as a user browses tlf's runs: starts `mlflow server` on a store (default: the one `make demo` writes),
 opens the experiment and a run in headless Chromium (Debian's `chromium`), saves screenshots and prints what it
 checks: the experiment's kind (model training, so the UI opens on its runs, not a GenAI app's traces page), the
-landing page of tlf's link (`pipeline.tracking.ui_link`), the run table's Dataset and Source columns, and the order
-of a run's chart sections (which sections a user scrolls past before `loss`).
+landing page of tlf's link (`pipeline.tracking.ui_link`), the run table's Dataset and Source columns, the chart
+view tlf's charts link opens (its saved view: the Headline section first, with which charts) beside the chart
+sections MLflow's own order gives the experiment and a run's page (which sections a user scrolls past before `loss`).
 
     python bench/mlflow_ui.py                                   # the demo's store: .cache/demo/mlflow.db
     python bench/mlflow_ui.py --store sqlite:///mlflow.db --experiment tlf --out bench/figures/mlflow_ui
@@ -60,6 +61,22 @@ def _names(runs) -> set[str]:
     return {i.dataset.name for r in runs for i in r.inputs.dataset_inputs}
 
 
+def sections(page: list[str]) -> list[tuple[str, int]]:
+    """(name, chart count) of a chart page's sections, in order: a header reads NAME, (COUNT), Add chart."""
+    return [
+        (page[i - 2], int(page[i - 1][1:-1]))
+        for i, t in enumerate(page)
+        if t == "Add chart" and i > 1 and re.fullmatch(r"\(\d+\)", page[i - 1])
+    ]
+
+
+def section_charts(page: list[str], name: str, keys: set[str]) -> list[str]:
+    """The chart titles (metric keys) shown in section `name`, in order."""
+    start = next(i for i in range(len(page) - 2) if page[i] == name and page[i + 2] == "Add chart") + 3
+    nxt = next((i for i in range(start, len(page) - 2) if page[i + 2] == "Add chart"), len(page))
+    return [t for t in page[start:nxt] if t in keys]
+
+
 def check(store: str, experiment: str, out: Path) -> dict:
     port = free_port()
     server = serve(store, port)
@@ -71,19 +88,21 @@ def check(store: str, experiment: str, out: Path) -> dict:
             raise SystemExit(f"{store}: no experiment {experiment!r}")
         runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
         run = runs[0]
+        keys = {k for r in runs for k in r.data.metrics}
         landing = texts(browse(tracking.ui_link(uri, exp.experiment_id), out / "experiment.png"))
         table = texts(browse(tracking.ui_link(uri, exp.experiment_id), None))
-        charts = texts(
+        view_url = tracking.ui_link(uri, exp.experiment_id, view=True)
+        view = texts(browse(view_url, out / "charts_view.png"))
+        plain_url = f"{uri}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&compareRunsMode=CHART"
+        plain = texts(browse(plain_url, out / "charts_mlflow_order.png"))
+        run_page = texts(
             browse(
                 tracking.ui_link(uri, exp.experiment_id, run.info.run_id).replace("?", "/model-metrics?"),
                 out / "run_charts.png",
             )
         )
-        sections = [  # a section's header reads NAME, (COUNT), Add chart; the un-prefixed one "Model metrics"
-            charts[i - 2] if re.fullmatch(r"\(\d+\)", charts[i - 1]) else charts[i - 1]
-            for i, t in enumerate(charts)
-            if t == "Add chart" and i > 1
-        ]
+        in_view = sections(view)
+        stored = tracking._unpack(exp.tags[tracking.VIEW_TAG]) if tracking.VIEW_TAG in exp.tags else None
         res = {
             "store": store,
             "experiment": experiment,
@@ -93,8 +112,15 @@ def check(store: str, experiment: str, out: Path) -> dict:
             "datasets": {r.info.run_name: [i.dataset.name for i in r.inputs.dataset_inputs] for r in runs},
             "sources": {r.info.run_name: r.data.tags.get("mlflow.source.name") for r in runs},
             "dataset_column_filled": any(t.startswith(f"{ds} (") for t in table for ds in _names(runs)),
-            "chart_sections": sections,
-            "sections_before_model_metrics": sections.index("Model metrics") if "Model metrics" in sections else None,
+            "view_url": view_url,
+            "view_active": tracking.VIEW_NAME in view and "Exit shared view" in view,
+            "view_sections": in_view,
+            "view_collapsed": [s["name"] for s in (stored or {}).get("compareRunSections", []) if not s["display"]],
+            "headline_first": bool(in_view) and in_view[0][0] == tracking.HEADLINE_SECTION,
+            "headline_charts": section_charts(view, tracking.HEADLINE_SECTION, keys) if in_view else [],
+            "headline_stored": [c["metricKey"] for c in (stored or {}).get("compareRunCharts", [])],
+            "mlflow_order_sections": [n for n, _ in sections(plain)],
+            "run_page_sections": [n for n, _ in sections(run_page)],
         }
     finally:
         server.terminate()
@@ -115,10 +141,19 @@ def main() -> None:
     print(f"tlf's link lands on: {res['landing_title']}  ({a.out / 'experiment.png'})")
     print(f"Dataset column filled: {res['dataset_column_filled']}; datasets {res['datasets']}")
     print(f"Source column: {res['sources']}")
-    print(f"chart sections of the newest run, in order: {res['chart_sections']}  ({a.out / 'run_charts.png'})")
-    print(
-        f"sections before the un-prefixed 'Model metrics' (loss, lr, tokens_per_s): {res['sections_before_model_metrics']}"
-    )
+    print(f"charts link: {res['view_url']}")
+    print(f"  opens tlf's saved view '{tracking.VIEW_NAME}': {res['view_active']}  ({a.out / 'charts_view.png'})")
+    print(f"  sections in order (name, charts): {res['view_sections']}")
+    print(f"  first section is '{tracking.HEADLINE_SECTION}': {res['headline_first']}")
+    print(f"  its charts rendered in the window: {res['headline_charts']}")
+    print(f"  the view's headline charts (experiment tag {tracking.VIEW_TAG}): {res['headline_stored']}")
+    print(f"  sections the view starts collapsed: {res['view_collapsed']}")
+    print(f"MLflow's own order, the same experiment's charts without the view: {res['mlflow_order_sections']}")
+    print(f"  ({a.out / 'charts_mlflow_order.png'})")
+    print(f"a run's own page (its layout is kept in the browser only): {res['run_page_sections']}")
+    print(f"  ({a.out / 'run_charts.png'})")
+    if not (res["view_active"] and res["headline_first"] and "loss" in res["headline_charts"]):
+        raise SystemExit("the charts link does not open the Headline section first")
 
 
 if __name__ == "__main__":

@@ -74,22 +74,181 @@ KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 def experiment_id(cl, name: str) -> str:
     """The id of experiment `name`, created as a model-training experiment (`KIND`) if it does not exist; one that
-    exists without a kind gets it (a kind set by its owner stays)."""
+    exists without a kind gets it (a kind set by its owner stays), and one without tlf's saved view an empty one
+    (`save_view`, best effort)."""
     exp = cl.get_experiment_by_name(name)
     if exp is None:
-        return cl.create_experiment(name, tags=KIND)
-    if "mlflow.experimentKind" not in exp.tags:
-        cl.set_experiment_tag(exp.experiment_id, *next(iter(KIND.items())))
-    return exp.experiment_id
+        exp_id = cl.create_experiment(name, tags=KIND)
+    else:
+        exp_id = exp.experiment_id
+        if "mlflow.experimentKind" not in exp.tags:
+            cl.set_experiment_tag(exp_id, *next(iter(KIND.items())))
+    if exp is None or VIEW_TAG not in exp.tags:  # the view link works before the first metric is sent
+        try:
+            save_view(cl, exp_id)
+        except Exception:  # noqa: BLE001 - a server refusing tags: the runs go on without the view
+            pass
+    return exp_id
 
 
-def ui_link(uri: str, experiment_id: str, run_id: str | None = None) -> str | None:
+def ui_link(uri: str, experiment_id: str, run_id: str | None = None, view: bool = False) -> str | None:
     """The MLflow UI's page of an experiment (or one of its runs) on a tracking server, opened as model training
-    (MLflow 3's `workflowType`, which a new browser otherwise takes to be a GenAI app's); None for a local store."""
+    (MLflow 3's `workflowType`, which a new browser otherwise takes to be a GenAI app's); view: the experiment's
+    runs in chart mode through tlf's saved view (`VIEW_ID`: the headline charts first); None for a local store."""
     if not uri.startswith(("http://", "https://")):
         return None
-    page = f"{uri.rstrip('/')}/#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
-    return page + "?workflowType=machine_learning"
+    page = f"{uri.rstrip('/')}/#/experiments/{experiment_id}"
+    if view:
+        return f"{page}/runs?workflowType=machine_learning&viewStateShareKey={VIEW_ID}&compareRunsMode=CHART"
+    return page + (f"/runs/{run_id}" if run_id else "") + "?workflowType=machine_learning"
+
+
+# ------------------------------------------------------------------------------------ the charts view
+# MLflow's chart view orders its sections by metric prefix (the key up to its last "/"), alphabetically, with the
+# un-prefixed metrics ("Model metrics": loss, lr, tokens_per_s) and "System metrics" last, every section expanded;
+# a run's page does the same and keeps its layout only in the browser. An experiment's saved view (an experiment
+# tag `mlflow.sharedViewState.<id>` that the UI lists under "Saved views" and opens from `viewStateShareKey=<id>`)
+# is the one layout a server holds: tlf keeps one per experiment, `VIEW_ID`, whose first section holds the charts a
+# user looks at first (HEADLINE), then every other section in MLflow's order, the zero-shot `eval/...` sections
+# collapsed; `ui_link(..., view=True)` opens it. It grows with the metric keys as they are sent (log_metrics), so
+# it has only charts with data.
+VIEW_ID = "tlf-training"
+VIEW_TAG = "mlflow.sharedViewState." + VIEW_ID
+VIEW_NAME = "tlf: training"
+HEADLINE_SECTION = "Headline"  # loss, validation per budget, tokens/s, memory, depth
+MODEL_SECTION, SYSTEM_SECTION = "Model metrics", "System metrics"  # MLflow's names of its two fixed sections
+COLLAPSED = ("eval/",)  # sections (prefixes) the view starts collapsed: the zero-shot tasks, one chart per point
+# The headline charts, in this order (within a pattern: by budget M, then by name)
+HEADLINE = (
+    r"loss",
+    r"val/loss",
+    r"val/M(\d+)/loss",
+    r"tokens_per_s",
+    r"mem/(cuda_max_allocated_gb|peak_rss_gb)",
+    r"router/full/mean_depth",
+)
+
+
+def _headline_rank(key: str) -> tuple | None:
+    import re
+
+    for i, pattern in enumerate(HEADLINE):
+        m = re.fullmatch(pattern, key)
+        if m:
+            num = m.group(1) if m.groups() and m.group(1).isdigit() else None
+            return (i, int(num) if num else 0, key)
+    return None
+
+
+def section_of(key: str) -> str:
+    """The chart section MLflow puts a metric in: its key up to the last "/" (MLflow's `extractChartSectionName`);
+    un-prefixed keys: "Model metrics", `system/...`: "System metrics"."""
+    if key.startswith("system/"):
+        return SYSTEM_SECTION
+    return key.rpartition("/")[0] or MODEL_SECTION
+
+
+def view_layout(keys, headline=(), sections=()) -> tuple[list[str], list[str]]:
+    """(headline keys, other sections) of the view for metric `keys`, merged with an earlier view's `headline` and
+    `sections`: the headline by HEADLINE's order, the sections by MLflow's (alphabetical, "Model metrics" then
+    "System metrics" last), each section only when a key outside the headline is in it."""
+    head = set(headline) | {k for k in keys if _headline_rank(k)}
+    secs = set(sections) | {section_of(k) for k in keys if not _headline_rank(k)}
+    last = {MODEL_SECTION: 1, SYSTEM_SECTION: 2}
+    return sorted(head, key=_headline_rank), sorted(secs, key=lambda s: (last.get(s, 0), s))
+
+
+def view_state(headline: list[str], sections: list[str]) -> dict:
+    """The saved view (MLflow 3's experiment-page UI state): one line chart per headline key in the first section,
+    then `sections`, the COLLAPSED ones closed; MLflow adds any other metric's chart to its prefix's section
+    (a new section at the end)."""
+    head = {"uuid": "tlf-headline", "name": HEADLINE_SECTION, "display": True, "isReordered": True}
+    rest = [
+        {"uuid": f"tlf-section:{s}", "name": s, "display": not s.startswith(COLLAPSED), "isReordered": False}
+        for s in sections
+    ]
+    charts = [
+        {
+            "uuid": f"tlf-chart:{k}",
+            "type": "LINE",
+            "metricKey": k,
+            "metricSectionId": head["uuid"],
+            "displayName": k,
+            "isGenerated": False,
+            "deleted": False,
+            "runsCountToCompare": 10,
+            "lineSmoothness": 0,
+            "scaleType": "linear",
+            "xAxisScaleType": "linear",
+            "xAxisKey": "step",
+            "selectedXAxisMetricKey": "",
+            "useGlobalXaxisKey": True,
+            "useGlobalLineSmoothing": True,
+        }
+        for k in headline
+    ]
+    return {
+        "compareRunCharts": charts,
+        "compareRunSections": [head, *rest],
+        "isAccordionReordered": True,
+    }
+
+
+def _pack(state: dict) -> str:
+    """An experiment tag's value of a saved view: MLflow's envelope {name, createdAt, state}, the state compressed
+    as its UI writes it ("deflate;" + base64 of zlib)."""
+    import base64
+    import time
+    import zlib
+
+    packed = "deflate;" + base64.b64encode(zlib.compress(json.dumps(state, separators=(",", ":")).encode())).decode()
+    return json.dumps({"name": VIEW_NAME, "createdAt": int(time.time() * 1000), "state": packed})
+
+
+def _unpack(value: str) -> dict:
+    import base64
+    import zlib
+
+    state = json.loads(value)["state"]
+    if state.startswith("deflate;"):
+        state = zlib.decompress(base64.b64decode(state[len("deflate;") :])).decode()
+    return json.loads(state)
+
+
+def save_view(cl, experiment_id: str, keys=()) -> None:
+    """Writes the experiment's saved view (VIEW_TAG) for metric `keys`, merged with the view it holds, when that
+    changes it (an unreadable or older view is rewritten)."""
+    exp = cl.get_experiment(experiment_id)
+    old, headline, sections = None, [], []
+    if VIEW_TAG in exp.tags:
+        try:
+            old = _unpack(exp.tags[VIEW_TAG])
+            headline = [c["metricKey"] for c in old["compareRunCharts"] if c.get("metricSectionId") == "tlf-headline"]
+            sections = [s["name"] for s in old["compareRunSections"][1:]]
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            old = None
+    state = view_state(*view_layout(keys, headline, sections))
+    if state != old:
+        cl.set_experiment_tag(experiment_id, VIEW_TAG, _pack(state))
+
+
+_seen: dict[str, tuple[str, set]] = {}  # run id: (its experiment id, the headline keys and sections in its view)
+
+
+def note_keys(cl, run_id: str, keys) -> None:
+    """Brings the run's experiment's saved view up to date with metric `keys` just sent, when they add a headline
+    chart or a section this process has not put in it yet; best effort (the view is for browsing: a failure
+    leaves it as it was)."""
+    try:
+        if run_id not in _seen:
+            _seen[run_id] = (cl.get_run(run_id).info.experiment_id, set())
+        exp, done = _seen[run_id]
+        marks = {k if _headline_rank(k) else section_of(k) for k in keys}
+        if marks - done:
+            save_view(cl, exp, keys)
+            done |= marks
+    except Exception:  # noqa: BLE001 - the server failing here is the sender's to report; the view waits
+        pass
 
 
 def source_tags(command: str) -> dict[str, str]:
@@ -115,9 +274,11 @@ def source_tags(command: str) -> dict[str, str]:
 
 
 def log_metrics(cl, run_id: str, metrics: list) -> None:
-    """Sends mlflow.entities.Metric objects with log_batch, BATCH at a time."""
+    """Sends mlflow.entities.Metric objects with log_batch, BATCH at a time, and keeps the experiment's saved view
+    (`note_keys`) up to date with their keys."""
     for i in range(0, len(metrics), BATCH):
         cl.log_batch(run_id, metrics=metrics[i : i + BATCH])
+    note_keys(cl, run_id, {m.key for m in metrics})
 
 
 def metric_history(cl, run_id: str, key: str) -> list[tuple[int, float]]:

@@ -352,8 +352,9 @@ def test_redone_steps_reach_mlflow_so_it_agrees_with_the_metrics_file(tmp_path, 
 def test_a_run_on_a_real_server_as_its_users_browse_it(tmp_path, data, server):
     """`tlf train` against the real server: the experiment is a model-training one, the run has its Source and
     Dataset, the budgets' validation, the data wait and MLflow's system metrics, and tlf prints the UI link that
-    opens the run as model training."""
-    from pipeline.tracking import client
+    opens the run as model training and the charts link that opens the experiment's saved view, whose Headline
+    section holds the run's loss, budgets' validation, tokens/s, memory and depth charts."""
+    from pipeline.tracking import VIEW_TAG, _unpack, client
 
     uri = server.up().uri
     out = train(tmp_path, data, uri, "schedule.max_steps=2", "train.eval_interval=2", "logging.experiment=ui").finish()
@@ -367,3 +368,51 @@ def test_a_run_on_a_real_server_as_its_users_browse_it(tmp_path, data, server):
     metrics = set(run.data.metrics)
     assert {"val/M1/loss", "val/M2/loss", "val/M3/loss", "val/M3/loop_work", "perf/data_wait_ms"} <= metrics
     assert any(k.startswith("system/") for k in metrics)
+    exp_page = f"{uri}/#/experiments/{run.info.experiment_id}/runs?workflowType=machine_learning"
+    assert f"MLflow charts: {exp_page}&viewStateShareKey=tlf-training&compareRunsMode=CHART" in out
+    view = _unpack(cl.get_experiment(run.info.experiment_id).tags[VIEW_TAG])
+    assert [c["metricKey"] for c in view["compareRunCharts"]] == [
+        "loss", "val/loss", "val/M1/loss", "val/M2/loss", "val/M3/loss", "tokens_per_s", "mem/peak_rss_gb",
+        "router/full/mean_depth",
+    ]  # fmt: skip
+    sections = [s["name"] for s in view["compareRunSections"]]
+    assert sections[0] == "Headline" and sections[-1] == "Model metrics"  # system/...: MLflow's monitor, appended
+    assert {"perf", "val/M3", "router/short"} <= set(sections) and "val" not in sections  # val/loss: in Headline
+
+
+def test_the_saved_view_puts_the_headline_first_and_grows_with_the_keys(tmp_path):
+    """The experiment's saved view (what tlf's charts link opens; bench/mlflow_ui.py checks it in a browser):
+    Headline charts in HEADLINE's order (budgets by number), then the other sections in MLflow's order with the
+    zero-shot sections collapsed; keys sent later are merged in."""
+    from mlflow.entities import Metric
+
+    from pipeline import tracking
+
+    head, secs = tracking.view_layout(
+        ["lr", "val/M10/loss", "val/M2/loss", "loss", "eval/M2/piqa/acc", "mem/peak_rss_gb", "system/cpu", "val/M2/x"]
+    )
+    assert head == ["loss", "val/M2/loss", "val/M10/loss", "mem/peak_rss_gb"]
+    assert secs == ["eval/M2/piqa", "val/M2", "Model metrics", "System metrics"]
+    state = tracking.view_state(head, secs)
+    assert [(s["name"], s["display"]) for s in state["compareRunSections"]] == [
+        ("Headline", True), ("eval/M2/piqa", False), ("val/M2", True), ("Model metrics", True),
+        ("System metrics", True),
+    ]  # fmt: skip
+    assert state["isAccordionReordered"] and {c["metricSectionId"] for c in state["compareRunCharts"]} == {
+        "tlf-headline"
+    }
+    assert tracking._unpack(tracking._pack(state)) == state and tracking._pack(state).count("deflate;") == 1
+
+    cl = tracking.client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = tracking.experiment_id(cl, "v")
+    assert tracking._unpack(cl.get_experiment(exp).tags[tracking.VIEW_TAG])["compareRunCharts"] == []
+    run = cl.create_run(exp).info.run_id
+    tracking.log_metrics(cl, run, [Metric("loss", 1.0, 0, 1), Metric("grad_norm/emb", 1.0, 0, 1)])
+    tracking.log_metrics(cl, run, [Metric("val/M1/loss", 1.0, 0, 2), Metric("val/loss", 1.0, 0, 2)])
+    view = tracking._unpack(cl.get_experiment(exp).tags[tracking.VIEW_TAG])
+    assert [c["metricKey"] for c in view["compareRunCharts"]] == ["loss", "val/loss", "val/M1/loss"]
+    assert [s["name"] for s in view["compareRunSections"]] == ["Headline", "grad_norm"]
+    assert tracking.ui_link("http://h:5000/", exp, view=True) == (
+        f"http://h:5000/#/experiments/{exp}/runs?workflowType=machine_learning&viewStateShareKey=tlf-training"
+        "&compareRunsMode=CHART"
+    )

@@ -88,6 +88,7 @@ class RunLogger:
         link = tracking.ui_link(uri, self.experiment_id, self.run_id)
         if link:
             self.info(f"MLflow UI: {link}")
+            self.info(f"MLflow charts: {tracking.ui_link(uri, self.experiment_id, view=True)}")
         if self._file is not None:
             self._sender = Sender(Path(self._file.name), self.client, self.run_id, after, self._say)
             self._sender.start()

@@ -114,7 +114,7 @@ class Sender(threading.Thread):
 
     def _post(self, batch: list) -> bool:
         try:
-            self.client.log_batch(self.run_id, metrics=batch)
+            tracking.log_metrics(self.client, self.run_id, batch)  # and the experiment's saved view
             return True
         except Exception as e:  # noqa: BLE001 - any failure of the outside service: spool, never raise into training
             if self.down_since is None:
