@@ -140,7 +140,7 @@ def main(argv=None) -> dict:
         )
     }
     specs = {v: {**common, "variant": v, "extra": []} for v in variants}
-    specs["t-loopformer (dense)"] = {**common, "variant": "t-loopformer", "extra": ["model.gather_scatter=false"]}
+    specs["t-loopformer (dense)"] = {**common, "variant": "t-loopformer", "extra": ["model.execution=dense"]}
     results = run_cases(_worker, specs, a.steps)
     for r in results.values():
         r["tokens_per_s"] = a.batch * a.seq / r["time_s"]

@@ -45,7 +45,7 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
-def _step_memory_worker(export: str, gather_scatter: bool, batch: int, seq: int, q) -> None:
+def _step_memory_worker(export: str, execution: str, batch: int, seq: int, q) -> None:
     torch.manual_seed(0)
     model, cfg = load_model(export, resolve_device("auto"))
     model.train()
@@ -54,15 +54,15 @@ def _step_memory_worker(export: str, gather_scatter: bool, batch: int, seq: int,
     base = region_start(dev)
     from pipeline.train.objective import Objective
 
-    Objective(model, cfg.objective)(idx, idx, gather_scatter=gather_scatter).loss.backward()
+    Objective(model, cfg.objective)(idx, idx, execution=execution).loss.backward()
     q.put(region_peak_mib(dev, base))
 
 
-def step_memory_mb(export: str, gather_scatter: bool, batch: int, seq: int) -> float:
+def step_memory_mb(export: str, execution: str, batch: int, seq: int) -> float:
     """Peak memory (MiB) of one training step of the export's model, measured in a fresh process."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_step_memory_worker, args=(export, gather_scatter, batch, seq, q))
+    p = ctx.Process(target=_step_memory_worker, args=(export, execution, batch, seq, q))
     p.start()
     val = q.get()
     p.join()
@@ -133,7 +133,7 @@ def run(
         "device": str(a.dev),
     }
     res["router_cache"] = _router_cache(a, tpot_steps)
-    res["gather_scatter"] = _gather_scatter(a, train_batch)
+    res["execution"] = _execution(a, train_batch)
     res["threshold_sweep"] = _threshold_sweep(a, thresholds)
     res["ttft_ms"] = _ttft(a, prompt_lens)
     res["figures"] = [str(p) for p in _plot(res, outd)]
@@ -165,16 +165,17 @@ def _router_cache(a: _Ablation, tpot_steps: int) -> dict:
     return rc
 
 
-def _gather_scatter(a: _Ablation, train_batch: int) -> dict:
-    """Gather-scatter on/off: a training step's peak memory (fresh process each) and full-context prefill time."""
+def _execution(a: _Ablation, train_batch: int) -> dict:
+    """Gather-scatter on and off (model.execution compact and dense): a training step's peak memory (fresh process
+    each) and full-context prefill time."""
     gs = {}
     prompt = a.tokens(a.T)
-    for on in (True, False):
-        sec = _median_time(lambda: _timed_forward(a.model, prompt, a.M, on), a.repeats)  # noqa: B023  (runs in this iteration)
-        mem = step_memory_mb(a.export, on, train_batch, a.T)
-        gs["on" if on else "off"] = {"train_step_peak_mb": mem, "prefill_ms": 1e3 * sec}
+    for ex in ("compact", "dense"):
+        sec = _median_time(lambda: _timed_forward(a.model, prompt, a.M, ex), a.repeats)  # noqa: B023  (runs in this iteration)
+        mem = step_memory_mb(a.export, ex, train_batch, a.T)
+        gs[ex] = {"train_step_peak_mb": mem, "prefill_ms": 1e3 * sec}
     a.log(
-        "gather-scatter: "
+        "execution: "
         + "; ".join(
             f"{k}: step memory {v['train_step_peak_mb']:.0f} MB, prefill {v['prefill_ms']:.1f} ms"
             for k, v in gs.items()
@@ -217,11 +218,11 @@ def _ttft(a: _Ablation, prompt_lens) -> dict:
 
 
 @torch.no_grad()
-def _timed_forward(model, idx, M, gather_scatter: bool) -> float:
+def _timed_forward(model, idx, M, execution: str) -> float:
     if idx.device.type == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()
-    model(idx, loops=M, gather_scatter=gather_scatter).logits[:, -1].argmax(-1).cpu()
+    model(idx, loops=M, execution=execution).logits[:, -1].argmax(-1).cpu()
     return time.perf_counter() - t
 
 
@@ -239,12 +240,12 @@ def _plot(res: dict, out: Path) -> list[Path]:
     axes[1].set_ylabel("TPOT (ms, batch 1)"), axes[1].set_title("router x recursion-wise cache")
     paths.append(save(fig, out / "fig3_router_cache.png"))
 
-    gs = res["gather_scatter"]
+    gs = res["execution"]
     fig, axes = plt.subplots(1, 2, figsize=(9, 4))
     axes[0].bar(list(gs), [gs[k]["train_step_peak_mb"] for k in gs])
-    axes[0].set_ylabel("peak memory of a training step (MB)"), axes[0].set_title("gather-scatter: memory")
+    axes[0].set_ylabel("peak memory of a training step (MB)"), axes[0].set_title("compact vs dense: memory")
     axes[1].bar(list(gs), [gs[k]["prefill_ms"] for k in gs])
-    axes[1].set_ylabel("full-context prefill (ms)"), axes[1].set_title("gather-scatter: latency")
+    axes[1].set_ylabel("full-context prefill (ms)"), axes[1].set_title("compact vs dense: latency")
     paths.append(save(fig, out / "fig4_gather_scatter.png"))
 
     if res["threshold_sweep"]:

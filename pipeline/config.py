@@ -114,7 +114,10 @@ class ModelConfig:
         False,
         "The router also has a head forecasting, for each exit but the last, whether a token is hard there: parameters the kinds recipe trains and reads; depth never reads it (docs/router.md).",
     )
-    gather_scatter: bool = f(True, "Compute only active tokens per loop (false: dense masked reference path).")
+    execution: Literal["compact", "sorted", "bucketed", "dense"] = f(
+        "compact",
+        "How a routed pass lays its work out on the device (the same model, depths and loops per token under each; docs/model.md 'Execution strategies'): compact (each loop gathers its active tokens in position order, runs causal attention among them, scatters back), sorted (one depth-sorted layout per pass: each loop runs on a contiguous prefix under a position-aware causal mask), bucketed (compact with each loop's length rounded up to one of 8 sizes, so compiled graphs meet a bounded set of shapes) or dense (every token computed under a mask: the reference).",
+    )
     exit_schedule: Literal["own", "prefix"] = f(
         "own",
         "The steps a token of depth m < M runs: own (its own trajectory, m steps renormalised to sum 1, so depth m ends at time 1) or prefix (the first m steps of the pass's, so a depth-m token is the pass stopped after loop m: an early exit; docs/model.md 'The network', Per-token time).",
@@ -131,17 +134,22 @@ class ModelConfig:
     fourier_dim: int = f(256, "Sinusoidal Fourier features of the time/step embeddings (even).", ge=2)
 
     # What a resume may change (docs/training.md 'Checkpoints and resume'): an init (moot once weights are loaded) and the
-    # execution knobs (the dense reference path, the router's exit threshold). Every other field defines the
+    # execution knobs (the execution strategy, the router's exit threshold). Every other field defines the
     # network: its parameters and what a forward pass computes from them, so a resume refuses to change it. The
     # `objective` section may always change.
-    RESUMABLE: ClassVar[tuple[str, ...]] = ("gate_init", "gather_scatter", "router_threshold")
+    RESUMABLE: ClassVar[tuple[str, ...]] = ("gate_init", "execution", "router_threshold")
     # Keys that moved or are gone (pipeline/removed.yaml, `_gone`): naming one is an error that says where it went or
     # why; configs tlf stored before (checkpoints, exports) are read through `upgrade`.
     MOVED: ClassVar[dict[str, str]]
     REMOVED: ClassVar[dict[str, str]]
     # Network keys newer than some stored configs, with the value every network before them had: `upgrade`
     # fills them in, so an older checkpoint resumes and an older export loads as what it was.
-    ADDED: ClassVar[dict[str, Any]] = {"exited_keys": "drop", "exit_schedule": "own", "router_forecast": False}
+    ADDED: ClassVar[dict[str, Any]] = {
+        "exited_keys": "drop",
+        "exit_schedule": "own",
+        "router_forecast": False,
+        "execution": "compact",
+    }
 
     def validate(self) -> None:
         if self.variant not in VARIANTS:
@@ -156,6 +164,10 @@ class ModelConfig:
         for k in ("router_norm", "router_forecast"):
             if getattr(self, k) and not self.router:
                 raise ConfigError(f"model.{k}=true needs a router (model.router=true)")
+        if self.execution == "sorted" and self.exited_keys == "frozen":
+            raise ConfigError(
+                "model.execution=sorted runs attention among the tokens still looping: it needs model.exited_keys=drop"
+            )
 
     def _check_variant_flags(self) -> None:
         """The flags must be the ones VARIANT_TABLE gives the `variant` name (a run's tag is what it trained)."""
@@ -602,6 +614,8 @@ def upgrade(d: dict, source: str = "stored config") -> dict:
                 or ModelConfig.MOVED.get(k) == f"objective.{k}"
             ):
                 obj[k] = model.pop(k)
+        if isinstance(model.get("gather_scatter"), bool):  # before model.execution: true compact, false dense
+            model.setdefault("execution", "compact" if model.pop("gather_scatter") else "dense")
         for k, v in ModelConfig.ADDED.items():
             model.setdefault(k, v)
         if not isinstance(obj.get("router"), dict):

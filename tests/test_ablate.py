@@ -49,8 +49,8 @@ def test_ablate_tiny_checkpoint(tmp_path):
     assert rc["router_on/cache_on"]["ppl"] == rc["router_on/cache_off"]["ppl"]  # the cache changes speed only
     depths = [s["mean_depth"] for s in res["threshold_sweep"]]
     assert depths == sorted(depths, reverse=True) and depths[0] > depths[-1]  # higher theta, fewer loops
-    assert set(res["gather_scatter"]) == {"on", "off"}
-    assert all(v["train_step_peak_mb"] > 0 for v in res["gather_scatter"].values())
+    assert set(res["execution"]) == {"compact", "dense"}
+    assert all(v["train_step_peak_mb"] > 0 for v in res["execution"].values())
     assert list(res["ttft_ms"]["router_on"]) == ["8", "16"]  # 64 > context 32: left out
     for f in ("fig3_router_cache.png", "fig4_gather_scatter.png", "fig3_threshold.png", "fig4_ttft.png"):
         assert (tmp_path / "out" / f).stat().st_size > 0

@@ -107,12 +107,12 @@ def test_overrides_are_typed():
         [
             "model.loops=3",
             "optim.lr=1e-3",
-            "model.gather_scatter=false",
+            "model.execution=dense",
             "eval.loops=[1,2]",
             "model.router_threshold=0.25",
         ],
     )
-    assert cfg.model.loops == 3 and cfg.optim.lr == 1e-3 and cfg.model.gather_scatter is False
+    assert cfg.model.loops == 3 and cfg.optim.lr == 1e-3 and cfg.model.execution == "dense"
     assert cfg.eval.loops == [1, 2] and cfg.model.router_threshold == 0.25
 
 

@@ -15,15 +15,19 @@ from pipeline.model import LoopedLM
 torch.set_num_threads(1)
 ATOL = 1e-5
 TINY = sorted(p.split("/")[1] for p in list_presets() if p.startswith("tiny/"))
-CASES = TINY + ["base-loop-router@kinds"]  # variant@recipe: a router recipe's network (kinds: the forecast head)
+# variant@recipe: a router recipe's network (kinds: the forecast head); variant#strategy: its full forward (the
+# oracle) under that model.execution, the decoder's own layout unchanged
+CASES = TINY + ["base-loop-router@kinds", "t-loopformer#sorted", "t-loopformer#bucketed"]
 
 
 def make(variant="t-loopformer", seed=0, device="cpu", *overrides):
     """A tiny model whose layers do something (non-zero modulators) and whose router depths vary a lot.
-    variant may name a router recipe: 'base-loop-router@kinds' (tests/helpers.py RECIPE)."""
+    variant may name a router recipe: 'base-loop-router@kinds' (tests/helpers.py RECIPE), or an execution strategy:
+    't-loopformer#sorted'."""
     torch.manual_seed(seed)
+    variant, _, execution = variant.partition("#")
     variant, _, recipe = variant.partition("@")
-    extra = RECIPE[recipe] if recipe else []
+    extra = [*(RECIPE[recipe] if recipe else []), *([f"model.execution={execution}"] if execution else [])]
     model = LoopedLM(load_config(f"tiny/{variant}", [*extra, *overrides]).model)
     with torch.no_grad():
         for layer in model.layers:

@@ -73,10 +73,10 @@ def test_every_path_runs_its_loops_through_loop():
     model.loop = counted
     x = torch.randint(0, 100, (2, 8))
     with torch.no_grad():
-        for gs in (True, False):
+        for ex in ("compact", "sorted", "bucketed", "dense"):
             calls.clear()
-            out = model(x, loops=3, gather_scatter=gs)
-            assert calls == list(range(1, int(out.depth.max()) + 1 if gs else 4)), (gs, calls)
+            out = model(x, loops=3, execution=ex)
+            assert calls == list(range(1, int(out.depth.max()) + 1 if ex != "dense" else 4)), (ex, calls)
         calls.clear()
         model.hidden_states(x, 3, mask=torch.ones(2, 8, 8, dtype=torch.bool).tril())
         assert calls and calls == sorted(calls)

@@ -52,27 +52,36 @@ def grads(model):
 
 
 # --------------------------------------------------------------------------------- gather-scatter
+STRATEGIES = ("compact", "sorted", "bucketed")  # model.execution's strategies besides the dense reference
+CASES = [
+    ("t-loopformer", []),
+    ("t-loopformer", RECIPE["budget"]),
+    ("t-loopformer", [*RECIPE["budget"], "model.exited_keys=frozen"]),
+    ("t-loopformer", [*RECIPE["budget"], "model.exit_schedule=prefix", "model.exited_keys=frozen"]),
+    ("t-loopformer", [*RECIPE["expected"], "model.exited_keys=frozen"]),
+    ("loopformer", []),
+    ("base-loop-ee-align", []),
+    ("base-loop-router", RECIPE["budget"]),
+    ("base-loop-router", [*RECIPE["expected"], "model.exited_keys=frozen"]),
+    ("base-loop-router", [*RECIPE["kinds"], "model.exited_keys=frozen"]),
+]
+
+
 @pytest.mark.parametrize(
-    "variant,overrides",
+    "variant,overrides,execution",
     [
-        ("t-loopformer", []),
-        ("t-loopformer", RECIPE["budget"]),
-        ("t-loopformer", [*RECIPE["budget"], "model.exited_keys=frozen"]),
-        ("t-loopformer", [*RECIPE["budget"], "model.exit_schedule=prefix", "model.exited_keys=frozen"]),
-        ("t-loopformer", [*RECIPE["expected"], "model.exited_keys=frozen"]),
-        ("loopformer", []),
-        ("base-loop-ee-align", []),
-        ("base-loop-router", RECIPE["budget"]),
-        ("base-loop-router", [*RECIPE["expected"], "model.exited_keys=frozen"]),
-        ("base-loop-router", [*RECIPE["kinds"], "model.exited_keys=frozen"]),
+        (v, o, ex)
+        for ex in STRATEGIES
+        for v, o in CASES
+        if not (ex == "sorted" and "model.exited_keys=frozen" in o)  # sorted needs exited_keys=drop (a ConfigError)
     ],
 )
 @pytest.mark.parametrize("device", DEVICES)
-def test_gather_scatter_equals_dense_reference(variant, overrides, device):
-    """Every router recipe (paper, budget, expected, kinds): the objective's losses and gradients on the
-    gather-scatter path equal the dense reference's (a recipe's state, the kinds' table, is restored between the
-    two). fp32 on every device (on CUDA without TF32)."""
-    model = make(variant, *overrides).to(device)
+def test_gather_scatter_equals_dense_reference(variant, overrides, execution, device):
+    """Every execution strategy under every router recipe (paper, budget, expected, kinds): the objective's losses
+    and gradients equal the dense reference's (a recipe's state, the kinds' table, is restored between the two).
+    fp32 on every device (on CUDA without TF32; there the sorted strategy attends through FlexAttention)."""
+    model = make(variant, *overrides, f"model.execution={execution}").to(device)
     idx, tgt = (t.to(device) for t in batch())
     k = torch.tensor([1, 2, 1])  # a fixed shortcut schedule (on the host, as the trainer draws it)
     model.train()
@@ -87,7 +96,7 @@ def test_gather_scatter_equals_dense_reference(variant, overrides, device):
         assert not torch.equal((d >= 2).sum(1), (d >= 2).sum(1)[:1].expand(3))  # different |A_2| per row
     model.zero_grad()
     obj.load_state(state, "before")
-    out_dense = obj(idx, tgt, k, gather_scatter=False)
+    out_dense = obj(idx, tgt, k, execution="dense")
     out_dense.loss.backward()
     g_dense = grads(model)
     assert torch.equal(out_gs.depth, out_dense.depth)
@@ -132,19 +141,54 @@ def test_what_an_exited_token_shows_later_loops(exited_keys):
             for j, layer in enumerate(model.layers):
                 hc = torch.where(active, layer(hc, mods[j]), h)
             h = hc
-        for gs in (True, False):
-            lg = model(idx, loops=4, gather_scatter=gs).logits
+        for ex in ("compact", "bucketed", "dense"):  # sorted runs exited_keys=drop only
+            lg = model(idx, loops=4, execution=ex).logits
             torch.testing.assert_close(lg, model.head(h)[0], atol=1e-6, rtol=0)
 
 
-def test_gather_scatter_elastic_budget_and_threshold():
+@pytest.mark.parametrize("execution", STRATEGIES)
+def test_gather_scatter_elastic_budget_and_threshold(execution):
     model = make().eval()
     idx, _ = batch(B=4, T=33)
     for M, theta in [(2, 0.5), (3, 0.3), (4, 0.7)]:
-        a = model(idx, loops=M, threshold=theta, gather_scatter=True)
-        b = model(idx, loops=M, threshold=theta, gather_scatter=False)
+        a = model(idx, loops=M, threshold=theta, execution=execution)
+        b = model(idx, loops=M, threshold=theta, execution="dense")
         torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=0)
         assert int(a.depth.max()) <= M
+
+
+def test_sorted_through_flex_attention_equals_dense(monkeypatch):
+    """The sorted strategy's FlexAttention block mask (its attention on CUDA), run on the CPU in eager mode: its
+    logits equal the dense reference's at several budgets and thresholds. (FlexAttention has no backward on the
+    CPU; its gradients are the CUDA cases of test_gather_scatter_equals_dense_reference.)"""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from pipeline.model import looped
+
+    monkeypatch.setattr(looped, "FLEX_DEVICES", ("cpu",))
+    monkeypatch.setattr(looped, "_FLEX", [flex_attention])  # eager: compiling it on the CPU is for the GPU's sake
+    model = make().eval()
+    idx, _ = batch(B=3, T=40)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex_attention warns that it is slow
+        for M, theta in [(4, 0.5), (3, 0.3)]:
+            a = model(idx, loops=M, threshold=theta, execution="sorted")
+            b = model(idx, loops=M, threshold=theta, execution="dense")
+            assert torch.equal(a.depth, b.depth) and len(a.depth.unique()) >= 2
+            torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=0)
+
+
+def test_bucketed_lengths_are_a_handful():
+    """The bucketed strategy computes one of BUCKETS lengths per loop (multiples of ceil(T / BUCKETS), at most T),
+    never fewer slots than active tokens."""
+    from pipeline.model.looped import BUCKETS, bucket_length
+
+    for T in (1, 7, 8, 33, 64, 2048):
+        sizes = {bucket_length(n, T) for n in range(1, T + 1)}
+        assert len(sizes) <= BUCKETS and max(sizes) == T
+        assert all(bucket_length(n, T) >= n for n in range(1, T + 1))
 
 
 @pytest.mark.parametrize("mode,recipe", [("loop", "paper"), ("layer", "paper"), ("loop", "kinds")])

@@ -70,13 +70,17 @@ D512 = ["model.d_model=512", "model.n_heads=8", "model.d_ff=1280", "model.block_
 
 def _config(variant: str, scale: str, *extra):
     """variant may name the expected router recipe, whose training step runs every token through every loop with
-    a head per exit: 't-loopformer@expected'."""
+    a head per exit: 't-loopformer@expected', or an execution strategy: 't-loopformer#sorted'."""
+    variant, _, execution = variant.partition("#")
     variant, _, recipe = variant.partition("@")
-    return load_config(f"{scale}/{variant}", [*(RECIPE[recipe] if recipe else ()), *extra])
+    ex = [f"model.execution={execution}"] if execution else []
+    return load_config(f"{scale}/{variant}", [*(RECIPE[recipe] if recipe else ()), *ex, *extra])
 
 
 @pytest.mark.parametrize("size", ["tiny", "d512"])
-@pytest.mark.parametrize("variant", ["loopformer", "t-loopformer", "t-loopformer@expected"])
+@pytest.mark.parametrize(
+    "variant", ["loopformer", "t-loopformer", "t-loopformer@expected", "t-loopformer#sorted", "t-loopformer#bucketed"]
+)
 def test_planned_peak_matches_the_measured_step(variant, size):
     cfg = _config(variant, "tiny", *OVR) if size == "tiny" else _config(variant, "small", *OVR, *D512)
     peak, counts, saved = _measured(cfg)

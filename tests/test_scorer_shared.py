@@ -21,7 +21,7 @@ CASES = [
 
 
 def model_for(name: str, gather_scatter: bool):
-    m, cfg = perturbed_tiny(name, overrides=() if gather_scatter else ("model.gather_scatter=false",))
+    m, cfg = perturbed_tiny(name, overrides=() if gather_scatter else ("model.execution=dense",))
     if m.router is not None:
         spread_router(m)
     return m, cfg

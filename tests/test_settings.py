@@ -27,7 +27,7 @@ USERS = {
     "model.router_threshold": ("paper/t-loopformer", "default"),  # the paper's theta 0.5
     "model.router_norm": ("small/t-loopformer-budget", "sets"),
     "model.router_forecast": ("fold/kinds", "sets"),
-    "model.gather_scatter": ("paper/t-loopformer", "default"),  # compute only active tokens (false: the reference)
+    "model.execution": ("paper/t-loopformer", "default"),  # compact; the others are bench/gpu_check.py's cases
     "model.exit_schedule": ("fold/t-loopformer-expected", "sets"),
     "model.exited_keys": ("fold/kinds", "sets"),
     "model.gate_init": ("fold/kinds", "sets"),

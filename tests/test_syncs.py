@@ -32,7 +32,9 @@ def _tiny(variant: str, *extra: str) -> LoopedLM:
     "variant,extra,expected",
     [
         ("t-loopformer", (), 1),  # full + shortcut pass: one read of every loop's |A_i|
-        ("t-loopformer", ("model.gather_scatter=false",), 0),  # the dense oracle needs no sizes
+        ("t-loopformer", ("model.execution=dense",), 0),  # the dense oracle needs no sizes
+        ("t-loopformer", ("model.execution=sorted",), 1),  # each strategy reads the sizes once
+        ("t-loopformer", ("model.execution=bucketed",), 1),
         ("loopformer", (), 0),  # no router: every token runs every loop
         ("base-loop", (), 0),
     ],

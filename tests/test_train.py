@@ -295,7 +295,7 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch,
             )
         )
     # the objective's weights and the execution knobs may change: the run continues and says so
-    changed = ("objective.lambda_short=0.5", "model.router_threshold=0.4", "model.gather_scatter=false")
+    changed = ("objective.lambda_short=0.5", "model.router_threshold=0.4", "model.execution=sorted")
     more = run(
         tiny_cfg(tmp_path / "d", data, f"checkpoint.resume={root / 'global_step8'}", "schedule.max_steps=9", *changed)
     )
@@ -305,7 +305,8 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path, data, monkeypatch,
         line for line in (out.out + out.err).splitlines() if "resuming with the objective or execution changed" in line
     ]
     assert len(note) == 1 and all(
-        k in note[0] for k in ("router_threshold 0.5 -> 0.4", "gather_scatter True -> False", "lambda_short 0.1 -> 0.5")
+        k in note[0]
+        for k in ("router_threshold 0.5 -> 0.4", "execution 'compact' -> 'sorted'", "lambda_short 0.1 -> 0.5")
     ), note
 
     # resume from step 4 into another dir: steps 5..8 are bit-identical
@@ -360,6 +361,29 @@ def test_resume_bit_exact_with_grad_accum_and_zero2(tmp_path, data, recipe, monk
     if kinds:  # the resumed table has kinds below the gate (a fresh one, all 1, would withhold their answers)
         saved = torch.load(tmp_path / "a" / "global_step3" / "rank0_state.pt", weights_only=True)["objective"]
         assert 0 < float(saved["kind_rate"].min()) < 0.5
+
+
+@pytest.mark.parametrize("execution", ["sorted", "bucketed"])
+def test_each_strategy_resumes_bit_exact_and_into_another(tmp_path, data, execution):
+    """model.execution (compact: the tests above): a run under the strategy resumes bit for bit under
+    train.deterministic, and its checkpoint resumes under another strategy (the same model: losses equal to
+    rounding). A spread router, so that rows differ in depth and the layouts differ."""
+    from helpers import spread_router
+    from pipeline.model import LoopedLM
+    from pipeline.train.trainer import Trainer
+
+    extra = ["schedule.max_steps=6", "checkpoint.interval=3", "train.eval_interval=0", "train.deterministic=true"]
+
+    def train(d, ex, *more):
+        cfg = tiny_cfg(tmp_path / d, data, *extra, f"model.execution={ex}", *more)
+        return Trainer.build(cfg, model=None if more else spread_router(LoopedLM(cfg.model))).fit()
+
+    full = train("a", execution)
+    resume = f"checkpoint.resume={tmp_path / 'a' / 'global_step3'}"
+    assert train("b", execution, resume).losses == full.losses[3:]
+    other = train("c", "compact", resume)
+    assert other.start_step == 3
+    np.testing.assert_allclose(other.losses, full.losses[3:], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("target", [1.6, 2.4])

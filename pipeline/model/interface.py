@@ -98,7 +98,7 @@ class LoopedNetwork(Protocol):
         tables: list[torch.Tensor] | None = None,
         hooks: LoopHooks | None = None,
         counts: np.ndarray | None = None,
-        gather_scatter: bool | None = None,
+        execution: str | None = None,
     ) -> torch.Tensor:
         """M = len(delta) loops from h0 (B, T, d), each token for its depth; the final states (B, T, d)."""
         ...

@@ -7,13 +7,15 @@
                                                         # or over every token, exited ones frozen (=frozen)
     logits = head(RMSNorm(h))
 
-Gather-scatter (`gather_scatter=true`): loop i compacts each row's active tokens in position order into a
-(B, max|A_i|, d) tensor (padding at the tail of shorter rows, so plain causal SDPA never lets a real query
-see a pad key), runs the shared block on it and scatters the rows back. The dense reference
-(`gather_scatter=false`) runs every token with a mask (query tau may attend tau' iff tau' <= tau and
-tau' in A_i) and keeps inactive tokens' states: it is the test oracle and the ablation. Both, and the decoder's
-one-token steps, run each loop through `LoopedLM.loop` (modulation rows, shared block, straight-through factor,
-merge); they differ only in which states they hand it.
+Execution strategies (`model.execution`, docs/model.md 'Execution strategies'): the same loops, depths and outputs,
+laid out differently. compact: loop i compacts each row's active tokens in position order into a (B, max|A_i|, d)
+tensor (padding at the tail of shorter rows, so plain causal SDPA never lets a real query see a pad key), runs the
+shared block on it and scatters the rows back. bucketed: compact with max|A_i| rounded up to one of BUCKETS
+lengths. sorted: each row's tokens gathered once per pass, deepest first, so loop i's active tokens are a
+contiguous prefix; attention among them by position. dense: every token runs with a mask (query tau may attend
+tau' iff tau' <= tau and tau' in A_i) and inactive tokens keep their states: the test oracle and the ablation.
+All of them, and the decoder's one-token steps, run each loop through `LoopedLM.loop` (modulation rows, shared
+block, straight-through factor, merge); they differ only in which states they hand it.
 
 The network computes passes, not losses: `forward` returns each pass's logits (or, with logits=False, only the
 final-normed states the fused head takes), depths and the router's output. The training objective (both passes'
@@ -85,6 +87,50 @@ class _StraightThrough(torch.autograd.Function):
         (delta,) = ctx.saved_tensors
         gs = torch.linalg.vecdot(g, delta)[..., None] if ctx.needs_input_grad[2] else None  # (B, Tm, 1)
         return None, g, gs
+
+
+BUCKETS = 8  # the bucketed strategy's lengths: multiples of ceil(T / BUCKETS), at most T
+FLEX_DEVICES = ("cuda",)  # where the sorted strategy attends through FlexAttention block masks (else SDPA masks)
+
+
+def bucket_length(n: int, T: int) -> int:
+    """The bucketed strategy's computed length for n active tokens of a row of T: n rounded up to a multiple of
+    ceil(T / BUCKETS), at most T."""
+    step = -(-T // BUCKETS)
+    return min(T, -(-n // step) * step)
+
+
+def _sorted_attends(pos: torch.Tensor, real: torch.Tensor, J: int) -> list:
+    """The sorted strategy's attention of one loop for its J layers: slots s, s' of a row (pos (B, Tm) their
+    positions, real (B, Tm) the slots active in the loop): query s attends key s' iff s' is active and
+    pos[s'] <= pos[s], or s' = s (an inactive slot's query sees itself: no empty row; its output is dropped).
+    FlexAttention with a block mask on FLEX_DEVICES (skips the blocks no query needs), else a (B, 1, Tm, Tm) mask."""
+    B, Tm = pos.shape
+    if pos.device.type in FLEX_DEVICES:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q, k):
+            return ((pos[b, k] <= pos[b, q]) & real[b, k]) | (q == k)
+
+        block = create_block_mask(mask_mod, B, None, Tm, Tm, device=pos.device)
+        attend = partial(_flex_attention(), block_mask=block)
+    else:
+        eye = torch.eye(Tm, dtype=torch.bool, device=pos.device)
+        mask = (((pos[:, None, :] <= pos[:, :, None]) & real[:, None, :]) | eye)[:, None]  # (B, 1, Tm, Tm)
+        attend = partial(F.scaled_dot_product_attention, attn_mask=mask)
+    return [attend] * J
+
+
+_FLEX = []
+
+
+def _flex_attention():
+    """torch's flex_attention, compiled once per process (its fast kernels exist only compiled)."""
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX.append(torch.compile(flex_attention, dynamic=True))
+    return _FLEX[0]
 
 
 class _MaskHooks:
@@ -256,7 +302,7 @@ class LoopedLM(nn.Module):
         tables: list[torch.Tensor] | None = None,
         hooks=None,
         counts: np.ndarray | None = None,
-        gather_scatter: bool | None = None,
+        execution: str | None = None,
         collect: list | None = None,
     ) -> torch.Tensor:
         """Runs M = len(delta) loops from h0 (B, T, d). depth (B, T) in 0..M (0: a token that runs no loop,
@@ -264,47 +310,82 @@ class LoopedLM(nn.Module):
         straight-through estimator (None: no STE). tables: precomputed `modulation_tables(delta)` (decoding
         reuses them). hooks: the KV cache's prefill, an object with `attend(i, j, order, n)` -> attention
         override of layer j in loop i and `loop_done(i, n)`, where order (B, Tm) holds the positions of the
-        compacted active tokens (None: no compaction) and n (B,) numpy int64 the |A_i| of each row; hooks force
-        the gather-scatter path. counts: (B, >= M) numpy int64 |A_i| of each row and loop (`active_counts`), or
-        None to read them here: the pass's only host sync. gather_scatter: compact the active tokens (default
-        `cfg.gather_scatter`) or run the dense masked reference. collect: a list that gets the states after each
-        loop (B, T, d) appended (the exits of `forward(exits=True)`). Returns the final states (B, T, d); exited
-        tokens keep their last state. Each loop is `loop`; this method only chooses its active states."""
+        compacted active tokens (None: no compaction) and n (B,) numpy int64 the |A_i| of each row; hooks run
+        the compact strategy whatever `execution` says (their callers index by position). counts: (B, >= M)
+        numpy int64 |A_i| of each row and loop (`active_counts`), or None to read them here: the pass's only host
+        sync. execution: the strategy (default `cfg.execution`; docs/model.md 'Execution strategies'): compact,
+        sorted, bucketed or dense (the masked reference). collect: a list that gets the states after each loop
+        (B, T, d) appended (the exits of `forward(exits=True)`, every token at depth M). Returns the final states
+        (B, T, d); exited tokens keep their last state. Each loop is `loop`; the strategies only choose which
+        states it sees."""
         M = delta.numel()
         tables = self.modulation_tables(delta) if tables is None else tables
         B, T, _ = h0.shape
-        gs = self.cfg.gather_scatter if gather_scatter is None else gather_scatter
-        compact = depth is not None and (gs or hooks is not None)
-        if compact and counts is None:
+        ex = "compact" if hooks is not None else (execution or self.cfg.execution)
+        if depth is not None and ex != "dense" and counts is None:
             counts = active_counts(depth, M)
+        if depth is not None and ex == "sorted":
+            assert collect is None, "exits are collected with every token at the whole budget"
+            return self._sorted_loops(h0, M, tables, depth, cont, counts)
         h = h0
         for i in range(1, M + 1):
             p = None if cont is None else cont[..., i - 1]  # (B, T) each token's p(i)
             if depth is None:  # every token active: no compaction, one table row broadcast
                 n = np.full(B, T, dtype=np.int64)
                 h = self.loop(h, i, M, tables, attends=self._attends(hooks, i, None, n))
-            elif not compact:  # the dense reference (never with hooks)
+            elif ex == "dense":  # the reference (never with hooks)
                 h = self._masked_loop(h, i, M, tables, depth, p)
             else:
                 n = counts[:, i - 1]  # (B,) |A_i| per row, on the host
                 if int(n.max()) == 0:
                     break
-                h = self._compacted_loop(h, i, M, tables, depth, p, n, hooks)
+                h = self._compacted_loop(h, i, M, tables, depth, p, n, hooks, bucketed=ex == "bucketed")
             if hooks is not None:
                 hooks.loop_done(i, n)
             if collect is not None:
                 collect.append(h)
         return h
 
-    def _compacted_loop(self, h, i, M, tables, depth, cont, n: np.ndarray, hooks) -> torch.Tensor:
+    def _sorted_loops(self, h0, M, tables, depth, cont, counts: np.ndarray) -> torch.Tensor:
+        """The sorted strategy: one depth-sorted layout for the whole pass. Each row's tokens are gathered once,
+        deepest first (position order within a depth), so loop i's active tokens fill the row's first |A_i|
+        slots; loop i runs on the first Tm_i = max |A_i| slots (a view, no gather) with attention among the
+        row's active slots by position (`_sorted_attends`), slots past a row's |A_i| taking no output. Slots
+        past Tm_i never run again and are set aside; one gather at the end puts every token back in place."""
+        B, T, d = h0.shape
+        order = torch.sort(depth, dim=1, descending=True, stable=True).indices  # (B, T) position of each slot
+        h = _GatherRows.apply(h0, order[..., None].expand(B, T, d))  # (B, T, d) in slot order
+        ds = depth.gather(1, order)  # (B, T) each slot's depth, non-increasing
+        cs = None if cont is None else cont.gather(1, order[..., None].expand(-1, -1, cont.shape[-1]))
+        done, width = [], T  # finished slot ranges (later loops never touch them), right to left
+        for i in range(1, M + 1):
+            n = counts[:, i - 1]
+            Tm = int(n.max())
+            if Tm < width:
+                done.append(h[:, Tm:width])  # (B, width - Tm, d)
+                h, width = h[:, :Tm], Tm
+            if Tm == 0:
+                break
+            nd = torch.from_numpy(n).to(h.device)  # host -> device, no sync
+            real = torch.arange(Tm, device=h.device)[None] < nd[:, None]  # (B, Tm) slots active in loop i
+            attends = _sorted_attends(order[:, :Tm], real, len(self.layers))  # slots are not in position order
+            p = None if cs is None else cs[:, :Tm, i - 1]
+            active = None if int(n.min()) == Tm else real
+            h = self.loop(h, i, M, tables, ds[:, :Tm], attends=attends, cont=p, active=active)
+        out = torch.cat([h, *reversed(done)], dim=1) if done else h  # (B, T, d) in slot order
+        inv = torch.empty_like(order).scatter_(1, order, torch.arange(T, device=order.device).expand(B, T))
+        return _GatherRows.apply(out, inv[..., None].expand(B, T, d))  # (B, T, d) back in position order
+
+    def _compacted_loop(self, h, i, M, tables, depth, cont, n: np.ndarray, hooks, bucketed=False) -> torch.Tensor:
         """Loop i on each row's active tokens (depth >= i) of h (B, T, d), compacted in position order to the
         front of a (B, Tm, d) tensor (Tm = max n, n (B,) the rows' |A_i| on the host; shorter rows padded at the
-        tail, so plain causal attention never lets a real query see a pad), then scattered back."""
+        tail, so plain causal attention never lets a real query see a pad), then scattered back. bucketed: Tm
+        rounded up to a multiple of ceil(T / BUCKETS) (the pad slots hold inactive tokens that take no output)."""
         B, T, d = h.shape
         if int(n.min()) == T:  # every token active (always so in loop 1): nothing to compact
             attends = self._attends(hooks, i, None, n)
             return self.loop(h, i, M, tables, depth, attends=attends, cont=cont)
-        Tm = int(n.max())
+        Tm = bucket_length(int(n.max()), T) if bucketed else int(n.max())
         order = torch.sort((~(depth >= i)).to(torch.uint8), dim=1, stable=True).indices[:, :Tm]  # (B, Tm)
         gidx = order[..., None].expand(B, Tm, d)
         nd = torch.from_numpy(n).to(h.device)  # host -> device, no sync
@@ -393,7 +474,7 @@ class LoopedLM(nn.Module):
         delta: torch.Tensor,
         counts: np.ndarray | None = None,
         threshold: float | None = None,
-        gather_scatter: bool | None = None,
+        execution: str | None = None,
         hooks=None,
         ste: bool = False,
         collect: list | None = None,
@@ -401,7 +482,7 @@ class LoopedLM(nn.Module):
         """One pass with schedule delta (budget M = len(delta)) from h0 (B, T, d): returns the final states
         before the norm (B, T, d) and the per-token depth (B, T) int64 in 1..M (all M without a router).
         counts: `active_counts` of a depth map of budget >= M from the same router output (None: read here).
-        threshold: the router's exit threshold (default `cfg.router_threshold`); gather_scatter and hooks as
+        threshold: the router's exit threshold (default `cfg.router_threshold`); execution and hooks as
         run_loops; ste: the router's straight-through estimator on each loop's update (gradients only); collect as
         run_loops takes it."""
         M = delta.numel()
@@ -413,7 +494,7 @@ class LoopedLM(nn.Module):
             depth,
             cont,
             counts=counts,
-            gather_scatter=gather_scatter,
+            execution=execution,
             hooks=hooks,
             collect=collect,
         )
@@ -439,7 +520,7 @@ class LoopedLM(nn.Module):
         on the diagonal and only where key <= query in row order: query tau may attend key tau' iff
         mask[tau, tau'] (replaces the causal rule; in loop i also tau' in A_i). With both, one row can hold a
         prefix followed by several branches that each continue it (the scorer's tree packing). Masked loops run
-        compacted through attention hooks: on the gather-scatter path even when gather_scatter=false (equal to
+        compacted through attention hooks: the compact strategy whatever model.execution says (equal to
         the dense reference, docs/design.md §1); the mask of each loop is gathered once by `order`.
         router, threshold: as `forward` takes them."""
         M = int(loops)
@@ -447,8 +528,8 @@ class LoopedLM(nn.Module):
         hooks = None if mask is None else _MaskHooks(mask)
         return self.final_states(h0, self.route(h0, router), uniform(M), threshold=threshold, hooks=hooks)
 
-    def _pass(self, h0, r: RouterOutput | None, delta, counts, threshold, gs, logits, **kw) -> PassOutput:
-        h, depth = self.final_states(h0, r, delta, counts, threshold, gs, **kw)
+    def _pass(self, h0, r: RouterOutput | None, delta, counts, threshold, ex, logits, **kw) -> PassOutput:
+        h, depth = self.final_states(h0, r, delta, counts, threshold, ex, **kw)
         hf = self.norm_f(h)  # (B, T, d)
         return PassOutput(self.lm_head(hf) if logits else None, hf, depth, delta.numel())
 
@@ -461,7 +542,7 @@ class LoopedLM(nn.Module):
         logits: bool = True,
         router: bool = True,
         threshold: float | None = None,
-        gather_scatter: bool | None = None,
+        execution: str | None = None,
         ste: bool = False,
         detach: bool = False,
         exits: bool = False,
@@ -472,8 +553,8 @@ class LoopedLM(nn.Module):
         clipped at S (p(i) is non-increasing), so both passes' active counts come from one host read.
         logits=False: no head (`hidden` only, which the objective's fused head takes). The ablations' switches
         are arguments of the call, never model state: router=False runs every token through the whole budget
-        (the router is not consulted); threshold overrides `cfg.router_threshold`; gather_scatter overrides
-        `cfg.gather_scatter` (False: the dense masked reference); ste: scale each active token's loop update by
+        (the router is not consulted); threshold overrides `cfg.router_threshold`; execution overrides
+        `cfg.execution` (the strategy; "dense": the masked reference); ste: scale each active token's loop update by
         1 + p(i) - sg(p(i)) so the router gets a gradient (the values are unchanged); detach: the router reads
         sg(h0) (gradients only); exits: every token runs every loop of both passes (the router's output is
         returned but sets no depth: the training pass of a recipe that trains every exit), and
@@ -488,13 +569,13 @@ class LoopedLM(nn.Module):
         r = self.route(h0, router, detach)
         if exits:
             return self._exits(h0, r, M, shortcut, logits)
-        gs = self.cfg.gather_scatter if gather_scatter is None else gather_scatter
+        ex = execution or self.cfg.execution
         # |A_i| of every loop of both passes from one host read (the shortcut pass's are this pass's first S)
-        counts = active_counts(r.depth(M, self._theta(threshold)), M) if (r is not None and gs) else None
-        full = self._pass(h0, r, uniform(M), counts, threshold, gs, logits, ste=ste)
+        counts = active_counts(r.depth(M, self._theta(threshold)), M) if (r is not None and ex != "dense") else None
+        full = self._pass(h0, r, uniform(M), counts, threshold, ex, logits, ste=ste)
         short = None
         if shortcut is not None:
-            short = self._pass(h0, r, shortcut.double() / L, counts, threshold, gs, logits, ste=ste)
+            short = self._pass(h0, r, shortcut.double() / L, counts, threshold, ex, logits, ste=ste)
         return LoopedLMOutput(full.logits, full.hidden, full.depth, full.loops, router=r, short=short)
 
     def _exits(self, h0, r: RouterOutput | None, M: int, shortcut, logits: bool) -> LoopedLMOutput:

@@ -99,7 +99,7 @@ def on_meta(counts: np.ndarray | None, device_type: str = "cuda"):
     """Within it, the model's host read of the depth map returns `counts` ((B, L) |A_i| per row and loop,
     or (1, L) for every row; None: unchanged), the fused heads chunk their rows as on `device_type` (the planned
     run's: CPU chunks are smaller, head_loss.rows_per_chunk),
-    causal attention runs the flash kernel (on meta torch would pick the math one, which keeps the (B, H, T, T)
+    attention (causal or masked) runs the flash kernel (on meta torch would pick the math one, which keeps the (B, H, T, T)
     weights for backward; the GPU's flash/efficient kernels and CPU's flash kernel keep q, k, v, the output and
     its log-sum-exp: this op's meta kernel), and autocast is off for the meta device (torch has no autocast there; `tlf train` runs no autocast:
     DeepSpeed's bf16 engine casts the module), so the fused heads compute in their input's dtype."""
@@ -117,15 +117,23 @@ def on_meta(counts: np.ndarray | None, device_type: str = "cuda"):
         nullcontext() if device_type == "meta" else real[2](device_type, *a, **k)
     )
     F.scaled_dot_product_attention = lambda q, k, v, attn_mask=None, is_causal=False, **kw: (
-        real[3](q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
-        if attn_mask is not None
-        else torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=is_causal)[0]
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, is_causal=is_causal, attn_mask=None if attn_mask is None else _additive(attn_mask, q.dtype)
+        )[0]
     )
     try:
         yield
     finally:
         looped.active_counts, head_loss._compute_dtype, torch.autocast, F.scaled_dot_product_attention = real
         head_loss.rows_per_chunk = real_rows
+
+
+def _additive(mask: torch.Tensor, dtype) -> torch.Tensor:
+    """A boolean attention mask as SDPA hands it to its fused kernels (and they keep it for backward): 0 where
+    allowed, -inf elsewhere, in the queries' dtype."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def _addmm(acc, a, b, *args, out_shape=None, **kwargs) -> int:  # shapes: (n, p) += (n, k) @ (k, p)

@@ -153,12 +153,12 @@ class Objective(nn.Module):
         loops: int | None = None,
         router: bool = True,
         threshold: float | None = None,
-        gather_scatter: bool | None = None,
+        execution: str | None = None,
         fused_loss: bool = True,
     ) -> ObjectiveOutput:
         """idx, targets (B, T) (targets -1: ignored). shortcut: (S,) positive ints summing to L (default: drawn
         from torch's global RNG). full_only: the full pass's cross-entropy alone (validation: no shortcut pass or
-        recipe; loops: its budget M, default L). router, threshold, gather_scatter: as `LoopedLM.forward` takes
+        recipe; loops: its budget M, default L). router, threshold, execution: as `LoopedLM.forward` takes
         them; fused_loss=False: the losses from materialised logits (the reference of the fused heads)."""
         rec = self.recipe if (router and not full_only and self.net.router is not None) else None
         out = self.net(
@@ -168,7 +168,7 @@ class Objective(nn.Module):
             logits=not fused_loss,
             router=router,
             threshold=threshold,
-            gather_scatter=gather_scatter,
+            execution=execution,
             **(rec.network_args() if rec is not None else {}),
         )
         step = Step(self.net, out, idx, targets, self.net.cfg.router_threshold if threshold is None else threshold)
