@@ -187,15 +187,15 @@ def _where(a: argparse.Namespace, out: Path, uri: str) -> None:
 
 
 def _experiment_page(uri: str, experiment: str) -> str | None:
-    """The demo's experiment in `mlflow ui` on port 5000, opened on its runs (`tracking.ui_link`); None when the
-    store cannot be read."""
+    """The demo's experiment in `mlflow ui` on port 5000, opened on its runs' charts through tlf's saved view (the
+    headline charts first: `tracking.ui_link(view=True)`); None when the store cannot be read."""
     from pipeline import tracking
 
     try:
         exp = tracking.checked_client(uri).get_experiment_by_name(experiment)
     except Exception:  # noqa: BLE001 - a closing line only
         return None
-    return tracking.ui_link("http://127.0.0.1:5000", exp.experiment_id) if exp is not None else None
+    return tracking.ui_link("http://127.0.0.1:5000", exp.experiment_id, view=True) if exp is not None else None
 
 
 def depth_summary(results: Path) -> str | None:
