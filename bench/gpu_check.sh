@@ -4,15 +4,19 @@
 # with its own time limit (bench/gpu_check.py BUDGET), ONE JSON ($OUT/gpu_check.json) and the logs
 # ($OUT/gpu_check.log), each stage's result or its failure recorded; a summary table is printed last.
 #
-# Stages (paper scale: d 2048, J x L 3 x 8, vocab 50,304, context 2048, bf16, micro-batch 6):
+# Stages (paper scale: d 2048, J x L 3 x 8, vocab 50,304, context 2048, bf16, micro-batch 6); every execution
+# strategy of t-loopformer (model.execution compact, sorted, bucketed, dense) runs side by side, loopformer beside;
+# the script chooses nothing (the JSON's summary.strategies and bench/README do):
 #   setup         carried wheels into /tmp/site; tlf prep-data of 1M tokens of the demo corpus (.gpu/demo.jsonl)
-#   tests         the CUDA cases of the invariant tests (gather-scatter = dense, cached decode = forward, the
-#                 determinism contract) and tests/test_mfu.py (junit counts in the JSON)
-#   train_step    bench/train_step.py loopformer vs t-loopformer side by side: time / FLOPs ratio, MFU, peak
-#   plan_check    bench/plan_check.py: tlf train's planned vs measured peak and MFU, loopformer, t-loopformer,
-#                 t-loopformer with activation_checkpointing=loop (10 steps each)
-#   step_profile  bench/step_profile.py both variants: per loop matmul / attention / gather-sort-scatter time,
-#                 kernels, small kernels, syncs
+#   tests         the CUDA cases of the invariant tests for every strategy (each strategy = the dense reference in
+#                 losses and gradients, cached decode = forward, the determinism contract) and tests/test_mfu.py
+#                 (junit counts in the JSON)
+#   train_step    bench/train_step.py loopformer and t-loopformer under each strategy side by side: per strategy
+#                 tokens/s, MFU, peak GiB, time / FLOPs vs loopformer (summary.strategies.NAME)
+#   plan_check    bench/plan_check.py: tlf train's planned vs measured peak and MFU, t-loopformer without and with
+#                 activation_checkpointing=loop (8 steps each)
+#   step_profile  bench/step_profile.py loopformer and t-loopformer under each strategy: per loop matmul /
+#                 attention / gather-sort-scatter time, kernels, small kernels, syncs
 #   decode        bench/decode.py: TTFT (batch 1, 32) and TPOT (batch 1, 32) of t-loopformer vs loopformer, the
 #                 full-depth cache, no cache and the dense base; TPOT against the memory-bandwidth floor
 #

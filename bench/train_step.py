@@ -1,15 +1,24 @@
 """Training-step throughput and peak memory of every variant, side by side in one run: the whole step of
 `tlf train` (set up by `Trainer.build` without data, callbacks, checkpoints or MLflow, timed `Trainer.train_step()`:
 DeepSpeed engine at world size 1, ZeRO-0, AdamW + schedule + clipping; forward of the full objective, backward,
-optimizer step, the step's device-side meter), with t-loopformer vs loopformer, gather-scatter on/off and activation
-checkpointing none/loop/layer.
+optimizer step, the step's device-side meter), with t-loopformer vs loopformer, t-loopformer under each execution
+strategy (`--strategies`: `model.execution` compact, sorted, bucketed, dense) and activation checkpointing
+none/loop/layer.
 
     python bench/train_step.py                                   # small scale, vocab 8192, CPU
     python bench/train_step.py --scale paper --device cuda --micro-batch 6 --set model.vocab_size=50304
+    python bench/train_step.py --variants loopformer,t-loopformer --strategies all --no-ablations   # strategies
+
+Per strategy (`strategies` in the JSON): tokens/s, MFU, peak GiB and time ÷ FLOPs against loopformer in the same run
+(total time of the timed rounds ÷ total FLOPs of the same rounds, each against loopformer's). The t-loopformer case
+under the config's own strategy is labelled `t-loopformer`, the others `t-loopformer STRATEGY`.
 
 Each case runs in a process of its own (peak memory is its own: CUDA max allocated, or on CPU the growth of the
 process's peak RSS over the steps, i.e. gradients + optimizer state + activations), and the timed steps of all
-cases are interleaved round-robin so machine load hits every case alike; the median step time is reported.
+cases are interleaved round-robin so machine load hits every case alike; the median step time is reported. On CUDA
+with more than two cases, a case's process hands its cached blocks back after each step (`torch.cuda.empty_cache`)
+and runs one untimed step before each timed one, so several paper-scale cases fit on one GPU side by side and each
+timed step still runs on a warm allocator.
 Every step runs as a numbered step of a run (`keyed_step`): the trainer draws its shortcut schedule from
 (train.seed, step) and torch is reseeded with the step number for the router's exploration draws, so step n is the
 same in every case.
@@ -125,12 +134,13 @@ def _worker(spec: dict, conn) -> None:
         spec["scale"], spec["variant"], spec["device"], spec["batch"], overrides, spec["router"]
     )
     compile_ = cfg.train.compile
+    compile_mode = spec.get("compile_mode")
     B, T = spec["batch"], cfg.model.block_size
     engine, dev = trainer.engine, trainer.engine.device
     # eager, with the step's activation checkpointing, device and precision
     breakdown = _saved_breakdown(engine.module, x.to(dev), y.to(dev), cfg.model.loops)
     if compile_:
-        apply_compile(model)
+        apply_compile(model, mode=compile_mode)
     cuda = str(dev).startswith("cuda")
     base = region_start(dev)  # the steps' own peak (optimizer state included), not start-up's
     state = {"n": 0, "loops": [], "timed": [], "heads": 1}
@@ -159,6 +169,7 @@ def _worker(spec: dict, conn) -> None:
 
     for _ in range(spec["warmup"]):
         step()
+    release = cuda and spec.get("release", False)  # several cases on one GPU: hold no cache between steps
     alloc_gb = None
     if not cuda:  # weights + optimizer state + the peak of live tensors during one (untimed) step
         persistent = sum(t.numel() * t.element_size() for t in _persistent_tensors(engine))
@@ -172,15 +183,21 @@ def _worker(spec: dict, conn) -> None:
                     m_.route(m_.embed(x.to(dev))).depth(cfg.model.loops, m_._theta(None)), cfg.model.loops
                 ).tolist()
         alloc_gb = (persistent / 2**20 + tensor_peak_mib(lambda: step(longest))) / 1024
+    if release:
+        torch.cuda.empty_cache()
     conn.send("ready")
     while True:
         cmd = conn.recv()
         if cmd == "step":
+            if release:
+                step()  # untimed: the allocator takes its blocks back before the timed step
             clock = time.perf_counter if cuda else time.process_time  # CPU: this process's CPU time
             t0 = clock()
             step(seed=10**6 + len(state["timed"]))
             dt = clock() - t0
             state["timed"].append(state["loops"][-1])  # this round's loops (the same schedule in every case)
+            if release:
+                torch.cuda.empty_cache()
             conn.send(dt)
         elif cmd == "stats":
             loops = sum(state["timed"]) / len(state["timed"])  # over the timed rounds only
@@ -261,6 +278,51 @@ def _saved_breakdown(objective, x, y, L: int) -> dict:
     }
 
 
+def strategies() -> tuple[str, ...]:
+    """The values of `model.execution` (pipeline/config.py), in its order."""
+    import typing
+
+    from pipeline.config import ModelConfig
+
+    return typing.get_args(typing.get_type_hints(ModelConfig)["execution"])
+
+
+def strategy_label(strategy: str, default: str) -> str:
+    """The case of t-loopformer under `strategy`: `t-loopformer` under the config's own (`default`), else
+    `t-loopformer STRATEGY`."""
+    return "t-loopformer" if strategy == default else f"t-loopformer {strategy}"
+
+
+def strategy_figures(results: dict, strats: list[str], default: str) -> dict:
+    """Per strategy whose case ran: tokens/s, MFU, peak GiB (`alloc_peak_gb`: CUDA max allocated, or on CPU the
+    live tensors' peak) and, with loopformer in the run, time ÷ FLOPs against it: the total time of the timed
+    rounds over loopformer's, divided by the total FLOPs per token of the same rounds over loopformer's (and the
+    lowest and highest round)."""
+    lf, out = results.get("loopformer"), {}
+    for s_ in strats:
+        r = results.get(strategy_label(s_, default))
+        if r is None:
+            continue
+        f = {
+            "tokens_per_s": r["tokens_per_s"],
+            "mfu": r["mfu"],
+            "peak_gib": r["alloc_peak_gb"],
+            "time_over_flops": None,
+        }
+        if lf is not None:
+            fl = sum(r["round_flops_per_token"]) / sum(lf["round_flops_per_token"])
+            f["time_over_flops"] = sum(r["times_s"]) / sum(lf["times_s"]) / fl
+            rounds = [
+                (t / tl) / (fa / fb)
+                for t, tl, fa, fb in zip(
+                    r["times_s"], lf["times_s"], r["round_flops_per_token"], lf["round_flops_per_token"]
+                )
+            ]
+            f["time_over_flops_rounds"] = [min(rounds), max(rounds)]
+        out[s_] = f
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", default="small", help="preset scale: tiny, small or paper")
@@ -276,6 +338,12 @@ def main(argv=None) -> dict:
         "not the LM head, dominate",
     )
     ap.add_argument("--variants", default="all")
+    ap.add_argument(
+        "--strategies",
+        default="config",
+        help="model.execution strategies t-loopformer runs under, comma-separated, or 'all' (compact, sorted, "
+        "bucketed, dense); default 'config': the config's own (and dense among the ablations)",
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed rounds (each case one step per round)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
@@ -290,7 +358,7 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--no-ablations",
         action="store_true",
-        help="only the --variants themselves (no gs=off, checkpointing or compile cases)",
+        help="only the --variants and --strategies themselves (no dense, checkpointing or compile cases)",
     )
     ap.add_argument(
         "--peak-flops",
@@ -311,6 +379,14 @@ def main(argv=None) -> dict:
         or (on_gpu or gpu("a100-80gb")).peak_flops
     )
     variants = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
+    default = load_config(f"{a.scale}/t-loopformer", overrides).model.execution
+    strats = (
+        [default]
+        if a.strategies == "config"
+        else list(strategies())
+        if a.strategies == "all"
+        else a.strategies.split(",")
+    )
     common = {
         "scale": a.scale,
         "device": a.device,
@@ -322,8 +398,15 @@ def main(argv=None) -> dict:
         "router": a.router,
     }
     specs = {v: {**common, "variant": v, "extra": []} for v in variants}
+    if "t-loopformer" in variants:
+        for s_ in strats:
+            specs[strategy_label(s_, default)] = {
+                **common,
+                "variant": "t-loopformer",
+                "extra": [f"model.execution={s_}"],
+            }
     ablations = {
-        "t-loopformer gs=off": ("t-loopformer", ["model.gather_scatter=false"]),
+        "t-loopformer dense": ("t-loopformer", ["model.execution=dense"]),
         # the expected router recipe: every token runs every loop in training, a head per exit
         "t-loopformer expected": (
             "t-loopformer",
@@ -334,19 +417,26 @@ def main(argv=None) -> dict:
         "loopformer ckpt=loop": ("loopformer", ["train.activation_checkpointing=loop"]),
         "t-loopformer compile": ("t-loopformer", ["train.compile=true"]),
         "loopformer compile": ("loopformer", ["train.compile=true"]),
+        # bucketed's whole loop compiled with static shapes, on CUDA also through CUDA graphs
+        "t-loopformer bucketed compile": ("t-loopformer", ["model.execution=bucketed", "train.compile=true"]),
     }
+    if a.device.startswith("cuda"):
+        ablations["t-loopformer bucketed cudagraphs"] = ablations["t-loopformer bucketed compile"]
     if a.no_ablations:
         ablations = {}
     if a.no_compile:
-        ablations = {k: v for k, v in ablations.items() if "compile" not in k}
+        ablations = {k: v for k, v in ablations.items() if "compile" not in k and "cudagraphs" not in k}
     for label, (v, extra) in ablations.items():
-        if v in variants:  # compiled cases warm up until each 0/1-specialised graph has been met
+        if v in variants and label not in specs:  # compiled cases warm up until each 0/1-specialised graph is met
             specs[label] = {
                 **common,
                 "variant": v,
                 "extra": extra,
-                **({"warmup": max(a.warmup, 6)} if "compile" in label else {}),
+                **({"warmup": max(a.warmup, 6)} if "compile" in label or "cudagraphs" in label else {}),
+                **({"compile_mode": "reduce-overhead"} if "cudagraphs" in label else {}),
             }
+    for spec in specs.values():
+        spec["release"] = len(specs) > 2  # CUDA: hand cached blocks back between steps (module docstring)
     results = run_cases(_worker, specs, a.steps)
     for r in results.values():
         r["tokens_per_s"] = r["tokens_per_step"] / r["time_s"]
@@ -421,8 +511,8 @@ def main(argv=None) -> dict:
     summary = {
         "t-loopformer/loopformer tokens_per_s": ratio("t-loopformer", "loopformer", "tokens_per_s"),
         "t-loopformer/loopformer peak_mem": ratio("t-loopformer", "loopformer", "alloc_peak_gb"),
-        "gather_scatter on/off tokens_per_s": ratio("t-loopformer", "t-loopformer gs=off", "tokens_per_s"),
-        "gather_scatter on/off peak_mem": ratio("t-loopformer", "t-loopformer gs=off", "alloc_peak_gb"),
+        "compact/dense tokens_per_s": ratio("t-loopformer", "t-loopformer dense", "tokens_per_s"),
+        "compact/dense peak_mem": ratio("t-loopformer", "t-loopformer dense", "alloc_peak_gb"),
         "ckpt loop/none peak_mem (t-loopformer)": ratio("t-loopformer ckpt=loop", "t-loopformer", "alloc_peak_gb"),
         "ckpt loop/none tokens_per_s (t-loopformer)": ratio("t-loopformer ckpt=loop", "t-loopformer", "tokens_per_s"),
         "ckpt layer/none peak_mem (t-loopformer)": ratio("t-loopformer ckpt=layer", "t-loopformer", "alloc_peak_gb"),
@@ -434,10 +524,21 @@ def main(argv=None) -> dict:
     for k, v in summary.items():
         if v is not None:
             print(f"{k:<44} {v:6.2f}")
+    per = strategy_figures(results, list(strategies()), default)
+    if per:
+        print(f"\n{'strategy':<10} {'tok/s':>9} {'MFU %':>7} {'peak GiB':>9} {'time/FLOPs':>10} {'rounds':>13}")
+        for k, f in per.items():
+            tf = f["time_over_flops"]
+            rounds = "" if tf is None else f"{f['time_over_flops_rounds'][0]:.3f}-{f['time_over_flops_rounds'][1]:.3f}"
+            print(
+                f"{k:<10} {f['tokens_per_s']:9.0f} {100 * f['mfu']:7.3f} {f['peak_gib']:9.3f} "
+                f"{'' if tf is None else f'{tf:10.3f}'} {rounds:>13}"
+            )
     out = {
-        "settings": {**common, "steps": a.steps, "peak_flops": peak},
+        "settings": {**common, "steps": a.steps, "peak_flops": peak, "strategies": strats},
         "results": results,
         "summary": summary,
+        "strategies": per,
         "targets": {k: {"value": v, "target": tgt} for k, (v, tgt) in targets.items()},
     }
     write_json(a.json, out)
