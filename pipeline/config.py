@@ -348,9 +348,9 @@ class TrainConfig:
     )
     compile: bool = f(
         False,
-        "torch.compile each layer of the shared block (dynamic shapes: the compacted length "
-        "does not recompile). Off by default: ~20 s of compilation per process for 5-9% per step "
-        "(CPU, d=512), a loss on short runs.",
+        "torch.compile the shared block: each layer with dynamic shapes (the compacted length does not recompile), "
+        "or under model.execution=bucketed the whole loop with static shapes (one graph per length met). Off by "
+        "default: ~20 s of compilation per process for 5-9% per step (CPU, d=512), a loss on short runs.",
     )
     log_interval: int = f(
         10, "Steps between console progress lines and MLflow flushes (metrics are recorded every step).", ge=1

@@ -241,7 +241,7 @@ class SharedBlock(nn.ModuleList):
         every layer (exited tokens that stay keys, model.exited_keys=frozen): each layer's keys and values of
         theirs come from that frozen state."""
         h_in = h
-        mods = _one_hot_once(mods)
+        mods = one_hot_once(mods)
         for j, layer in enumerate(self):
             h = layer(h, None if mods is None else mods[j], mask, None if attends is None else attends[j])
             if keep is not None:
@@ -249,7 +249,7 @@ class SharedBlock(nn.ModuleList):
         return h
 
 
-def _one_hot_once(mods: list | None) -> list | None:
+def one_hot_once(mods: list | None) -> list | None:
     """mods with each RowMod's one-hot filled in, one per index tensor: the J layers of a loop share the index,
     so its one-hot is built and kept for backward once per loop (only where a table needs a gradient)."""
     if mods is None or not torch.is_grad_enabled():

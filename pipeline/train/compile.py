@@ -34,11 +34,11 @@ def apply_compile(model, backend: str | object = "inductor", mode: str | None = 
 
 def _compile_static_block(block, backend, kw: dict) -> None:
     """`block.forward` (the instance's, activation checkpointing included) compiled with static shapes. Each
-    call first builds the loop's one-hots of the modulation rows (`_one_hot_once`, keyed by object identity,
+    call first builds the loop's one-hots of the modulation rows (`one_hot_once`, keyed by object identity,
     which a compiled region would guard on and recompile for) and marks the tables' row dimension dynamic (it
     follows the pass's budget, not the loop's length). dynamo's recompile limit is raised to hold a graph per
     bucket length of both grad modes."""
-    from pipeline.model.layers import _one_hot_once
+    from pipeline.model.layers import one_hot_once
     from pipeline.model.looped import BUCKETS
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * BUCKETS)
@@ -46,7 +46,7 @@ def _compile_static_block(block, backend, kw: dict) -> None:
     compiled = torch.compile(inner, backend=backend, dynamic=False, **kw)
 
     def forward(h, mods=None, *args, **kwargs):
-        mods = _one_hot_once(mods)
+        mods = one_hot_once(mods)
         for m in mods or ():
             if getattr(m, "table", None) is not None:  # a RowMod: rows of a (K, 4d) table by index
                 torch._dynamo.maybe_mark_dynamic(m.table, 0)
