@@ -170,8 +170,9 @@ def main() -> int:
 
     why = hub_problem()
     if why:  # fail at once instead of retrying for the hub: cached data and local files still load
-        for var in OFFLINE_VARS:
-            os.environ.setdefault(var, "1")
+        for var in OFFLINE_VARS:  # (set empty or "0" counts as off: huggingface_hub would retry for a minute)
+            if os.environ.get(var, "").strip().lower() not in ("1", "true", "yes", "on"):
+                os.environ[var] = "1"
     try:
         return cli_evaluate() or 0
     except (ConnectionError, FileNotFoundError) as e:  # (datasets: ConnectionError, DatasetNotFoundError)

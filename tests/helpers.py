@@ -54,3 +54,14 @@ def loose_kinds(monkeypatch, ratio: float = 1.0, buckets: int = 31, decay: float
     monkeypatch.setattr(kinds, "HARD_RATIO", ratio)
     monkeypatch.setattr(kinds, "KIND_BUCKETS", buckets)
     monkeypatch.setattr(kinds, "KIND_DECAY", decay)
+
+
+def run_here(args: list[str], preset: str = "tiny/t-loopformer") -> dict:
+    """bench/faults.py's CHILD without a kill, in this process: `run(load_config(preset, args))`, the same entry
+    the child calls, without a child's second import of torch and DeepSpeed (seconds each). Returns what the child
+    prints: {"losses", "start", "step"}. For the runs that are not killed (uninterrupted runs a killed child is
+    compared with, set-ups, resumes after the kill); a run that must die (a SIGKILL of a process) stays a child."""
+    from pipeline.train.trainer import run
+
+    res = run(load_config(preset, list(args)))
+    return {"losses": [float(x) for x in res.losses], "start": res.start_step, "step": res.step}

@@ -1,10 +1,11 @@
 """Which checkpoint is used after a kill or damage: a kill at the `latest` rename, a truncated or missing
 newest checkpoint file, and a full disk inside DeepSpeed's own save. Training runs as a real child process
-(bench/faults.py's CHILD, the trainer's real entry), reruns are compared with an uninterrupted run."""
+(bench/faults.py's CHILD, the trainer's real entry) where it is killed, and through `tlf train` for a legacy
+checkpoint; the other runs (the uninterrupted one, those damaged afterwards, the resumes) call the child's entry,
+run(), in this process (helpers.run_here). Reruns are compared with the uninterrupted run."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -26,11 +27,11 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def full(data, tmp_path_factory) -> dict:
     """The uninterrupted 6-step run."""
-    return result(child(tmp_path_factory.mktemp("full"), data, 6))
+    return here(tmp_path_factory.mktemp("full"), data, 6)
 
 
-def child(root: Path, data: Path, steps: int, **env) -> subprocess.CompletedProcess:
-    args = TINY + [
+def args(root: Path, data: Path, steps: int) -> list[str]:
+    return TINY + [
         f"data.dir={data}",
         f"checkpoint.dir={root}",
         "checkpoint.interval=2",
@@ -39,12 +40,18 @@ def child(root: Path, data: Path, steps: int, **env) -> subprocess.CompletedProc
         "train.eval_interval=0",
         "train.deterministic=true",
     ]
-    return subprocess.run([PY, "-c", CHILD, *args], capture_output=True, text=True, timeout=300, env=clean_env(**env))
 
 
-def result(p: subprocess.CompletedProcess) -> dict:
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+def child(root: Path, data: Path, steps: int, **env) -> subprocess.CompletedProcess:
+    a = args(root, data, steps)
+    return subprocess.run([PY, "-c", CHILD, *a], capture_output=True, text=True, timeout=300, env=clean_env(**env))
+
+
+def here(root: Path, data: Path, steps: int) -> dict:
+    """The same run as `child` without a kill, in this process (helpers.run_here: the child's entry, run())."""
+    from helpers import run_here
+
+    return run_here(args(root, data, steps))
 
 
 def test_kill_at_the_latest_rename(tmp_path, data, full, capfd):
@@ -58,24 +65,24 @@ def test_kill_at_the_latest_rename(tmp_path, data, full, capfd):
     assert (root / "latest").read_text() == "global_step2" and list(root.glob(".latest.tmp*"))
     capfd.readouterr()
     assert find_export(root) == root / "global_step4" / "model"  # what `tlf eval RUN_DIR` / `tlf generate` load
-    p = child(root, data, 6)
-    for err in (capfd.readouterr().err, p.stderr):
+    said = capfd.readouterr().err
+    res = here(root, data, 6)  # the resume
+    for err in (said, capfd.readouterr().err):
         warn = [ln for ln in err.splitlines() if "latest" in ln]
         assert len(warn) == 1 and warn[0].startswith("[tlf] warning: "), err[-3000:]
         assert f"{root / 'latest'} names 'global_step2'; using {root / 'global_step4'}" in warn[0], warn
-    res = result(p)
     assert res["start"] == 4 and res["losses"] == full["losses"][4:]
     assert (root / "latest").read_text() == "global_step6" and not list(root.glob(".latest.tmp*"))
 
 
-def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, data, full):
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, data, full, capfd):
     """A missing file (the export) or a truncated one (DeepSpeed's model states) in the newest checkpoint: eval and
     the resume use the previous one, with one warning line naming both."""
     from pipeline.model.io import find_export
     from pipeline.rundir import damage
 
     root = tmp_path / "ck"
-    result(child(root, data, 4))
+    here(root, data, 4)
     (root / "global_step4" / "model" / "model.safetensors").rename(tmp_path / "kept")
     assert damage(root / "global_step4") == "model/model.safetensors is missing"
     assert find_export(root) == root / "global_step2" / "model"
@@ -83,11 +90,12 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, data, fu
     f = root / "global_step4" / "mp_rank_00_model_states.pt"
     f.write_bytes(f.read_bytes()[:1000])
     assert find_export(root) == root / "global_step2" / "model"
-    p = child(root, data, 6)
-    warn = [ln for ln in p.stderr.splitlines() if "damaged" in ln]
-    assert len(warn) == 1 and str(root / "global_step4") in warn[0] and str(root / "global_step2") in warn[0], p.stderr
+    capfd.readouterr()
+    res = here(root, data, 6)  # the resume
+    err = capfd.readouterr().err
+    warn = [ln for ln in err.splitlines() if "damaged" in ln]
+    assert len(warn) == 1 and str(root / "global_step4") in warn[0] and str(root / "global_step2") in warn[0], err
     assert f.name in warn[0]
-    res = result(p)
     assert res["start"] == 2 and res["losses"] == full["losses"][2:]
 
 
@@ -99,7 +107,7 @@ def test_legacy_checkpoint_damaged_newest_falls_back_through_tlf_train(tmp_path,
     from pipeline.tracking import read_metrics
 
     root = tmp_path / "ck"
-    result(child(root, data, 4))
+    here(root, data, 4)
     for f in root.glob("global_step*/files.json"):
         f.unlink()
     f = root / "global_step4" / "mp_rank_00_model_states.pt"

@@ -43,6 +43,54 @@ def tlf(*args, cwd: Path, check: bool = True, env: dict | None = None) -> subpro
     return p
 
 
+# Several `tlf` commands one after the other in one child process (the `tlf` entry, pipeline.cli.main, called as the
+# console script does), each with its own stdout, stderr and exit status: the shared run below imports torch,
+# DeepSpeed and MLflow once instead of once a command. tlf train leaves through os._exit (pipeline/train/cli.py
+# _exit, after its teardown); here that exit ends the command, and the next one follows. One train a driver: a
+# second would find DeepSpeed's process group torn down by the first.
+DRIVER = """
+import json, os, sys
+from pathlib import Path
+def _exit(code):
+    raise SystemExit(code)
+os._exit = _exit
+from pipeline.cli import main
+out = Path(sys.argv[1])
+for i, args in enumerate(json.loads(sys.argv[2])):
+    with open(out / f"{i}.out", "w") as o, open(out / f"{i}.err", "w") as e:
+        saved = os.dup(1), os.dup(2)
+        os.dup2(o.fileno(), 1), os.dup2(e.fileno(), 2)
+        try:
+            main(args=args, prog_name="tlf")
+            code = 0
+        except SystemExit as x:
+            code = x.code if isinstance(x.code, int) else int(x.code is not None)
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+    (out / f"{i}.rc").write_text(str(code))
+"""
+
+
+def tlf_all(commands: dict[str, list], cwd: Path) -> dict[str, subprocess.CompletedProcess]:
+    """{name: `tlf *args`} run in this order in one child (DRIVER), in cwd: {name: its result}; each must exit 0."""
+    logs = cwd / ".tlf_all"
+    logs.mkdir()
+    todo = [[str(a) for a in args] for args in commands.values()]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-c", DRIVER, str(logs), json.dumps(todo)], cwd=cwd, env=env,
+                       capture_output=True, text=True)  # fmt: skip
+    out = {}
+    for i, (name, args) in enumerate(commands.items()):
+        rc = logs / f"{i}.rc"
+        assert rc.is_file(), f"tlf {name} did not finish (driver exit {p.returncode}):\n{p.stdout}{p.stderr}"
+        read = lambda ext: (logs / f"{i}.{ext}").read_text()  # noqa: B023 - read at once
+        out[name] = subprocess.CompletedProcess(["tlf", *args], int(rc.read_text()), read("out"), read("err"))
+        assert out[name].returncode == 0, f"tlf {name}: " + out[name].stdout + out[name].stderr
+    shutil.rmtree(logs)
+    return out
+
+
 def corpus(d: Path, docs: int = DOCS) -> None:
     """`docs` documents of real English (the demo corpus cut into pieces of WORDS words) in two .jsonl.zst files
     whose text field is `content`."""
@@ -63,15 +111,22 @@ def prep(w: Path, out: str, *extra) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
+    """The newcomer's commands in order (one child, `tlf_all`), and two more that read the checkpoint: an evaluation
+    on few perplexity tokens and generate with the whole vocabulary."""
     w = tmp_path_factory.mktemp("newcomer")
     corpus(w / "corpus")
     out = {"w": w, "prep": prep(w, "data/mine", "--no-progress")}
-    out["train"] = tlf("train", *TRAIN, "checkpoint.dir=ck", cwd=w)
-    out["eval_full"] = tlf("eval", "ck", *EVAL_FULL, "logging.tracking_uri=sqlite:///mlflow.db", cwd=w)
-    out["eval_quick"] = tlf("eval", "ck", *EVAL_QUICK, "logging.tracking_uri=sqlite:///mlflow.db", cwd=w)
-    out["compare"] = tlf("compare", "--tracking-uri", "sqlite:///mlflow.db", "--out", "cmp", cwd=w)
-    tlf("export", "ck", "--format", "hf", "--out", "exports/mine-hf", cwd=w)
-    return out
+    few = ["--loops", "4", "--tasks", "none", "--ppl-tokens", "500", "--no-latency", "--no-mlflow"]
+    commands = {
+        "train": ["train", *TRAIN, "checkpoint.dir=ck"],
+        "eval_full": ["eval", "ck", *EVAL_FULL, "logging.tracking_uri=sqlite:///mlflow.db"],
+        "eval_quick": ["eval", "ck", *EVAL_QUICK, "logging.tracking_uri=sqlite:///mlflow.db"],
+        "compare": ["compare", "--tracking-uri", "sqlite:///mlflow.db", "--out", "cmp"],
+        "export": ["export", "ck", "--format", "hf", "--out", "exports/mine-hf"],
+        "eval_few": ["eval", "ck", *few],
+        "generate": ["generate", "ck", "--prompt", "The history of", "-n", "4", "--seed", "0", "--top-k", "off"],
+    }
+    return {**out, **tlf_all(commands, w)}
 
 
 def manifest(d: Path) -> dict:
@@ -166,8 +221,7 @@ def test_training_states_the_tokens_its_validation_loss_rests_on(run):
 def test_eval_states_its_perplexity_tokens_and_warns_when_they_are_few(run):
     out = run["eval_full"].stdout
     assert re.search(r"ppl \S+: [\d.]+ \([\d,]+ tokens of data/mine val\)", out)
-    few = tlf("eval", "ck", "--loops", "4", "--tasks", "none", "--ppl-tokens", "500", "--no-latency",
-              "--no-mlflow", cwd=run["w"])  # fmt: skip
+    few = run["eval_few"]  # --loops 4 --tasks none --ppl-tokens 500
     assert "eval: warning: the perplexity on" in few.stdout and "rests on 500 tokens" in few.stdout
     assert "500 tokens, context 64" in few.stdout and "**warning**: it rests on 500 tokens" in few.stdout
 
@@ -265,7 +319,7 @@ def test_generate_samples_sanely_by_default_and_the_export_does_the_same(run):
     assert (defaults["temperature"], defaults["top_k"]) == (SAMPLING["temperature"], SAMPLING["top_k"]) == (1.0, 50)
     gen = json.loads((run["w"] / "exports" / "mine-hf" / "generation_config.json").read_text())
     assert gen["do_sample"] is True and gen["temperature"] == 1.0 and gen["top_k"] == 50
-    out = tlf("generate", "ck", "--prompt", "The history of", "-n", "4", "--seed", "0", "--top-k", "off", cwd=run["w"])
+    out = run["generate"]  # --prompt "The history of" --top-k off
     assert out.stdout.startswith("The history of")  # the whole vocabulary: one flag away
 
 

@@ -2,7 +2,8 @@
 and resumed with a larger schedule.max_steps continuing bit for bit as a run that had that value from the start,
 and a cooldown branch from a stable checkpoint into a new run directory: the same losses as a run with the shorter
 schedule from the start, the source run untouched, and a new MLflow run tagged with where it branched from.
-Training runs as a real child process (bench/faults.py's CHILD, the trainer's real entry)."""
+The killed run is a real child process (bench/faults.py's CHILD, the trainer's real entry); its resume, the runs
+compared with it and the branch call the same entry, run(), in this process (helpers.run_here)."""
 
 from __future__ import annotations
 
@@ -60,8 +61,8 @@ def data(tmp_path_factory) -> Path:
     return make_shards(tmp_path_factory.mktemp("shards"), windows=10)
 
 
-def child(root: Path, data: Path, steps: int, *extra: str, **env) -> subprocess.CompletedProcess:
-    args = [
+def args(root: Path, data: Path, steps: int, *extra: str) -> list[str]:
+    return [
         *TINY,
         *WSD,
         f"data.dir={data}",
@@ -74,14 +75,23 @@ def child(root: Path, data: Path, steps: int, *extra: str, **env) -> subprocess.
         "train.deterministic=true",
         *extra,
     ]
+
+
+def child(root: Path, data: Path, steps: int, *extra: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", CHILD, *args], capture_output=True, text=True, timeout=300, env=clean_env(**env)
+        [sys.executable, "-c", CHILD, *args(root, data, steps, *extra)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(**env),
     )
 
 
-def result(p: subprocess.CompletedProcess) -> dict:
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+def here(root: Path, data: Path, steps: int, *extra: str) -> dict:
+    """The same run as `child` without a kill, in this process (helpers.run_here: the child's entry, run())."""
+    from helpers import run_here
+
+    return run_here(args(root, data, steps, *extra))
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +99,7 @@ def full8(data, tmp_path_factory) -> tuple[Path, dict]:
     """The uninterrupted 8-step wsd run (stable through step 6), logged to MLflow."""
     root = tmp_path_factory.mktemp("full8")
     uri = f"sqlite:///{root / 'mlflow.db'}"
-    res = result(child(root / "run", data, 8, "logging.mlflow=true", f"logging.tracking_uri={uri}"))
+    res = here(root / "run", data, 8, "logging.mlflow=true", f"logging.tracking_uri={uri}")
     return root / "run", res
 
 
@@ -99,7 +109,7 @@ def test_a_run_killed_in_its_stable_phase_extends_bit_for_bit(tmp_path, data, fu
     root = tmp_path / "run"
     p = child(root, data, 6, KILL_AFTER_SAVE="4")
     assert p.returncode != 0
-    res = result(child(root, data, 8))
+    res = here(root, data, 8)
     assert res["start"] == 4 and res["losses"] == full8[1]["losses"][4:]
 
 
@@ -112,9 +122,9 @@ def test_a_cooldown_branch_decays_from_a_stable_checkpoint_without_touching_the_
     source, src = full8
     before = digests(source)
     uri = f"sqlite:///{source.parent / 'mlflow.db'}"
-    six = result(child(tmp_path / "six", data, 6))
+    six = here(tmp_path / "six", data, 6)
     flags = ["logging.mlflow=true", f"logging.tracking_uri={uri}", f"checkpoint.resume={source / 'global_step4'}"]
-    branch = result(child(tmp_path / "cool", data, 6, *flags))
+    branch = here(tmp_path / "cool", data, 6, *flags)
     assert branch["start"] == 4 and branch["losses"] == six["losses"][4:]
     assert branch["losses"] != src["losses"][4:6]  # the 8-step run was still stable there
     assert digests(source) == before
