@@ -1,5 +1,12 @@
 """Helpers shared by several test files (imported as `from helpers import ...`; pytest puts tests/ on sys.path)."""
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from bench.testkit import spread_router as _spread_router
@@ -65,3 +72,52 @@ def run_here(args: list[str], preset: str = "tiny/t-loopformer") -> dict:
 
     res = run(load_config(preset, list(args)))
     return {"losses": [float(x) for x in res.losses], "start": res.start_step, "step": res.step}
+
+
+REPO = Path(__file__).resolve().parent.parent
+# Several `tlf` commands one after the other in one child process (the `tlf` entry, pipeline.cli.main, called as the
+# console script does), each with its own stdout, stderr and exit status: a module's shared runs import torch,
+# DeepSpeed and MLflow once instead of once a command. tlf train leaves through os._exit (pipeline/train/cli.py
+# _exit, after its teardown); here that exit ends the command, and the next one follows. One train a driver: a
+# second would find DeepSpeed's process group torn down by the first.
+DRIVER = """
+import json, os, sys
+from pathlib import Path
+def _exit(code):
+    raise SystemExit(code)
+os._exit = _exit
+from pipeline.cli import main
+out = Path(sys.argv[1])
+for i, args in enumerate(json.loads(sys.argv[2])):
+    with open(out / f"{i}.out", "w") as o, open(out / f"{i}.err", "w") as e:
+        saved = os.dup(1), os.dup(2)
+        os.dup2(o.fileno(), 1), os.dup2(e.fileno(), 2)
+        try:
+            main(args=args, prog_name="tlf")
+            code = 0
+        except SystemExit as x:
+            code = x.code if isinstance(x.code, int) else int(x.code is not None)
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+    (out / f"{i}.rc").write_text(str(code))
+"""
+
+
+def tlf_all(commands: dict[str, list], cwd: Path) -> dict[str, subprocess.CompletedProcess]:
+    """{name: `tlf *args`} run in this order in one child (DRIVER), in cwd: {name: its result}; each must exit 0."""
+    logs = cwd / ".tlf_all"
+    logs.mkdir()
+    todo = [[str(a) for a in args] for args in commands.values()]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-c", DRIVER, str(logs), json.dumps(todo)], cwd=cwd, env=env,
+                       capture_output=True, text=True)  # fmt: skip
+    out = {}
+    for i, (name, args) in enumerate(commands.items()):
+        rc = logs / f"{i}.rc"
+        assert rc.is_file(), f"tlf {name} did not finish (driver exit {p.returncode}):\n{p.stdout}{p.stderr}"
+        read = lambda ext: (logs / f"{i}.{ext}").read_text()  # noqa: B023 - read at once
+        out[name] = subprocess.CompletedProcess(["tlf", *args], int(rc.read_text()), read("out"), read("err"))
+        assert out[name].returncode == 0, f"tlf {name}: " + out[name].stdout + out[name].stderr
+    shutil.rmtree(logs)
+    return out

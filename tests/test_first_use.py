@@ -1,5 +1,5 @@
-"""A newcomer's first run, end to end through the `tlf` command (a subprocess, as a user runs it; click's CliRunner
-for the commands that only read configs): prep-data on their own small corpus, train, rerun, eval with MLflow,
+"""A newcomer's first run, end to end through the `tlf` command (a subprocess, as a user runs it, the shared run's
+commands in one, helpers.tlf_all; click's CliRunner for the commands that only read configs): prep-data on their own small corpus, train, rerun, eval with MLflow,
 export to transformers, generate and eval from that export. Each test is one thing such a run got wrong: what it
 said, what it left behind, what it could not read. The runs are made once (`first`) and shared."""
 
@@ -50,14 +50,23 @@ def corpus(path: Path, docs: int = 8, words: int = 700) -> None:
 @pytest.fixture(scope="module")
 def first(tmp_path_factory) -> dict:
     """prep-data twice, train, eval (default output dir, an MLflow store), export --format hf: their outputs."""
+    from helpers import tlf_all  # (the commands in order in one child: torch and DeepSpeed imported once)
+
     w = tmp_path_factory.mktemp("first")
     corpus(w / "corpus.jsonl")
     prep = ["prep-data", "-i", "corpus.jsonl", "--out", "data", "--no-progress", "-j", "0"]
-    out = {"w": w, "prep": tlf(*prep, cwd=w), "prep_again": tlf(*prep, cwd=w)}
-    out["train"] = tlf("train", *TRAIN, "data.dir=data", "checkpoint.dir=ck", cwd=w)
-    out["eval"] = tlf("eval", "ck", *EVAL, "logging.tracking_uri=sqlite:///mlflow.db", cwd=w)
+    out = tlf_all(
+        {
+            "prep": prep,
+            "prep_again": prep,
+            "train": ["train", *TRAIN, "data.dir=data", "checkpoint.dir=ck"],
+            "eval": ["eval", "ck", *EVAL, "logging.tracking_uri=sqlite:///mlflow.db"],
+            "export": ["export", "ck", "--format", "hf", "--out", "hf"],
+        },
+        w,
+    )
+    out["w"] = w
     out["results"] = json.loads(next((w / "out" / "eval").glob("*/*/results.json")).read_text())
-    tlf("export", "ck", "--format", "hf", "--out", "hf", cwd=w)
     return out
 
 
