@@ -55,6 +55,7 @@ METRICS = {
     "train_tokens",
     "train/spike",
     "perf/data_wait_ms",
+    "perf/val_s",
     *(f"{v}/M{m}/{k}" for v in ("val", "val/x") for m in (1, 2, 3) for k in ("loss", "mean_depth", "loop_work")),
     "update_ratio",
     "update_ratio/embeddings",
@@ -232,7 +233,7 @@ def test_mlflow_keys_tags_and_console_lines_are_unchanged(tmp_path, data, capsys
     ]
     # each validation set at the budgets 1, 2, then its own name (M = L), then M3 (the same pass)
     vals = [rf"{v}/M1/loss {num}, {v}/M2/loss {num}, {n} {num}, {v}/M3/loss {num}" for v, n in VAL]
-    want.insert(3, r"\[tlf\] step 2: " + ", ".join(vals))
+    want.insert(3, r"\[tlf\] step 2: " + ", ".join(vals) + rf" \({num} s\)")  # and the seconds it took
     for k, (name, d) in enumerate((("val/loss", data), ("val/x", extra))):  # what each validation loss rests on
         want.insert(
             2 + k,

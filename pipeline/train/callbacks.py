@@ -109,7 +109,7 @@ class Memory(Callback):
 class Validation(Callback):
     """Validation every train.eval_interval steps and at the last: val/loss (and val/<extra dir>) at M = L, and
     the loss of each budget of train.eval_loops (default_budgets), val/M{M}/loss, with a routed pass's depth and
-    loop work (pipeline/train/validation.py)."""
+    loop work (pipeline/train/validation.py); perf/val_s, the seconds it took (its all-reduce read ends it)."""
 
     def post_step(self, step: int, metrics: dict) -> None:
         t = self.trainer
@@ -117,13 +117,19 @@ class Validation(Callback):
         if n > 0 and (step % n == 0 or step == t.max_steps):
             L = t.cfg.model.loops
             budgets = t.cfg.train.eval_loops or default_budgets(L)
+            start = time.perf_counter()
             vl = evaluate(t.engine, t.val, t.cfg.train.eval_batches, t.device, budgets, L)
+            metrics["perf/val_s"] = time.perf_counter() - start
             if t.cfg.data.dirs:  # a mixture: val/loss is its sources' weighted mean
                 vl = mix(vl, [t.cfg.data.source_name(d) for d in t.cfg.data.dirs], t.cfg.data.weights)
             metrics.update(vl)
             t.result.val_losses[step] = vl["val/loss"]
             shown = {k: v for k, v in vl.items() if not k.endswith(("/mean_depth", "/loop_work"))}
-            log.info(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
+            log.info(
+                f"step {step}: "
+                + ", ".join(f"{k} {v:.4f}" for k, v in shown.items())
+                + f" ({metrics['perf/val_s']:.1f} s)"
+            )
 
 
 class DataMix(Callback):
