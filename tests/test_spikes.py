@@ -283,14 +283,14 @@ def test_a_run_killed_after_a_skip_resumes_bit_for_bit(tmp_path, data, monkeypat
 
     # the killed runs are children (bench.faults.CHILD); the others call its entry, run(), in this process
     inject(monkeypatch, [6, 10])
-    one = {"out": run_here([*common, f"checkpoint.dir={tmp_path / 'one'}"])}
+    one = run_here([*common, f"checkpoint.dir={tmp_path / 'one'}"])
     # killed right after the save of step 6, the step of a skip: the window, the counters and the skipped update
     # are in that checkpoint
     killed = child([*common, f"checkpoint.dir={tmp_path / 'two'}"], SPIKE_AT="6,10", KILL_AFTER_SAVE="6")
     assert killed["code"] == -9
     again = run_here([*common, f"checkpoint.dir={tmp_path / 'two'}"])  # the resume, in this process too
     assert again["start"] == 6
-    assert again["losses"] == one["out"]["losses"][6:]  # bit for bit
+    assert again["losses"] == one["losses"][6:]  # bit for bit
     m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert [m1[s]["train/skipped_updates"] for s in (5, 6, 9, 10, 12)] == [0.0, 1.0, 1.0, 2.0, 2.0]
     assert all(m1[s]["train/skipped_updates"] == m2[s]["train/skipped_updates"] for s in range(1, 13))
