@@ -55,7 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train_step import fixed_batch_trainer, keyed_step, strategies  # bench/ is the script's own directory
+from train_step import fixed_batch_trainer, keyed_step, strategies, strategy_list  # bench/: the script's directory
 
 # the fixed config whose op counts tests/test_op_counts.py guards (CPU, fp32)
 BASELINE = {"scale": "tiny", "variants": ["loopformer", "t-loopformer"], "batch": 4, "overrides": [], "shape_steps": 10}
@@ -88,19 +88,19 @@ class LoopLog:
     the profiled step holds no extra op and no host read); `flush` adds to the totals and returns the step's
     [active tokens, padded slots] per label (the last application of each)."""
 
-    def __init__(self, cfg=None):
+    def __init__(self, net=None):
         self.pending: list = []
         self.shapes: dict[str, set] = defaultdict(set)  # label -> the computed lengths S it met
         self.flops = [0.0, 0.0]  # padded, executed: slots and active tokens at the loop's matmul FLOPs per slot
-        self.cfg = cfg
+        self.net = net
 
     def slot_flops(self, S: int) -> float:
-        """Forward matmul FLOPs of one slot in a loop computing S slots per row: the J layers' weights and
-        attention over S keys (`LoopedLM.flops_per_token`'s convention with T = S)."""
-        c = self.cfg
-        if c is None:
+        """Forward matmul FLOPs of one slot in a loop computing S slots per row: one loop's share of
+        `LoopedLM.flops_per_token` with T = S (the J layers' weights and attention over S keys); 1 without a net."""
+        if self.net is None:
             return 1.0
-        return 2 * c.n_layers * (4 * c.d_model**2 + 2 * c.d_model * c.d_ff) + 4 * c.n_layers * c.d_model * S
+        per = lambda m: self.net.flops_per_token(loops_executed=m, seq_len=S, backward=False)
+        return per(1) - per(0)
 
     def flush(self) -> dict:
         tokens = {}
@@ -335,7 +335,7 @@ def profile_variant(
     sync()
     wall_plain = (time.perf_counter() - t0) / max(timed, 1)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    log = LoopLog(cfg.model)
+    log = LoopLog(model)
     with (
         step_ranges(trainer, log),
         profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof,
@@ -388,7 +388,7 @@ def shape_run(scale: str, variant: str, batch: int, overrides: list, steps: int,
     import torch
     from torch._dynamo.utils import counters
 
-    from pipeline.train.compile import apply_compile
+    from pipeline.train.compile import apply_compile, compile_count, graph_breaks
 
     overrides = [*overrides, f"model.vocab_size={SHAPE_VOCAB}"]
     cfg, model, trainer, _x, _y = fixed_batch_trainer(scale, variant, "cpu", batch, overrides)
@@ -398,7 +398,7 @@ def shape_run(scale: str, variant: str, batch: int, overrides: list, steps: int,
         apply_compile(model, backend=backend)
     g = torch.Generator().manual_seed(2)
     V, T = cfg.model.vocab_size, cfg.model.block_size
-    log = LoopLog(cfg.model)
+    log = LoopLog(model)
     t0 = time.perf_counter()
     with loop_ranges(model, log):
         for k in range(steps):
@@ -413,8 +413,8 @@ def shape_run(scale: str, variant: str, batch: int, overrides: list, steps: int,
         "shapes": shapes,
         "distinct_shapes_max": max((len(v) for v in shapes.values()), default=0),
         "distinct_shapes": len({s for v in shapes.values() for s in v}),
-        "graphs": int(counters["stats"]["unique_graphs"]) if backend is not None else None,
-        "graph_breaks": int(sum(counters["graph_break"].values())) if backend is not None else None,
+        "graphs": compile_count() if backend is not None else None,
+        "graph_breaks": graph_breaks() if backend is not None else None,
         "graph_break_reasons": dict(counters["graph_break"]),
         "padded_over_executed": log.padded_over_executed(),
         "seconds": time.perf_counter() - t0,
@@ -545,9 +545,7 @@ def main(argv=None) -> dict:
         write_json(a.baseline, out)
         return out
     torch.set_num_threads(a.threads)
-    strats = (
-        None if a.strategies == "config" else list(strategies()) if a.strategies == "all" else a.strategies.split(",")
-    )
+    strats = strategy_list(a.strategies)
     results = {}
     for label, (v, extra) in cases(a.scale, a.variants.split(","), strats).items():
         r = run_case(label, v, a.scale, a.device, a.batch, a.overrides + extra, a)

@@ -287,6 +287,14 @@ def strategies() -> tuple[str, ...]:
     return typing.get_args(typing.get_type_hints(ModelConfig)["execution"])
 
 
+def strategy_list(arg: str) -> list[str] | None:
+    """The `--strategies` option of this bench and step_profile: 'all' (every value of `strategies`), a
+    comma-separated list, or 'config' (None: the config's own)."""
+    if arg == "config":
+        return None
+    return list(strategies()) if arg == "all" else arg.split(",")
+
+
 def strategy_label(strategy: str, default: str) -> str:
     """The case of t-loopformer under `strategy`: `t-loopformer` under the config's own (`default`), else
     `t-loopformer STRATEGY`."""
@@ -380,13 +388,7 @@ def main(argv=None) -> dict:
     )
     variants = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
     default = load_config(f"{a.scale}/t-loopformer", overrides).model.execution
-    strats = (
-        [default]
-        if a.strategies == "config"
-        else list(strategies())
-        if a.strategies == "all"
-        else a.strategies.split(",")
-    )
+    strats = strategy_list(a.strategies) or [default]
     common = {
         "scale": a.scale,
         "device": a.device,

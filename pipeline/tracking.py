@@ -85,7 +85,7 @@ def experiment_id(cl, name: str) -> str:
             cl.set_experiment_tag(exp_id, *next(iter(KIND.items())))
     if exp is None or VIEW_TAG not in exp.tags:  # the view link works before the first metric is sent
         try:
-            save_view(cl, exp_id)
+            save_view(cl, exp_id, tags=KIND if exp is None else exp.tags)
         except Exception:  # noqa: BLE001 - a server refusing tags: the runs go on without the view
             pass
     return exp_id
@@ -215,14 +215,15 @@ def _unpack(value: str) -> dict:
     return json.loads(state)
 
 
-def save_view(cl, experiment_id: str, keys=()) -> None:
+def save_view(cl, experiment_id: str, keys=(), tags: dict | None = None) -> None:
     """Writes the experiment's saved view (VIEW_TAG) for metric `keys`, merged with the view it holds, when that
-    changes it (an unreadable or older view is rewritten)."""
-    exp = cl.get_experiment(experiment_id)
+    changes it (an unreadable or older view is rewritten). tags: the experiment's tags when the caller has them
+    (None: read from the server)."""
+    tags = cl.get_experiment(experiment_id).tags if tags is None else tags
     old, headline, sections = None, [], []
-    if VIEW_TAG in exp.tags:
+    if VIEW_TAG in tags:
         try:
-            old = _unpack(exp.tags[VIEW_TAG])
+            old = _unpack(tags[VIEW_TAG])
             headline = [c["metricKey"] for c in old["compareRunCharts"] if c.get("metricSectionId") == "tlf-headline"]
             sections = [s["name"] for s in old["compareRunSections"][1:]]
         except (ValueError, KeyError, TypeError, IndexError, AttributeError):

@@ -100,6 +100,11 @@ def bucket_length(n: int, T: int) -> int:
     return min(T, -(-n // step) * step)
 
 
+def _first_slots(n: np.ndarray, S: int, device) -> torch.Tensor:
+    """(B, S) bool: slot s of row b is among its first n[b] (n (B,) numpy, sent to the device without a sync)."""
+    return torch.arange(S, device=device)[None] < torch.from_numpy(n).to(device)[:, None]
+
+
 def _sorted_attends(pos: torch.Tensor, real: torch.Tensor, J: int) -> list:
     """The sorted strategy's attention of one loop for its J layers: slots s, s' of a row (pos (B, Tm) their
     positions, real (B, Tm) the slots active in the loop): query s attends key s' iff s' is active and
@@ -366,8 +371,7 @@ class LoopedLM(nn.Module):
                 h, width = h[:, :Tm], Tm
             if Tm == 0:
                 break
-            nd = torch.from_numpy(n).to(h.device)  # host -> device, no sync
-            real = torch.arange(Tm, device=h.device)[None] < nd[:, None]  # (B, Tm) slots active in loop i
+            real = _first_slots(n, Tm, h.device)  # (B, Tm) slots active in loop i
             attends = _sorted_attends(order[:, :Tm], real, len(self.layers))  # slots are not in position order
             p = None if cs is None else cs[:, :Tm, i - 1]
             active = None if int(n.min()) == Tm else real
@@ -388,8 +392,7 @@ class LoopedLM(nn.Module):
         Tm = bucket_length(int(n.max()), T) if bucketed else int(n.max())
         order = torch.sort((~(depth >= i)).to(torch.uint8), dim=1, stable=True).indices[:, :Tm]  # (B, Tm)
         gidx = order[..., None].expand(B, Tm, d)
-        nd = torch.from_numpy(n).to(h.device)  # host -> device, no sync
-        real = torch.arange(Tm, device=h.device)[None] < nd[:, None]  # (B, Tm) active tokens, not tail padding
+        real = _first_slots(n, Tm, h.device)  # (B, Tm) active tokens, not tail padding
         if self.cfg.exited_keys == "frozen":
             assert hooks is None, "the decoder runs frozen exited keys on its full-depth path"
             attends = self._frozen_attends(h, i, M, tables, depth, order, real)

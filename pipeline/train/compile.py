@@ -25,7 +25,7 @@ def apply_compile(model, backend: str | object = "inductor", mode: str | None = 
     bucketed, the whole block with static shapes. mode: torch.compile's mode (e.g. "reduce-overhead": CUDA
     graphs; inductor only; None: its default)."""
     kw = {} if mode is None else {"mode": mode}
-    if getattr(model.cfg, "execution", "compact") == "bucketed":
+    if model.cfg.execution == "bucketed":
         _compile_static_block(model.layers, backend, kw)
         return
     for layer in model.layers:
